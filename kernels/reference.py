@@ -1,0 +1,110 @@
+"""Numpy twins of the compute kernels: the reference math every device kernel must reproduce.
+
+All functions take and return float32 arrays. numpy 2 keeps float32 when mixed with Python
+scalars, but not with numpy float64 scalars or arrays, so constants are cast explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * weight
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [n, in] @ weight[out, in].T (+ bias): the matmul every projection uses."""
+    y = x @ weight.T
+    return y + bias if bias is not None else y
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n, head_dim/2] for the given positions; angles in float64 for long contexts."""
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, neox: bool) -> np.ndarray:
+    """Rotary embedding of x [n, heads, head_dim]. neox rotates (i, i + d/2) pairs; the
+    "normal" (llama) flavour rotates adjacent (2i, 2i + 1) pairs."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    if neox:
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x2 * c + x1 * s
+    return out
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def attention(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray, *, window: int, scale: float
+) -> np.ndarray:
+    """Causal grouped-query attention for one sequence.
+
+    q [n, heads, d] at positions q_pos; keys/values [L, kv_heads, d] hold positions 0..L-1.
+    A key at position j is visible to a query at p when j <= p and, with a sliding window,
+    p - j < window (llama.cpp's rule). Query head h reads kv head h // (heads / kv_heads).
+    Returns [n, heads, d].
+    """
+    n, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    lo = max(0, int(q_pos.min()) - window + 1) if window else 0  # older keys are outside every window
+    hi = int(q_pos.max()) + 1
+    key_pos = np.arange(lo, hi)
+    mask = None
+    if n > 1 or hi - lo != int(q_pos.max()) + 1 - lo:
+        visible = key_pos[None, :] <= q_pos[:, None]
+        if window:
+            visible &= (q_pos[:, None] - key_pos[None, :]) < window
+        mask = np.repeat(visible, group, axis=0)  # rows ordered (query, group)
+    out = np.empty((n, heads, d), dtype=np.float32)
+    for h in range(kv_heads):
+        heads_of_h = slice(h * group, (h + 1) * group)
+        qh = q[:, heads_of_h, :].reshape(n * group, d) * np.float32(scale)
+        k, v = keys[lo:hi, h, :], values[lo:hi, h, :]  # strided views go straight to BLAS
+        scores = _rows_times(qh, k.T, k)  # [n*group, L']
+        if mask is not None:
+            scores = np.where(mask, scores, np.float32(-np.inf))
+        out[:, heads_of_h, :] = _rows_times(softmax(scores), v).reshape(n, group, d)
+    return out
+
+
+def _rows_times(a: np.ndarray, b: np.ndarray, b_t: np.ndarray | None = None) -> np.ndarray:
+    """a @ b. OpenBLAS's gemm is slow for a handful of rows (decode steps), where one gemv per row
+    is several times faster; b_t (b transposed, contiguous rows) lets gemv read it row-major."""
+    if a.shape[0] > 16:
+        return a @ b
+    if b_t is not None:
+        return np.stack([b_t @ row for row in a])
+    return np.stack([row @ b for row in a])
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gated_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *, act: str) -> np.ndarray:
+    """down(act(gate(x)) * up(x)), with act "silu" (llama, qwen) or "gelu_tanh" (gemma)."""
+    g = linear(x, w_gate)
+    g = silu(g) if act == "silu" else gelu_tanh(g)
+    return linear(g * linear(x, w_up), w_down)

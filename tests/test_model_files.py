@@ -1,0 +1,116 @@
+"""Bad model files give one line naming the file and the problem, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ember.worker.model.config import read_config
+from ember.worker.model.gguf_file import GGUFFile, ModelFileError
+
+
+def _run_generate(model: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ember.worker", "generate", "--model", str(model), "--max-tokens", "1", "hello"],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]]) -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, (data, raw_type) in tensors.items():
+        if raw_type is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _prefix_copy(src: Path, dst: Path, n: int) -> Path:
+    with open(src, "rb") as f:
+        dst.write_bytes(f.read(n))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, default_model_path) -> dict[str, tuple[Path, str]]:
+    d = tmp_path_factory.mktemp("bad-models")
+    files = {}
+    files["missing"] = (d / "nope.gguf", "no such file")
+    (d / "a-directory.gguf").mkdir()
+    files["directory"] = (d / "a-directory.gguf", "is a directory")
+    (d / "empty.gguf").write_bytes(b"")
+    files["empty"] = (d / "empty.gguf", "too small")
+    (d / "magic.gguf").write_bytes(b"GGML" + bytes(200))
+    files["magic"] = (d / "magic.gguf", "not a GGUF file")
+    files["header"] = (_prefix_copy(default_model_path, d / "header.gguf", 4096), "truncated or corrupt header")
+    files["data"] = (_prefix_copy(default_model_path, d / "data.gguf", 50_000_000), "truncated: tensor")
+    garbage = bytearray(b"GGUF") + (3).to_bytes(4, "little") + np.random.default_rng(0).bytes(4096)
+    (d / "garbage.gguf").write_bytes(bytes(garbage))
+    files["garbage"] = (d / "garbage.gguf", "corrupt")
+    files["arch"] = (
+        _write_gguf(d / "arch.gguf", "mamba", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}),
+        "unsupported architecture 'mamba'",
+    )
+    # IQ2_XXS: 66 bytes per 256 elements; valid layout, a type the engine does not run
+    iq = np.zeros((4, 66), dtype=np.uint8)
+    files["quant"] = (
+        _write_gguf(d / "quant.gguf", "llama", {"token_embd.weight": (iq, gguf.GGMLQuantizationType.IQ2_XXS)}),
+        "unsupported quant type IQ2_XXS",
+    )
+    return files
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "magic", "header", "data", "garbage", "arch", "quant"])
+def test_bad_model_file_is_one_clear_line(bad_files, case):
+    path, problem = bad_files[case]
+    proc = _run_generate(path)
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(path) in lines[0] and problem in lines[0], lines[0]
+
+
+def test_reader_parses_embedded_model_lazily(default_model_path):
+    g = GGUFFile(default_model_path)
+    assert g.architecture == "gemma3"
+    assert len(g.tensors) == 236
+    emb = g.tensors["token_embd.weight"]
+    assert emb.shape == (640, 262144) and emb.ggml_type == gguf.GGMLQuantizationType.Q8_0
+    # tensor data are views into the mapping, not copies
+    raw = g.raw("token_embd.weight")
+    assert raw.nbytes == emb.nbytes and not raw.flags.owndata
+    cfg = read_config(g)
+    assert (cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (18, 640, 4, 1, 256)
+    assert cfg.sliding_window == 512 and cfg.rope_base_local == 10000.0 and cfg.tied_output
+    assert [cfg.is_local_layer(i) for i in range(6)] == [True] * 5 + [False]
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path, default_model_path):
+    g = GGUFFile(default_model_path)
+    a = g.fingerprint
+    assert a == GGUFFile(default_model_path).fingerprint
+    copy = tmp_path / "copy.gguf"
+    data = bytearray(default_model_path.read_bytes())
+    data[g.data_offset + (g.size - g.data_offset) * 3 // 16 + 10] ^= 0xFF  # inside a sampled window
+    copy.write_bytes(bytes(data))
+    assert GGUFFile(copy).fingerprint != a
+
+
+def test_reader_error_names_file(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"GGUF" + (7).to_bytes(4, "little") + bytes(64))
+    with pytest.raises(ModelFileError, match="unsupported GGUF version 7") as e:
+        GGUFFile(p)
+    assert str(p) in str(e.value)

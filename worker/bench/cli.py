@@ -1,0 +1,79 @@
+"""`ember bench`: measured figures, recorded with the machine they ran on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .machine import machine_facts, peak_rss_bytes
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks and synthetic models")
+    bsub = bench.add_subparsers(dest="bench_verb", required=True)
+
+    s = bsub.add_parser("speed", help="prefill and decode tokens/s of one sequence (like llama-bench pp/tg)")
+    s.add_argument("--model", metavar="PATH", help="GGUF model file (default: the embedded model)")
+    s.add_argument("--prompt-tokens", type=int, default=500, metavar="N", help="prefill length (default 500)")
+    s.add_argument("--gen-tokens", type=int, default=128, metavar="N", help="decode length (default 128)")
+    s.add_argument("--repeat", type=int, default=3, metavar="R", help="runs; the median is reported (default 3)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.set_defaults(func=cmd_speed)
+
+    try:
+        from .synth import add_make_model_parser
+    except ImportError:  # pragma: no cover - synth is part of the package
+        return
+    add_make_model_parser(bsub)
+
+
+def cmd_speed(args: argparse.Namespace) -> int:
+    import time
+
+    import numpy as np
+
+    from ..engine.runtime import Runtime
+
+    t0 = time.perf_counter()
+    runtime = Runtime.load(args.model, kv_tokens=args.prompt_tokens + args.gen_tokens + 32)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(args.seed)
+    tok = runtime.model.tokenizer
+    candidates = np.array([i for i in range(min(tok.vocab_size, 32000)) if not tok.is_special(i)])
+    prompt = [tok.bos_id] + rng.choice(candidates, size=args.prompt_tokens - 1).tolist()
+    pp, tg = [], []
+    for _ in range(max(1, args.repeat)):
+        seq = runtime.sequence()
+        t = time.perf_counter()
+        logits = seq.prefill(prompt)
+        pp.append(len(prompt) / (time.perf_counter() - t))
+        token = int(np.argmax(logits))
+        t = time.perf_counter()
+        for _ in range(args.gen_tokens):
+            (logits,) = seq.feed([token])
+            token = int(np.argmax(logits[-1]))
+        tg.append(args.gen_tokens / (time.perf_counter() - t))
+        seq.close()
+    result = {
+        "model": str(runtime.model.path.name),
+        "backend": runtime.backend.name,
+        f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1),
+        f"tg{args.gen_tokens}_tok_s": round(float(np.median(tg)), 1),
+        "load_s": round(load_s, 2),
+        "peak_rss_mb": round(peak_rss_bytes() / 2**20),
+        "runs": len(pp),
+        "machine": machine_facts(),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        m = result["machine"]
+        print(f"model    {result['model']} ({result['backend']} backend)")
+        print(f"machine  {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['blas']}")
+        print(f"pp{args.prompt_tokens:<6} {result[f'pp{args.prompt_tokens}_tok_s']:>9.1f} tok/s")
+        print(f"tg{args.gen_tokens:<6} {result[f'tg{args.gen_tokens}_tok_s']:>9.1f} tok/s")
+        print(f"load     {result['load_s']:>9.2f} s")
+        print(f"peak RSS {result['peak_rss_mb']:>9d} MB")
+    return 0

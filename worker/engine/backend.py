@@ -1,0 +1,46 @@
+"""The interface every compute backend implements (numpy reference now, CUDA later).
+
+A backend owns the weights and a pool of fixed-size KV blocks. It knows nothing of requests,
+prefix caching or scheduling: the caller hands it, per step, a list of sequence chunks, each with
+the new token ids, the position of the first one, and the block table that maps the sequence's
+positions to pool blocks (position p lives in block_table[p // block_size] at slot p % block_size).
+The backend writes the chunk's K/V into those slots, attends over everything before it, and returns
+logits for the positions each chunk asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..model.config import ModelConfig
+
+
+@dataclass
+class SeqChunk:
+    tokens: np.ndarray  # int32 [n] new token ids
+    start: int  # position of tokens[0]; positions [0, start) are already in the KV blocks
+    block_table: list[int]  # covers at least start + n positions
+    logits: str = "last"  # "last", "all" or "none"
+
+
+class Backend(Protocol):
+    name: str
+    config: ModelConfig
+    block_size: int
+    n_blocks: int
+
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+        """Run one step. Returns, per chunk, float32 logits [rows, vocab] (rows = 1 for "last",
+        n for "all") or None for "none"."""
+        ...
+
+    def read_block(self, block: int) -> np.ndarray:
+        """A copy of one block's K and V for every layer: float32 [2, layers, block_size, kv_heads, head_dim]."""
+        ...
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        """Fill one block from read_block's layout (restoring a cached prefix)."""
+        ...

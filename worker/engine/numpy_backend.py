@@ -1,0 +1,125 @@
+"""The reference backend: a batched forward pass in float32 numpy over a paged KV cache.
+
+Readable first, then fast where it is free: all chunks of a step are stacked into one matrix for
+the weight products (the part that costs), and attention runs per sequence over its own blocks.
+It follows llama.cpp's graph for each architecture (norm placement, rope flavour, gemma's scaled
+embeddings and sliding windows), since llama.cpp is the oracle the tests compare against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ember.kernels import reference as ops
+
+from ..model.config import ModelConfig
+from ..model.weights import ModelWeights
+from .backend import SeqChunk
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16):
+        self.config, self.weights = config, weights
+        self.block_size, self.n_blocks = block_size, n_blocks
+        shape = (config.n_layers, n_blocks, block_size, config.n_kv_heads, config.head_dim)
+        self.k_pool = np.zeros(shape, dtype=np.float32)
+        self.v_pool = np.zeros(shape, dtype=np.float32)
+        half = config.head_dim // 2
+        exponents = np.arange(half, dtype=np.float64) * 2.0 / config.head_dim
+        freq_factors = 1.0 if weights.rope_freqs is None else np.asarray(weights.rope_freqs, np.float64)
+        self._inv_freq_global = config.rope_scale / (config.rope_base**exponents) / freq_factors
+        self._inv_freq_local = 1.0 / (config.rope_base_local**exponents)
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+        return 2 * config.n_layers * block_size * config.kv_dim * 4
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+        cfg, w = self.config, self.weights
+        tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        spans, at = [], 0
+        for c in chunks:
+            spans.append((at, at + len(c.tokens)))
+            at += len(c.tokens)
+        slots = self._slots(chunks)
+
+        x = np.asarray(w.token_embd[tokens], dtype=np.float32)
+        if cfg.embed_scale != 1.0:
+            x = x * np.float32(cfg.embed_scale)
+        rope_global = ops.rope_tables(positions, self._inv_freq_global)
+        rope_local = ops.rope_tables(positions, self._inv_freq_local) if cfg.sliding_window else rope_global
+
+        for li, lw in enumerate(w.layers):
+            local = cfg.is_local_layer(li)
+            h = ops.rms_norm(x, lw["attn_norm"], cfg.norm_eps)
+            q = ops.linear(h, lw["wq"], lw.get("bq")).reshape(-1, cfg.n_heads, cfg.head_dim)
+            k = ops.linear(h, lw["wk"], lw.get("bk")).reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            v = ops.linear(h, lw["wv"], lw.get("bv")).reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = ops.rms_norm(q, lw["q_norm"], cfg.norm_eps)
+                k = ops.rms_norm(k, lw["k_norm"], cfg.norm_eps)
+            cos, sin = rope_local if local else rope_global
+            q = ops.rope(q, cos, sin, neox=cfg.rope_neox)
+            k = ops.rope(k, cos, sin, neox=cfg.rope_neox)
+            self.k_pool[li].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[slots] = k
+            self.v_pool[li].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[slots] = v
+
+            window = cfg.sliding_window if local else 0
+            attn = np.empty((len(tokens), cfg.q_dim), dtype=np.float32)
+            for c, (a, b) in zip(chunks, spans):
+                keys, values = self._gather(li, c.block_table, c.start + len(c.tokens))
+                attn[a:b] = ops.attention(
+                    q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale
+                ).reshape(b - a, cfg.q_dim)
+            o = ops.linear(attn, lw["wo"])
+            if cfg.post_norms:
+                o = ops.rms_norm(o, lw["post_attn_norm"], cfg.norm_eps)
+            x = x + o
+
+            h = ops.rms_norm(x, lw["ffn_norm"], cfg.norm_eps)
+            m = ops.gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"], act=cfg.act)
+            if cfg.post_norms:
+                m = ops.rms_norm(m, lw["post_ffn_norm"], cfg.norm_eps)
+            x = x + m
+
+        out: list[np.ndarray | None] = []
+        for c, (a, b) in zip(chunks, spans):
+            if c.logits == "none":
+                out.append(None)
+                continue
+            rows = x[b - 1 : b] if c.logits == "last" else x[a:b]
+            out.append(ops.linear(ops.rms_norm(rows, w.output_norm, cfg.norm_eps), w.output))
+        return out
+
+    def _slots(self, chunks: list[SeqChunk]) -> np.ndarray:
+        bs = self.block_size
+        parts = []
+        for c in chunks:
+            pos = np.arange(c.start, c.start + len(c.tokens))
+            table = np.asarray(c.block_table, dtype=np.int64)
+            if len(table) * bs < c.start + len(c.tokens):
+                raise ValueError(f"block table covers {len(table) * bs} positions, chunk needs {c.start + len(c.tokens)}")
+            parts.append(table[pos // bs] * bs + pos % bs)
+        return np.concatenate(parts)
+
+    def _gather(self, layer: int, block_table: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        n = -(-length // self.block_size)
+        idx = np.asarray(block_table[:n], dtype=np.int64)
+        cfg = self.config
+        keys = self.k_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
+        values = self.v_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
+        return keys, values
+
+    # -- KV block transfer ------------------------------------------------------------------------
+
+    def read_block(self, block: int) -> np.ndarray:
+        return np.stack([self.k_pool[:, block], self.v_pool[:, block]])
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        self.k_pool[:, block] = data[0]
+        self.v_pool[:, block] = data[1]

@@ -1,0 +1,229 @@
+"""A memory-mapped GGUF reader.
+
+`gguf.GGUFReader` builds numpy views for every metadata item and spends seconds on a 262k-token
+vocabulary; a worker that restarts after a crash cannot afford that. This reader parses the header
+with `struct` straight from an mmap, keeps tensor data as zero-copy views into the mapping, and turns
+every malformed input into one `ModelFileError` line that names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf spec).
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY = range(10)
+_UINT64, _INT64, _FLOAT64 = 10, 11, 12
+_SCALAR_FORMATS = {
+    _UINT8: "<B", _INT8: "<b", _UINT16: "<H", _INT16: "<h", _UINT32: "<I", _INT32: "<i",
+    _FLOAT32: "<f", _BOOL: "<?", _UINT64: "<Q", _INT64: "<q", _FLOAT64: "<d",
+}
+_NUMPY_DTYPES = {
+    _UINT8: np.uint8, _INT8: np.int8, _UINT16: np.uint16, _INT16: np.int16, _UINT32: np.uint32,
+    _INT32: np.int32, _FLOAT32: np.float32, _BOOL: np.bool_, _UINT64: np.uint64,
+    _INT64: np.int64, _FLOAT64: np.float64,
+}
+
+
+class ModelFileError(Exception):
+    """A model file that cannot be used; str() is one line naming the file and the problem."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous (row) dimension
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute offset of the data in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def rows(self) -> int:
+        return self.n_elements // self.shape[0]
+
+
+class _Cursor:
+    """Bounds-checked sequential reads from a buffer."""
+
+    def __init__(self, path: str, buf: memoryview):
+        self.path, self.buf, self.pos = path, buf, 0
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ModelFileError(self.path, f"truncated or corrupt header (while reading {what})")
+
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt = _SCALAR_FORMATS[vtype]
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self, what: str) -> int:
+        return self.scalar(_UINT32, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(_UINT64, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            etype = self.u32(what)
+            count = self.u64(what)
+            if etype == _STRING:
+                return [self.string(what) for _ in range(count)]
+            if etype in _NUMPY_DTYPES:
+                dtype = np.dtype(_NUMPY_DTYPES[etype]).newbyteorder("<")
+                self.need(count * dtype.itemsize, what)
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+                self.pos += count * dtype.itemsize
+                return arr
+            if etype == _ARRAY:
+                return [self.value(_ARRAY, what) for _ in range(count)]
+            raise ModelFileError(self.path, f"corrupt metadata: unknown array element type {etype} in {what}")
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(vtype, what)
+        raise ModelFileError(self.path, f"corrupt metadata: unknown value type {vtype} in {what}")
+
+
+class GGUFFile:
+    """One GGUF file: metadata, tensor table and memory-mapped tensor data."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self.size = os.fstat(f.fileno()).st_size
+                if self.size < 24:
+                    raise ModelFileError(self.path, f"too small to be a GGUF file ({self.size} bytes)")
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise ModelFileError(self.path, "no such file") from None
+        except IsADirectoryError:
+            raise ModelFileError(self.path, "is a directory, not a GGUF file") from None
+        except PermissionError:
+            raise ModelFileError(self.path, "permission denied") from None
+        self._buf = memoryview(self._mmap)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+        self._fingerprint: str | None = None
+
+    def _parse(self) -> None:
+        path = str(self.path)
+        if bytes(self._buf[:4]) != GGUF_MAGIC:
+            raise ModelFileError(path, f"not a GGUF file (magic {bytes(self._buf[:4])!r}, expected b'GGUF')")
+        cur = _Cursor(path, self._buf)
+        cur.pos = 4
+        self.version = cur.u32("version")
+        if self.version not in (2, 3):
+            raise ModelFileError(path, f"unsupported GGUF version {self.version} (supported: 2, 3)")
+        n_tensors = cur.u64("tensor count")
+        n_kv = cur.u64("metadata count")
+        if n_tensors > 1_000_000 or n_kv > 1_000_000:
+            raise ModelFileError(path, "corrupt header (implausible tensor or metadata count)")
+        for i in range(n_kv):
+            key = cur.string(f"metadata key #{i}")
+            vtype = cur.u32(f"type of {key}")
+            self.metadata[key] = cur.value(vtype, key)
+        infos = []
+        for i in range(n_tensors):
+            name = cur.string(f"tensor name #{i}")
+            n_dims = cur.u32(f"dims of {name}")
+            if n_dims > 4:
+                raise ModelFileError(path, f"corrupt tensor info for {name} ({n_dims} dimensions)")
+            shape = tuple(cur.u64(f"shape of {name}") for _ in range(n_dims))
+            raw_type = cur.u32(f"type of {name}")
+            offset = cur.u64(f"offset of {name}")
+            try:
+                ggml_type = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise ModelFileError(path, f"tensor {name} has unknown ggml type {raw_type}") from None
+            infos.append((name, shape, ggml_type, offset))
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(path, f"corrupt header (alignment {alignment})")
+        self.data_offset = (cur.pos + alignment - 1) // alignment * alignment
+        self.header_size = cur.pos
+        for name, shape, ggml_type, offset in infos:
+            block, type_size = GGML_QUANT_SIZES[ggml_type]
+            n_el = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if shape and shape[0] % block:
+                raise ModelFileError(path, f"tensor {name}: row of {shape[0]} is not a multiple of the {ggml_type.name} block")
+            nbytes = n_el // block * type_size
+            start = self.data_offset + offset
+            if start + nbytes > self.size:
+                raise ModelFileError(
+                    path, f"truncated: tensor {name} needs bytes up to {start + nbytes}, file has {self.size}"
+                )
+            self.tensors[name] = TensorInfo(name, shape, ggml_type, start, nbytes)
+
+    # -- access -------------------------------------------------------------------------------
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFileError(self.path, "metadata has no general.architecture")
+        return arch
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a zero-copy uint8 view into the mapping."""
+        info = self.tensors[name]
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    @property
+    def fingerprint(self) -> str:
+        """Cheap identity: header bytes, file size and 16 samples of tensor data (no full read)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(self.size.to_bytes(8, "little"))
+            h.update(self._buf[: self.header_size])
+            span = max(self.size - self.data_offset, 1)
+            for i in range(16):
+                off = self.data_offset + span * i // 16
+                h.update(self._buf[off : off + 65536])
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    def close(self) -> None:
+        self._buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:  # numpy views still alive; the mapping goes with them
+            pass

@@ -1,0 +1,37 @@
+"""Open a GGUF model: parse, validate, read the config, build the tokenizer and chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer
+from .config import ModelConfig, read_config
+from .embedded import default_model_path
+from .gguf_file import GGUFFile
+
+
+@dataclass
+class Model:
+    path: Path
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+    template: ChatTemplate
+
+    @property
+    def fingerprint(self) -> str:
+        return self.gguf.fingerprint
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """The given path, or the embedded default model (assembled on first use)."""
+    return Path(path).expanduser() if path else default_model_path()
+
+
+def open_model(path: str | Path | None) -> Model:
+    g = GGUFFile(resolve_model_path(path))
+    config = read_config(g)
+    tokenizer = Tokenizer.from_gguf(g)
+    return Model(g.path, g, config, tokenizer, ChatTemplate.from_gguf(g, tokenizer))

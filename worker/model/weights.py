@@ -1,0 +1,152 @@
+"""Float32 weights for the numpy backend, dequantized once and cached on disk.
+
+Dequantizing a whole model takes seconds; a worker that restarts after a crash must be serving
+again at once. The first load writes each tensor as a .npy file in the model's cache folder (keyed
+by the model fingerprint); later loads memory-map those files, so start-up costs nothing and the
+page cache shares the weights between restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ember.kernels.quants import UnsupportedQuantError, dequantize
+
+from ..paths import model_cache_dir
+from .config import ModelConfig
+from .gguf_file import GGUFFile, ModelFileError
+
+CACHE_VERSION = 1
+
+_LAYER_TENSORS = {
+    # our name: (gguf name, required)
+    "attn_norm": ("attn_norm.weight", True),
+    "wq": ("attn_q.weight", True),
+    "wk": ("attn_k.weight", True),
+    "wv": ("attn_v.weight", True),
+    "wo": ("attn_output.weight", True),
+    "bq": ("attn_q.bias", False),
+    "bk": ("attn_k.bias", False),
+    "bv": ("attn_v.bias", False),
+    "q_norm": ("attn_q_norm.weight", False),
+    "k_norm": ("attn_k_norm.weight", False),
+    "post_attn_norm": ("post_attention_norm.weight", False),
+    "ffn_norm": ("ffn_norm.weight", True),
+    "w_gate": ("ffn_gate.weight", True),
+    "w_up": ("ffn_up.weight", True),
+    "w_down": ("ffn_down.weight", True),
+    "post_ffn_norm": ("post_ffw_norm.weight", False),
+}
+
+
+@dataclass
+class ModelWeights:
+    token_embd: np.ndarray  # [vocab, hidden]
+    output: np.ndarray  # [vocab, hidden]; the same array as token_embd when tied
+    output_norm: np.ndarray
+    layers: list[dict[str, np.ndarray]]  # per layer, keyed by the names in _LAYER_TENSORS
+    rope_freqs: np.ndarray | None = None  # llama 3.1 style per-dimension frequency factors
+    nbytes: int = field(default=0)
+
+
+def _expected_shape(g: GGUFFile, name: str) -> tuple[int, ...]:
+    return tuple(reversed(g.tensors[name].shape))
+
+
+def load_weights(
+    g: GGUFFile, config: ModelConfig, *, progress: Callable[[int, int], None] | None = None
+) -> ModelWeights:
+    """Dequantize (first time) or memory-map (cached) every tensor the forward pass needs."""
+    cache = model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}"
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config.tied_output:
+        names.append("output.weight")
+    if "rope_freqs.weight" in g.tensors:
+        names.append("rope_freqs.weight")
+    for i in range(config.n_layers):
+        for gname, required in _LAYER_TENSORS.values():
+            full = f"blk.{i}.{gname}"
+            if full in g.tensors:
+                names.append(full)
+            elif required:
+                raise ModelFileError(g.path, f"missing tensor {full}")
+    total = sum(g.tensors[n].nbytes for n in names)
+    done = 0
+    arrays: dict[str, np.ndarray] = {}
+    for name in names:
+        arrays[name] = _load_one(g, name, cache)
+        done += g.tensors[name].nbytes
+        if progress:
+            progress(done, total)
+    layers = []
+    for i in range(config.n_layers):
+        t = {}
+        for ours, (gname, _) in _LAYER_TENSORS.items():
+            arr = arrays.get(f"blk.{i}.{gname}")
+            if arr is not None:
+                t[ours] = arr
+        layers.append(t)
+    embd = arrays["token_embd.weight"]
+    return ModelWeights(
+        token_embd=embd,
+        output=arrays.get("output.weight", embd),
+        output_norm=arrays["output_norm.weight"],
+        layers=layers,
+        rope_freqs=arrays.get("rope_freqs.weight"),
+        nbytes=sum(a.nbytes for a in arrays.values()),
+    )
+
+
+def _load_one(g: GGUFFile, name: str, cache: Path) -> np.ndarray:
+    info = g.tensors[name]
+    shape = _expected_shape(g, name)
+    path = cache / f"{name}.npy"
+    if path.exists():
+        try:
+            arr = np.load(path, mmap_mode="r")
+            if arr.shape == shape and arr.dtype == np.float32:
+                return arr
+        except (ValueError, OSError):
+            pass  # a damaged cache entry is rebuilt below
+    try:
+        arr = dequantize(g.raw(name), info.ggml_type, shape)
+    except UnsupportedQuantError as e:
+        raise ModelFileError(g.path, f"tensor {name}: {e}") from None
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path)
+        return np.load(path, mmap_mode="r")
+    except OSError as e:  # a read-only or full cache only costs speed at the next start
+        print(f"ember: warning: cannot cache dequantized weights in {cache}: {e}", file=sys.stderr)
+        return arr
+
+
+class LoadTimer:
+    """Prints a one-line progress bar for slow first loads (only when it takes a while)."""
+
+    def __init__(self, label: str, stream=sys.stderr, after_s: float = 1.0):
+        self.label, self.stream, self.after_s = label, stream, after_s
+        self.t0 = time.monotonic()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self.t0 < self.after_s and done < total:
+            return
+        if not self.shown and done >= total:
+            return  # finished before the bar was worth showing
+        self.shown = True
+        pct = 100.0 * done / max(total, 1)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r{self.label}: {pct:5.1f}% of {total / 1e6:.0f} MB{end}")
+        self.stream.flush()
