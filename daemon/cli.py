@@ -10,6 +10,7 @@ import os
 import sys
 
 WORKER_VERBS = {
+    "worker": "run the inference worker in the foreground (HTTP APIs on 127.0.0.1:8080)",
     "generate": "generate text from a prompt on this machine",
     "bench": "benchmarks and synthetic models (bench speed, bench make-model)",
 }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 EX_USAGE = 2
 EX_CONFIG = 78  # the worker contract's "configuration error: do not restart"
@@ -32,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling")
     g.set_defaults(func=cmd_generate)
 
+    w = sub.add_parser("worker", help="serve the OpenAI and Anthropic HTTP APIs (the process the daemon supervises)")
+    from . import config as worker_config
+
+    worker_config.add_arguments(w)
+    w.set_defaults(func=cmd_worker)
+
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -41,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.runtime import GenerationStats, Runtime, generate
     from .engine.sampling import SamplingParams
+    from .text.prompt import encode_chat
     from .text.tokenizer import IncrementalDecoder
 
     params = SamplingParams(
@@ -61,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        ids = model.tokenizer.encode(model.template.render(messages), add_special=True, parse_special=True)
+        ids = encode_chat(model.tokenizer, model.template.render(messages))
     else:
         ids = model.tokenizer.encode(prompt, add_special=True)
     limit = model.config.context_length
@@ -84,6 +90,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from . import config as worker_config
+    from .logs import log
+
+    try:
+        cfg, sources = worker_config.load(args)
+    except worker_config.ConfigError as e:
+        log("config_error", level="error", error=str(e))
+        return EX_CONFIG
+    from .server import serve
+
+    return serve(cfg, sources)
 
 
 def main(argv: list[str] | None = None) -> int:

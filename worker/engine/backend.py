@@ -44,3 +44,12 @@ class Backend(Protocol):
     def write_block(self, block: int, data: np.ndarray) -> None:
         """Fill one block from read_block's layout (restoring a cached prefix)."""
         ...
+
+
+class ContextPoisoned(RuntimeError):
+    """The compute context is unusable (on CUDA: a sticky error such as 700 illegal address).
+    Nothing more can run in this process; the worker reports it and exits with code 75."""
+
+    def __init__(self, code: int, name: str, message: str):
+        self.code, self.name, self.message = code, name, message
+        super().__init__(f"{name} ({code}): {message}")

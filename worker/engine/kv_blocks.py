@@ -1,37 +1,126 @@
-"""Allocation of KV pool blocks to sequences (a free list with reference counts)."""
+"""KV block pool: allocation, reference counts, and the prefix cache over full blocks.
+
+A full block is named by a hash chain over (model fingerprint, parent block hash, its token ids),
+so two sequences that share a prefix share its blocks, whichever conversation computed them.
+A block is in exactly one of three states:
+  - in use: referenced by one or more sequences (refs > 0);
+  - cached: unreferenced but holding a registered full block, kept for reuse in LRU order;
+  - free: holds nothing worth keeping.
+Allocation takes free blocks first, then evicts the least recently used cached ones.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
 
 
 class OutOfBlocks(Exception):
     pass
 
 
-class BlockAllocator:
-    def __init__(self, n_blocks: int):
-        self.n_blocks = n_blocks
-        self._free = list(range(n_blocks - 1, -1, -1))
+def chain_hash(parent: bytes, tokens: Sequence[int], salt: bytes) -> bytes:
+    """Hash of a full block given its parent's hash; salt binds it to one model and KV layout."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(salt)
+    h.update(parent)
+    h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    return h.digest()
+
+
+ROOT_HASH = b"\0" * 16
+
+
+class BlockPool:
+    def __init__(self, n_blocks: int, block_size: int, salt: bytes = b""):
+        self.n_blocks, self.block_size, self.salt = n_blocks, block_size, salt
         self.refs = [0] * n_blocks
+        self.block_hash: list[bytes | None] = [None] * n_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self._free = list(range(n_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
+        self.hits = 0  # blocks reused from the cache
+        self.evictions = 0
+
+    # -- counts ------------------------------------------------------------------------------------
 
     @property
-    def free_count(self) -> int:
-        return len(self._free)
+    def available(self) -> int:
+        """Blocks an allocation can get now (free plus evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def in_use(self) -> int:
+        return self.n_blocks - self.available
+
+    @property
+    def cached_count(self) -> int:
+        return len(self._cached)
+
+    # -- allocation ----------------------------------------------------------------------------------
 
     def allocate(self, n: int = 1) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
+        if n > self.available:
+            raise OutOfBlocks(f"need {n} KV blocks, {self.available} available")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self.by_hash[self.block_hash[b]]
+                self.block_hash[b] = None
+                self.evictions += 1
             self.refs[b] = 1
+            out.append(b)
         return out
 
-    def retain(self, block: int) -> None:
-        self.refs[block] += 1
-
-    def release(self, blocks: list[int]) -> None:
+    def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self._free.append(b)
-            elif self.refs[b] < 0:
+            if self.refs[b] < 0:
                 raise RuntimeError(f"KV block {b} released twice")
+            if self.refs[b] == 0:
+                if self.block_hash[b] is not None:
+                    self._cached[b] = None  # most recently used at the end
+                else:
+                    self._free.append(b)
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+
+    def register(self, block: int, h: bytes) -> int:
+        """Name a just-completed block. If an identical block is already cached, the caller should
+        use the returned block instead (and release its own); otherwise returns `block`."""
+        existing = self.by_hash.get(h)
+        if existing is not None and existing != block:
+            return existing
+        self.block_hash[block] = h
+        self.by_hash[h] = block
+        return block
+
+    def match(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
+        """The longest chain of cached full blocks that prefixes `tokens` (at most max_blocks).
+        Returns the blocks (each retained for the caller) and the chain hashes of all full blocks
+        of `tokens`, so the caller can register the rest as it computes them."""
+        bs = self.block_size
+        hashes, parent = [], ROOT_HASH
+        for i in range(len(tokens) // bs):
+            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs], self.salt)
+            hashes.append(parent)
+        blocks = []
+        for h in hashes[:max_blocks]:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            self._retain(b)
+            blocks.append(b)
+        self.hits += len(blocks)
+        return blocks, hashes
+
+    def _retain(self, b: int) -> None:
+        if self.refs[b] == 0:
+            self._cached.pop(b, None)
+        self.refs[b] += 1

@@ -17,7 +17,7 @@ import numpy as np
 from ..model.loader import Model, open_model
 from ..model.weights import LoadTimer, load_weights
 from .backend import Backend, SeqChunk
-from .kv_blocks import BlockAllocator
+from .kv_blocks import BlockPool
 from .numpy_backend import NumpyBackend
 from .sampling import Sampler, SamplingParams
 
@@ -29,7 +29,7 @@ class Runtime:
     def __init__(self, model: Model, backend: Backend):
         self.model, self.backend = model, backend
         self.config = model.config
-        self.allocator = BlockAllocator(backend.n_blocks)
+        self.allocator = BlockPool(backend.n_blocks, backend.block_size)
 
     @classmethod
     def load(

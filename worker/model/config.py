@@ -31,7 +31,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_neox: bool  # rotate halves (neox) rather than adjacent pairs (llama's "normal")
     attn_scale: float
     sliding_window: int  # 0 = none
-    swa_pattern: int  # every swa_pattern-th layer is global; 0 = all global
+    local_layers: tuple[bool, ...]  # per layer: uses the sliding window (and the local rope base)
     qk_norm: bool
     post_norms: bool  # gemma: norms after attention and after the MLP
     qkv_bias: bool
@@ -40,10 +40,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     tied_output: bool
 
     def is_local_layer(self, layer: int) -> bool:
-        """True for sliding-window layers (llama.cpp: il % pattern < pattern - 1)."""
-        if not self.sliding_window or not self.swa_pattern:
-            return False
-        return layer % self.swa_pattern < self.swa_pattern - 1
+        return bool(self.sliding_window) and self.local_layers[layer]
 
     @property
     def q_dim(self) -> int:
@@ -97,10 +94,12 @@ def read_config(g: GGUFFile) -> ModelConfig:
         raise ModelFileError(g.path, f"unsupported rope scaling {scaling_type!r}")
     gemma = arch == "gemma3"
     sliding = int(g.get(f"{arch}.attention.sliding_window", 0)) if gemma else 0
+    n_layers = int(_req(g, f"{arch}.block_count"))
+    local_layers = _local_layers(g, arch, n_layers) if sliding else (False,) * n_layers
     return ModelConfig(
         arch=arch,
         name=str(g.get("general.name", g.path.stem)),
-        n_layers=int(_req(g, f"{arch}.block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=int(_req(g, f"{arch}.feed_forward_length")),
         n_heads=n_heads,
@@ -116,7 +115,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
         rope_neox=arch != "llama",
         attn_scale=1.0 / math.sqrt(head_dim),
         sliding_window=sliding,
-        swa_pattern=6 if sliding else 0,  # fixed for gemma3 in llama.cpp (five local, one global)
+        local_layers=local_layers,
         qk_norm=arch in ("gemma3", "qwen3"),
         post_norms=gemma,
         qkv_bias="blk.0.attn_q.bias" in g.tensors,
@@ -124,3 +123,16 @@ def read_config(g: GGUFFile) -> ModelConfig:
         act="gelu_tanh" if gemma else "silu",
         tied_output="output.weight" not in g.tensors,
     )
+
+
+def _local_layers(g: GGUFFile, arch: str, n_layers: int) -> tuple[bool, ...]:
+    """Which layers use the sliding window: `attention.sliding_window_pattern` as a period
+    (layer il is local when il % period < period - 1, llama.cpp's rule, default 6) or as a
+    per-layer array of booleans."""
+    pattern = g.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, int):
+        return tuple(pattern > 0 and il % pattern < pattern - 1 for il in range(n_layers))
+    flags = [bool(x) for x in pattern]
+    if len(flags) != n_layers:
+        raise ModelFileError(g.path, f"sliding_window_pattern has {len(flags)} entries for {n_layers} layers")
+    return tuple(flags)

@@ -96,6 +96,26 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
+    def string_array(self, count: int, what: str) -> list[str]:
+        """A tight loop for the one hot spot: vocabularies of 100k+ strings."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                self.need(n, what)
+            append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype == _STRING:
             return self.string(what)
@@ -103,7 +123,7 @@ class _Cursor:
             etype = self.u32(what)
             count = self.u64(what)
             if etype == _STRING:
-                return [self.string(what) for _ in range(count)]
+                return self.string_array(count, what)
             if etype in _NUMPY_DTYPES:
                 dtype = np.dtype(_NUMPY_DTYPES[etype]).newbyteorder("<")
                 self.need(count * dtype.itemsize, what)

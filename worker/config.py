@@ -1,0 +1,152 @@
+"""The worker's one typed configuration.
+
+Every setting has a CLI flag (`--max-seqs`), an environment variable (`EMBER_MAX_SEQS`) and a
+config-file key (`max_seqs`), with the same name. Precedence: flag, then environment, then file,
+then the default. `sources()` says where each effective value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A bad setting; str() is one line naming it. The worker exits with code 78."""
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    model: str | None = None  # GGUF path; none = the embedded Gemma 3 270M
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_seqs: int = 8
+    max_queue: int = 64
+    ctx: int = 0  # 0 = the model's context length, capped by the KV budget
+    kv_mem: str = "1GiB"
+    prefill_chunk: int = 256
+    drain_seconds: float = 30.0
+    backend: str = "numpy"
+    fault: str | None = None
+    log_prompts: bool = False
+
+
+HELP = {
+    "model": "GGUF model file (default: the embedded Gemma 3 270M)",
+    "host": "address to bind (default 127.0.0.1; use 0.0.0.0 to serve the LAN)",
+    "port": "TCP port (default 8080)",
+    "api_key": "require this key (Authorization: Bearer, or x-api-key)",
+    "max_seqs": "sequences decoded together (default 8)",
+    "max_queue": "requests that may wait for a slot before 429 (default 64)",
+    "ctx": "context limit in tokens (default: the model's, within the KV budget)",
+    "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
+    "prefill_chunk": "prompt tokens per engine step and sequence (default 256)",
+    "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
+    "backend": "compute backend: numpy (default)",
+    "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
+    "log_prompts": "include prompt text in logs (default: never)",
+}
+
+_SECRET = {"api_key"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str | int, name: str = "size") -> int:
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"{name}: {text!r} is not a size (examples: 512MiB, 4GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _fields() -> list[tuple[str, Any, Any]]:
+    info = msgspec.inspect.type_info(WorkerConfig)
+    return [(f.name, f.type, f.default) for f in info.fields]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (or EMBER_CONFIG)")
+    for name, _, default in _fields():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=HELP[name])
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=HELP[name])
+
+
+def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> tuple[WorkerConfig, dict[str, str]]:
+    """The effective config and, per setting, where it came from (default, file, env, flag)."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    source: dict[str, str] = {name: "default" for name, _, _ in _fields()}
+    path = (getattr(args, "config", None) if args else None) or env.get("EMBER_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).expanduser().read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        section = data.get("worker", data)  # keys at top level or under [worker]
+        known = {n for n, _, _ in _fields()}
+        for key, value in section.items():
+            if key in known:
+                raw[key], source[key] = value, f"file {path}"
+    for name, _, _ in _fields():
+        var = "EMBER_" + name.upper()
+        if var in env and env[var] != "":
+            raw[name], source[name] = env[var], f"env {var}"
+        value = getattr(args, name, None) if args else None
+        if value is not None:
+            raw[name], source[name] = value, "flag --" + name.replace("_", "-")
+    try:
+        cfg = msgspec.convert(raw, WorkerConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"bad setting: {e}") from None
+    validate(cfg)
+    return cfg, source
+
+
+def validate(cfg: WorkerConfig) -> None:
+    if not 0 < cfg.port < 65536:
+        raise ConfigError(f"port: {cfg.port} is not a TCP port")
+    for name in ("max_seqs", "max_queue", "prefill_chunk"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: must be at least 1")
+    if cfg.ctx < 0:
+        raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
+    if parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
+        raise ConfigError("kv_mem: at least 1MiB")
+    if cfg.drain_seconds < 0:
+        raise ConfigError("drain_seconds: must not be negative")
+    if cfg.backend not in ("numpy",):
+        raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy)")
+    if cfg.fault and not is_loopback(cfg.host):
+        raise ConfigError(f"fault: fault injection is refused on a non-loopback host ({cfg.host})")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def redacted(cfg: WorkerConfig) -> dict[str, Any]:
+    out = msgspec.to_builtins(cfg)
+    for key in _SECRET:
+        if out.get(key):
+            out[key] = "***"
+    return out

@@ -1,0 +1,96 @@
+"""Fault injection, so the daemon's tests drive the real failure paths (off unless --fault).
+
+SPEC is a comma-separated list of faults, each `kind[:key=value[:key=value]]`:
+  poison[:step=N][:phase=prefill|decode]   the compute context becomes poisoned (CUDA error 700)
+  raise[:request=N]                         the N-th request (1-based, default 1) fails alone
+  hang[:step=N]                             the engine loop stops making progress
+  slow[:ms=M]                               every step takes M ms longer (default 200)
+  cuda-illegal-address                      (CUDA backend) a kernel really writes out of bounds
+Without `step`, poison and hang fire at the first step of the given phase (or any step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from .backend import ContextPoisoned
+
+KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+class InjectedRequestError(RuntimeError):
+    pass
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int | None = None
+    phase: str | None = None
+    request: int = 1
+    ms: int = 200
+    fired: bool = False
+
+
+def parse_faults(spec: str | None) -> list[Fault]:
+    faults: list[Fault] = []
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        kind, *opts = part.split(":")
+        if kind not in KINDS:
+            raise FaultSpecError(f"unknown fault {kind!r} (known: {', '.join(KINDS)})")
+        f = Fault(kind)
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            try:
+                if key == "step":
+                    f.step = int(value)
+                elif key == "phase" and value in ("prefill", "decode"):
+                    f.phase = value
+                elif key == "request":
+                    f.request = int(value)
+                elif key == "ms":
+                    f.ms = int(value)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise FaultSpecError(f"bad option {opt!r} for fault {kind!r}") from None
+        faults.append(f)
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, faults: list[Fault]):
+        self.faults = faults
+        self.stop_hang = threading.Event()  # lets tests and shutdown end an injected hang
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def before_step(self, step: int, phases: set[str]) -> None:
+        for f in self.faults:
+            if f.kind == "slow":
+                time.sleep(f.ms / 1000)
+                continue
+            if f.fired or f.kind not in ("poison", "hang"):
+                continue
+            if f.step is not None and step < f.step:
+                continue
+            if f.phase is not None and f.phase not in phases:
+                continue
+            f.fired = True
+            if f.kind == "poison":
+                raise ContextPoisoned(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered (injected)")
+            while not self.stop_hang.wait(3600):  # hang: the loop stops, the process lives on
+                pass
+
+    def check_request(self, request_number: int) -> None:
+        for f in self.faults:
+            if f.kind == "raise" and not f.fired and request_number == f.request:
+                f.fired = True
+                raise InjectedRequestError(f"injected failure in request #{request_number}")

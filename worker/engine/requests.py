@@ -1,0 +1,132 @@
+"""What the HTTP layer hands the engine, and what comes back.
+
+A request is submitted once and settles exactly once, as one of the outcomes below. Events flow
+from the engine thread to the request's asyncio queue on the HTTP event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class Outcome(str, enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    REFUSED = "refused"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob and the top k
+    prompt_logprobs: bool = False  # logprobs of the prompt tokens too (completions `echo`)
+    ignore_eos: bool = False
+    protocol: str = ""  # for logs and metrics only
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), best first
+
+
+@dataclass
+class Delta:
+    """New output: text that is safe to show (never part of a stop string) and the token ids
+    that produced it. `logprobs` has one entry per token when asked for."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    entries: list[TokenLogprob | None]  # the first prompt token has none
+
+
+@dataclass
+class Started:
+    """Sent once when the request is admitted: how much of the prompt came from the cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Keepalive:
+    """Sent during long prefills so streams can show life (SSE comment, Anthropic ping)."""
+
+    prefilled: int
+    total: int
+
+
+@dataclass
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    stop_string: str | None = None
+
+
+@dataclass
+class Failed:
+    """The request failed; `status` is the HTTP status to use if nothing was sent yet."""
+
+    message: str
+    status: int = 500
+    kind: str = "server_error"
+
+
+Event = Started | Keepalive | Delta | PromptLogprobs | Finished | Failed
+
+
+class RequestHandle:
+    """The HTTP side of one request: an async stream of events and a way to cancel."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """The client went away: stop work at the next engine step."""
+        self.cancelled.set()
+
+    def push(self, events: list[Event]) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self._put_all, events)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+    def _put_all(self, events: list[Event]) -> None:
+        for e in events:
+            self.queue.put_nowait(e)
+
+    async def events(self):
+        """Yield events until the request finishes or fails."""
+        while True:
+            e = await self.queue.get()
+            yield e
+            if isinstance(e, (Finished, Failed)):
+                return

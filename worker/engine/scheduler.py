@@ -1,0 +1,456 @@
+"""The engine loop: continuous batching with chunked prefill and a prefix cache.
+
+One thread owns the backend. Each step it takes new requests and cancellations, admits waiting
+requests while there are sequence slots and KV blocks (reusing every cached full block of their
+prompt), packs one decode token per running sequence plus prefill chunks up to a token budget,
+runs the backend once, samples, and pushes events to the requests' HTTP handles.
+
+Every request settles exactly once (completed, failed, canceled or refused) with one log line.
+A failure inside one request fails that request alone; a poisoned compute context stops the
+engine and hands control to `on_poisoned` (the server exits with code 75).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..logs import log
+from ..metrics import Metrics
+from ..model.loader import Model
+from ..text.tokenizer import IncrementalDecoder
+from .backend import Backend, ContextPoisoned, SeqChunk
+from .faults import FaultInjector
+from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
+from .requests import (
+    Delta, Failed, Finished, FinishReason, GenerationRequest, Keepalive, Outcome, PromptLogprobs,
+    RequestHandle, Started, TokenLogprob,
+)
+from .sampling import Sampler, log_softmax
+from .textstream import StopMatcher
+
+KEEPALIVE_SECONDS = 5.0
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; answer 429 with Retry-After."""
+
+
+class NotAccepting(Exception):
+    """Draining or poisoned; answer 503 with Retry-After."""
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class EngineLimits:
+    max_seqs: int = 8
+    max_queue: int = 64
+    max_step_tokens: int = 512  # tokens per backend step (decode tokens + prefill chunks)
+    prefill_chunk: int = 256
+    context: int = 8192
+
+
+@dataclass
+class _Seq:
+    handle: RequestHandle
+    number: int  # 1-based arrival order, for fault injection and logs
+    arrived: float
+    tokens: list[int]
+    sampler: Sampler
+    decoder: IncrementalDecoder
+    stopper: StopMatcher
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    n_computed: int = 0
+    n_registered: int = 0
+    prompt_len: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    last_token_at: float = 0.0
+    last_keepalive: float = 0.0
+    prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
+    pending_logits: np.ndarray | None = None
+
+    @property
+    def req(self) -> GenerationRequest:
+        return self.handle.request
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        backend: Backend,
+        limits: EngineLimits,
+        *,
+        metrics: Metrics | None = None,
+        faults: FaultInjector | None = None,
+        on_poisoned: Callable[[ContextPoisoned], None] | None = None,
+    ):
+        self.model, self.backend, self.limits = model, backend, limits
+        self.metrics = metrics or Metrics()
+        self.faults = faults or FaultInjector([])
+        self.on_poisoned = on_poisoned
+        salt = f"{model.fingerprint}:{backend.name}:kv1".encode()
+        self.pool = BlockPool(backend.n_blocks, backend.block_size, salt)
+        self.metrics.kv_blocks_total.set(backend.n_blocks)
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[_Seq] = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.running: list[_Seq] = []
+        self.accepting = True
+        self.poisoned: ContextPoisoned | None = None
+        self.step_count = 0
+        self.last_progress = time.monotonic()  # heartbeat for hang detection
+        self._arrivals = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+
+    # -- HTTP side -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        """Queue a request (called on the HTTP thread). Raises NotAccepting, QueueFull, PromptTooLong."""
+        req = handle.request
+        if not self.accepting:
+            raise NotAccepting("the worker is not accepting requests (draining or restarting)")
+        if len(req.prompt) >= self.limits.context:
+            raise PromptTooLong(
+                f"the prompt has {len(req.prompt)} tokens; this worker's context limit is {self.limits.context} tokens"
+            )
+        bs = self.backend.block_size
+        if -(-(len(req.prompt) + 1) // bs) > self.pool.n_blocks:
+            raise PromptTooLong(
+                f"the prompt has {len(req.prompt)} tokens; the KV cache holds {self.pool.n_blocks * bs} tokens (raise --kv-mem)"
+            )
+        tok = self.model.tokenizer
+        with self._lock:
+            if len(self.waiting) + len(self._inbox) >= self.limits.max_queue:
+                raise QueueFull(f"{self.limits.max_queue} requests are already waiting")
+            self._arrivals += 1
+            seq = _Seq(
+                handle=handle, number=self._arrivals, arrived=time.monotonic(), tokens=list(req.prompt),
+                sampler=Sampler(req.params), decoder=IncrementalDecoder(tok), stopper=StopMatcher(req.stop),
+                prompt_len=len(req.prompt),
+            )
+            self._inbox.append(seq)
+            self.metrics.started.inc()
+            self._wake.notify()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self._inbox)
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        self.faults.stop_hang.set()
+        self._thread.join(timeout)
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._inbox and not self.waiting and not self.running:
+                    self._wake.wait(timeout=1.0)
+                    self.last_progress = time.monotonic()
+                if self._stop:
+                    break
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                self._step()
+            except ContextPoisoned as e:
+                self._poison(e)
+                return
+            except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
+                log("engine_error", level="error", error=f"{type(e).__name__}: {e}")
+                for s in list(self.running) + list(self.waiting):
+                    self._settle(s, Outcome.FAILED, Failed(f"internal error: {type(e).__name__}"))
+                self.running.clear()
+                self.waiting.clear()
+            self.last_progress = time.monotonic()
+            self._update_gauges()
+        for s in list(self.running) + list(self.waiting):
+            self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
+
+    def _step(self) -> None:
+        self._reap_cancelled()
+        self._admit()
+        if not self.running:
+            return
+        chunks, members = self._plan()
+        if not chunks:
+            return
+        phases = {"prefill" if len(c.tokens) > 1 or s.generated == 0 else "decode" for c, s in zip(chunks, members)}
+        self.step_count += 1
+        self.metrics.steps.inc()
+        self.faults.before_step(self.step_count, phases)
+        try:
+            outputs = self.backend.forward(chunks)
+        except ContextPoisoned:
+            raise
+        except Exception:
+            outputs = self._isolate(chunks, members)
+        now = time.monotonic()
+        for chunk, seq, out in zip(chunks, members, outputs):
+            if out is _FAILED:
+                continue
+            try:
+                self._after_forward(seq, chunk, out, now)
+            except ContextPoisoned:
+                raise
+            except Exception as e:
+                log("request_error", level="error", request_id=seq.req.request_id, error=f"{type(e).__name__}: {e}")
+                self._settle(seq, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
+
+    def _isolate(self, chunks: list[SeqChunk], members: list[_Seq]) -> list:
+        """A batched step raised: rerun each chunk alone so only the culprit fails."""
+        outputs = []
+        for c, s in zip(chunks, members):
+            try:
+                outputs.append(self.backend.forward([c])[0])
+            except ContextPoisoned:
+                raise
+            except Exception as e:
+                log("request_error", level="error", request_id=s.req.request_id, error=f"{type(e).__name__}: {e}")
+                self._settle(s, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
+                outputs.append(_FAILED)
+        return outputs
+
+    # -- admission and planning ------------------------------------------------------------------------
+
+    def _reap_cancelled(self) -> None:
+        for s in [s for s in self.running + list(self.waiting) if s.handle.cancelled.is_set()]:
+            self._settle(s, Outcome.CANCELED, None)
+
+    def _admit(self) -> None:
+        bs = self.backend.block_size
+        while self.waiting and len(self.running) < self.limits.max_seqs:
+            s = self.waiting[0]
+            reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
+            blocks, hashes = self.pool.match(s.tokens, reuse)
+            need = -(-(len(s.tokens) + 1) // bs) - len(blocks)
+            if need > self.pool.available:
+                self.pool.release(blocks)
+                if self.running:
+                    return  # wait for running sequences to free blocks
+                self._settle(self.waiting.popleft(), Outcome.REFUSED,
+                             Failed("not enough KV cache for this prompt", status=503, kind="overloaded"))
+                continue
+            self.waiting.popleft()
+            s.blocks, s.hashes = blocks, hashes
+            s.n_computed, s.n_registered = len(blocks) * bs, len(blocks)
+            if s.generated == 0:  # a preempted sequence keeps its first accounting
+                s.cached_tokens = s.n_computed
+                self.metrics.prompt_tokens.inc(s.prompt_len)
+                self.metrics.cached_tokens.inc(s.cached_tokens)
+                log("admit", request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
+                    prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens)
+                s.handle.push([Started(s.prompt_len, s.cached_tokens)])
+            s.last_keepalive = time.monotonic()
+            self.running.append(s)
+
+    def _plan(self) -> tuple[list[SeqChunk], list[_Seq]]:
+        budget = self.limits.max_step_tokens
+        chunks, members = [], []
+        # decode steps first: one token each, so running streams never wait behind a prefill
+        order = sorted(self.running, key=lambda s: (s.n_computed < len(s.tokens) - 1, s.number))
+        for s in order:
+            if budget <= 0:
+                break
+            if s not in self.running:  # preempted while planning this step
+                continue
+            todo = len(s.tokens) - s.n_computed
+            if todo <= 0:
+                continue
+            n = min(todo, budget, self.limits.prefill_chunk) if todo > 1 else 1
+            if not self._ensure_blocks(s, s.n_computed + n, members):
+                continue
+            want = "all" if s.req.prompt_logprobs and s.generated == 0 else (
+                "last" if s.n_computed + n == len(s.tokens) else "none")
+            chunks.append(SeqChunk(np.asarray(s.tokens[s.n_computed : s.n_computed + n], np.int32),
+                                   s.n_computed, s.blocks, want))
+            members.append(s)
+            budget -= n
+        return chunks, members
+
+    def _ensure_blocks(self, s: _Seq, length: int, planned: list[_Seq]) -> bool:
+        """Get blocks for `length` positions, preempting the youngest sequence not yet planned in
+        this step if the pool is short. False: `s` sits this step out (or failed, if alone)."""
+        need = -(-length // self.backend.block_size) - len(s.blocks)
+        while need > 0:
+            try:
+                s.blocks.extend(self.pool.allocate(need))
+                return True
+            except OutOfBlocks:
+                candidates = [r for r in self.running if r is not s and r not in planned]
+                if candidates:
+                    self._preempt(max(candidates, key=lambda r: r.number))
+                elif planned:
+                    return False  # the planned ones free or grow first; try again next step
+                else:
+                    self._settle(s, Outcome.FAILED, Failed("the KV cache is full", status=503, kind="overloaded"))
+                    return False
+        return True
+
+    def _preempt(self, s: _Seq) -> None:
+        """Free a sequence's blocks and requeue it first; its full blocks stay in the prefix cache,
+        so resuming mostly re-matches them instead of recomputing."""
+        self._register_full_blocks(s)
+        self.pool.release(s.blocks)
+        s.blocks, s.n_computed, s.n_registered = [], 0, 0
+        self.running.remove(s)
+        self.waiting.appendleft(s)
+        log("preempt", request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))
+
+    # -- after a step ------------------------------------------------------------------------------------
+
+    def _register_full_blocks(self, s: _Seq) -> None:
+        bs = self.backend.block_size
+        full = s.n_computed // bs
+        while len(s.hashes) < full:
+            i = len(s.hashes)
+            parent = s.hashes[-1] if s.hashes else ROOT_HASH
+            s.hashes.append(chain_hash(parent, s.tokens[i * bs : (i + 1) * bs], self.pool.salt))
+        for i in range(s.n_registered, full):
+            canonical = self.pool.register(s.blocks[i], s.hashes[i])
+            if canonical != s.blocks[i]:  # an identical block was computed meanwhile: share it
+                self.pool._retain(canonical)
+                self.pool.release([s.blocks[i]])
+                s.blocks[i] = canonical
+        s.n_registered = max(s.n_registered, full)
+
+    def _after_forward(self, s: _Seq, chunk: SeqChunk, logits: np.ndarray | None, now: float) -> None:
+        s.n_computed += len(chunk.tokens)
+        self._register_full_blocks(s)
+        if self.faults:
+            self.faults.check_request(s.number)
+        if chunk.logits == "all" and s.generated == 0:
+            lp = log_softmax(logits)
+            for j in range(len(chunk.tokens)):
+                p = chunk.start + j
+                if p == 0:
+                    s.prompt_lp.append(None)
+                if p + 1 < s.prompt_len:
+                    nxt = s.tokens[p + 1]
+                    s.prompt_lp.append(_token_logprob(lp[j], nxt, s.req.logprobs or 0))
+            logits = logits[-1:]
+        if s.n_computed < len(s.tokens):  # still prefilling
+            if now - s.last_keepalive >= KEEPALIVE_SECONDS:
+                s.last_keepalive = now
+                s.handle.push([Keepalive(s.n_computed, len(s.tokens))])
+            return
+        if s.generated == 0 and s.req.prompt_logprobs:
+            s.handle.push([PromptLogprobs(s.prompt_lp)])
+        self._sample(s, logits[-1], now)
+
+    def _sample(self, s: _Seq, logits: np.ndarray, now: float) -> None:
+        req = s.req
+        token = s.sampler.sample(logits, s.tokens)
+        tok = self.model.tokenizer
+        if s.generated == 0:
+            self.metrics.ttft.observe(now - s.arrived)
+        else:
+            self.metrics.itl.observe(now - s.last_token_at)
+        s.last_token_at = now
+        is_end = not req.ignore_eos and (token in tok.eot_ids or token in req.stop_token_ids)
+        if is_end:
+            self._finish(s, FinishReason.STOP, None)
+            return
+        s.tokens.append(token)
+        s.generated += 1
+        self.metrics.generated_tokens.inc()
+        text, stop = s.stopper.feed(s.decoder.feed(token))
+        lps = None
+        if req.logprobs is not None:
+            lps = [_token_logprob(log_softmax(logits), token, req.logprobs)]
+        if text or lps or stop is None:
+            s.handle.push([Delta(text, [token], lps)])
+        if stop is not None:
+            self._finish(s, FinishReason.STOP, stop)
+        elif s.generated >= req.max_tokens or len(s.tokens) >= self.limits.context:
+            self._finish(s, FinishReason.LENGTH, None)
+
+    def _finish(self, s: _Seq, reason: FinishReason, stop: str | None) -> None:
+        if stop is None:
+            tail = s.stopper.flush() + s.decoder.flush()
+            if tail:
+                s.handle.push([Delta(tail, [])])
+        self._settle(s, Outcome.COMPLETED, Finished(reason, s.prompt_len, s.cached_tokens, s.generated, stop))
+
+    def _settle(self, s: _Seq, outcome: Outcome, event) -> None:
+        """The one place a request ends: free its blocks, send its last event, log its outcome."""
+        if s in self.running:
+            self._register_full_blocks(s)
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+        if s.blocks:
+            self.pool.release(s.blocks)
+            s.blocks = []
+        if event is None:
+            event = Failed("the client went away", status=499, kind="canceled")
+        self.metrics.outcomes.labels(outcome.value).inc()
+        fields = dict(request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol, prompt_tokens=s.prompt_len,
+                      cached_tokens=s.cached_tokens, completion_tokens=s.generated,
+                      seconds=round(time.monotonic() - s.arrived, 3))
+        if isinstance(event, Finished):
+            fields["finish_reason"] = event.reason.value
+        elif outcome is not Outcome.CANCELED:
+            fields["error"] = event.message
+        else:
+            fields["phase"] = "decode" if s.generated else ("prefill" if s.n_computed else "queued")
+        log(outcome.value, level="error" if outcome is Outcome.FAILED else "info", **fields)
+        s.handle.push([event])  # last: whoever sees the end also sees the counters and the log line
+
+    def _poison(self, e: ContextPoisoned) -> None:
+        self.poisoned = e
+        self.accepting = False
+        log("engine_poisoned", level="error", code=e.code, name=e.name, message=e.message, step=self.step_count,
+            running=[s.req.request_id for s in self.running])
+        for s in list(self.running) + list(self.waiting):
+            self.running.remove(s) if s in self.running else self.waiting.remove(s)
+            s.blocks = []  # the device memory is gone; nothing to release into
+            s.handle.push([Failed(f"the engine's compute context failed ({e.name}); the worker is restarting",
+                                  status=503, kind="overloaded")])
+            self.metrics.outcomes.labels(Outcome.FAILED.value).inc()
+            log(Outcome.FAILED.value, level="error", request_id=s.req.request_id, seq=s.number, error=str(e))
+        if self.on_poisoned:
+            self.on_poisoned(e)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(len(self.waiting) + len(self._inbox))
+        m.running.set(len(self.running))
+        m.kv_blocks_used.set(self.pool.in_use)
+        m.kv_blocks_cached.set(self.pool.cached_count)
+        m.kv_usage.set(self.pool.in_use / max(self.pool.n_blocks, 1))
+
+
+_FAILED = object()
+
+
+def _token_logprob(lp: np.ndarray, token: int, k: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return TokenLogprob(int(token), float(lp[token]), top)

@@ -1,0 +1,47 @@
+"""The worker's metrics: Prometheus text at /metrics, the same figures as JSON at /v1/stats."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = ("completed", "failed", "canceled", "refused")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.started = Counter("ember_requests_started", "Requests admitted to the queue", registry=r)
+        self.outcomes = Counter("ember_requests", "Requests by outcome", ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.outcomes.labels(o)
+        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter("ember_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.generated_tokens = Counter("ember_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("ember_time_to_first_token_seconds", "Time from arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ember_inter_token_latency_seconds", "Time between tokens of one stream",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("ember_engine_steps", "Engine steps run", registry=r)
+        self.queue_depth = Gauge("ember_queue_depth", "Requests waiting for a slot", registry=r)
+        self.running = Gauge("ember_running_sequences", "Sequences in the running batch", registry=r)
+        self.kv_blocks_total = Gauge("ember_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_blocks_used = Gauge("ember_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
+        self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse", registry=r)
+        self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> dict:
+        """The same figures as /metrics, as one JSON-able dict."""
+        out: dict = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue
+                if s.name.endswith("_bucket"):
+                    continue
+                key = s.name + "".join(f"_{v}" for v in s.labels.values())
+                out[key] = s.value
+        return out

@@ -1,0 +1,127 @@
+"""`ember worker`: load the model, start the engine, serve HTTP, and stop by the contract.
+
+Exit codes (DESIGN.md): 0 clean stop; 75 poisoned compute context (restart now); 78 configuration
+error (do not restart). SIGTERM drains: readiness turns `draining`, admissions stop, in-flight
+work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from importlib.metadata import version
+
+from . import config as worker_config
+from .logs import log
+
+EX_OK, EX_POISONED, EX_CONFIG = 0, 75, 78
+POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
+
+
+def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int) -> int:
+    from .engine.numpy_backend import NumpyBackend
+
+    per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size)
+    return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
+
+
+def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
+    import uvicorn
+
+    from .api.app import create_app
+    from .api.state import ServerState
+    from .engine.faults import FaultInjector, FaultSpecError, parse_faults
+    from .engine.numpy_backend import NumpyBackend
+    from .engine.runtime import DEFAULT_BLOCK_SIZE
+    from .engine.scheduler import Engine, EngineLimits
+    from .metrics import Metrics
+    from .model.gguf_file import ModelFileError
+    from .model.loader import open_model
+    from .model.weights import load_weights
+    from .text.chat_template import ChatTemplateError
+
+    t0 = time.monotonic()
+    log("config", version=version("ember"), pid=os.getpid(), config=worker_config.redacted(cfg),
+        sources={k: v for k, v in sources.items() if v != "default"})
+    try:
+        faults = FaultInjector(parse_faults(cfg.fault))
+        model = open_model(cfg.model)
+        weights = load_weights(model.gguf, model.config)
+    except (ModelFileError, ChatTemplateError, FaultSpecError) as e:
+        log("config_error", level="error", error=str(e))
+        return EX_CONFIG
+    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE)
+    kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
+    ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
+    backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+    limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
+                          max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx)
+    state = ServerState()
+    metrics = Metrics()
+    poisoned_exit = threading.Event()
+
+    def on_poisoned(e) -> None:  # engine thread
+        state.set("poisoned")
+        poisoned_exit.set()
+
+    engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned)
+    model_name = model.path.stem
+    app = create_app(engine, model, api_key=cfg.api_key, model_name=model_name, state=state)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, lifespan="on", timeout_graceful_shutdown=1))
+    server.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT (drain, then exit)
+    exit_code = [EX_OK]
+    terms = [0]
+
+    async def drain() -> None:
+        state.set("draining")
+        engine.stop_accepting()
+        log("draining", in_flight=len(engine.running) + len(engine.waiting), seconds=cfg.drain_seconds)
+        deadline = time.monotonic() + cfg.drain_seconds
+        while engine.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.busy:
+            log("drain_timeout", level="warning", in_flight=len(engine.running) + len(engine.waiting))
+        server.should_exit = True
+
+    def on_signal(signum: int) -> None:
+        terms[0] += 1
+        log("signal", signal=signal.Signals(signum).name, count=terms[0])
+        if terms[0] > 1:
+            server.should_exit = True
+            server.force_exit = True
+            os._exit(EX_OK)
+        asyncio.get_running_loop().create_task(drain())
+
+    async def watch_poison() -> None:
+        while not poisoned_exit.is_set():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(POISON_FLUSH_SECONDS)
+        log("exit", code=EX_POISONED, reason="poisoned compute context")
+        os._exit(EX_POISONED)  # never wait on a poisoned context's teardown
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        engine.start()
+        loop.create_task(watch_poison())
+        state.set("ready")
+        log("ready", host=cfg.host, port=cfg.port, model=model_name, fingerprint=model.fingerprint,
+            backend=backend.name, ctx=ctx, kv_tokens=kv_tokens, max_seqs=cfg.max_seqs,
+            startup_seconds=round(time.monotonic() - t0, 2))
+        await server.serve()
+        if not server.started:
+            exit_code[0] = 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown(timeout=2.0)
+    if exit_code[0] == 0:
+        log("exit", code=EX_OK)
+    return exit_code[0]
