@@ -22,10 +22,10 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 
-    try:
-        from .synth import add_make_model_parser
-    except ImportError:  # pragma: no cover - synth is part of the package
-        return
+    from .serve_load import add_serve_parser
+    from .synth import add_make_model_parser
+
+    add_serve_parser(bsub)
     add_make_model_parser(bsub)
 
 

@@ -389,8 +389,11 @@ class Engine:
             self._finish(s, FinishReason.LENGTH, None)
 
     def _finish(self, s: _Seq, reason: FinishReason, stop: str | None) -> None:
-        if stop is None:
-            tail = s.stopper.flush() + s.decoder.flush()
+        if stop is None:  # release held-back text; the decoder's last bytes still pass the stop matcher
+            text, stop = s.stopper.feed(s.decoder.flush())
+            tail = text if stop is not None else text + s.stopper.flush()
+            if stop is not None:
+                reason = FinishReason.STOP
             if tail:
                 s.handle.push([Delta(tail, [])])
         self._settle(s, Outcome.COMPLETED, Finished(reason, s.prompt_len, s.cached_tokens, s.generated, stop))

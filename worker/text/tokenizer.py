@@ -422,16 +422,18 @@ def _byte_decode(text: str) -> bytes:
     return bytes(out)
 
 
-def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, attrs: np.ndarray) -> list[list[str]]:
+def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, attrs: np.ndarray) -> list[str]:
     """Every split of every token into two tokens, ranked by the score of the token it makes.
 
     llama.cpp's SPM tokenizer merges any adjacent pair whose concatenation is a token, best score
-    first; a BPE model holding all those pairs, in score order, makes the same choices.
+    first; a BPE model holding all those pairs, in score order, makes the same choices. Tokens
+    with a literal space can never be formed (spaces are escaped to ▁ before merging), so they are
+    left out and the merges fit HF's compact "left right" format, which loads faster.
     """
     sc = scores.tolist()
     found: list[tuple[float, int, int, str, str]] = []
     for i, t in enumerate(tokens):
-        if len(t) < 2 or attrs[i] & ATTR_BYTE:
+        if len(t) < 2 or attrs[i] & ATTR_BYTE or " " in t:
             continue
         for k in range(1, len(t)):
             left = vocab.get(t[:k])
@@ -440,10 +442,10 @@ def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, at
             if t[k:] in vocab:
                 found.append((-sc[i], i, left, t[:k], t[k:]))
     found.sort()
-    return [[a, b] for _, _, _, a, b in found]
+    return [f"{a} {b}" for _, _, _, a, b in found]
 
 
-def _bpe_merges(g: GGUFFile, raw: Any, vocab: dict[str, int]) -> list[list[str]]:
+def _bpe_merges(g: GGUFFile, raw: Any, vocab: dict[str, int]) -> list[str] | list[list[str]]:
     if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
         raise _fail(g, "unsupported tokenizer: gpt2 vocabulary without tokenizer.ggml.merges")
     merges = []
@@ -454,7 +456,9 @@ def _bpe_merges(g: GGUFFile, raw: Any, vocab: dict[str, int]) -> list[list[str]]
         a, b = m[:pos], m[pos + 1:]
         if a in vocab and b in vocab and (a + b) in vocab:
             merges.append([a, b])
-    return merges
+    if any(" " in a or " " in b for a, b in merges):
+        return merges  # HF's pair format, which allows spaces
+    return [f"{a} {b}" for a, b in merges]
 
 
 def _is_run(s: str) -> bool:
