@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     max_queue: int = 64
     ctx: int = 0  # 0 = the model's context length, capped by the KV budget
     kv_mem: str = "1GiB"
+    kv_dir: str | None = None  # default: <state dir>/kv
+    kv_disk_budget: str = "auto"  # bytes, or auto = a quarter of the free space, at most 50GiB
+    kv_host_mem: str = "512MiB"
+    kv_persist: str = "all"
     prefill_chunk: int = 256
     drain_seconds: float = 30.0
     backend: str = "numpy"
@@ -48,6 +53,10 @@ HELP = {
     "ctx": "context limit in tokens (default: the model's, within the KV budget)",
     "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
     "prefill_chunk": "prompt tokens per engine step and sequence (default 256)",
+    "kv_dir": "where KV blocks persist across restarts (default: <state dir>/kv)",
+    "kv_disk_budget": "disk bytes for KV blocks, e.g. 20GiB (default auto: 1/4 of free space, at most 50GiB)",
+    "kv_host_mem": "host RAM tier for KV blocks (default 512MiB)",
+    "kv_persist": "all (each full block as soon as complete), finished (when a request ends) or off",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
     "backend": "compute backend: numpy (default)",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
@@ -127,6 +136,11 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
     if parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
         raise ConfigError("kv_mem: at least 1MiB")
+    if cfg.kv_persist not in ("all", "finished", "off"):
+        raise ConfigError(f"kv_persist: {cfg.kv_persist!r} is not one of all, finished, off")
+    if cfg.kv_disk_budget != "auto":
+        parse_size(cfg.kv_disk_budget, "kv_disk_budget")
+    parse_size(cfg.kv_host_mem, "kv_host_mem")
     if cfg.drain_seconds < 0:
         raise ConfigError("drain_seconds: must not be negative")
     if cfg.backend not in ("numpy",):
@@ -150,3 +164,13 @@ def redacted(cfg: WorkerConfig) -> dict[str, Any]:
         if out.get(key):
             out[key] = "***"
     return out
+
+
+def disk_budget(cfg: WorkerConfig, kv_dir: Path) -> int:
+    if cfg.kv_disk_budget != "auto":
+        return parse_size(cfg.kv_disk_budget, "kv_disk_budget")
+    probe = kv_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return min(free // 4, 50 * 1024**3)

@@ -12,7 +12,7 @@ import time
 from datetime import datetime, timezone
 
 _lock = threading.Lock()
-_stream = sys.stderr
+_stream = None  # None: whatever sys.stderr is at the time of writing
 
 
 def set_stream(stream) -> None:
@@ -26,8 +26,9 @@ def log(event: str, level: str = "info", **fields) -> None:
     line = json.dumps(record, default=str, ensure_ascii=False)
     with _lock:
         try:
-            _stream.write(line + "\n")
-            _stream.flush()
+            out = _stream or sys.stderr
+            out.write(line + "\n")
+            out.flush()
         except (OSError, ValueError):  # a closed stderr must not take the engine down
             pass
 

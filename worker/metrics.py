@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OUTCOMES = ("completed", "failed", "canceled", "refused")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -30,6 +31,10 @@ class Metrics:
         self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse", registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
 
+    def attach_store(self, store) -> None:
+        """Export the KV store's figures, read at scrape time."""
+        self.registry.register(_StoreCollector(store))
+
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -45,3 +50,26 @@ class Metrics:
                 key = s.name + "".join(f"_{v}" for v in s.labels.values())
                 out[key] = s.value
         return out
+
+
+class _StoreCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        st = self.store.stats
+        yield GaugeMetricFamily("ember_kv_disk_bytes", "Bytes of KV block files on disk", value=self.store.disk_bytes)
+        yield GaugeMetricFamily("ember_kv_disk_blocks", "KV block files on disk", value=self.store.disk_blocks)
+        yield GaugeMetricFamily("ember_kv_write_queue_depth", "KV blocks waiting to be written",
+                                value=self.store.write_queue_depth)
+        for name, doc, value in [
+            ("ember_kv_writes", "KV blocks written to disk", st.writes),
+            ("ember_kv_write_drops", "KV blocks not persisted because the writer was behind", st.write_drops),
+            ("ember_kv_restore_hits", "KV blocks restored from the host tier or disk", st.restore_hits),
+            ("ember_kv_restore_misses", "KV block restores that found nothing usable", st.restore_misses),
+            ("ember_kv_quarantined", "KV block files moved to quarantine", st.quarantined),
+            ("ember_kv_evictions", "KV block files evicted for the disk budget", st.evictions),
+            ("ember_kv_restore_seconds", "Time spent reading KV blocks for restores", st.restore_seconds),
+            ("ember_kv_restore_bytes", "Bytes of KV restored", st.restore_bytes),
+        ]:
+            yield CounterMetricFamily(name, doc, value=value)

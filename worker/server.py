@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 from . import config as worker_config
 from .logs import log
@@ -68,7 +69,20 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         state.set("poisoned")
         poisoned_exit.set()
 
-    engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned)
+    store = None
+    if cfg.kv_persist != "off":
+        from .engine.kv_blocks import chain_hash, kv_salt
+        from .kvstore.store import KVStore
+        from .paths import state_dir
+
+        kv_dir = Path(cfg.kv_dir).expanduser() if cfg.kv_dir else state_dir() / "kv"
+        store = KVStore(kv_dir, salt=kv_salt(model.fingerprint, backend.name), model_key=model.fingerprint,
+                        block_shape=backend.read_block(0).shape, block_tokens=DEFAULT_BLOCK_SIZE,
+                        chain_hash=chain_hash, persist=cfg.kv_persist,
+                        disk_budget=worker_config.disk_budget(cfg, kv_dir),
+                        host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
+        metrics.attach_store(store)
+    engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
     model_name = model.path.stem
     app = create_app(engine, model, api_key=cfg.api_key, model_name=model_name, state=state)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -122,6 +136,8 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         asyncio.run(main())
     finally:
         engine.shutdown(timeout=2.0)
+        if store is not None:
+            store.close(timeout=10.0)  # queued blocks reach the disk before a clean exit
     if exit_code[0] == 0:
         log("exit", code=EX_OK)
     return exit_code[0]

@@ -32,6 +32,13 @@ def chain_hash(parent: bytes, tokens: Sequence[int], salt: bytes) -> bytes:
 
 
 ROOT_HASH = b"\0" * 16
+KV_LAYOUT_VERSION = 1
+
+
+def kv_salt(model_fingerprint: str, backend_name: str) -> bytes:
+    """Binds block names to one model and one KV layout: a different model, backend precision or
+    layout version never matches (in memory or on disk)."""
+    return f"{model_fingerprint}:{backend_name}:kv{KV_LAYOUT_VERSION}".encode()
 
 
 class BlockPool:

@@ -26,7 +26,7 @@ from ..model.loader import Model
 from ..text.tokenizer import IncrementalDecoder
 from .backend import Backend, ContextPoisoned, SeqChunk
 from .faults import FaultInjector
-from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
+from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash, kv_salt
 from .requests import (
     Delta, Failed, Finished, FinishReason, GenerationRequest, Keepalive, Outcome, PromptLogprobs,
     RequestHandle, Started, TokenLogprob,
@@ -77,7 +77,11 @@ class _Seq:
     last_token_at: float = 0.0
     last_keepalive: float = 0.0
     prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
-    pending_logits: np.ndarray | None = None
+    restoring: object | None = None  # a RestoreJob while blocks come back from the KV store
+    restore_blocks: list[int] = field(default_factory=list)
+    restore_used: int = 0
+    n_offered: int = 0  # full blocks handed to the KV store
+    begun: bool = False
 
     @property
     def req(self) -> GenerationRequest:
@@ -94,13 +98,14 @@ class Engine:
         metrics: Metrics | None = None,
         faults: FaultInjector | None = None,
         on_poisoned: Callable[[ContextPoisoned], None] | None = None,
+        store=None,
     ):
         self.model, self.backend, self.limits = model, backend, limits
+        self.store = store  # KVStore or None
         self.metrics = metrics or Metrics()
         self.faults = faults or FaultInjector([])
         self.on_poisoned = on_poisoned
-        salt = f"{model.fingerprint}:{backend.name}:kv1".encode()
-        self.pool = BlockPool(backend.n_blocks, backend.block_size, salt)
+        self.pool = BlockPool(backend.n_blocks, backend.block_size, kv_salt(model.fingerprint, backend.name))
         self.metrics.kv_blocks_total.set(backend.n_blocks)
         self._lock = threading.Lock()
         self._inbox: collections.deque[_Seq] = collections.deque()
@@ -193,6 +198,7 @@ class Engine:
     def _step(self) -> None:
         self._reap_cancelled()
         self._admit()
+        self._progress_restores()
         if not self.running:
             return
         chunks, members = self._plan()
@@ -246,6 +252,7 @@ class Engine:
             s = self.waiting[0]
             reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
             blocks, hashes = self.pool.match(s.tokens, reuse)
+            stored = self.store.available(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else 0
             need = -(-(len(s.tokens) + 1) // bs) - len(blocks)
             if need > self.pool.available:
                 self.pool.release(blocks)
@@ -257,15 +264,61 @@ class Engine:
             self.waiting.popleft()
             s.blocks, s.hashes = blocks, hashes
             s.n_computed, s.n_registered = len(blocks) * bs, len(blocks)
-            if s.generated == 0:  # a preempted sequence keeps its first accounting
-                s.cached_tokens = s.n_computed
-                self.metrics.prompt_tokens.inc(s.prompt_len)
-                self.metrics.cached_tokens.inc(s.cached_tokens)
-                log("admit", request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
-                    prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens)
-                s.handle.push([Started(s.prompt_len, s.cached_tokens)])
+            s.n_offered = max(s.n_offered, s.n_registered)  # matched blocks are known to the store
             s.last_keepalive = time.monotonic()
             self.running.append(s)
+            if stored:
+                s.restore_blocks = self.pool.allocate(stored)
+                s.restoring = self.store.restore(hashes[len(blocks) : len(blocks) + stored])
+                s.restore_used = 0
+            else:
+                self._begin(s)
+
+    def _begin(self, s: _Seq) -> None:
+        """Admission accounting, once the prompt's cached part (device or store) is known."""
+        if s.begun:  # a preempted sequence keeps its first accounting
+            return
+        s.begun = True
+        s.cached_tokens = s.n_computed
+        self.metrics.prompt_tokens.inc(s.prompt_len)
+        self.metrics.cached_tokens.inc(s.cached_tokens)
+        log("admit", request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
+            prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens)
+        s.handle.push([Started(s.prompt_len, s.cached_tokens)])
+
+    def _progress_restores(self) -> None:
+        """Copy blocks the store has read into the pool, in chain order; a miss ends the chain
+        (the rest of the prompt is computed)."""
+        for s in [s for s in self.running if s.restoring is not None]:
+            job = s.restoring
+            if not job.done.is_set() and self.running and all(r.restoring is not None for r in self.running):
+                job.done.wait(0.05)  # nothing else to run: do not spin
+            results = list(job.results)
+            while s.restore_used < len(results):
+                payload = results[s.restore_used]
+                if payload is None:
+                    break
+                block, h = s.restore_blocks[s.restore_used], job.hashes[s.restore_used]
+                self.backend.write_block(block, payload)
+                canonical = self.pool.register(block, h)
+                if canonical != block:
+                    self.pool._retain(canonical)
+                    self.pool.release([block])
+                    block = canonical
+                s.blocks.append(block)
+                s.restore_used += 1
+                s.n_computed += self.backend.block_size
+                s.n_registered += 1
+                s.n_offered = s.n_registered
+            finished = job.done.is_set() and (s.restore_used == len(job.results) or
+                                              job.results[s.restore_used] is None)
+            if finished:
+                self.pool.release(s.restore_blocks[s.restore_used :])
+                log("kv_restore", request_id=s.req.request_id, seq=s.number, blocks=s.restore_used,
+                    tokens=s.restore_used * self.backend.block_size,
+                    seconds=round(time.monotonic() - job.started, 3))
+                s.restoring, s.restore_blocks = None, []
+                self._begin(s)
 
     def _plan(self) -> tuple[list[SeqChunk], list[_Seq]]:
         budget = self.limits.max_step_tokens
@@ -275,7 +328,7 @@ class Engine:
         for s in order:
             if budget <= 0:
                 break
-            if s not in self.running:  # preempted while planning this step
+            if s not in self.running or s.restoring is not None:  # preempted, or still restoring
                 continue
             todo = len(s.tokens) - s.n_computed
             if todo <= 0:
@@ -300,7 +353,7 @@ class Engine:
                 s.blocks.extend(self.pool.allocate(need))
                 return True
             except OutOfBlocks:
-                candidates = [r for r in self.running if r is not s and r not in planned]
+                candidates = [r for r in self.running if r is not s and r not in planned and r.restoring is None]
                 if candidates:
                     self._preempt(max(candidates, key=lambda r: r.number))
                 elif planned:
@@ -336,6 +389,16 @@ class Engine:
                 self.pool.release([s.blocks[i]])
                 s.blocks[i] = canonical
         s.n_registered = max(s.n_registered, full)
+        if self.store is not None and self.store.persist == "all":
+            self._offer(s)
+
+    def _offer(self, s: _Seq) -> None:
+        """Hand newly registered full blocks to the KV store (a copy: the block may be reused)."""
+        bs = self.backend.block_size
+        for i in range(s.n_offered, s.n_registered):
+            parent = s.hashes[i - 1] if i else ROOT_HASH
+            self.store.offer(s.hashes[i], parent, s.tokens[i * bs : (i + 1) * bs], self.backend.read_block(s.blocks[i]))
+        s.n_offered = s.n_registered
 
     def _after_forward(self, s: _Seq, chunk: SeqChunk, logits: np.ndarray | None, now: float) -> None:
         s.n_computed += len(chunk.tokens)
@@ -402,12 +465,17 @@ class Engine:
         """The one place a request ends: free its blocks, send its last event, log its outcome."""
         if s in self.running:
             self._register_full_blocks(s)
+            if self.store is not None and self.store.persist == "finished":
+                self._offer(s)
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
         if s.blocks:
             self.pool.release(s.blocks)
             s.blocks = []
+        if s.restore_blocks:
+            self.pool.release(s.restore_blocks[s.restore_used :])
+            s.restore_blocks, s.restoring = [], None
         if event is None:
             event = Failed("the client went away", status=499, kind="canceled")
         self.metrics.outcomes.labels(outcome.value).inc()

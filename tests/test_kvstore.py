@@ -1,0 +1,193 @@
+"""KV blocks on disk: a new engine comes back warm, and no file on disk can hurt it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from ember.worker.engine.kv_blocks import chain_hash, kv_salt
+from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle, Started
+from ember.worker.engine.runtime import Runtime
+from ember.worker.engine.sampling import SamplingParams
+from ember.worker.engine.scheduler import Engine, EngineLimits
+from ember.worker.kvstore import blockfile
+from ember.worker.kvstore.store import KVStore
+from ember.worker.metrics import Metrics
+
+PROMPT = ("The lighthouse keeper wrote in his log every evening. The storm had lasted three days, "
+          "and the supply boat was late. He counted the candles, checked the lamp, and wound the clock. ") * 2
+
+
+@pytest.fixture(scope="module")
+def runtime(default_model_path):
+    return Runtime.load(str(default_model_path), kv_tokens=1024)
+
+
+def _store(runtime, root, **kw):
+    be = runtime.backend
+    return KVStore(root, salt=kv_salt(runtime.model.fingerprint, be.name), model_key=runtime.model.fingerprint,
+                   block_shape=be.read_block(0).shape, block_tokens=be.block_size, chain_hash=chain_hash,
+                   persist=kw.pop("persist", "all"), disk_budget=kw.pop("disk_budget", 1 << 30),
+                   host_budget=kw.pop("host_budget", 64 << 20), **kw)
+
+
+def _run(runtime, store, prompt=PROMPT, n=8):
+    """A fresh backend (empty device cache) and engine over `store`; returns (Started, tokens)."""
+    be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=64, block_size=runtime.backend.block_size)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=1024), metrics=Metrics(), store=store)
+    engine.start()
+    try:
+        req = GenerationRequest("r", runtime.model.tokenizer.encode(prompt), SamplingParams(temperature=0), n)
+
+        async def go():
+            h = RequestHandle(req, asyncio.get_running_loop())
+            engine.submit(h)
+            return [e async for e in h.events()]
+
+        events = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert isinstance(events[-1], Finished), events[-1]
+    started = next(e for e in events if isinstance(e, Started))
+    return started, [t for e in events if isinstance(e, Delta) for t in e.tokens], len(req.prompt)
+
+
+def _files(root):
+    return sorted(p for p in root.rglob("*.kv") if "quarantine" not in p.parts)
+
+
+def test_restart_comes_back_warm_and_identical(runtime, tmp_path):
+    s1 = _store(runtime, tmp_path)
+    cold, toks_cold, n_prompt = _run(runtime, s1)
+    assert s1.flush() and cold.cached_tokens == 0
+    s1.close()
+    assert len(_files(tmp_path)) >= n_prompt // 16
+    for p in _files(tmp_path):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path).stat().st_mode) == 0o700
+    s2 = _store(runtime, tmp_path)  # a new process would see exactly this: files only
+    warm, toks_warm, _ = _run(runtime, s2)
+    assert warm.cached_tokens == (n_prompt - 1) // 16 * 16
+    assert toks_warm == toks_cold
+    assert s2.stats.restore_hits >= warm.cached_tokens // 16 and s2.stats.quarantined == 0
+    s2.close()
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "payload-bit":
+        data[-7] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "header-bit":
+        data[20] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif how == "version":
+        data[8] = 9
+        path.write_bytes(bytes(data))
+    elif how == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif how == "tokens":
+        data[blockfile.HEADER_SIZE] ^= 0x01  # a different token id: the chain hash no longer fits
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "payload-bit", "header-bit", "version", "garbage", "tokens"])
+def test_damaged_files_are_quarantined_and_recomputed(runtime, tmp_path, how):
+    s1 = _store(runtime, tmp_path)
+    _, ref, n_prompt = _run(runtime, s1)
+    s1.close()
+    files = _files(tmp_path)
+    # damage the third block of the prompt's chain: the first two still restore
+    s_probe = _store(runtime, tmp_path, persist="off")
+    ids = runtime.model.tokenizer.encode(PROMPT)
+    h, parent = None, b"\0" * 16
+    for i in range(3):
+        h = chain_hash(parent, ids[i * 16 : (i + 1) * 16], s_probe.salt)
+        parent = h
+    target = s_probe.path_for(h)
+    s_probe.close()
+    assert target in files
+    _damage(target, how)
+    s2 = _store(runtime, tmp_path)
+    warm, toks, _ = _run(runtime, s2)
+    assert toks == ref  # never wrong tokens
+    assert warm.cached_tokens == 2 * 16  # the chain stops at the damaged block
+    assert s2.stats.quarantined >= 1 and list((tmp_path / "quarantine").iterdir())
+    s2.close()
+    # the recomputed block was persisted again, whole and valid
+    header, _ = blockfile.read_header(target.read_bytes(), salt=s2.salt)
+    assert header.file_size == target.stat().st_size
+
+
+def test_wrong_model_files_never_match(runtime, tmp_path):
+    s1 = _store(runtime, tmp_path)
+    _run(runtime, s1)
+    s1.close()
+    other = KVStore(tmp_path, salt=b"another-model:numpy:kv1", model_key=runtime.model.fingerprint,
+                    block_shape=runtime.backend.read_block(0).shape, block_tokens=16, chain_hash=chain_hash,
+                    disk_budget=1 << 30, host_budget=1 << 20)
+    other.scan_done.wait(10)
+    # same directory, another salt: every header is refused and quarantined by the scan
+    assert other.stats.quarantined == len(list((tmp_path / "quarantine").iterdir())) > 0
+    other.close()
+
+
+def test_disk_budget_is_kept(runtime, tmp_path):
+    block_file = blockfile.HEADER_SIZE + 16 * 4 + runtime.backend.read_block(0).nbytes
+    budget = 3 * block_file + block_file // 2
+    s = _store(runtime, tmp_path, disk_budget=budget)
+    _run(runtime, s)
+    s.flush()
+    total = sum(p.stat().st_size for p in _files(tmp_path))
+    assert total <= budget * 1.01 and s.stats.evictions > 0
+    s.close()
+
+
+def test_unwritable_directory_degrades_to_no_persistence(runtime, tmp_path, capfd):
+    if os.geteuid() == 0:
+        # root ignores permissions: make the path unusable instead (a file where the dir should be)
+        (tmp_path / runtime.model.fingerprint).write_bytes(b"not a directory")
+    else:
+        tmp_path.chmod(0o500)
+    s = _store(runtime, tmp_path)
+    _, toks, _ = _run(runtime, s)
+    assert len(toks) > 0 and not s.writable
+    s.close()
+    assert capfd.readouterr().err.count("kv_persistence_off") == 1
+
+
+def test_two_stores_on_one_directory(runtime, tmp_path):
+    a, b = _store(runtime, tmp_path), _store(runtime, tmp_path)
+    _run(runtime, a)
+    _run(runtime, b)
+    a.close()
+    b.close()
+    c = _store(runtime, tmp_path)
+    warm, _, n_prompt = _run(runtime, c)
+    assert warm.cached_tokens == (n_prompt - 1) // 16 * 16 and c.stats.quarantined == 0
+    c.close()
+
+
+def test_blockfile_round_trip_and_checks():
+    salt = b"m:numpy:kv1"
+    payload = np.arange(2 * 3 * 4 * 1 * 8, dtype=np.float32).reshape(2, 3, 4, 1, 8)
+    toks = [5, 6, 7, 8]
+    h = chain_hash(b"\0" * 16, toks, salt)
+    data = blockfile.encode(h, b"\0" * 16, salt, toks, payload)
+    got = blockfile.decode(data, salt=salt, expect_hash=h, shape=payload.shape, chain_hash=chain_hash)
+    np.testing.assert_array_equal(got, payload)
+    with pytest.raises(blockfile.BadBlockFile, match="another model"):
+        blockfile.decode(data, salt=b"x", expect_hash=h, shape=payload.shape)
+    with pytest.raises(blockfile.BadBlockFile, match="name"):
+        blockfile.decode(data, salt=salt, expect_hash=b"\1" * 16, shape=payload.shape)
+    with pytest.raises(blockfile.BadBlockFile, match="shape"):
+        blockfile.decode(data, salt=salt, expect_hash=h, shape=(2, 3, 4, 2, 4))

@@ -1,0 +1,107 @@
+"""The on-disk format of one KV block, and the checks that make a bad file harmless.
+
+    magic "EMBERKV1" | header (fixed struct) | token ids (int32 x n_tokens) | payload
+The header names the block (its chain hash), its parent, the model fingerprint and the KV
+layout (salt), the payload's dtype and shape, and xxh3-64 checksums of the header fields and of
+the payload. A file passes only if every one of those agrees with what the reader expects and
+the chain hash recomputed from (parent, tokens) equals the file's name.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+MAGIC = b"EMBERKV1"
+FORMAT_VERSION = 1
+# version, n_tokens, dtype code, 5 shape dims, payload bytes, block hash, parent hash, salt digest,
+# payload checksum, header checksum
+_HEADER = struct.Struct("<HHB5IQ16s16s16sQQ")
+HEADER_SIZE = len(MAGIC) + _HEADER.size
+_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class BadBlockFile(Exception):
+    """Why a file cannot be used (one line)."""
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    block_hash: bytes
+    parent_hash: bytes
+    salt_digest: bytes
+    n_tokens: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    payload_bytes: int
+    payload_checksum: int
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + 4 * self.n_tokens + self.payload_bytes
+
+
+def salt_digest(salt: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(salt)
+
+
+def encode(block_hash: bytes, parent_hash: bytes, salt: bytes, tokens, payload: np.ndarray) -> bytes:
+    payload = np.ascontiguousarray(payload)
+    code = _CODES[payload.dtype.newbyteorder("<") if payload.dtype.byteorder == ">" else payload.dtype]
+    shape = tuple(payload.shape) + (1,) * (5 - payload.ndim)
+    raw = payload.tobytes()
+    toks = np.asarray(tokens, dtype="<i4").tobytes()
+    fields = (FORMAT_VERSION, len(tokens), code, *shape, len(raw), block_hash, parent_hash, salt_digest(salt),
+              xxhash.xxh3_64_intdigest(raw))
+    head = _HEADER.pack(*fields, 0)
+    check = xxhash.xxh3_64_intdigest(MAGIC + head[: -8] + toks)
+    return MAGIC + _HEADER.pack(*fields, check) + toks + raw
+
+
+def read_header(data: bytes, *, salt: bytes) -> tuple[BlockHeader, list[int]]:
+    """Parse and check the header and token ids (no payload read needed)."""
+    if len(data) < HEADER_SIZE:
+        raise BadBlockFile(f"truncated header ({len(data)} bytes)")
+    if data[: len(MAGIC)] != MAGIC:
+        raise BadBlockFile("not an ember KV block (bad magic)")
+    (version, n_tokens, code, d0, d1, d2, d3, d4, payload_bytes, block_hash, parent_hash, sdigest,
+     payload_sum, header_sum) = _HEADER.unpack_from(data, len(MAGIC))
+    if version != FORMAT_VERSION:
+        raise BadBlockFile(f"format version {version}, expected {FORMAT_VERSION}")
+    end = HEADER_SIZE + 4 * n_tokens
+    if len(data) < end:
+        raise BadBlockFile("truncated token ids")
+    toks = data[HEADER_SIZE:end]
+    if xxhash.xxh3_64_intdigest(data[: HEADER_SIZE - 8] + toks) != header_sum:
+        raise BadBlockFile("header checksum mismatch")
+    if sdigest != salt_digest(salt):
+        raise BadBlockFile("written for another model or KV layout")
+    if code not in _DTYPES:
+        raise BadBlockFile(f"unknown dtype code {code}")
+    shape = tuple(d for d in (d0, d1, d2, d3, d4))
+    header = BlockHeader(block_hash, parent_hash, sdigest, n_tokens, _DTYPES[code], shape, payload_bytes, payload_sum)
+    return header, np.frombuffer(toks, dtype="<i4").tolist()
+
+
+def decode(data: bytes, *, salt: bytes, expect_hash: bytes, shape: tuple[int, ...], dtype=np.float32,
+           chain_hash=None) -> np.ndarray:
+    """The payload of a fully checked file, shaped `shape`."""
+    header, tokens = read_header(data, salt=salt)
+    if header.block_hash != expect_hash:
+        raise BadBlockFile("block hash does not match the file name")
+    if chain_hash is not None and chain_hash(header.parent_hash, tokens, salt) != header.block_hash:
+        raise BadBlockFile("token ids do not hash to the block's name")
+    want = tuple(shape) + (1,) * (5 - len(shape))
+    if header.shape != want or header.dtype != np.dtype(dtype):
+        raise BadBlockFile(f"payload shape {header.shape} {header.dtype}, expected {want} {np.dtype(dtype)}")
+    start = HEADER_SIZE + 4 * header.n_tokens
+    raw = data[start : start + header.payload_bytes]
+    if len(raw) != header.payload_bytes or len(data) != start + header.payload_bytes:
+        raise BadBlockFile(f"payload is {len(data) - start} bytes, header says {header.payload_bytes}")
+    if xxhash.xxh3_64_intdigest(raw) != header.payload_checksum:
+        raise BadBlockFile("payload checksum mismatch")
+    return np.frombuffer(raw, dtype=header.dtype).reshape(shape)
