@@ -22,10 +22,12 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 
+    from .resume import add_resume_parser
     from .serve_load import add_serve_parser
     from .synth import add_make_model_parser
 
     add_serve_parser(bsub)
+    add_resume_parser(bsub)
     add_make_model_parser(bsub)
 
 
