@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from ember.kernels.cli import add_kernels_parser
+
+    add_kernels_parser(sub)
     return parser
 
 

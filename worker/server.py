@@ -8,6 +8,7 @@ work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits at once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -87,7 +88,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     app = create_app(engine, model, api_key=cfg.api_key, model_name=model_name, state=state)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=1))
-    server.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT (drain, then exit)
+    server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)
     exit_code = [EX_OK]
     terms = [0]
 

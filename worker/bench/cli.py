@@ -22,12 +22,14 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 
+    from .replay import add_replay_parser
     from .resume import add_resume_parser
     from .serve_load import add_serve_parser
     from .synth import add_make_model_parser
 
     add_serve_parser(bsub)
     add_resume_parser(bsub)
+    add_replay_parser(bsub)
     add_make_model_parser(bsub)
 
 

@@ -1,0 +1,278 @@
+"""Anthropic messages: POST /v1/messages (streaming and not) and /v1/messages/count_tokens.
+
+system: a string or text blocks. Messages may also carry role "system" (Claude Code sends some
+inside `messages`); they are passed to the chat template where they stand. Content blocks: text;
+tool_use and tool_result become the template's tool calls and tool messages; thinking blocks are
+dropped; images and documents are refused (text-only model). stop_sequences, temperature, top_p,
+top_k (the current SDK no longer offers temperature; absent, it is the API's default 1.0);
+max_tokens is clamped to the context (and may be left out). output_config.format (structured
+output) is refused (400): the output is not constrained. cache_control, metadata, thinking,
+output_config.effort, tool_choice and unknown fields are ignored: the prefix cache is automatic.
+
+Usage: input_tokens is the uncached part of the prompt, cache_read_input_tokens the part served
+from the prefix cache (so input + cache_read = the whole prompt), cache_creation_input_tokens 0.
+Streams: message_start, content_block_start, ping, content_block_delta..., content_block_stop,
+message_delta (stop_reason end_turn / max_tokens / stop_sequence, usage), message_stop; `ping`
+events keep the stream alive while the request waits or prefills; a failure ends the stream with
+`event: error`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started
+from . import common
+from .common import ApiContext, Collected, bad_request
+from .errors import ApiError, anthropic_error
+from .sse import frame
+
+PROTOCOL = "messages"
+
+
+class MessageIn(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    messages: list[MessageIn]
+    model: str = ""
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+class CountTokensResponse(msgspec.Struct):
+    input_tokens: int
+
+
+class TextBlock(msgspec.Struct):
+    text: str
+    type: str = "text"
+
+
+class Usage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class Message(msgspec.Struct):
+    id: str
+    model: str
+    content: list[TextBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+    type: str = "message"
+    role: str = "assistant"
+
+
+class MessageStart(msgspec.Struct):
+    message: Message
+    type: str = "message_start"
+
+
+class ContentBlockStart(msgspec.Struct):
+    index: int
+    content_block: TextBlock
+    type: str = "content_block_start"
+
+
+class TextDelta(msgspec.Struct):
+    text: str
+    type: str = "text_delta"
+
+
+class ContentBlockDelta(msgspec.Struct):
+    index: int
+    delta: TextDelta
+    type: str = "content_block_delta"
+
+
+class ContentBlockStop(msgspec.Struct):
+    index: int
+    type: str = "content_block_stop"
+
+
+class StopDelta(msgspec.Struct):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(msgspec.Struct):
+    delta: StopDelta
+    usage: Usage
+    type: str = "message_delta"
+
+
+class Ping(msgspec.Struct):
+    type: str = "ping"
+
+
+class MessageStop(msgspec.Struct):
+    type: str = "message_stop"
+
+
+PING_FRAME = frame(Ping(), "ping")
+
+# -- request -> GenerationRequest ------------------------------------------------------------------------------
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise bad_request(f"{param}[{j}] must be a content block", param=f"{param}[{j}]")
+        kind = block.get("type")
+        if kind == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
+            texts.append(text)
+        elif kind in ("image", "document"):
+            raise bad_request(f"{param}[{j}]: this model accepts text only (got a {kind} block)",
+                              param=f"{param}[{j}]")
+    return "\n".join(texts)
+
+
+def template_messages(body: MessagesRequest) -> list[dict]:
+    msgs: list[dict] = []
+    if body.system:
+        msgs.append({"role": "system", "content": _text_of(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        param = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            msgs.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict] = []
+        results: list[dict] = []
+        for j, block in enumerate(m.content):
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(_text_of([block], param))
+            elif kind in ("image", "document"):
+                _text_of([block], param)  # raises the 400
+            elif kind == "tool_use":
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block.get("name", ""), "arguments": block.get("input", {})}})
+            elif kind == "tool_result":
+                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                "content": _text_of(block.get("content"), f"{param}[{j}].content")})
+            # thinking, redacted_thinking, server tool blocks: nothing for the prompt
+        msgs.extend(results)
+        if texts or calls or not results:
+            d: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts or not calls else None}
+            if calls:
+                d["tool_calls"] = calls
+            msgs.append(d)
+    return msgs
+
+
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    out = []
+    for t in tools or []:
+        if t.get("name") and "input_schema" in t:
+            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                         "parameters": t["input_schema"]}})
+    return out or None
+
+
+async def prompt_of(ctx: ApiContext, body: MessagesRequest) -> list[int]:
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    return await common.chat_prompt(ctx, template_messages(body), template_tools(body.tools), "messages")
+
+
+async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str) -> GenerationRequest:
+    fmt = (body.output_config or {}).get("format")
+    if fmt:
+        raise bad_request("output_config.format (structured outputs) is not supported: this worker does not "
+                          "constrain output to a schema yet", param="output_config.format")
+    params = common.sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+    prompt = await prompt_of(ctx, body)
+    max_tokens = common.max_new_tokens(body.max_tokens, len(prompt), ctx.context_limit, "max_tokens")
+    return GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop_sequences),
+                             protocol=PROTOCOL)
+
+
+# -- events -> response ----------------------------------------------------------------------------------------
+
+
+def stop_reason(f: Finished) -> tuple[str, str | None]:
+    if f.reason is FinishReason.LENGTH:
+        return "max_tokens", None
+    if f.stop_string is not None:
+        return "stop_sequence", f.stop_string
+    return "end_turn", None
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> Usage:
+    return Usage(prompt_tokens - cached_tokens, output_tokens, 0, cached_tokens)
+
+
+def message(ctx: ApiContext, request_id: str, c: Collected) -> Message:
+    f = c.finished
+    assert f is not None
+    reason, seq = stop_reason(f)
+    return Message(request_id, ctx.model_name, [TextBlock(c.text)], reason, seq,
+                   usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
+
+
+class MessagesStream:
+    def __init__(self, ctx: ApiContext, request_id: str, prompt_tokens: int):
+        self.ctx, self.id, self.prompt_tokens = ctx, request_id, prompt_tokens
+        self.started = False
+
+    def _start(self, cached: int) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
+        msg = Message(self.id, self.ctx.model_name, [], None, None, usage(self.prompt_tokens, cached, 0))
+        return [frame(MessageStart(msg), "message_start"),
+                frame(ContentBlockStart(0, TextBlock("")), "content_block_start"),
+                PING_FRAME]
+
+    def open(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        return PING_FRAME
+
+    def on_event(self, e) -> list[bytes]:
+        if isinstance(e, Started):
+            self.prompt_tokens = e.prompt_tokens
+            return self._start(e.cached_tokens)
+        if isinstance(e, Delta):
+            if not e.text:
+                return []
+            return self._start(0) + [frame(ContentBlockDelta(0, TextDelta(e.text)), "content_block_delta")]
+        if isinstance(e, Finished):
+            reason, seq = stop_reason(e)
+            return self._start(e.cached_tokens) + [
+                frame(ContentBlockStop(0), "content_block_stop"),
+                frame(MessageDelta(StopDelta(reason, seq), usage(e.prompt_tokens, e.cached_tokens,
+                                                                 e.completion_tokens)), "message_delta"),
+                frame(MessageStop(), "message_stop"),
+            ]
+        if isinstance(e, Failed):
+            return [frame(anthropic_error(common.failed_error(e)), "error")]
+        return []
+
+    def internal_error(self, message: str) -> list[bytes]:
+        return [frame(anthropic_error(ApiError(500, message)), "error")]

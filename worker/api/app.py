@@ -1,0 +1,321 @@
+"""The worker's HTTP app (Litestar): the four agent APIs, tokenizer helpers, health and metrics.
+
+Model names: one model is served, so any `model` value is accepted on the generation endpoints
+(Claude Code sends names like "claude-sonnet-4-5", Codex "gpt-5-codex"); responses name the
+served model. GET /v1/models lists it; GET /v1/models/{id} answers 404 unless `id` is the served
+name or the GGUF file name (with or without `.gguf`).
+
+Auth: with an API key set, every endpoint except /health/live, /health/ready, /metrics and
+/v1/stats wants it, as `Authorization: Bearer KEY` or `x-api-key: KEY` (compared in constant time).
+
+Errors come in the protocol's own shape: Anthropic's for /v1/messages* (and any request carrying
+an `anthropic-version` header), OpenAI's otherwise. Never a traceback: unexpected exceptions are
+logged (JSON line with the traceback) and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import HTTPException
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from ..logs import log
+from . import anthropic_messages, common, openai_chat, openai_completions, openai_responses
+from .common import ApiContext, bad_request
+from .errors import ApiError, anthropic_error, openai_error
+from .sse import SSE_HEADERS, stream
+from .state import ServerState
+
+MAX_BODY_BYTES = 256 * 1024 * 1024  # agent conversations with tools run to megabytes
+JSON = "application/json"
+
+_encoder = msgspec.json.Encoder()
+
+
+def _is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
+def error_response(request: Request, e: ApiError) -> Response:
+    body = anthropic_error(e) if _is_anthropic(request) else openai_error(e)
+    return Response(_encoder.encode(body), status_code=e.status, media_type=JSON, headers=e.headers())
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(obj), status_code=status, media_type=JSON, headers=headers)
+
+
+# -- models, tokenizer helpers ---------------------------------------------------------------------------------
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    created_at: str
+    display_name: str
+    context_length: int
+    object: str = "model"
+    type: str = "model"
+    owned_by: str = "ember"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    first_id: str | None
+    last_id: str | None
+    object: str = "list"
+    has_more: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    content: str | None = None
+    prompt: str | None = None
+    messages: list[openai_chat.ChatMessageIn] | None = None
+    add_special: bool | None = None
+    with_pieces: bool = False
+
+
+class TokenPiece(msgspec.Struct):
+    id: int
+    piece: str
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int] | list[TokenPiece]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    content: str
+    prompt: str
+
+
+def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str, state: ServerState,
+               keepalive_seconds: float = 2.0) -> Litestar:
+    """The Litestar app over `engine` (started by the caller). `engine` and `model` may be None while
+    loading; `state.attach(engine, model)` supplies them later (generation answers 503 meanwhile)."""
+    if engine is not None or model is not None:
+        state.attach(engine, model)
+    ctx = ApiContext(state=state, api_key=api_key or None, model_name=model_name,
+                     keepalive_seconds=keepalive_seconds)
+    created_unix = int(time.time())
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+
+    async def check_auth(request: Request) -> Response | None:
+        if ctx.api_key is None or request.route_handler.opt.get("public"):
+            return None
+        supplied = [request.headers.get("x-api-key")]
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            supplied.append(auth[7:].strip())
+        key = ctx.api_key.encode()
+        given = [s for s in supplied if s is not None]
+        if any(hmac.compare_digest(s.encode(), key) for s in given):
+            return None
+        msg = "invalid API key" if given else "an API key is required (Authorization: Bearer KEY or x-api-key)"
+        return error_response(request, ApiError(401, msg, code="invalid_api_key"))
+
+    def on_api_error(request: Request, e: ApiError) -> Response:
+        return error_response(request, e)
+
+    def on_http_error(request: Request, e: HTTPException) -> Response:
+        status = e.status_code
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}",
+                   413: "the request body is too large"}.get(status, str(e.detail))
+        return error_response(request, ApiError(status, message))
+
+    def on_error(request: Request, e: Exception) -> Response:
+        log("api_error", level="error", path=request.url.path, error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc())
+        return error_response(request, ApiError(500, f"internal error: {type(e).__name__}"))
+
+    async def body_of(request: Request, type_: type) -> Any:
+        return common.decode_body(await request.body(), type_)
+
+    def sse(handle, renderer, headers: dict[str, str]) -> Stream:
+        # The background task runs once the body is done, also when a disconnect cancelled the stream
+        # before it began: cancelling a settled request is a no-op, an unsettled one stops at once.
+        return Stream(stream(handle, renderer, ctx.keepalive_seconds), media_type="text/event-stream",
+                      headers={**SSE_HEADERS, **headers}, background=BackgroundTask(handle.cancel))
+
+    # -- generation endpoints ----------------------------------------------------------------------------------
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Response:
+        body = await body_of(request, openai_chat.ChatRequest)
+        rid = common.new_id("chatcmpl-")
+        common.check_accepting(ctx, rid, openai_chat.PROTOCOL)
+        req = await openai_chat.to_generation(ctx, body, rid)
+        handle = common.submit(ctx, req, "messages")
+        created, want_lp = common.now(), bool(body.logprobs)
+        headers = {"x-request-id": rid}
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(handle, openai_chat.ChatStream(ctx, rid, created, include, want_lp), headers)
+        result = await common.collect(request.receive, handle)
+        return _json(openai_chat.completion(ctx, rid, created, result, want_lp), headers=headers)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response:
+        body = await body_of(request, openai_completions.CompletionRequest)
+        rid = common.new_id("cmpl-")
+        common.check_accepting(ctx, rid, openai_completions.PROTOCOL)
+        req, plan = await openai_completions.to_generation(ctx, body, rid)
+        handle = common.submit(ctx, req, "prompt")
+        created = common.now()
+        headers = {"x-request-id": rid}
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(handle, openai_completions.CompletionStream(ctx, rid, created, plan, include), headers)
+        result = await common.collect(request.receive, handle)
+        return _json(openai_completions.completion(ctx, rid, created, plan, result), headers=headers)
+
+    @post("/v1/responses", status_code=200)
+    async def responses(request: Request) -> Response:
+        body = await body_of(request, openai_responses.ResponsesRequest)
+        rid = common.new_id("resp_")
+        common.check_accepting(ctx, rid, openai_responses.PROTOCOL)
+        req = await openai_responses.to_generation(ctx, body, rid)
+        handle = common.submit(ctx, req, "input")
+        created = common.now()
+        headers = {"x-request-id": rid}
+        if body.stream:
+            return sse(handle, openai_responses.ResponsesStream(ctx, body, rid, created), headers)
+        result = await common.collect(request.receive, handle)
+        return _json(openai_responses.completed(ctx, body, rid, created, result), headers=headers)
+
+    @post("/v1/messages", status_code=200)
+    async def messages(request: Request) -> Response:
+        body = await body_of(request, anthropic_messages.MessagesRequest)
+        rid = common.new_id("msg_")
+        common.check_accepting(ctx, rid, anthropic_messages.PROTOCOL)
+        req = await anthropic_messages.to_generation(ctx, body, rid)
+        handle = common.submit(ctx, req, "messages")
+        headers = {"request-id": rid, "x-request-id": rid}
+        if body.stream:
+            return sse(handle, anthropic_messages.MessagesStream(ctx, rid, len(req.prompt)), headers)
+        result = await common.collect(request.receive, handle)
+        return _json(anthropic_messages.message(ctx, rid, result), headers=headers)
+
+    @post("/v1/messages/count_tokens", status_code=200)
+    async def count_tokens(request: Request) -> Response:
+        body = await body_of(request, anthropic_messages.MessagesRequest)
+        need_model()
+        prompt = await anthropic_messages.prompt_of(ctx, body)
+        return _json(anthropic_messages.CountTokensResponse(len(prompt)))
+
+    def need_model() -> None:
+        if ctx.model is None:
+            raise ApiError(503, "the model is still loading; retry shortly", code="service_unavailable",
+                           retry_after=common.RETRY_AFTER_UNAVAILABLE)
+
+    # -- models ------------------------------------------------------------------------------------------------
+
+    def card() -> ModelCard:
+        stamp = datetime.fromtimestamp(created_unix, timezone.utc).isoformat().replace("+00:00", "Z")
+        context = ctx.engine.limits.context if ctx.engine is not None else 0
+        return ModelCard(ctx.model_name, created_unix, stamp, ctx.model_name, context)
+
+    @get("/v1/models")
+    async def list_models() -> Response:
+        c = card()
+        return _json(ModelList([c], c.id, c.id))
+
+    @get("/v1/models/{model_id:path}")
+    async def get_model(model_id: FromPath[str]) -> Response:
+        model_id = model_id.lstrip("/")
+        if model_id not in ctx.served_names():
+            raise ApiError(404, f"the model {model_id!r} does not exist; this worker serves {ctx.model_name!r}",
+                           param="model", code="model_not_found")
+        return _json(card())
+
+    # -- tokenizer helpers -------------------------------------------------------------------------------------
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(request: Request) -> Response:
+        body = await body_of(request, TokenizeRequest)
+        need_model()
+        if body.messages is not None:
+            msgs = openai_chat.template_messages(body.messages)
+            ids = await common.chat_prompt(ctx, msgs, None, "messages")
+        else:
+            text = body.content if body.content is not None else body.prompt
+            if text is None:
+                raise bad_request("send `content` (text) or `messages`", param="content")
+            tok = ctx.tokenizer
+            ids = tok.encode(text, add_special=bool(body.add_special), parse_special=True)
+        tokens: Any = ids
+        if body.with_pieces:
+            tokens = [TokenPiece(i, common.token_str(ctx, i)) for i in ids]
+        limit = ctx.engine.limits.context if ctx.engine is not None else 0
+        return _json(TokenizeResponse(tokens, len(ids), limit))
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(request: Request) -> Response:
+        body = await body_of(request, DetokenizeRequest)
+        need_model()
+        if body.tokens:
+            common.check_token_ids(ctx, body.tokens, "tokens")
+        text = ctx.tokenizer.decode(body.tokens)
+        return _json(DetokenizeResponse(text, text))
+
+    # -- health, metrics, stats (public; never the engine lock) -------------------------------------------------
+
+    @get("/health/live", opt={"public": True})
+    async def live() -> Response:
+        return _json(state.describe(), 200 if state.live_ok() else 503)
+
+    @get("/health/ready", opt={"public": True})
+    async def ready() -> Response:
+        ok = state.ready_ok()
+        return _json(state.describe(), 200 if ok else 503,
+                     headers=None if ok else {"Retry-After": str(common.RETRY_AFTER_UNAVAILABLE)})
+
+    @get("/metrics", opt={"public": True})
+    async def metrics() -> Response:
+        text = ctx.engine.metrics.prometheus_text() if ctx.engine is not None else b""
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @get("/v1/stats", opt={"public": True})
+    async def stats() -> Response:
+        out: dict[str, Any] = {"state": state.state, "model": ctx.model_name}
+        engine = ctx.engine
+        if engine is not None:
+            lim = engine.limits
+            out["engine"] = {
+                "backend": getattr(engine.backend, "name", None), "fingerprint": str(engine.model.fingerprint),
+                "max_seqs": lim.max_seqs, "max_queue": lim.max_queue, "context": lim.context,
+                "prefill_chunk": lim.prefill_chunk, "max_step_tokens": lim.max_step_tokens,
+                "block_size": engine.backend.block_size, "kv_blocks": engine.pool.n_blocks,
+                "running": len(engine.running), "waiting": len(engine.waiting), "steps": engine.step_count,
+                "last_progress_seconds": round(time.monotonic() - engine.last_progress, 3),
+            }
+            out["metrics"] = engine.metrics.snapshot()
+        return _json(out)
+
+    return Litestar(
+        route_handlers=[chat_completions, completions, responses, messages, count_tokens, list_models, get_model,
+                        tokenize, detokenize, live, ready, metrics, stats],
+        before_request=check_auth,
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
+        request_max_body_size=MAX_BODY_BYTES,
+        openapi_config=None,
+        logging_config=None,
+        debug=False,
+    )

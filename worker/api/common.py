@@ -1,0 +1,311 @@
+"""What the four protocol adapters share: body decoding, sampling parameters, submission to the
+engine (with its refusals mapped to HTTP), and collecting a non-streaming result while watching
+for the client to go away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import msgspec
+
+from ..engine.requests import (
+    Delta, Failed, Finished, GenerationRequest, PromptLogprobs, RequestHandle, Started, TokenLogprob,
+)
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
+from ..logs import log
+from .errors import ApiError, bad_request, from_validation
+
+T = TypeVar("T")
+
+RETRY_AFTER_BUSY = 1  # seconds, 429: the queue is full
+RETRY_AFTER_UNAVAILABLE = 5  # seconds, 503: loading, draining or restarting
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ApiContext:
+    """Everything a handler needs; engine and model come from `state` (they may attach late)."""
+
+    state: Any  # ServerState
+    api_key: str | None
+    model_name: str
+    keepalive_seconds: float = 2.0
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    @property
+    def model(self):
+        return self.state.model
+
+    @property
+    def tokenizer(self):
+        return self.state.model.tokenizer
+
+    @property
+    def context_limit(self) -> int:
+        return self.engine.limits.context
+
+    def served_names(self) -> set[str]:
+        names = {self.model_name}
+        model = self.model
+        if model is not None:
+            names |= {model.path.name, model.path.stem}
+        return names
+
+    @property
+    def fingerprint(self) -> str:
+        model = self.model
+        return "fp_" + str(model.fingerprint)[:12] if model is not None else "fp_none"
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def decode_body(body: bytes, type_: type[T]) -> T:
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
+
+
+# -- request parameters ----------------------------------------------------------------------------
+
+
+def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None = None,
+                    min_p: float | None = None, presence_penalty: float | None = None,
+                    frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                    seed: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from protocol fields (None = the default); a 400 naming the protocol's field
+    for an out-of-range value."""
+    kw: dict[str, Any] = {}
+    for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                       ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                       ("repetition_penalty", repetition_penalty)):
+        if value is not None:
+            kw[key] = value
+    if seed is not None:
+        kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF  # numpy wants a non-negative seed; keep negative ones distinct
+    try:
+        params = SamplingParams(**kw)
+    except (TypeError, ValueError) as e:  # pragma: no cover - the structs already typed the values
+        raise bad_request(str(e)) from None
+    bad = params.validate()
+    if bad:
+        name = (names or {}).get(bad, bad)
+        raise bad_request(f"{name} is out of range (got {kw.get(bad)!r})", param=name, code="invalid_value")
+    return params
+
+
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    return [s for s in stop if s]
+
+
+def max_new_tokens(value: int | None, prompt_len: int, context: int, param: str, *, allow_zero: bool = False) -> int:
+    """The protocol's max tokens, clamped to what the context leaves (None: all of it)."""
+    room = max(context - prompt_len, 1)
+    if value is None:
+        return room
+    if value < (0 if allow_zero else 1):
+        raise bad_request(f"{param} must be at least {0 if allow_zero else 1} (got {value})", param=param,
+                          code="invalid_value")
+    return min(value, room)
+
+
+def check_logprobs(k: int | None, param: str) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS} (got {k})", param=param,
+                          code="invalid_value")
+
+
+def json_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as HF chat templates want them: a dict when the JSON string parses."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments
+
+
+# -- prompts ---------------------------------------------------------------------------------------------
+
+
+async def chat_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
+    """Render the chat template and tokenize (off the event loop: long prompts take a while)."""
+    from ..text.chat_template import ChatTemplateError
+
+    template = ctx.model.template
+
+    def build() -> list[int]:
+        return template.encode(messages, add_generation_prompt=True, tools=tools or None)
+
+    try:
+        return await asyncio.to_thread(build)
+    except ChatTemplateError as e:
+        raise bad_request(f"the chat template could not render these messages: {e}", param=param,
+                          code="invalid_messages") from None
+
+
+async def text_prompt(ctx: ApiContext, text: str) -> list[int]:
+    tok = ctx.tokenizer
+
+    def build() -> list[int]:
+        ids = tok.encode(text, add_special=True, parse_special=True)
+        bos = tok.bos_id
+        if tok.add_bos and bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]  # the text already began with the BOS token
+        return ids
+
+    return await asyncio.to_thread(build)
+
+
+def check_token_ids(ctx: ApiContext, ids: list[int], param: str) -> list[int]:
+    n = ctx.tokenizer.vocab_size
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n:
+            raise bad_request(f"token id {t!r} at {param}[{i}] is not in the vocabulary (0..{n - 1})",
+                              param=param, code="invalid_value")
+    if not ids:
+        raise bad_request("the prompt is empty", param=param, code="invalid_value")
+    return ids
+
+
+# -- submission ------------------------------------------------------------------------------------------
+
+
+def refuse(ctx: ApiContext, request_id: str, protocol: str, err: ApiError) -> ApiError:
+    """Count and log a request refused at the door, so started == sum of outcomes still holds."""
+    engine = ctx.engine
+    if engine is not None:
+        engine.metrics.started.inc()
+        engine.metrics.outcomes.labels("refused").inc()
+    log("refused", request_id=request_id, protocol=protocol, status=err.status, reason=err.message)
+    return err
+
+
+def check_accepting(ctx: ApiContext, request_id: str = "", protocol: str = "") -> None:
+    if ctx.state.accepting():
+        return
+    state = ctx.state.state
+    message = {
+        "loading": "the model is still loading; retry shortly",
+        "draining": "the worker is shutting down and takes no new requests; retry shortly",
+        "poisoned": "the worker's compute context failed and it is restarting; retry shortly",
+    }.get(state, f"the worker is not ready ({state})")
+    err = ApiError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_UNAVAILABLE)
+    raise refuse(ctx, request_id, protocol, err) if request_id else err
+
+
+def submit(ctx: ApiContext, req: GenerationRequest, param: str) -> RequestHandle:
+    check_accepting(ctx, req.request_id, req.protocol)
+    handle = RequestHandle(req, asyncio.get_running_loop())
+    try:
+        ctx.engine.submit(handle)
+    except QueueFull as e:
+        raise refuse(ctx, req.request_id, req.protocol,
+                     ApiError(429, f"the worker is busy: {e}; retry shortly", code="rate_limit_exceeded",
+                              retry_after=RETRY_AFTER_BUSY)) from None
+    except NotAccepting as e:
+        raise refuse(ctx, req.request_id, req.protocol,
+                     ApiError(503, str(e), code="service_unavailable",
+                              retry_after=RETRY_AFTER_UNAVAILABLE)) from None
+    except PromptTooLong as e:
+        raise refuse(ctx, req.request_id, req.protocol,
+                     ApiError(400, str(e), param=param, code="context_length_exceeded")) from None
+    return handle
+
+
+def failed_error(f: Failed) -> ApiError:
+    retry = RETRY_AFTER_UNAVAILABLE if f.status == 503 else None
+    return ApiError(f.status, f.message, code=f.kind, retry_after=retry)
+
+
+# -- results ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Collected:
+    """A whole result, gathered from the events of a non-streaming request."""
+
+    started: Started | None = None
+    parts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finished: Finished | None = None
+    failed: Failed | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, e: Any) -> None:
+        if isinstance(e, Delta):
+            self.parts.append(e.text)
+            self.tokens.extend(e.tokens)
+            if e.logprobs:
+                self.logprobs.extend(e.logprobs)
+        elif isinstance(e, Started):
+            self.started = e
+        elif isinstance(e, PromptLogprobs):
+            self.prompt_logprobs = e.entries
+        elif isinstance(e, Finished):
+            self.finished = e
+        elif isinstance(e, Failed):
+            self.failed = e
+
+
+async def watch_disconnect(receive: Callable, handle: RequestHandle) -> None:
+    """Cancel the request when the ASGI server reports the client gone (clean close or reset)."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            handle.cancel()
+            return
+
+
+async def collect(receive: Callable, handle: RequestHandle) -> Collected:
+    """Gather a request's events while watching for a disconnect; raise ApiError if it failed."""
+    out = Collected()
+    watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+    try:
+        async for e in handle.events():
+            out.add(e)
+    finally:
+        watcher.cancel()
+        if out.finished is None and out.failed is None:
+            handle.cancel()  # the handler itself was cancelled (server shutting down)
+    if out.failed is not None:
+        raise failed_error(out.failed)
+    return out
+
+
+# -- token text --------------------------------------------------------------------------------------------
+
+
+def token_bytes(ctx: ApiContext, token: int) -> bytes:
+    return ctx.tokenizer.token_piece(token)
+
+
+def token_str(ctx: ApiContext, token: int) -> str:
+    return token_bytes(ctx, token).decode("utf-8", errors="replace")

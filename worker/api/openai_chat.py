@@ -1,0 +1,321 @@
+"""OpenAI chat completions: POST /v1/chat/completions, streaming and not.
+
+Request fields used: model (any name: one model is served), messages, stream, stream_options.
+include_usage, max_tokens / max_completion_tokens (the latter wins), temperature, top_p, seed,
+stop, logprobs / top_logprobs, n (only 1), presence_penalty, frequency_penalty, plus the common
+extensions top_k, min_p, repetition_penalty. tools are passed to the chat template; the output
+comes back as text (no tool-call parsing). response_format other than text is refused (400),
+since the output is not constrained. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started, TokenLogprob
+from . import common
+from .common import ApiContext, Collected, bad_request
+from .errors import openai_error
+from .sse import KEEPALIVE_COMMENT, frame
+
+PROTOCOL = "chat"
+
+# -- request ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[Any] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    messages: list[ChatMessageIn]
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# -- response ------------------------------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    content: str | None
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+    audio_tokens: int = 0
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str
+
+
+class ChunkDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class _NullUsageChunk(msgspec.Struct):
+    """A chunk with `"usage": null`, as the API sends when include_usage is on."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: None = None
+
+
+def usage(finished: Finished) -> Usage:
+    return Usage(finished.prompt_tokens, finished.completion_tokens,
+                 finished.prompt_tokens + finished.completion_tokens,
+                 PromptTokensDetails(finished.cached_tokens), CompletionTokensDetails())
+
+
+def finish_reason(f: Finished) -> str:
+    return "length" if f.reason is FinishReason.LENGTH else "stop"
+
+
+def logprob_entries(ctx: ApiContext, lps: list[TokenLogprob]) -> list[TokenLogprobOut]:
+    out = []
+    for lp in lps:
+        b = common.token_bytes(ctx, lp.token)
+        top = []
+        for t, v in lp.top:
+            tb = common.token_bytes(ctx, t)
+            top.append(TopLogprob(tb.decode("utf-8", errors="replace"), v, list(tb)))
+        out.append(TokenLogprobOut(b.decode("utf-8", errors="replace"), lp.logprob, list(b), top))
+    return out
+
+
+# -- request -> GenerationRequest -----------------------------------------------------------------------------
+
+
+def template_messages(messages: list[ChatMessageIn]) -> list[dict]:
+    """OpenAI messages as the chat template wants them: text content, tool calls with dict arguments."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": flatten_content(m.content, f"messages[{i}].content")}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+                calls.append({"id": c.get("id"), "type": "function",
+                              "function": {"name": fn.get("name", ""),
+                                           "arguments": common.json_arguments(fn.get("arguments", {}))}})
+            d["tool_calls"] = calls
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def flatten_content(content: Any, param: str) -> str | None:
+    """A message's content as one string: text parts joined by newlines; other media refused."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise bad_request(f"{param}[{j}] must be an object with a type", param=f"{param}[{j}]")
+        kind = part.get("type")
+        if kind in TEXT_PARTS:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
+            texts.append(text)
+        elif kind in ("image_url", "image", "input_image", "input_audio", "file", "input_file", "document"):
+            raise bad_request(f"{param}[{j}]: this model accepts text only (got a {kind} part)",
+                              param=f"{param}[{j}]", code="unsupported_content")
+        # other part types (refusal, thinking...) carry nothing the prompt needs
+    return "\n".join(texts)
+
+
+def check_response_format(fmt: dict | None, param: str = "response_format") -> None:
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise bad_request(f"{param} of type {fmt.get('type')!r} is not supported: this worker does not constrain "
+                          "output to a schema yet; ask for plain text", param=param, code="unsupported_parameter")
+
+
+async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> GenerationRequest:
+    if body.n not in (None, 1):
+        raise bad_request(f"n must be 1 (got {body.n}): this worker returns one choice per request", param="n",
+                          code="unsupported_value")
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    check_response_format(body.response_format)
+    k = None
+    if body.logprobs:
+        common.check_logprobs(body.top_logprobs, "top_logprobs")
+        k = body.top_logprobs or 0
+    params = common.sampling_params(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed)
+    stop = common.stop_list(body.stop)
+    messages = template_messages(body.messages)
+    prompt = await common.chat_prompt(ctx, messages, body.tools, "messages")
+    which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = common.max_new_tokens(limit, len(prompt), ctx.context_limit, which)
+    return GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k, protocol=PROTOCOL)
+
+
+# -- events -> response ----------------------------------------------------------------------------------------
+
+
+def completion(ctx: ApiContext, request_id: str, created: int, c: Collected, want_logprobs: bool) -> ChatCompletion:
+    f = c.finished
+    assert f is not None
+    lps = ChoiceLogprobs(logprob_entries(ctx, c.logprobs)) if want_logprobs else None
+    choice = ChatChoice(0, ChatMessageOut(c.text), lps, finish_reason(f))
+    return ChatCompletion(request_id, "chat.completion", created, ctx.model_name, [choice], usage(f),
+                          ctx.fingerprint)
+
+
+class ChatStream:
+    """Engine events -> chat.completion.chunk frames, then `data: [DONE]`."""
+
+    def __init__(self, ctx: ApiContext, request_id: str, created: int, include_usage: bool, want_logprobs: bool):
+        self.ctx, self.id, self.created = ctx, request_id, created
+        self.include_usage, self.want_logprobs = include_usage, want_logprobs
+        self.sent_role = False
+
+    def _chunk(self, delta: ChunkDelta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+        cls = _NullUsageChunk if self.include_usage else ChatCompletionChunk
+        return frame(cls(self.id, "chat.completion.chunk", self.created, self.ctx.model_name, self.ctx.fingerprint,
+                         [ChunkChoice(0, delta, logprobs, finish)]))
+
+    def _role(self) -> list[bytes]:
+        if self.sent_role:
+            return []
+        self.sent_role = True
+        return [self._chunk(ChunkDelta(role="assistant", content=""))]
+
+    def open(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE_COMMENT
+
+    def on_event(self, e) -> list[bytes]:
+        if isinstance(e, Started):
+            return self._role()
+        if isinstance(e, Delta):
+            lps = ChoiceLogprobs(logprob_entries(self.ctx, e.logprobs)) if self.want_logprobs and e.logprobs else None
+            if not e.text and lps is None:
+                return []
+            return self._role() + [self._chunk(ChunkDelta(content=e.text), None, lps)]
+        if isinstance(e, Finished):
+            out = self._role() + [self._chunk(ChunkDelta(), finish_reason(e))]
+            if self.include_usage:
+                out.append(frame(ChatCompletionChunk(self.id, "chat.completion.chunk", self.created,
+                                                     self.ctx.model_name, self.ctx.fingerprint, [], usage(e))))
+            return out + [b"data: [DONE]\n\n"]
+        if isinstance(e, Failed):
+            return [frame(openai_error(common.failed_error(e)))]
+        return []
+
+    def internal_error(self, message: str) -> list[bytes]:
+        return [frame(openai_error(common.ApiError(500, message)))]

@@ -1,0 +1,80 @@
+"""The worker's readiness state, read by /health/live and /health/ready without the engine lock.
+
+States (DESIGN.md): `loading` (model not ready yet), `ready`, `draining` (SIGTERM: finishing
+in-flight work, no new admissions), `poisoned` (the compute context is gone; the process exits).
+Liveness also fails when the engine loop is stalled: it has work but has not made progress for
+`stall_seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+STATES = ("loading", "ready", "draining", "poisoned")
+DEFAULT_STALL_SECONDS = 60.0
+
+
+class ServerState:
+    def __init__(self, state: str = "loading", *, stall_seconds: float = DEFAULT_STALL_SECONDS):
+        if state not in STATES:
+            raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
+        self._state = state
+        self.stall_seconds = stall_seconds
+        self.changed_at = time.monotonic()
+        self.engine: Any = None  # set by create_app (or attach, when the model loads after the app starts)
+        self.model: Any = None
+
+    def attach(self, engine: Any, model: Any) -> None:
+        self.engine, self.model = engine, model
+
+    def set(self, state: str) -> None:
+        if state not in STATES:
+            raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
+        if self._state == "poisoned":  # there is no way back from a lost compute context
+            return
+        if state != self._state:
+            self._state = state
+            self.changed_at = time.monotonic()
+
+    @property
+    def state(self) -> str:
+        engine = self.engine
+        if engine is not None and getattr(engine, "poisoned", None) is not None:
+            return "poisoned"
+        return self._state
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine last made progress, if it has work and that exceeds stall_seconds."""
+        engine = self.engine
+        if engine is None:
+            return None
+        age = time.monotonic() - engine.last_progress
+        if engine.busy and age > self.stall_seconds:
+            return age
+        return None
+
+    def accepting(self) -> bool:
+        return self.state == "ready" and self.engine is not None
+
+    def live_ok(self) -> bool:
+        return self.state != "poisoned" and self.stalled_for() is None
+
+    def ready_ok(self) -> bool:
+        return self.state == "ready" and self.live_ok()
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for the health bodies: plain attribute reads, never the engine lock."""
+        out: dict[str, Any] = {"state": self.state, "state_seconds": round(time.monotonic() - self.changed_at, 3)}
+        engine = self.engine
+        if engine is not None:
+            age = time.monotonic() - engine.last_progress
+            out.update(
+                running=len(engine.running), waiting=len(engine.waiting), steps=engine.step_count,
+                last_progress_seconds=round(age, 3), stalled=self.stalled_for() is not None,
+            )
+            p = getattr(engine, "poisoned", None)
+            if p is not None:
+                out["error"] = {"code": getattr(p, "code", None), "name": getattr(p, "name", None),
+                                "message": getattr(p, "message", str(p))}
+        return out
