@@ -38,6 +38,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     kv_persist: str = "all"
     prefill_chunk: int = 256
     drain_seconds: float = 30.0
+    stall_seconds: float = 60.0
     backend: str = "numpy"
     fault: str | None = None
     log_prompts: bool = False
@@ -58,6 +59,7 @@ HELP = {
     "kv_host_mem": "host RAM tier for KV blocks (default 512MiB)",
     "kv_persist": "all (each full block as soon as complete), finished (when a request ends) or off",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
+    "stall_seconds": "an engine loop with work and no progress this long fails /health/live (default 60)",
     "backend": "compute backend: numpy (default)",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
@@ -141,6 +143,8 @@ def validate(cfg: WorkerConfig) -> None:
     if cfg.kv_disk_budget != "auto":
         parse_size(cfg.kv_disk_budget, "kv_disk_budget")
     parse_size(cfg.kv_host_mem, "kv_host_mem")
+    if cfg.stall_seconds <= 0:
+        raise ConfigError("stall_seconds: must be positive")
     if cfg.drain_seconds < 0:
         raise ConfigError("drain_seconds: must not be negative")
     if cfg.backend not in ("numpy",):

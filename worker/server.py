@@ -31,45 +31,29 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int) -> int:
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
 
 
-def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
-    import uvicorn
+class _Loaded:
+    """What loading produces: the engine over the model, and the facts `ready` reports."""
 
-    from .api.app import create_app
-    from .api.state import ServerState
-    from .engine.faults import FaultInjector, FaultSpecError, parse_faults
+    def __init__(self, engine, model, store, facts: dict):
+        self.engine, self.model, self.store, self.facts = engine, model, store, facts
+
+
+def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loaded:
+    """Open the model, build backend, KV store and engine (blocking; runs off the event loop)."""
     from .engine.numpy_backend import NumpyBackend
     from .engine.runtime import DEFAULT_BLOCK_SIZE
     from .engine.scheduler import Engine, EngineLimits
-    from .metrics import Metrics
-    from .model.gguf_file import ModelFileError
     from .model.loader import open_model
     from .model.weights import load_weights
-    from .text.chat_template import ChatTemplateError
 
-    t0 = time.monotonic()
-    log("config", version=version("ember"), pid=os.getpid(), config=worker_config.redacted(cfg),
-        sources={k: v for k, v in sources.items() if v != "default"})
-    try:
-        faults = FaultInjector(parse_faults(cfg.fault))
-        model = open_model(cfg.model)
-        weights = load_weights(model.gguf, model.config)
-    except (ModelFileError, ChatTemplateError, FaultSpecError) as e:
-        log("config_error", level="error", error=str(e))
-        return EX_CONFIG
+    model = open_model(cfg.model)
+    weights = load_weights(model.gguf, model.config)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE)
     kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
     limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
                           max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx)
-    state = ServerState()
-    metrics = Metrics()
-    poisoned_exit = threading.Event()
-
-    def on_poisoned(e) -> None:  # engine thread
-        state.set("poisoned")
-        poisoned_exit.set()
-
     store = None
     if cfg.kv_persist != "off":
         from .engine.kv_blocks import chain_hash, kv_salt
@@ -84,31 +68,68 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
                         host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
-    model_name = model.path.stem
-    app = create_app(engine, model, api_key=cfg.api_key, model_name=model_name, state=state)
+    facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
+                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs)
+    return _Loaded(engine, model, store, facts)
+
+
+def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
+    """Serve HTTP at once (health says `loading`), load the model off the event loop, then serve."""
+    import uvicorn
+
+    from .api.app import create_app
+    from .api.state import ServerState
+    from .engine.faults import FaultInjector, FaultSpecError, parse_faults
+    from .metrics import Metrics
+    from .model.gguf_file import ModelFileError
+    from .model.loader import resolve_model_path
+    from .text.chat_template import ChatTemplateError
+
+    t0 = time.monotonic()
+    log("config", version=version("ember"), pid=os.getpid(), config=worker_config.redacted(cfg),
+        sources={k: v for k, v in sources.items() if v != "default"})
+    try:
+        faults = FaultInjector(parse_faults(cfg.fault))
+        model_path = resolve_model_path(cfg.model)
+    except (ModelFileError, FaultSpecError) as e:
+        log("config_error", level="error", error=str(e))
+        return EX_CONFIG
+    state = ServerState("loading", stall_seconds=cfg.stall_seconds)
+    metrics = Metrics()
+    poisoned_exit = threading.Event()
+
+    def on_poisoned(e) -> None:  # engine thread
+        state.set("poisoned")
+        poisoned_exit.set()
+
+    app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=1))
     server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)
     exit_code = [EX_OK]
     terms = [0]
+    loaded: list[_Loaded] = []
+
+    def busy() -> bool:
+        return bool(loaded) and loaded[0].engine.busy
 
     async def drain() -> None:
         state.set("draining")
-        engine.stop_accepting()
-        log("draining", in_flight=len(engine.running) + len(engine.waiting), seconds=cfg.drain_seconds)
+        if loaded:
+            loaded[0].engine.stop_accepting()
+            e = loaded[0].engine
+            log("draining", in_flight=len(e.running) + len(e.waiting), seconds=cfg.drain_seconds)
         deadline = time.monotonic() + cfg.drain_seconds
-        while engine.busy and time.monotonic() < deadline:
+        while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine.busy:
-            log("drain_timeout", level="warning", in_flight=len(engine.running) + len(engine.waiting))
+        if busy():
+            log("drain_timeout", level="warning")
         server.should_exit = True
 
     def on_signal(signum: int) -> None:
         terms[0] += 1
         log("signal", signal=signal.Signals(signum).name, count=terms[0])
         if terms[0] > 1:
-            server.should_exit = True
-            server.force_exit = True
             os._exit(EX_OK)
         asyncio.get_running_loop().create_task(drain())
 
@@ -119,26 +140,42 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         log("exit", code=EX_POISONED, reason="poisoned compute context")
         os._exit(EX_POISONED)  # never wait on a poisoned context's teardown
 
+    async def load_then_serve() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.01)
+        try:
+            result = await asyncio.to_thread(_load, cfg, metrics, faults, on_poisoned)
+        except (ModelFileError, ChatTemplateError) as e:
+            log("config_error", level="error", error=str(e))
+            exit_code[0] = EX_CONFIG
+            server.should_exit = True
+            return
+        loaded.append(result)
+        if state.state == "draining":  # SIGTERM while loading: nothing to drain
+            server.should_exit = True
+            return
+        result.engine.start()
+        state.attach(result.engine, result.model)
+        state.set("ready")
+        log("ready", host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        engine.start()
         loop.create_task(watch_poison())
-        state.set("ready")
-        log("ready", host=cfg.host, port=cfg.port, model=model_name, fingerprint=model.fingerprint,
-            backend=backend.name, ctx=ctx, kv_tokens=kv_tokens, max_seqs=cfg.max_seqs,
-            startup_seconds=round(time.monotonic() - t0, 2))
+        loader = loop.create_task(load_then_serve())
         await server.serve()
         if not server.started:
-            exit_code[0] = 1
+            exit_code[0] = exit_code[0] or 1
+        loader.cancel()
 
     try:
         asyncio.run(main())
     finally:
-        engine.shutdown(timeout=2.0)
-        if store is not None:
-            store.close(timeout=10.0)  # queued blocks reach the disk before a clean exit
-    if exit_code[0] == 0:
-        log("exit", code=EX_OK)
+        if loaded:
+            loaded[0].engine.shutdown(timeout=2.0)
+            if loaded[0].store is not None:
+                loaded[0].store.close(timeout=10.0)  # queued blocks reach the disk before a clean exit
+    log("exit", code=exit_code[0])
     return exit_code[0]

@@ -89,9 +89,9 @@ def decode_body(body: bytes, type_: type[T]) -> T:
 def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None = None,
                     min_p: float | None = None, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
-                    seed: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from protocol fields (None = the default); a 400 naming the protocol's field
-    for an out-of-range value."""
+                    seed: int | None = None) -> SamplingParams:
+    """SamplingParams from protocol fields (None = the default); a 400 naming the field for an
+    out-of-range value (the protocols share these names)."""
     kw: dict[str, Any] = {}
     for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
@@ -106,12 +106,11 @@ def sampling_params(*, temperature: float | None, top_p: float | None, top_k: in
         raise bad_request(str(e)) from None
     bad = params.validate()
     if bad:
-        name = (names or {}).get(bad, bad)
-        raise bad_request(f"{name} is out of range (got {kw.get(bad)!r})", param=name, code="invalid_value")
+        raise bad_request(f"{bad} is out of range (got {kw.get(bad)!r})", param=bad, code="invalid_value")
     return params
 
 
-def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
