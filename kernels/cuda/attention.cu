@@ -1,0 +1,225 @@
+// Paged attention over a KV cache of fixed-size blocks (KV stored as float or fp16).
+//
+// Cache layout (per layer): [slots, Hk, D] with slot = block * BS + offset; a sequence's position p
+// lives in block_tables[seq][p / BS] at offset p % BS (worker/engine/backend.py's rule).
+//
+// attn_<D>_g<G>_<kv>: one query row = one token of one sequence at position pos; it sees the keys at
+// positions j <= pos with pos - j < window (window 0: all), reference.attention's rule. A CTA owns one
+// (kv head, query row, split): the G = Hq / Hk query heads that share that kv head, over a run of at
+// most `split` keys (split-K over long contexts). Scores go to shared memory (16 lanes per key, D/16
+// elements each), a softmax per head, then the weighted sum of V (one warp per key, D/32 elements per
+// lane). With one split the CTA writes the normalised output; otherwise it writes (sum p*v, max, sum p)
+// and attn_combine merges the splits. Decode is one query row per sequence; prefill may use the same
+// kernel with one row per prompt token (correct, not yet flash-style fast).
+#include "common.cuh"
+
+#define ATT_THREADS 128
+#define ATT_SPLIT_MAX 512
+
+template <int E>
+EMBER_DEV void load_vals(const f16_t* p, float* out) {
+    if constexpr (E % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 8; ++i) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                out[8 * i + 2 * k] = h2f((u16)(w[k] & 0xffffu));
+                out[8 * i + 2 * k + 1] = h2f((u16)(w[k] >> 16));
+            }
+        }
+    } else if constexpr (E % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 4; ++i) {
+            const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+            out[4 * i + 0] = h2f((u16)(v.x & 0xffffu));
+            out[4 * i + 1] = h2f((u16)(v.x >> 16));
+            out[4 * i + 2] = h2f((u16)(v.y & 0xffffu));
+            out[4 * i + 3] = h2f((u16)(v.y >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) out[i] = h2f(p[i].v);
+    }
+}
+
+template <int E>
+EMBER_DEV void load_vals(const float* p, float* out) {
+    if constexpr (E % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 4; ++i) {
+            const float4 v = reinterpret_cast<const float4*>(p)[i];
+            out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) out[i] = p[i];
+    }
+}
+
+template <int D, int G, typename KV>
+EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
+                    const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
+                    int split, float* __restrict__ out, float* __restrict__ part_acc,
+                    float* __restrict__ part_ml) {
+    __shared__ float sc[G][ATT_SPLIT_MAX];
+    __shared__ float red[G][D];
+    __shared__ float stat[G][2];
+    const int kh = blockIdx.x, row = blockIdx.y, z = blockIdx.z, S = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int pos = row_pos[row];
+    const int L = pos + 1;
+    const int lo = window > 0 ? max(0, L - window) : 0;
+    const int t0 = lo + z * split;
+    const int nt = min(L, t0 + split) - t0;  // keys of this split; may be <= 0
+    const int* bt = block_tables + (i64)row_seq[row] * max_blocks;
+    const i64 slot_stride = (i64)Hk * D;
+
+    // phase 1: scores, 16 lanes per key
+    constexpr int E1 = D / 16;
+    const int hl = tid & 15, sub = (tid >> 4) & 1;
+    float qr[G][E1];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float* qp = q + ((i64)row * Hq + kh * G + g) * D + hl * E1;
+#pragma unroll
+        for (int e = 0; e < E1; ++e) qr[g][e] = qp[e] * scale;
+    }
+    for (int tb = 2 * warp; tb < nt; tb += ATT_THREADS / 16) {  // warp-uniform loop
+        const int t = tb + sub;
+        const bool ok = t < nt;
+        float kv[E1];
+        if (ok) {
+            const int p = t0 + t;
+            const i64 slot = (i64)bt[p / BS] * BS + p % BS;
+            load_vals<E1>(kc + slot * slot_stride + (i64)kh * D + hl * E1, kv);
+        } else {
+#pragma unroll
+            for (int e = 0; e < E1; ++e) kv[e] = 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float d = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E1; ++e) d = fmaf(qr[g][e], kv[e], d);
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            if (ok && hl == 0) sc[g][t] = d;
+        }
+    }
+    for (int i = tid; i < G * D; i += ATT_THREADS) (&red[0][0])[i] = 0.0f;
+    __syncthreads();
+
+    // softmax per head over this split (unnormalised; the sum is kept)
+    for (int g = warp; g < G; g += ATT_THREADS / 32) {
+        float m = -__int_as_float(0x7f800000);
+        for (int t = lane; t < nt; t += 32) m = fmaxf(m, sc[g][t]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int t = lane; t < nt; t += 32) {
+            const float e = expf(sc[g][t] - m);
+            sc[g][t] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) { stat[g][0] = m; stat[g][1] = l; }
+    }
+    __syncthreads();
+
+    // phase 2: sum_t p_t * v_t, one warp per key
+    constexpr int E2 = D / 32;
+    float acc[G][E2];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < E2; ++e) acc[g][e] = 0.0f;
+    for (int t = warp; t < nt; t += ATT_THREADS / 32) {
+        const int p = t0 + t;
+        const i64 slot = (i64)bt[p / BS] * BS + p % BS;
+        float vv[E2];
+        load_vals<E2>(vc + slot * slot_stride + (i64)kh * D + lane * E2, vv);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float pg = sc[g][t];
+#pragma unroll
+            for (int e = 0; e < E2; ++e) acc[g][e] = fmaf(pg, vv[e], acc[g][e]);
+        }
+    }
+    if (nt > 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int e = 0; e < E2; ++e) atomicAdd(&red[g][lane * E2 + e], acc[g][e]);
+    }
+    __syncthreads();
+
+    for (int i = tid; i < G * D; i += ATT_THREADS) {
+        const int g = i / D, d = i % D;
+        const i64 h = (i64)row * Hq + kh * G + g;
+        if (S == 1) {
+            out[h * D + d] = red[g][d] / stat[g][1];
+        } else {
+            part_acc[(h * S + z) * D + d] = red[g][d];
+            if (d == 0) {
+                part_ml[(h * S + z) * 2] = nt > 0 ? stat[g][0] : -__int_as_float(0x7f800000);
+                part_ml[(h * S + z) * 2 + 1] = nt > 0 ? stat[g][1] : 0.0f;
+            }
+        }
+    }
+}
+
+// Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
+extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                        int S, int Hq, int D, float* __restrict__ out) {
+    const i64 h = (i64)blockIdx.y * Hq + blockIdx.x;
+    const float* ml = part_ml + h * S * 2;
+    float M = -__int_as_float(0x7f800000);
+    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < S; ++s) {
+            if (ml[2 * s + 1] == 0.0f) continue;  // empty split
+            const float f = expf(ml[2 * s] - M);
+            num = fmaf(f, part_acc[(h * S + s) * D + d], num);
+            den = fmaf(f, ml[2 * s + 1], den);
+        }
+        out[h * D + d] = num / den;
+    }
+}
+
+#define ATTN(D, G, KVN, KVT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_d##D##_g##G##_##KVN(               \
+        const float* __restrict__ q, const KVT* __restrict__ kc, const KVT* __restrict__ vc,          \
+        const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
+        const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
+        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {         \
+        attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
+                        scale, split, out, part_acc, part_ml);                                         \
+    }
+#define ATTN_G(D, KVN, KVT) ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)
+ATTN_G(64, f16, f16_t) ATTN_G(128, f16, f16_t) ATTN_G(256, f16, f16_t)
+ATTN_G(64, f32, float) ATTN_G(128, f32, float) ATTN_G(256, f32, float)
+
+// Write the new tokens' K and V (float rows with strides ldk/ldv, [n, Hk, D]) into their cache slots.
+template <typename KV>
+EMBER_DEV void kv_write(const float* __restrict__ k, i64 ldk, const float* __restrict__ v, i64 ldv,
+                        KV* __restrict__ kc, KV* __restrict__ vc, const int* __restrict__ slots, int n,
+                        int Hk, int D) {
+    const int t = blockIdx.x;
+    if (t >= n) return;
+    const i64 slot = slots[t];
+    for (int i = threadIdx.x; i < Hk * D; i += blockDim.x) {
+        kc[slot * Hk * D + i] = from_f32<KV>(k[(i64)t * ldk + i]);
+        vc[slot * Hk * D + i] = from_f32<KV>(v[(i64)t * ldv + i]);
+    }
+}
+extern "C" __global__ void kv_write_f16(const float* k, i64 ldk, const float* v, i64 ldv, f16_t* kc,
+                                        f16_t* vc, const int* slots, int n, int Hk, int D) {
+    kv_write<f16_t>(k, ldk, v, ldv, kc, vc, slots, n, Hk, D);
+}
+extern "C" __global__ void kv_write_f32(const float* k, i64 ldk, const float* v, i64 ldv, float* kc,
+                                        float* vc, const int* slots, int n, int Hk, int D) {
+    kv_write<float>(k, ldk, v, ldv, kc, vc, slots, n, Hk, D);
+}

@@ -1,0 +1,78 @@
+// Shared helpers for ember's kernels. NVRTC compiles these without the CUDA toolkit's headers, so
+// the few fp16/bf16 conversions needed are written out here (inline PTX) instead of cuda_fp16.h.
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define EMBER_DEV __device__ __forceinline__
+
+EMBER_DEV float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+EMBER_DEV u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+EMBER_DEV float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+EMBER_DEV u16 f2bf(float f) {  // round to nearest even, NaN kept quiet
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// Storage types of activations / KV: float, half (stored as u16 bits) and bf16 (u16 bits).
+struct f16_t { u16 v; };
+struct bf16_t { u16 v; };
+EMBER_DEV float to_f32(float x) { return x; }
+EMBER_DEV float to_f32(f16_t x) { return h2f(x.v); }
+EMBER_DEV float to_f32(bf16_t x) { return bf2f(x.v); }
+template <typename T> EMBER_DEV T from_f32(float x);
+template <> EMBER_DEV float from_f32<float>(float x) { return x; }
+template <> EMBER_DEV f16_t from_f32<f16_t>(float x) { f16_t r; r.v = f2h(x); return r; }
+template <> EMBER_DEV bf16_t from_f32<bf16_t>(float x) { bf16_t r; r.v = f2bf(x); return r; }
+
+EMBER_DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+EMBER_DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+EMBER_DEV float block_sum(float v, float* scratch /* >= 33 floats of shared memory */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    return t;
+}
+
+EMBER_DEV float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : -__int_as_float(0x7f800000);
+    return warp_max(t);
+}

@@ -1,0 +1,60 @@
+// Embedding lookup / dequantization: out[i, :] = dequantize(W[ids[i], :]) as float32, bit-identical
+// to kernels/quants.py (w = s * q - o computed with separate, correctly rounded multiply and subtract,
+// as numpy does; no FMA contraction). ids == nullptr decodes rows 0..n-1 (a whole tensor).
+// One block of threads per output row; each thread decodes 8-element units straight from global
+// memory (blocks of most types are only 2-byte aligned; A8 is used where 8-byte loads are safe).
+#include "quant.cuh"
+
+template <int T, bool A8>
+EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows, int cols,
+                            const int* __restrict__ ids, int n, float* __restrict__ out, float scale) {
+    typedef QT<T> Q;
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    int row = ids ? ids[i] : i;
+    if (row < 0 || row >= n_rows) {  // out of range: NaN row (the host checks ids; this is a guard)
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const u8* rp = W + (i64)row * row_bytes;
+    const int nunits = cols / 8;
+    for (int g = threadIdx.x; g < nunits; g += blockDim.x) {
+        const int blk = g / Q::UNITS, u = g % Q::UNITS;
+        float q[8], s, o;
+        Q::template unit<A8>(rp + (i64)blk * Q::BYTES, u, q, s, o);
+        float4 lo, hi;
+        float w[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            w[k] = Q::IS_FLOAT ? q[k] : __fsub_rn(__fmul_rn(s, q[k]), o);
+            w[k] = scale == 1.0f ? w[k] : __fmul_rn(w[k], scale);
+        }
+        lo = make_float4(w[0], w[1], w[2], w[3]);
+        hi = make_float4(w[4], w[5], w[6], w[7]);
+        float4* dst = reinterpret_cast<float4*>(out + (i64)i * cols + (i64)g * 8);
+        dst[0] = lo;
+        dst[1] = hi;
+    }
+}
+
+#define DQ(NAME, T)                                                                                  \
+    extern "C" __global__ void dequant_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
+                                                   int cols, const int* __restrict__ ids, int n,      \
+                                                   float* __restrict__ out, float scale) {            \
+        dequant_rows<T, false>(W, row_bytes, n_rows, cols, ids, n, out, scale);                     \
+    }                                                                                                \
+    extern "C" __global__ void dequant_##NAME##_a8(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
+                                                   int cols, const int* __restrict__ ids, int n,      \
+                                                   float* __restrict__ out, float scale) {            \
+        dequant_rows<T, true>(W, row_bytes, n_rows, cols, ids, n, out, scale);                      \
+    }
+
+DQ(f32, GT_F32)
+DQ(f16, GT_F16)
+DQ(bf16, GT_BF16)
+DQ(q4_0, GT_Q4_0)
+DQ(q5_0, GT_Q5_0)
+DQ(q8_0, GT_Q8_0)
+DQ(q4_k, GT_Q4_K)
+DQ(q5_k, GT_Q5_K)
+DQ(q6_k, GT_Q6_K)

@@ -1,0 +1,9 @@
+// Fault injection (worker --fault cuda-illegal-address): a kernel that really writes out of bounds,
+// far past any allocation, so the driver reports CUDA_ERROR_ILLEGAL_ADDRESS (700) and the context is
+// poisoned. Used to prove the sticky-error path end to end.
+#include "common.cuh"
+
+extern "C" __global__ void fault_illegal_address(float* p, i64 offset) {
+    volatile float* bad = p + offset;
+    *bad = 1.0f;
+}

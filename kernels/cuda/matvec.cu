@@ -1,0 +1,150 @@
+// y[b, r] = sum_k W[r, k] * x[b, k] (+ res[b, r]) with W straight from GGUF blocks (one ggml type per
+// module, QTYPE set by the build) and x, y float32: the decode hot path (matrix-vector and small
+// batches, b < 8 per launch).
+//
+// One warp owns R rows. The row is walked in chunks of CB blocks: the warp copies the R rows' chunk
+// into its slice of shared memory with VEC-byte loads (coalesced; the next chunk's loads are issued
+// before the current one is decoded, so bytes stay in flight), then each lane decodes 8-element
+// units from shared memory and multiplies them with x, whose values are read once per unit and used
+// for all R rows. Per unit: sum q*x in float, then * scale (- min * sum x); the final sum over
+// lanes is a butterfly. Memory-bound by design: every weight byte is read exactly once.
+#include "quant.cuh"
+
+#ifndef QTYPE
+#error "QTYPE must be defined"
+#endif
+
+#define MV_WARPS 4
+
+template <int VEC> struct VecT;
+template <> struct VecT<16> { typedef uint4 T; };
+template <> struct VecT<2> { typedef u16 T; };
+
+template <int B, int R, int VEC>
+EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
+                   const float* __restrict__ x, int nb, const float* res, float* y) {
+    typedef QT<QTYPE> Q;
+    typedef typename VecT<VEC>::T V;
+    constexpr int CHUNK = Q::CB * Q::BYTES;
+    constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
+    __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * MV_WARPS + warp) * R;
+    if (row0 >= rows) return;  // the whole warp leaves; only __syncwarp is used below
+    const int nblk = cols / Q::ELEMS;
+    const int nchunks = (nblk + Q::CB - 1) / Q::CB;
+
+    const u8* rowp[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rowp[r] = W + (i64)min(row0 + r, rows - 1) * row_bytes;
+
+    V buf[R][NVR];
+    auto load = [&](int ch) {
+        const int bytes = min(Q::CB, nblk - ch * Q::CB) * Q::BYTES;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const V* src = reinterpret_cast<const V*>(rowp[r] + (i64)ch * CHUNK);
+#pragma unroll
+            for (int v = 0; v < NVR; ++v) {
+                const int i = v * 32 + lane;
+                if (i * VEC < bytes) buf[r][v] = __ldg(src + i);
+            }
+        }
+    };
+
+    float acc[B][R];
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[b][r] = 0.0f;
+
+    load(0);
+    for (int ch = 0; ch < nchunks; ++ch) {
+        const int nbc = min(Q::CB, nblk - ch * Q::CB);
+        const int bytes = nbc * Q::BYTES;
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            V* dst = reinterpret_cast<V*>(&smem[warp][r][0]);
+#pragma unroll
+            for (int v = 0; v < NVR; ++v) {
+                const int i = v * 32 + lane;
+                if (i * VEC < bytes) dst[i] = buf[r][v];
+            }
+        }
+        __syncwarp();
+        if (ch + 1 < nchunks) load(ch + 1);
+
+        const float* xc = x + (i64)ch * Q::CB * Q::ELEMS;
+        const int nunits = nbc * Q::UNITS;
+        for (int u = lane; u < nunits; u += 32) {
+            const int blk = u / Q::UNITS, uu = u % Q::UNITS;
+            const int e = blk * Q::ELEMS + uu * 8;
+            float xv[B][8], xs[B];
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                if (b < nb) {
+                    const float4 lo = __ldg(reinterpret_cast<const float4*>(xc + (i64)b * cols + e));
+                    const float4 hi = __ldg(reinterpret_cast<const float4*>(xc + (i64)b * cols + e + 4));
+                    xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
+                    xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) xv[b][i] = 0.0f;
+                }
+                xs[b] = 0.0f;
+                if (Q::HAS_MIN) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) xs[b] += xv[b][i];
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float q[8], s, o;
+                Q::template unit<Q::SMEM_A8>(&smem[warp][r][blk * Q::BYTES], uu, q, s, o);
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    float d = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) d = fmaf(q[i], xv[b][i], d);
+                    if (Q::IS_FLOAT) acc[b][r] += d;
+                    else if (Q::HAS_MIN) acc[b][r] += s * d - o * xs[b];
+                    else acc[b][r] = fmaf(s, d, acc[b][r]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[b][r] = warp_sum(acc[b][r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            if (b >= nb) break;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = row0 + r;
+                if (row < rows) {
+                    const i64 at = (i64)b * rows + row;
+                    y[at] = acc[b][r] + (res ? res[at] : 0.0f);
+                }
+            }
+        }
+    }
+}
+
+#define QMV(B, R, VEC)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
+        qmv_b##B##_r##R##_v##VEC(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,       \
+                                 const float* __restrict__ x, int nb, const float* res, float* y) { \
+        qmv<B, R, VEC>(W, row_bytes, rows, cols, x, nb, res, y);                                    \
+    }
+
+QMV(1, 1, 16) QMV(1, 2, 16) QMV(1, 4, 16)
+QMV(2, 1, 16) QMV(2, 2, 16) QMV(2, 4, 16)
+QMV(4, 1, 16) QMV(4, 2, 16) QMV(4, 4, 16)
+QMV(8, 1, 16) QMV(8, 2, 16) QMV(8, 4, 16)
+QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)

@@ -1,0 +1,41 @@
+// Fused residual add + RMSNorm, one block of threads per row:
+//   h = x (+ res);  if h_out: h_out = h;  y = h / sqrt(mean(h^2) + eps) * w
+// Rows are addressed as (token t, head j) = (r / heads, r % heads) at t * ld + j * cols, so the same
+// kernel normalises whole hidden rows (heads = 1) and per-head slices of q/k (qwen3, gemma3 q/k norm)
+// in place. x, res, h_out share the x layout (ldx); y has its own (ldy). y may alias x or h_out.
+#include "common.cuh"
+
+extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float* h_out,
+                                        const float* __restrict__ w, float* y, int n_rows, int cols,
+                                        int heads, i64 ldx, i64 ldy, float eps) {
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    const i64 ox = (i64)(r / heads) * ldx + (i64)(r % heads) * cols;
+    const i64 oy = (i64)(r / heads) * ldy + (i64)(r % heads) * cols;
+    const float* xr = x + ox;
+    const float* rr = res ? res + ox : nullptr;
+    float* hr = h_out ? h_out + ox : nullptr;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float h = xr[c];
+        if (rr) h += rr[c];
+        if (hr) hr[c] = h;
+        ss = fmaf(h, h, ss);
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    // second pass: every element is re-read by the thread that wrote it in the first pass
+    const float* src = hr ? hr : xr;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float h = src[c];
+        if (rr && !hr) h += rr[c];
+        y[oy + c] = (h * inv) * w[c];
+    }
+}
+
+// Elementwise h = a + b (the residual add when no norm follows).
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[i];
+}

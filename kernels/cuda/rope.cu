@@ -1,0 +1,34 @@
+// Rotary position embedding, in place, on q [n, hq, D] and k [n, hk, D] (row strides ldq, ldk in
+// elements, so q and k may be slices of one fused qkv buffer). Angles pos * inv_freq[i] are formed in
+// double, as the twin does (reference.rope_tables), then rounded cos/sin to float: once per token into
+// shared memory, then all heads' pairs are rotated in parallel.
+// neox rotates the pairs (i, i + D/2); the "normal" (llama) flavour the pairs (2i, 2i + 1).
+#include "common.cuh"
+
+#define ROPE_MAX_HALF 256
+
+extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk, int hk,
+                                    const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                    int n, int D, int neox) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    const int t = blockIdx.x;
+    if (t >= n) return;
+    const int half = D / 2;
+    const double p = (double)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const double a = p * (double)inv_freq[i];
+        cs[i] = (float)cos(a);
+        sn[i] = (float)sin(a);
+    }
+    __syncthreads();
+    const int total = (hq + hk) * half;
+    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+        const int h = idx / half, i = idx % half;
+        const float c = cs[i], s = sn[i];
+        const int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;
+        float* v = h < hq ? q + (i64)t * ldq + (i64)h * D : k + (i64)t * ldk + (i64)(h - hq) * D;
+        const float x1 = v[i1], x2 = v[i2];
+        v[i1] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+        v[i2] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    }
+}

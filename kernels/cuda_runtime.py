@@ -1,0 +1,455 @@
+"""A small, checked layer over the CUDA driver API (cuda-python's ``cuda.bindings.driver``).
+
+    dev = Device()                       # cuInit, primary context, made current in this thread
+    a = dev.to_device(np.ones(4, np.float32))
+    k = dev.kernel("norm", "rms_norm_f32")   # module compiled by NVRTC (or read from the cache)
+    k.launch((rows,), (256,), a, ...)    # arguments packed by their kind (see Kernel)
+    dev.synchronize(); a.to_host()
+
+Every driver call goes through ``check``: a failure raises ``CudaError`` with the CUresult code, its
+name and the driver's message, and a sticky error (700 illegal address, 719 launch failed, ...; see
+``errors.STICKY_CODES``) raises ``StickyCudaError`` and marks the device poisoned, so the worker can
+report ``engine_poisoned`` and exit 75. Launches are asynchronous: a kernel's fault surfaces at the
+next synchronizing call (``synchronize``, a copy to the host, an event wait).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from . import build
+from .errors import CudaError, CudaUnavailable, StickyCudaError, cuda_error
+
+_lock = threading.Lock()
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise CudaUnavailable(f"cuda-python is not installed ({e}); install the cuda extra: pip install 'ember[cuda]'") from e
+    return driver
+
+
+def error_name(code: int) -> tuple[str, str]:
+    """(name, message) of a CUresult code, from the driver where it can say."""
+    from .errors import STICKY_CODES
+
+    name, msg = STICKY_CODES.get(code, f"CUDA_ERROR_{code}"), "unknown error"
+    try:
+        from cuda.bindings import driver as _d
+
+        name = _d.CUresult(code).name
+    except Exception:
+        pass
+    try:
+        drv = _driver()
+        err, n = drv.cuGetErrorName(drv.CUresult(code))
+        if int(err) == 0 and n:
+            name = n.decode() if isinstance(n, bytes) else str(n)
+        err, m = drv.cuGetErrorString(drv.CUresult(code))
+        if int(err) == 0 and m:
+            msg = m.decode() if isinstance(m, bytes) else str(m)
+    except Exception:  # an unknown code is not a reason to lose the original error
+        pass
+    return name, msg
+
+
+_poisoned: StickyCudaError | None = None
+
+
+def poisoned() -> StickyCudaError | None:
+    """The sticky error that poisoned this process's context, if any."""
+    return _poisoned
+
+
+def check(result: Any, call: str = "") -> Any:
+    """Unpack a cuda.bindings result ``(CUresult, *values)``: raise on error, else return the value(s)."""
+    global _poisoned
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    code = int(err)
+    if code != 0:
+        name, msg = error_name(code)
+        exc = cuda_error(code, name, msg, call)
+        if isinstance(exc, StickyCudaError) and _poisoned is None:
+            _poisoned = exc
+        raise exc
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+# -- device -----------------------------------------------------------------------------------------
+
+_NOT_AVAILABLE_CODES = {3, 34, 35, 100, 101, 804}  # not initialised, stub library, old driver, no device, ...
+
+
+class Device:
+    """One GPU's primary context. Create it once per process; call ``make_current`` in every other
+    thread that launches work (the engine loop's thread)."""
+
+    def __init__(self, ordinal: int = 0, *, cache: str | None = None):
+        drv = _driver()
+        try:
+            err = drv.cuInit(0)
+        except Exception as e:  # no libcuda at all (cuda.pathfinder raises its own error type)
+            raise CudaUnavailable(f"no CUDA driver library ({type(e).__name__}: {e})") from e
+        err = err[0] if isinstance(err, tuple) else err
+        if int(err) != 0:
+            name, msg = error_name(int(err))
+            if int(err) in _NOT_AVAILABLE_CODES:
+                raise CudaUnavailable(f"CUDA is not usable: {name} ({int(err)}): {msg}")
+            check(err, "cuInit")
+        count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        if count <= ordinal:
+            raise CudaUnavailable(f"no CUDA device {ordinal} (the driver sees {count})")
+        self.ordinal = ordinal
+        self.cache = cache
+        self.handle = check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.context = check(drv.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+        raw = check(drv.cuDeviceGetName(256, self.handle), "cuDeviceGetName")
+        self.name = (raw.split(b"\0")[0].decode() if isinstance(raw, bytes) else str(raw)).strip()
+        A = drv.CUdevice_attribute
+        self.cc = (self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                   self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.arch = f"sm_{self.cc[0]}{self.cc[1]}"
+        self.sm_count = self.attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_bytes = self.attribute(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.total_memory = int(check(drv.cuDeviceTotalMem(self.handle), "cuDeviceTotalMem"))
+        self._modules: dict[str, Module] = {}
+        self._scratch: dict[str, DeviceArray] = {}
+        self._released = False
+
+    def attribute(self, attr) -> int:
+        return int(check(_driver().cuDeviceGetAttribute(attr, self.handle), "cuDeviceGetAttribute"))
+
+    def make_current(self) -> None:
+        check(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def synchronize(self) -> None:
+        check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    # modules and kernels
+    def module(self, name: str) -> "Module":
+        with _lock:
+            mod = self._modules.get(name)
+            if mod is None:
+                cubin = build.load_cubin(name, self.arch, cache=self.cache)
+                mod = Module(self, name, cubin)
+                self._modules[name] = mod
+            return mod
+
+    def kernel(self, module: str, function: str) -> "Kernel":
+        return self.module(module).function(function)
+
+    # memory
+    def empty(self, shape: int | Sequence[int], dtype: Any = np.float32) -> "DeviceArray":
+        return DeviceArray(self, shape, dtype)
+
+    def to_device(self, arr: np.ndarray) -> "DeviceArray":
+        arr = np.ascontiguousarray(arr)
+        out = DeviceArray(self, arr.shape, arr.dtype)
+        out.upload(arr)
+        return out
+
+    def scratch(self, key: str, nbytes: int) -> "DeviceArray":
+        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            buf = DeviceArray(self, (max(nbytes, 256),), np.uint8)
+            self._scratch[key] = buf
+        return buf
+
+    def close(self) -> None:
+        """Free the scratch buffers, unload modules, release the primary context."""
+        if self._released:
+            return
+        self._released = True
+        if _poisoned is not None:
+            return  # nothing can be freed in a poisoned context; the process must exit
+        for b in self._scratch.values():
+            b.free()
+        for m in self._modules.values():
+            m.unload()
+        self._modules.clear()
+        check(_driver().cuDevicePrimaryCtxRelease(self.handle), "cuDevicePrimaryCtxRelease")
+
+    def __repr__(self) -> str:
+        return f"Device({self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs)"
+
+
+# -- modules and launches ---------------------------------------------------------------------------
+
+
+class Module:
+    def __init__(self, device: Device, name: str, cubin: bytes):
+        self.device, self.name = device, name
+        image = np.frombuffer(cubin, dtype=np.uint8)
+        self._image = image  # keep alive during the call
+        self.handle = check(_driver().cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({name})")
+        self._functions: dict[str, Kernel] = {}
+
+    def function(self, name: str) -> "Kernel":
+        k = self._functions.get(name)
+        if k is None:
+            h = check(_driver().cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({self.name}.{name})")
+            k = Kernel(self, name, h)
+            self._functions[name] = k
+        return k
+
+    def unload(self) -> None:
+        if self.handle is not None:
+            check(_driver().cuModuleUnload(self.handle), "cuModuleUnload")
+            self.handle = None
+
+
+def _stream_handle(stream: Any) -> Any:
+    """A Stream, a raw CUstream handle, or 0/None for the default stream."""
+    if stream is None:
+        return 0
+    return getattr(stream, "handle", stream)
+
+
+@dataclass(frozen=True)
+class I32:
+    value: int
+
+
+@dataclass(frozen=True)
+class I64:
+    value: int
+
+
+@dataclass(frozen=True)
+class F32:
+    value: float
+
+
+def _ctype(arg: Any):
+    """Kernel argument -> ctypes value: device arrays and None -> 64-bit pointer, I32/I64/F32 as
+    named, plain int -> 32-bit int, plain float -> float32."""
+    if arg is None:
+        return ctypes.c_uint64(0)
+    if isinstance(arg, DeviceArray):
+        return ctypes.c_uint64(arg.ptr)
+    if isinstance(arg, I32):
+        return ctypes.c_int32(arg.value)
+    if isinstance(arg, I64):
+        return ctypes.c_int64(arg.value)
+    if isinstance(arg, F32):
+        return ctypes.c_float(arg.value)
+    if isinstance(arg, Pointer):
+        return ctypes.c_uint64(arg.value)
+    if isinstance(arg, (bool, int, np.integer)):
+        return ctypes.c_int32(int(arg))
+    if isinstance(arg, (float, np.floating)):
+        return ctypes.c_float(float(arg))
+    raise TypeError(f"unsupported kernel argument {arg!r}")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    value: int
+
+
+class Kernel:
+    def __init__(self, module: Module, name: str, handle):
+        self.module, self.name, self.handle = module, name, handle
+
+    def attribute(self, attr) -> int:
+        return int(check(_driver().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))
+
+    def launch(self, grid: Iterable[int], block: Iterable[int], *args: Any, smem: int = 0, stream: Any = 0) -> None:
+        g = tuple(int(v) for v in grid) + (1, 1)
+        b = tuple(int(v) for v in block) + (1, 1)
+        if min(g[:3]) <= 0:
+            return  # empty launch
+        values = [_ctype(a) for a in args]
+        ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        check(
+            _driver().cuLaunchKernel(
+                self.handle, g[0], g[1], g[2], b[0], b[1], b[2], int(smem), _stream_handle(stream),
+                ctypes.addressof(ptrs), 0
+            ),
+            f"cuLaunchKernel({self.module.name}.{self.name})",
+        )
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+
+class DeviceArray:
+    """A device allocation (or a view into one) with a numpy shape and dtype."""
+
+    def __init__(self, device: Device, shape: int | Sequence[int], dtype: Any = np.float32, *,
+                 _base: "DeviceArray | None" = None, _ptr: int | None = None):
+        self.device = device
+        self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self._base = _base
+        if _ptr is not None:
+            self.ptr, self._owned = int(_ptr), False
+        else:
+            p = check(_driver().cuMemAlloc(max(self.nbytes, 1)), f"cuMemAlloc({self.nbytes})")
+            self.ptr, self._owned = int(p), True
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def view(self, offset_elements: int, shape: int | Sequence[int], dtype: Any = None) -> "DeviceArray":
+        """A non-owning view starting offset_elements (of this array's dtype) in."""
+        dt = np.dtype(dtype) if dtype is not None else self.dtype
+        v = DeviceArray(self.device, shape, dt, _base=self, _ptr=self.ptr + offset_elements * self.dtype.itemsize)
+        if v.ptr + v.nbytes > self.ptr + self.nbytes:
+            raise ValueError("view exceeds the array")
+        return v
+
+    def upload(self, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes != self.nbytes:
+            raise ValueError(f"upload of {arr.nbytes} bytes into a {self.nbytes}-byte array")
+        if self.nbytes:
+            check(_driver().cuMemcpyHtoD(self.ptr, arr.ctypes.data, self.nbytes), "cuMemcpyHtoD")
+
+    def to_host(self) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        if self.nbytes:
+            check(_driver().cuMemcpyDtoH(out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def fill_bytes(self, value: int) -> None:
+        """Set every byte (0xFF poisons floats as NaN and ints as -1)."""
+        if self.nbytes:
+            check(_driver().cuMemsetD8(self.ptr, value & 0xFF, self.nbytes), "cuMemsetD8")
+
+    def poison(self) -> None:
+        self.fill_bytes(0xFF)
+
+    def zero(self) -> None:
+        self.fill_bytes(0)
+
+    def free(self) -> None:
+        if self._owned and self.ptr and _poisoned is None:
+            check(_driver().cuMemFree(self.ptr), "cuMemFree")
+        self.ptr, self._owned = 0, False
+
+    def __del__(self):
+        if getattr(self, "_owned", False) and self.ptr and _poisoned is None:
+            try:
+                _driver().cuMemFree(self.ptr)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"DeviceArray({self.shape}, {self.dtype}, 0x{self.ptr:x})"
+
+
+# -- timing -------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Device-event timing of the work launched between start() and stop() (milliseconds)."""
+
+    def __init__(self):
+        drv = _driver()
+        self._a = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+        self._b = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+
+    def start(self, stream: Any = 0) -> None:
+        check(_driver().cuEventRecord(self._a, _stream_handle(stream)), "cuEventRecord")
+
+    def stop(self, stream: Any = 0) -> float:
+        drv = _driver()
+        check(drv.cuEventRecord(self._b, _stream_handle(stream)), "cuEventRecord")
+        check(drv.cuEventSynchronize(self._b), "cuEventSynchronize")
+        return float(check(drv.cuEventElapsedTime(self._a, self._b), "cuEventElapsedTime"))
+
+
+class Stream:
+    """A non-blocking stream (graph capture needs one; the legacy default stream cannot be captured)."""
+
+    def __init__(self):
+        drv = _driver()
+        self.handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def destroy(self) -> None:
+        if self.handle is not None and _poisoned is None:
+            check(_driver().cuStreamDestroy(self.handle), "cuStreamDestroy")
+        self.handle = None
+
+
+class Graph:
+    """Record the launches made on `stream` inside ``with Graph.capture(stream) as g:``, then replay
+    them all with one ``g.launch()`` (CUDA graphs: one host call for a whole decode step)."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.graph = None
+        self.exec = None
+
+    @classmethod
+    def capture(cls, stream: Stream) -> "Graph":
+        return cls(stream)
+
+    def __enter__(self) -> "Graph":
+        drv = _driver()
+        check(drv.cuStreamBeginCapture(self.stream.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        drv = _driver()
+        graph = check(drv.cuStreamEndCapture(self.stream.handle), "cuStreamEndCapture")
+        if exc_type is not None:
+            return
+        self.graph = graph
+        self.exec = check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def launch(self) -> None:
+        check(_driver().cuGraphLaunch(self.exec, self.stream.handle), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        if _poisoned is None:
+            drv = _driver()
+            if self.exec is not None:
+                check(drv.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            if self.graph is not None:
+                check(drv.cuGraphDestroy(self.graph), "cuGraphDestroy")
+        self.exec = self.graph = None
+
+
+def try_device(ordinal: int = 0) -> tuple[Device | None, str]:
+    """(Device, '') where CUDA works, else (None, why): for skipping tests and for `ember kernels`."""
+    try:
+        return Device(ordinal), ""
+    except CudaUnavailable as e:
+        return None, str(e)
+    except CudaError as e:
+        return None, str(e)
+
+
+__all__ = [
+    "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "I32", "I64", "Kernel", "Module",
+    "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "poisoned", "try_device",
+]

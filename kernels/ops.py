@@ -1,0 +1,345 @@
+"""Launchers: one Python function per kernel, taking DeviceArrays and choosing the variant.
+
+Each function names its numpy twin (``kernels/reference.py`` or ``kernels/quants.py``); the gpu tests
+check every one against its twin. All activations are float32; the KV cache is float16 or float32.
+Launches are asynchronous on the default stream; errors of a launch's configuration raise at once,
+faults inside a kernel at the next synchronizing call (see cuda_runtime).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .build import GGML_TYPE_IDS, GGML_TYPE_NAMES
+from .cuda_runtime import F32, I64, Device, DeviceArray, Pointer
+
+# (elements, bytes) per block of each type the kernels read
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+}
+MATVEC_WARPS = 4  # MV_WARPS in matvec.cu
+
+
+def _type_name(ggml_type) -> str:
+    if isinstance(ggml_type, str):
+        name = ggml_type.lower()
+    else:
+        name = GGML_TYPE_NAMES.get(int(ggml_type), "")
+    if name not in BLOCK_SIZES:
+        raise ValueError(f"no CUDA kernels for tensor type {ggml_type!r} (have: {', '.join(BLOCK_SIZES)})")
+    return name
+
+
+def row_nbytes(ggml_type, cols: int) -> int:
+    elems, size = BLOCK_SIZES[_type_name(ggml_type)]
+    if cols % max(elems, 8):
+        raise ValueError(f"a {_type_name(ggml_type)} row of {cols} elements is not a whole number of blocks (and of 8)")
+    return cols // elems * size
+
+
+@dataclass
+class QuantMatrix:
+    """A 2-D GGUF tensor on the device in its own block format: rows x cols (numpy order)."""
+
+    data: DeviceArray  # uint8, rows * row_bytes
+    type: str
+    rows: int
+    cols: int
+
+    @property
+    def row_bytes(self) -> int:
+        return row_nbytes(self.type, self.cols)
+
+    @classmethod
+    def upload(cls, dev: Device, raw: np.ndarray, ggml_type, rows: int, cols: int) -> "QuantMatrix":
+        name = _type_name(ggml_type)
+        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        need = rows * row_nbytes(name, cols)
+        if raw.size != need:
+            raise ValueError(f"{name} [{rows}, {cols}] needs {need} bytes, got {raw.size}")
+        return cls(dev.to_device(raw), name, rows, cols)
+
+
+def _ptr(a: DeviceArray | None, offset_bytes: int = 0) -> Pointer:
+    return Pointer(0 if a is None else a.ptr + offset_bytes)
+
+
+def _need(a: DeviceArray, dtype, min_elems: int, what: str) -> None:
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{what} must be {np.dtype(dtype).name}, not {a.dtype.name}")
+    if a.size < min_elems:
+        raise ValueError(f"{what} holds {a.size} elements; {min_elems} needed")
+
+
+# -- quantized matrix-vector / small-batch matmul ------------------------------------------------------
+
+
+def _pick_rows_per_warp(dev: Device, rows: int) -> int:
+    target = 8 * dev.sm_count  # warps: about two blocks of 4 warps per SM
+    for r in (4, 2):
+        if rows // r >= target:
+            return r
+    return 1
+
+
+KV2_TYPES = ("q4_k", "q5_k")
+KV2_MAX_COLS = 8 * 2048  # KV2_MAX_WARPS warps of 2048 columns
+# default for kv2 at batch 1: the software-pipelined variant (kv2p) measured faster for Q4_K, not Q5_K
+KV2_PREFETCH = {"q4_k": True, "q5_k": False}
+
+
+def kv2_supported(w: QuantMatrix) -> bool:
+    return w.type in KV2_TYPES and w.cols <= KV2_MAX_COLS and w.data.ptr % 16 == 0
+
+
+def _kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
+    # measured on an H200 (132 SMs, 2026-12-02): 16 rows per block for the big and the wide matrices,
+    # 8 for [4096 x 4096], 4 for [1024 x 4096] (small matrices want many blocks)
+    per_sm = rows / dev.sm_count
+    rpb = 16 if per_sm >= 64 or (per_sm >= 16 and cols >= 8192) else 8 if per_sm >= 16 else 4
+    return max(unroll, rpb)
+
+
+def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int | None = None,
+           res: DeviceArray | None = None, rows_per_warp: int | None = None, variant: str = "auto",
+           unroll: int | None = None, rows_per_block: int | None = None, prefetch: bool | None = None,
+           stream=None) -> None:
+    """y[n, rows] = x[n, cols] @ W.T (+ res[n, rows]); twin: reference.linear(x, quants.dequantize(W)).
+
+    Batches of any n run in launches of up to 8 rows of x (each launch reads W once). variant:
+    "staged" (matvec.cu, every type and batch), "kv2" (matvec_k.cu: Q4_K/Q5_K, batch 1-2, the faster
+    decode path) or "auto" (kv2 for Q4_K/Q5_K at batch 1, and batch 2 below 8192 columns; else staged)."""
+    n = x.shape[0] if n is None else n
+    _need(x, np.float32, n * w.cols, "x")
+    _need(y, np.float32, n * w.rows, "y")
+    if res is not None:
+        _need(res, np.float32, n * w.rows, "res")
+    if variant not in ("auto", "staged", "kv2"):
+        raise ValueError(f"unknown matvec variant {variant!r}")
+    # measured: kv2 wins at batch 1, and at batch 2 below 8192 columns; staged elsewhere
+    use_kv2 = variant == "kv2" or (
+        variant == "auto" and kv2_supported(w) and (n == 1 or (n == 2 and w.cols < 8192))
+    )
+    if use_kv2:
+        if not kv2_supported(w) or n > 2:
+            raise ValueError(f"the kv2 matvec takes Q4_K/Q5_K rows of at most {KV2_MAX_COLS} columns, batch 1-2")
+        bt = n
+        pf = (KV2_PREFETCH.get(w.type, False) and n == 1) if prefetch is None else prefetch
+        u = unroll or (4 if bt == 1 else 2)
+        combos = ((1, 2), (1, 4), (2, 2)) if pf else ((1, 4), (1, 8), (2, 2), (2, 4))
+        if (bt, u) not in combos:
+            raise ValueError(f"kv2{'p' if pf else ''} (batch, unroll) must be one of {combos}")
+        rpb = rows_per_block or _kv2_rows_per_block(dev, w.rows, w.cols, u)
+        if rpb % u or rpb > 64:
+            raise ValueError("rows_per_block must be a multiple of the unroll and at most 64")
+        warps = -(-(w.cols // 256) // 8)
+        dev.kernel(f"matvec_k_{w.type}", f"kv2{'p' if pf else ''}_b{bt}_u{u}").launch(
+            (-(-w.rows // rpb),), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols, x, n, res, y, rpb,
+            stream=stream)
+        return
+    rb = w.row_bytes
+    vec = 16 if rb % 16 == 0 and w.data.ptr % 16 == 0 else 2
+    r = 1 if vec == 2 else (rows_per_warp or _pick_rows_per_warp(dev, w.rows))
+    if r not in (1, 2, 4):
+        raise ValueError("rows_per_warp must be 1, 2 or 4")
+    grid = (-(-w.rows // (MATVEC_WARPS * r)),)
+    for b0 in range(0, n, 8):
+        nb = min(8, n - b0)
+        bt = 1 if nb == 1 else 2 if nb == 2 else 4 if nb <= 4 else 8
+        k = dev.kernel(f"matvec_{w.type}", f"qmv_b{bt}_r{r}_v{vec}")
+        k.launch(grid, (MATVEC_WARPS * 32,), w.data, I64(rb), w.rows, w.cols,
+                 _ptr(x, b0 * w.cols * 4), nb,
+                 _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * w.rows * 4), stream=stream)
+
+
+# -- dequantization / embedding lookup ----------------------------------------------------------------
+
+
+def dequant_rows(dev: Device, w: QuantMatrix, out: DeviceArray, ids: DeviceArray | None = None, *,
+                 n: int | None = None, scale: float = 1.0, stream=None) -> None:
+    """out[i] = dequantize(W[ids[i]]) (* scale); ids None: every row. Twin: quants.dequantize_rows /
+    quants.dequantize. Out-of-range ids give a NaN row (validate ids on the host)."""
+    if ids is not None:
+        _need(ids, np.int32, 1, "ids")
+        n = ids.size if n is None else n
+    else:
+        n = w.rows if n is None else n
+    _need(out, np.float32, n * w.cols, "out")
+    a8 = w.row_bytes % 8 == 0 and w.data.ptr % 8 == 0
+    k = dev.kernel("dequant", f"dequant_{w.type}_{'a8' if a8 else 'a2'}")
+    threads = min(256, max(32, -(-(w.cols // 8) // 32) * 32))
+    k.launch((n,), (threads,), w.data, I64(w.row_bytes), w.rows, w.cols, ids, n, out, F32(scale), stream=stream)
+
+
+# -- norms, residuals, rope, activations ----------------------------------------------------------------
+
+
+def rms_norm(dev: Device, x: DeviceArray, weight: DeviceArray, y: DeviceArray, *, eps: float,
+             rows: int, cols: int, res: DeviceArray | None = None, h_out: DeviceArray | None = None,
+             heads: int = 1, ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+    """h = x (+ res) (stored to h_out when given); y = rms_norm(h, weight, eps) (reference.rms_norm).
+
+    Row r is (token r // heads, head r % heads) at token * ld + head * cols: heads > 1 normalises
+    per-head slices (q/k norm) in place with ld the token stride."""
+    ldx = cols * heads if ldx is None else ldx
+    ldy = cols * heads if ldy is None else ldy
+    _need(weight, np.float32, cols, "weight")
+    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
+    dev.kernel("norm", "rms_norm_f32").launch(
+        (rows,), (threads,), x, res, h_out, weight, y, rows, cols, heads, I64(ldx), I64(ldy), F32(eps), stream=stream
+    )
+
+
+def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | None = None, *, stream=None) -> None:
+    n = a.size if n is None else n
+    dev.kernel("norm", "add_f32").launch((min(-(-n // 256), dev.sm_count * 16),), (256,), a, b, out, I64(n), stream=stream)
+
+
+def rope(dev: Device, q: DeviceArray, k: DeviceArray | None, pos: DeviceArray, inv_freq: DeviceArray, *,
+         n: int, hq: int, hk: int, head_dim: int, neox: bool, ldq: int | None = None,
+         ldk: int | None = None, stream=None) -> None:
+    """In place: q [n, hq, D] and k [n, hk, D] (token strides ldq/ldk) rotated at positions pos (int32)
+    with inv_freq [D/2]; twin reference.rope with reference.rope_tables."""
+    _need(pos, np.int32, n, "pos")
+    _need(inv_freq, np.float32, head_dim // 2, "inv_freq")
+    ldq = hq * head_dim if ldq is None else ldq
+    ldk = hk * head_dim if ldk is None else ldk
+    hk = hk if k is not None else 0
+    if head_dim // 2 > 256:
+        raise ValueError("head_dim above 512 is not supported by the rope kernel")
+    threads = min(256, max(32, -(-((hq + hk) * head_dim // 2) // 32) * 32))
+    dev.kernel("rope", "rope_f32").launch(
+        (n,), (threads,), q, I64(ldq), hq, k, I64(ldk), hk, pos, inv_freq, n, head_dim,
+        1 if neox else 0, stream=stream
+    )
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_act(dev: Device, g: DeviceArray, u: DeviceArray, out: DeviceArray, *, n: int, ffn: int, act: str,
+              ldg: int | None = None, ldu: int | None = None, ldo: int | None = None, stream=None) -> None:
+    """out = act(g) * u over [n, ffn] (twin: reference.silu / reference.gelu_tanh times u)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r} (have: {', '.join(ACTIVATIONS)})")
+    total = n * ffn
+    blocks = max(1, min(-(-total // 256), dev.sm_count * 16))
+    dev.kernel("act", "gated_act_f32").launch(
+        (blocks,), (256,), g, I64(ffn if ldg is None else ldg), u, I64(ffn if ldu is None else ldu), out,
+        I64(ffn if ldo is None else ldo), n, ffn, ACTIVATIONS[act], stream=stream
+    )
+
+
+# -- KV cache and attention ------------------------------------------------------------------------------
+
+_KV_NAMES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
+
+
+def kv_write(dev: Device, k: DeviceArray, v: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray,
+             slots: DeviceArray, *, n: int, kv_heads: int, head_dim: int, ldk: int | None = None,
+             ldv: int | None = None, stream=None) -> None:
+    """k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i] (rows [kv_heads, head_dim], converted)."""
+    kvn = _KV_NAMES.get(k_cache.dtype)
+    if kvn is None or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
+    w = kv_heads * head_dim
+    dev.kernel("attention", f"kv_write_{kvn}").launch(
+        (n,), (min(1024, max(32, -(-w // 32) * 32)),), k, I64(w if ldk is None else ldk), v,
+        I64(w if ldv is None else ldv), k_cache, v_cache, slots, n, kv_heads, head_dim, stream=stream
+    )
+
+
+ATT_SPLIT_MAX = 512
+
+
+def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray,
+              row_seq: DeviceArray, row_pos: DeviceArray, out: DeviceArray, *, rows: int, heads: int,
+              kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
+              scale: float, split: int | None = None, stream=None) -> None:
+    """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
+    position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
+    block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
+
+    max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
+    grid. split: keys per CTA (default: chosen to fill the GPU, at most 512)."""
+    kvn = _KV_NAMES.get(k_cache.dtype)
+    if kvn is None:
+        raise TypeError("the KV cache must be float16 or float32")
+    if heads % kv_heads:
+        raise ValueError("heads must be a multiple of kv_heads")
+    g = heads // kv_heads
+    if g not in (1, 2, 4, 8) or head_dim not in (64, 128, 256):
+        raise ValueError(f"no attention kernel for {g} query heads per kv head and head_dim {head_dim}")
+    max_keys = max(1, int(max_keys))
+    if split is None:
+        split = ATT_SPLIT_MAX
+        while split > 64 and rows * kv_heads * -(-max_keys // split) < 2 * dev.sm_count:
+            split //= 2
+    split = max(1, min(int(split), ATT_SPLIT_MAX))
+    S = -(-max_keys // split)
+    name = f"attn_d{head_dim}_g{g}_{kvn}"
+    if S == 1:
+        dev.kernel("attention", name).launch(
+            (kv_heads, rows, 1), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
+            kv_heads, block_size, window, F32(scale), split, out, None, None, stream=stream
+        )
+        return
+    acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
+    ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
+    dev.kernel("attention", name).launch(
+        (kv_heads, rows, S), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
+        kv_heads, block_size, window, F32(scale), split, None, acc, ml, stream=stream
+    )
+    dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
+
+
+# -- sampling ---------------------------------------------------------------------------------------------
+
+
+ARGMAX_CHUNK = 8192  # in sampling.cu
+
+
+def argmax(dev: Device, logits: DeviceArray, out_idx: DeviceArray, *, rows: int, vocab: int,
+           ld: int | None = None, out_val: DeviceArray | None = None, stream=None) -> None:
+    """out_idx[r] = numpy.argmax(logits[r]) (first index of the maximum); two launches: chunks of
+    8192 in parallel, then one warp per row."""
+    _need(out_idx, np.int32, rows, "out_idx")
+    chunks = -(-vocab // ARGMAX_CHUNK)
+    pv = dev.scratch("argmax_v", rows * chunks * 4)
+    pi = dev.scratch("argmax_i", rows * chunks * 4)
+    dev.kernel("sampling", "argmax_part_f32").launch(
+        (chunks, rows), (256,), logits, I64(vocab if ld is None else ld), vocab, pv, pi, stream=stream)
+    dev.kernel("sampling", "argmax_final_f32").launch((rows,), (32,), pv, pi, chunks, out_idx, out_val, stream=stream)
+
+
+def softmax(dev: Device, x: DeviceArray, y: DeviceArray, *, rows: int, cols: int, temperature: float = 1.0,
+            ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+    """y = reference.softmax(x / temperature) row by row."""
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError("temperature must be a positive number")
+    dev.kernel("sampling", "softmax_f32").launch(
+        (rows,), (1024,), x, I64(cols if ldx is None else ldx), y, I64(cols if ldy is None else ldy), cols,
+        F32(1.0 / temperature), stream=stream
+    )
+
+
+# -- fault injection ------------------------------------------------------------------------------------
+
+
+def fault_illegal_address(dev: Device) -> None:
+    """Launch a kernel that writes far outside any allocation and synchronize: raises
+    StickyCudaError (700, CUDA_ERROR_ILLEGAL_ADDRESS) and poisons this process's context."""
+    buf = dev.scratch("fault", 256)
+    dev.kernel("fault", "fault_illegal_address").launch((1,), (1,), buf, I64(1 << 40))
+    dev.synchronize()
+
+
+__all__ = [
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "add", "argmax", "attention", "dequant_rows",
+    "fault_illegal_address", "gated_act", "kv_write", "matvec", "rms_norm", "rope", "row_nbytes", "softmax",
+]

@@ -1,0 +1,184 @@
+"""`ember kernels build` and the cubin cache, on a machine without a GPU (CI).
+
+NVRTC only needs its library (the cuda extra: cuda-bindings + nvidia-cuda-nvrtc), so every kernel
+module is compiled for sm_90 here; where NVRTC cannot be loaded the tests skip and say why.
+Also the CUDA error classes, which need no driver at all.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+
+from ember.kernels import build
+from ember.kernels.errors import STICKY_CODES, CompileError, CudaError, CudaUnavailable, StickyCudaError, cuda_error
+
+
+def _nvrtc_or_skip() -> tuple[int, int]:
+    try:
+        return build.nvrtc_version()
+    except CudaUnavailable as e:
+        pytest.skip(f"NVRTC is not available here ({e}); CI installs it with pip install -e '.[cuda]'")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every module compiled once for sm_90 through the CLI entry point (exit code 0)."""
+    _nvrtc_or_skip()
+    from ember.kernels.cli import main
+
+    cache = tmp_path_factory.mktemp("kcache") / "kernels"
+    t = time.perf_counter()
+    rc = main(["build", "--arch", "sm_90", "--cache-dir", str(cache)])
+    return cache, rc, time.perf_counter() - t
+
+
+def test_build_every_module_for_sm90_without_a_gpu(built):
+    cache, rc, _ = built
+    assert rc == 0
+    for name in build.MODULES:
+        cubins = list(cache.glob(f"{name}.sm_90.*.cubin"))
+        assert len(cubins) == 1, name
+        data = cubins[0].read_bytes()
+        assert data[:4] == b"\x7fELF", f"{name}: not a cubin (ELF) file"
+        meta = cubins[0].with_suffix(".json")
+        assert meta.exists()
+    # the cache folder is private, like the rest of ember's cache
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+
+
+def test_no_kernel_spills_registers(built):
+    cache, rc, _ = built
+    assert rc == 0
+    bad = {}
+    for name in build.MODULES:
+        r = build.build_module(name, "sm_90", cache=cache)
+        assert r.cached
+        assert r.resources, f"{name}: no ptxas resource report"
+        for fn, res in r.resources.items():
+            # a few bytes of stack are fine (double sin/cos in rope); spills in hot kernels are not
+            if res.get("spill_stores", 0) > 64:
+                bad[f"{name}.{fn}"] = res
+    assert not bad, bad
+
+
+def test_second_build_is_served_from_the_cache(built):
+    cache, rc, first = built
+    assert rc == 0
+    t = time.perf_counter()
+    results = build.build_all("sm_90", cache=cache)
+    assert all(r.cached for r in results)
+    assert time.perf_counter() - t < max(2.0, first / 5)
+
+
+def test_cache_key_covers_arch_options_and_compiler(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    k90 = build.cache_key("norm", "sm_90")
+    assert build.cache_key("norm", "sm_90") == k90
+    assert build.cache_key("norm", "sm_80") != k90
+    monkeypatch.setitem(build.MODULES, "norm", build.ModuleSpec("norm.cu", ("-DEMBER_TEST=1",)))
+    assert build.cache_key("norm", "sm_90") != k90
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "_VERSION", (99, 0))
+    assert build.cache_key("norm", "sm_90") != k90
+
+
+def test_changed_header_compiles_anew(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in build.SOURCE_DIR.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    cache = tmp_path / "cache"
+    first = build.build_module("act", "sm_90", cache=cache)
+    assert not first.cached and first.path.exists()
+    assert build.build_module("act", "sm_90", cache=cache).cached
+    (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// changed\n")
+    again = build.build_module("act", "sm_90", cache=cache)
+    assert not again.cached and again.path != first.path
+
+
+def test_compile_error_carries_the_log(tmp_path):
+    _nvrtc_or_skip()
+    with pytest.raises(CompileError) as ei:
+        build.compile_source("broken", b'extern "C" __global__ void k() { undefined_thing(); }', "sm_90",
+                             build.module_options("norm", "sm_90"))
+    assert "undefined_thing" in ei.value.log
+
+
+def test_cache_dir_follows_ember_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "c"))
+    d = build.cache_dir()
+    assert d == tmp_path / "c" / "kernels"
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_arch_names():
+    assert build.check_arch("sm_90") == "sm_90"
+    assert build.check_arch("90") == "sm_90"
+    assert build.check_arch("SM_90a") == "sm_90a"
+    for bad in ("compute_90", "hopper", "sm_9", ""):
+        with pytest.raises(ValueError):
+            build.check_arch(bad)
+
+
+def test_cli_rejects_unknown_arch_with_config_exit_code(tmp_path):
+    _nvrtc_or_skip()
+    from ember.kernels.cli import main
+
+    assert main(["build", "--arch", "sm_12", "--cache-dir", str(tmp_path)]) == 78
+    assert main(["build", "--arch", "bogus", "--cache-dir", str(tmp_path)]) == 78
+
+
+def test_worker_cli_has_the_kernels_verb():
+    from ember.worker.cli import build_parser
+
+    args = build_parser().parse_args(["kernels", "build", "--arch", "sm_90", "--jobs", "1"])
+    assert args.func.__name__ == "cmd_kernels_build" and args.arch == "sm_90" and args.jobs == 1
+
+
+# -- error classes ----------------------------------------------------------------------------------
+
+
+def test_sticky_codes_raise_sticky_errors():
+    e = cuda_error(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered", "cuCtxSynchronize")
+    assert isinstance(e, StickyCudaError) and e.sticky
+    assert (e.code, e.name) == (700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    assert "700" in str(e) and "illegal memory access" in str(e)
+    for code in (702, 710, 714, 715, 716, 717, 718, 719):
+        assert isinstance(cuda_error(code, "X", "y"), StickyCudaError), code
+    oom = cuda_error(2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
+    assert type(oom) is CudaError and not oom.sticky
+    assert 700 in STICKY_CODES and 2 not in STICKY_CODES
+
+
+def test_check_maps_results_and_remembers_poison(monkeypatch):
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from ember.kernels import cuda_runtime as cr
+
+    monkeypatch.setattr(cr, "_poisoned", None)
+    assert cr.check((0, 5)) == 5
+    assert cr.check((0, 1, 2)) == (1, 2)
+    assert cr.check(0) is None
+    with pytest.raises(CudaError) as ei:
+        cr.check((1,), "cuFoo")
+    assert type(ei.value) is CudaError and ei.value.call == "cuFoo"
+    assert cr.poisoned() is None
+    with pytest.raises(StickyCudaError) as ei:
+        cr.check((700,), "cuCtxSynchronize")
+    assert ei.value.code == 700 and ei.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert cr.poisoned() is ei.value
+
+
+def test_no_device_is_reported_not_raised():
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from ember.kernels.cuda_runtime import try_device
+
+    dev, why = try_device()
+    if dev is not None:
+        pytest.skip(f"a CUDA device is present ({dev})")
+    assert why

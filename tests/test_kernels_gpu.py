@@ -1,0 +1,396 @@
+"""Every CUDA kernel against its numpy twin (kernels/reference.py, kernels/quants.py) on fresh random
+inputs, on a real GPU. Outputs are poisoned (NaN) before each launch, so an element a kernel fails
+to write shows. Error is ||out - ref|| / ||ref|| against the twin's math done in float64 where the
+twin's float32 rounding would blur it; the bar is 1e-5 (float32 paths) and 1e-2 (fp16 storage).
+
+All tests are marked gpu and skip where no CUDA device (or no cuda-python) exists, as on CI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from ember.kernels import ops, quants, reference
+from ember.kernels.quants import BLOCK_DTYPES
+
+pytestmark = pytest.mark.gpu
+
+QTYPES = {"q4_0": T.Q4_0, "q5_0": T.Q5_0, "q8_0": T.Q8_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K,
+          "f16": T.F16, "bf16": T.BF16, "f32": T.F32}
+FP32_BAR = 1e-5
+FP16_BAR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from ember.kernels.cuda_runtime import try_device
+
+    d, why = try_device()
+    if d is None:
+        pytest.skip(f"no CUDA device: {why}")
+    return d
+
+
+@pytest.fixture
+def rng(request):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")  # shown on failure: reproduce with the same draw
+    return np.random.default_rng(seed)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{np.count_nonzero(~np.isfinite(out))} non-finite (unwritten?) elements"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def random_tensor(rng: np.random.Generator, t: T, rows: int, cols: int) -> np.ndarray:
+    """Raw bytes of a valid random [rows, cols] tensor of type t (scales of realistic size)."""
+    block, size = GGML_QUANT_SIZES[t]
+    n = rows * cols // block
+    if t == T.F32:
+        return rng.normal(0, 1, rows * cols).astype(np.float32).view(np.uint8)
+    if t == T.F16:
+        return rng.normal(0, 1, rows * cols).astype(np.float16).view(np.uint8)
+    if t == T.BF16:
+        return (rng.normal(0, 1, rows * cols).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, size=n * size, dtype=np.uint8)
+    blocks = raw.view(BLOCK_DTYPES[t])
+    for name in blocks.dtype.names:
+        if blocks.dtype[name] == np.dtype("<f2"):
+            blocks[name] = (rng.normal(0, 0.02, n) * rng.choice([1, 1, 1, 30], n)).astype(np.float16)
+    return raw
+
+
+def upload_matrix(dev, rng, tname: str, rows: int, cols: int):
+    t = QTYPES[tname]
+    raw = random_tensor(rng, t, rows, cols)
+    w = ops.QuantMatrix.upload(dev, raw, t, rows, cols)
+    return w, raw, quants.dequantize(raw, t, (rows, cols))
+
+
+# -- quantized matvec --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tname", list(QTYPES))
+@pytest.mark.parametrize("n", [1, 3, 8, 11])
+def test_matvec_matches_linear(dev, rng, tname, n):
+    rows, cols = 1000, 2304  # a partial row chunk, and rows that do not fill the last block of warps
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    xd = dev.to_device(x)
+    y = dev.empty((n, rows))
+    for r in (1, 2, 4):
+        y.poison()
+        ops.matvec(dev, w, xd, y, rows_per_warp=r, variant="staged")
+        out = y.to_host()
+        ref = x.astype(np.float64) @ wf.T.astype(np.float64)
+        err = rel_err(out, ref)
+        assert err < FP32_BAR, (tname, n, r, err)
+        assert rel_err(out, reference.linear(x, wf)) < FP32_BAR  # the float32 twin itself
+
+
+@pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("n,unroll,prefetch", [(1, 4, False), (1, 8, False), (2, 2, False), (2, 4, False),
+                                               (1, 2, True), (1, 4, True), (2, 2, True)])
+@pytest.mark.parametrize("rows,cols", [(1000, 2304), (37, 14336), (300, 256)])
+def test_matvec_kv2_matches_linear(dev, rng, tname, n, unroll, prefetch, rows, cols):
+    """The column-resident Q4_K/Q5_K kernel: partial warps (2304 = 9 super-blocks), 7 warps per row
+    (14336), rows that do not fill a block, every unroll, with and without a residual."""
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    xd = dev.to_device(x)
+    res = rng.normal(0, 1, (n, rows)).astype(np.float32)
+    ref = x.astype(np.float64) @ wf.T.astype(np.float64)
+    y = dev.empty((n, rows))
+    for rpb in (None, unroll, 64):
+        y.poison()
+        ops.matvec(dev, w, xd, y, variant="kv2", unroll=unroll, rows_per_block=rpb, prefetch=prefetch)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, rpb
+    y.poison()
+    ops.matvec(dev, w, xd, y, res=dev.to_device(res), variant="kv2", unroll=unroll, prefetch=prefetch)
+    assert rel_err(y.to_host(), ref + res) < FP32_BAR
+    y.poison()
+    ops.matvec(dev, w, xd, y)  # the default choice (kv2 or staged, with its measured parameters)
+    assert rel_err(y.to_host(), ref) < FP32_BAR
+
+
+@pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q6_k", "q4_k"])
+def test_matvec_unaligned_rows_and_residual(dev, rng, tname):
+    """Rows whose byte length is not a multiple of 16 take the 2-byte-load path; res is added."""
+    cols = 256 * 3 if tname.endswith("_k") else 32 * 5
+    rows = 77
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    if tname != "q4_k":
+        assert w.row_bytes % 16, "test meant for the unaligned path"
+    n = 5
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    res = rng.normal(0, 1, (n, rows)).astype(np.float32)
+    y = dev.empty((n, rows))
+    y.poison()
+    ops.matvec(dev, w, dev.to_device(x), y, res=dev.to_device(res), variant="staged")
+    ref = x.astype(np.float64) @ wf.T.astype(np.float64) + res
+    assert rel_err(y.to_host(), ref) < FP32_BAR
+    # in place: y = x @ W.T + y
+    yd = dev.to_device(res)
+    ops.matvec(dev, w, dev.to_device(x), yd, res=yd, variant="staged")
+    assert rel_err(yd.to_host(), ref) < FP32_BAR
+
+
+# -- dequantization / embedding lookup ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tname", list(QTYPES))
+def test_dequant_rows_bit_exact(dev, rng, tname):
+    rows, cols = 300, 1024 if tname.endswith("_k") else 640
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    ids = rng.integers(0, rows, 57).astype(np.int32)
+    ids[:3] = [0, rows - 1, ids[5]]
+    out = dev.empty((ids.size, cols))
+    out.poison()
+    ops.dequant_rows(dev, w, out, dev.to_device(ids))
+    got = out.to_host()
+    want = quants.dequantize_rows(raw, QTYPES[tname], cols, ids)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    full = dev.empty((rows, cols))
+    full.poison()
+    ops.dequant_rows(dev, w, full)
+    np.testing.assert_array_equal(full.to_host(), wf)
+
+
+# -- RMSNorm, residual, rope, activations -------------------------------------------------------------------
+
+
+def test_rms_norm_fused_residual(dev, rng):
+    rows, cols, eps = 7, 4096, 1e-6
+    x = rng.normal(0, 1, (rows, cols)).astype(np.float32)
+    r = rng.normal(0, 1, (rows, cols)).astype(np.float32)
+    w = rng.normal(1, 0.1, cols).astype(np.float32)
+    xd, rd, wd = dev.to_device(x), dev.to_device(r), dev.to_device(w)
+    h, y = dev.empty((rows, cols)), dev.empty((rows, cols))
+    h.poison(); y.poison()
+    ops.rms_norm(dev, xd, wd, y, eps=eps, rows=rows, cols=cols, res=rd, h_out=h)
+    assert rel_err(h.to_host(), x + r) == 0.0
+    assert rel_err(y.to_host(), reference.rms_norm(x + r, w, eps)) < FP32_BAR
+    # no residual, in place
+    ops.rms_norm(dev, xd, wd, xd, eps=eps, rows=rows, cols=cols)
+    assert rel_err(xd.to_host(), reference.rms_norm(x, w, eps)) < FP32_BAR
+    # residual stream updated in place (h_out = x) while y goes elsewhere
+    xd = dev.to_device(x)
+    y.poison()
+    ops.rms_norm(dev, xd, wd, y, eps=eps, rows=rows, cols=cols, res=rd, h_out=xd)
+    assert rel_err(xd.to_host(), x + r) == 0.0
+    assert rel_err(y.to_host(), reference.rms_norm(x + r, w, eps)) < FP32_BAR
+
+
+def test_rms_norm_per_head_in_a_fused_qkv_buffer(dev, rng):
+    n, hq, hk, d, eps = 5, 8, 2, 128, 1e-6
+    width = (hq + 2 * hk) * d
+    qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
+    w = rng.normal(1, 0.1, d).astype(np.float32)
+    buf = dev.to_device(qkv)
+    ops.rms_norm(dev, buf, dev.to_device(w), buf, eps=eps, rows=n * hq, cols=d, heads=hq, ldx=width, ldy=width)
+    got = buf.to_host()
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    assert rel_err(got[:, : hq * d].reshape(n, hq, d), reference.rms_norm(q, w, eps)) < FP32_BAR
+    np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v untouched
+
+
+def test_add(dev, rng):
+    a, b = rng.normal(size=1001).astype(np.float32), rng.normal(size=1001).astype(np.float32)
+    out = dev.empty(1001)
+    out.poison()
+    ops.add(dev, dev.to_device(a), dev.to_device(b), out)
+    np.testing.assert_array_equal(out.to_host(), a + b)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rope_in_place_on_fused_qkv(dev, rng, neox, d):
+    n, hq, hk = 9, 8, 2
+    width = (hq + 2 * hk) * d
+    qkv = rng.normal(0, 1, (n, width)).astype(np.float32)
+    pos = rng.integers(0, 131072, n).astype(np.int32)
+    pos[0] = 0
+    inv_freq = (1.0 / (500000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+    buf = dev.to_device(qkv)
+    kview = buf.view(hq * d, (n * width - hq * d,))
+    ops.rope(dev, buf, kview, dev.to_device(pos), dev.to_device(inv_freq), n=n, hq=hq, hk=hk, head_dim=d,
+             neox=neox, ldq=width, ldk=width)
+    got = buf.to_host()
+    cos, sin = reference.rope_tables(pos, inv_freq)
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
+    assert rel_err(got[:, : hq * d].reshape(n, hq, d), reference.rope(q, cos, sin, neox=neox)) < FP32_BAR
+    assert rel_err(got[:, hq * d: (hq + hk) * d].reshape(n, hk, d), reference.rope(k, cos, sin, neox=neox)) < FP32_BAR
+    np.testing.assert_array_equal(got[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_act_on_fused_gate_up(dev, rng, act):
+    n, f = 5, 1000
+    gu = rng.normal(0, 3, (n, 2 * f)).astype(np.float32)
+    out = dev.empty((n, f))
+    out.poison()
+    buf = dev.to_device(gu)
+    ops.gated_act(dev, buf, buf.view(f, (n * 2 * f - f,)), out, n=n, ffn=f, act=act, ldg=2 * f, ldu=2 * f)
+    g, u = gu[:, :f], gu[:, f:]
+    fn = reference.silu if act == "silu" else reference.gelu_tanh
+    ref = fn(g.astype(np.float64)) * u
+    assert rel_err(out.to_host(), ref) < FP32_BAR
+    assert rel_err(out.to_host(), fn(g) * u) < FP32_BAR
+
+
+# -- KV cache and paged attention ---------------------------------------------------------------------------
+
+
+def _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype):
+    """Random K/V for sequences of the given lengths written through kv_write into a shuffled pool."""
+    max_blocks = max(-(-L // bs) for L in lens)
+    n_blocks = sum(-(-L // bs) for L in lens) + 3
+    perm = rng.permutation(n_blocks)
+    tables = np.zeros((len(lens), max_blocks), np.int32)
+    used = 0
+    for s, L in enumerate(lens):
+        nb = -(-L // bs)
+        tables[s, :nb] = perm[used: used + nb]
+        used += nb
+    kc = dev.empty((n_blocks * bs, hk, d), kv_dtype)
+    vc = dev.empty((n_blocks * bs, hk, d), kv_dtype)
+    kc.poison(); vc.poison()
+    keys, values = [], []
+    for s, L in enumerate(lens):
+        k = rng.normal(0, 1, (L, hk, d)).astype(np.float32)
+        v = rng.normal(0, 1, (L, hk, d)).astype(np.float32)
+        p = np.arange(L)
+        slots = (tables[s, p // bs] * bs + p % bs).astype(np.int32)
+        ops.kv_write(dev, dev.to_device(k), dev.to_device(v), kc, vc, dev.to_device(slots), n=L, kv_heads=hk, head_dim=d)
+        # what the cache holds (fp16-rounded when the cache is fp16) is what the twin sees
+        keys.append(k.astype(kv_dtype).astype(np.float32))
+        values.append(v.astype(kv_dtype).astype(np.float32))
+    host_k = kc.to_host()
+    for s, L in enumerate(lens):  # kv_write put every row where the table says
+        p = np.arange(L)
+        np.testing.assert_array_equal(host_k[tables[s, p // bs] * bs + p % bs].astype(np.float32), keys[s])
+    return kc, vc, dev.to_device(tables), max_blocks, keys, values
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (256, 4, 1), (64, 8, 8), (128, 16, 2)])
+@pytest.mark.parametrize("window", [0, 100])
+def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
+    lens, bs = [1, 37, 1500, 700], 16
+    kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype)
+    q = rng.normal(0, 1, (len(lens), hq, d)).astype(np.float32)
+    pos = np.array([L - 1 for L in lens], np.int32)
+    seq = np.arange(len(lens), dtype=np.int32)
+    scale = 1.0 / np.sqrt(d)
+    refs = np.stack([
+        reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale)[0]
+        for s in range(len(lens))
+    ])
+    out = dev.empty((len(lens), hq, d))
+    bar = FP32_BAR  # the twin sees the same stored (fp16-rounded) keys and values
+    for split in (None, 64, 512):
+        out.poison()
+        ops.attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(seq), dev.to_device(pos), out,
+                      rows=len(lens), heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
+                      max_keys=max(lens) if not window else min(window, max(lens)), window=window, scale=scale,
+                      split=split)
+        err = rel_err(out.to_host(), refs)
+        assert err < bar, (split, err)
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_paged_prefill_attention_rows(dev, rng, window):
+    """One query row per prompt token (a chunk starting at position 200 of a 450-token sequence)."""
+    d, hq, hk, bs = 128, 8, 2, 16
+    L, start = 450, 200
+    kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, [L], hk, d, bs, np.float16)
+    n = L - start
+    q = rng.normal(0, 1, (n, hq, d)).astype(np.float32)
+    pos = np.arange(start, L, dtype=np.int32)
+    out = dev.empty((n, hq, d))
+    out.poison()
+    ops.attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(np.zeros(n, np.int32)), dev.to_device(pos),
+                  out, rows=n, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
+                  max_keys=L if not window else window, window=window, scale=0.1)
+    ref = reference.attention(q, keys[0], values[0], pos, window=window, scale=0.1)
+    assert rel_err(out.to_host(), ref) < FP32_BAR
+
+
+# -- sampling -------------------------------------------------------------------------------------------------
+
+
+def test_argmax_first_index_of_ties(dev, rng):
+    rows, vocab = 6, 151936
+    x = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    x[1, 500] = x[1, 90000] = 100.0  # a tie: the first index wins, as in numpy
+    x[2, :] = -np.inf
+    x[3, vocab - 1] = 1e30
+    idx, val = dev.empty(rows, np.int32), dev.empty(rows)
+    idx.poison(); val.poison()
+    ops.argmax(dev, dev.to_device(x), idx, rows=rows, vocab=vocab, out_val=val)
+    np.testing.assert_array_equal(idx.to_host(), np.argmax(x, axis=1))
+    np.testing.assert_array_equal(val.to_host(), x[np.arange(rows), np.argmax(x, axis=1)])
+    # odd row length (scalar loads), and a prefix of each row read with a row stride
+    x2 = rng.normal(0, 1, (rows, 8195)).astype(np.float32)
+    idx.poison()
+    ops.argmax(dev, dev.to_device(x2), idx, rows=rows, vocab=8195)
+    np.testing.assert_array_equal(idx.to_host(), np.argmax(x2, axis=1))
+    idx.poison()
+    ops.argmax(dev, dev.to_device(x), idx, rows=rows, vocab=9001, ld=vocab)
+    np.testing.assert_array_equal(idx.to_host(), np.argmax(x[:, :9001], axis=1))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_softmax_rows(dev, rng, temperature):
+    rows, vocab = 3, 32000
+    x = rng.normal(0, 4, (rows, vocab)).astype(np.float32)
+    y = dev.empty((rows, vocab))
+    y.poison()
+    ops.softmax(dev, dev.to_device(x), y, rows=rows, cols=vocab, temperature=temperature)
+    ref = reference.softmax(x.astype(np.float64) / temperature)
+    assert rel_err(y.to_host(), ref) < FP32_BAR
+
+
+# -- sticky errors ----------------------------------------------------------------------------------------------
+
+
+def test_illegal_address_poisons_the_context(dev):
+    """In a child process (the context stays poisoned): a real out-of-bounds write surfaces as
+    StickyCudaError 700 at the next synchronizing call, and every later call fails the same way."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from ember.kernels import ops
+        from ember.kernels.cuda_runtime import Device, poisoned
+        from ember.kernels.errors import StickyCudaError
+        dev = Device()
+        try:
+            ops.fault_illegal_address(dev)
+        except StickyCudaError as e:
+            print("STICKY", e.code, e.name, e.call)
+            try:
+                dev.synchronize()
+            except StickyCudaError as e2:
+                print("AGAIN", e2.code)
+            print("POISONED", poisoned() is not None)
+            sys.exit(75)
+        print("NO ERROR")
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 75, p.stdout + p.stderr
+    assert "STICKY 700 CUDA_ERROR_ILLEGAL_ADDRESS" in p.stdout
+    assert "AGAIN 700" in p.stdout and "POISONED True" in p.stdout
