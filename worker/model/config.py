@@ -64,6 +64,12 @@ def read_config(g: GGUFFile) -> ModelConfig:
         raise ModelFileError(
             g.path, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    for info in g.tensors.values():
+        if info.ggml_type not in SUPPORTED_TYPES:
+            names = ", ".join(t.name for t in SUPPORTED_TYPES)
+            raise ModelFileError(
+                g.path, f"tensor {info.name} has unsupported quant type {info.ggml_type.name} (supported: {names})"
+            )
     hidden = int(_req(g, f"{arch}.embedding_length"))
     n_heads = int(_req(g, f"{arch}.attention.head_count"))
     n_kv = g.get(f"{arch}.attention.head_count_kv", n_heads)
@@ -74,12 +80,6 @@ def read_config(g: GGUFFile) -> ModelConfig:
         raise ModelFileError(g.path, "unsupported: value head size differs from key head size")
     if n_heads % n_kv:
         raise ModelFileError(g.path, f"corrupt: {n_heads} heads are not a multiple of {n_kv} kv heads")
-    for info in g.tensors.values():
-        if info.ggml_type not in SUPPORTED_TYPES:
-            names = ", ".join(t.name for t in SUPPORTED_TYPES)
-            raise ModelFileError(
-                g.path, f"tensor {info.name} has unsupported quant type {info.ggml_type.name} (supported: {names})"
-            )
     tokens = g.get("tokenizer.ggml.tokens")
     embd = g.tensors.get("token_embd.weight")
     if embd is None:
