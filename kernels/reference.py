@@ -15,7 +15,7 @@ _SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    ms = np.add.reduce(x * x, axis=-1, keepdims=True) * np.float32(1.0 / x.shape[-1])
     return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * weight
 
 
@@ -52,23 +52,24 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray, *, window: int, scale: float
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray, *, window: int, scale: float,
+    key_offset: int = 0,
 ) -> np.ndarray:
     """Causal grouped-query attention for one sequence.
 
-    q [n, heads, d] at positions q_pos; keys/values [L, kv_heads, d] hold positions 0..L-1.
-    A key at position j is visible to a query at p when j <= p and, with a sliding window,
-    p - j < window (llama.cpp's rule). Query head h reads kv head h // (heads / kv_heads).
-    Returns [n, heads, d].
+    q [n, heads, d] at positions q_pos; keys/values [L, kv_heads, d] hold positions
+    key_offset .. key_offset + L - 1. A key at position j is visible to a query at p when j <= p
+    and, with a sliding window, p - j < window (llama.cpp's rule). Query head h reads kv head
+    h // (heads / kv_heads). Returns [n, heads, d].
     """
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    lo = max(0, int(q_pos.min()) - window + 1) if window else 0  # older keys are outside every window
+    lo = max(key_offset, int(q_pos.min()) - window + 1) if window else key_offset  # older keys: outside every window
     hi = int(q_pos.max()) + 1
-    key_pos = np.arange(lo, hi)
     mask = None
-    if n > 1 or hi - lo != int(q_pos.max()) + 1 - lo:
+    if n > 1:  # one query sees exactly [lo, hi); several need the causal (and window) mask
+        key_pos = np.arange(lo, hi)
         visible = key_pos[None, :] <= q_pos[:, None]
         if window:
             visible &= (q_pos[:, None] - key_pos[None, :]) < window
@@ -77,7 +78,8 @@ def attention(
     for h in range(kv_heads):
         heads_of_h = slice(h * group, (h + 1) * group)
         qh = q[:, heads_of_h, :].reshape(n * group, d) * np.float32(scale)
-        k, v = keys[lo:hi, h, :], values[lo:hi, h, :]  # strided views go straight to BLAS
+        k = keys[lo - key_offset : hi - key_offset, h, :]  # strided views go straight to BLAS
+        v = values[lo - key_offset : hi - key_offset, h, :]
         scores = _rows_times(qh, k.T, k)  # [n*group, L']
         if mask is not None:
             scores = np.where(mask, scores, np.float32(-np.inf))
@@ -86,12 +88,13 @@ def attention(
 
 
 def _rows_times(a: np.ndarray, b: np.ndarray, b_t: np.ndarray | None = None) -> np.ndarray:
-    """a @ b. OpenBLAS's gemm is slow for a handful of rows (decode steps), where one gemv per row
-    is several times faster; b_t (b transposed, contiguous rows) lets gemv read it row-major."""
+    """a @ b. OpenBLAS's gemm is slow for a handful of rows (decode steps): there, b_t @ a.T (b_t
+    is b transposed with contiguous rows, so the small side is the gemm's narrow one) or one gemv
+    per row is several times faster."""
     if a.shape[0] > 16:
         return a @ b
     if b_t is not None:
-        return np.stack([b_t @ row for row in a])
+        return (b_t @ a.T).T
     return np.stack([row @ b for row in a])
 
 
@@ -108,3 +111,12 @@ def gated_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.nd
     g = linear(x, w_gate)
     g = silu(g) if act == "silu" else gelu_tanh(g)
     return linear(g * linear(x, w_up), w_down)
+
+
+def gated_mlp_stacked(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, *, act: str) -> np.ndarray:
+    """gated_mlp with the gate and up projections stacked by rows into one matrix."""
+    gu = linear(x, w_gate_up)
+    half = gu.shape[-1] // 2
+    g = gu[..., :half]
+    g = silu(g) if act == "silu" else gelu_tanh(g)
+    return linear(g * gu[..., half:], w_down)

@@ -57,9 +57,10 @@ class NumpyBackend:
         for li, lw in enumerate(w.layers):
             local = cfg.is_local_layer(li)
             h = ops.rms_norm(x, lw["attn_norm"], cfg.norm_eps)
-            q = ops.linear(h, lw["wq"], lw.get("bq")).reshape(-1, cfg.n_heads, cfg.head_dim)
-            k = ops.linear(h, lw["wk"], lw.get("bk")).reshape(-1, cfg.n_kv_heads, cfg.head_dim)
-            v = ops.linear(h, lw["wv"], lw.get("bv")).reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            qkv = ops.linear(h, lw["wqkv"], lw.get("bqkv"))  # q, k and v stacked by rows
+            q = qkv[:, : cfg.q_dim].reshape(-1, cfg.n_heads, cfg.head_dim)
+            k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
                 q = ops.rms_norm(q, lw["q_norm"], cfg.norm_eps)
                 k = ops.rms_norm(k, lw["k_norm"], cfg.norm_eps)
@@ -72,9 +73,10 @@ class NumpyBackend:
             window = cfg.sliding_window if local else 0
             attn = np.empty((len(tokens), cfg.q_dim), dtype=np.float32)
             for c, (a, b) in zip(chunks, spans):
-                keys, values = self._gather(li, c.block_table, c.start + len(c.tokens))
+                first = max(0, c.start - window + 1) if window else 0  # older keys: outside the window
+                keys, values, offset = self._gather(li, c.block_table, first, c.start + len(c.tokens))
                 attn[a:b] = ops.attention(
-                    q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale
+                    q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale, key_offset=offset
                 ).reshape(b - a, cfg.q_dim)
             o = ops.linear(attn, lw["wo"])
             if cfg.post_norms:
@@ -82,7 +84,7 @@ class NumpyBackend:
             x = x + o
 
             h = ops.rms_norm(x, lw["ffn_norm"], cfg.norm_eps)
-            m = ops.gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"], act=cfg.act)
+            m = ops.gated_mlp_stacked(h, lw["w_gate_up"], lw["w_down"], act=cfg.act)
             if cfg.post_norms:
                 m = ops.rms_norm(m, lw["post_ffn_norm"], cfg.norm_eps)
             x = x + m
@@ -107,13 +109,15 @@ class NumpyBackend:
             parts.append(table[pos // bs] * bs + pos % bs)
         return np.concatenate(parts)
 
-    def _gather(self, layer: int, block_table: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-        n = -(-length // self.block_size)
-        idx = np.asarray(block_table[:n], dtype=np.int64)
-        cfg = self.config
-        keys = self.k_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
-        values = self.v_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
-        return keys, values
+    def _gather(self, layer: int, block_table: list[int], first: int, length: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Keys and values of positions [first rounded down to a block, length), and that start."""
+        bs, cfg = self.block_size, self.config
+        b0, b1 = first // bs, -(-length // bs)
+        idx = np.asarray(block_table[b0:b1], dtype=np.int64)
+        n = length - b0 * bs
+        keys = self.k_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
+        values = self.v_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
+        return keys, values, b0 * bs
 
     # -- KV block transfer ------------------------------------------------------------------------
 

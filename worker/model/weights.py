@@ -23,7 +23,15 @@ from ..paths import model_cache_dir
 from .config import ModelConfig
 from .gguf_file import GGUFFile, ModelFileError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+
+# Projections that read the same input are stacked into one matrix: one product instead of two or
+# three per layer (the decode step is a chain of small matrix-vector products, each with overhead).
+_FUSED = {
+    "wqkv": ("wq", "wk", "wv"),
+    "bqkv": ("bq", "bk", "bv"),
+    "w_gate_up": ("w_gate", "w_up"),
+}
 
 _LAYER_TENSORS = {
     # our name: (gguf name, required)
@@ -51,7 +59,7 @@ class ModelWeights:
     token_embd: np.ndarray  # [vocab, hidden]
     output: np.ndarray  # [vocab, hidden]; the same array as token_embd when tied
     output_norm: np.ndarray
-    layers: list[dict[str, np.ndarray]]  # per layer, keyed by the names in _LAYER_TENSORS
+    layers: list[dict[str, np.ndarray]]  # per layer: the names in _LAYER_TENSORS, or _FUSED stacks
     rope_freqs: np.ndarray | None = None  # llama 3.1 style per-dimension frequency factors
     nbytes: int = field(default=0)
 
@@ -79,19 +87,31 @@ def load_weights(
                 raise ModelFileError(g.path, f"missing tensor {full}")
     total = sum(g.tensors[n].nbytes for n in names)
     done = 0
-    arrays: dict[str, np.ndarray] = {}
-    for name in names:
-        arrays[name] = _load_one(g, name, cache)
-        done += g.tensors[name].nbytes
+
+    def tick(parts: list[str]) -> None:
+        nonlocal done
+        done += sum(g.tensors[n].nbytes for n in parts)
         if progress:
             progress(done, total)
+
+    arrays: dict[str, np.ndarray] = {}
+    for name in names:
+        if not name.startswith("blk."):
+            arrays[name] = _load(g, [name], cache / f"{name}.npy")
+            tick([name])
     layers = []
     for i in range(config.n_layers):
-        t = {}
-        for ours, (gname, _) in _LAYER_TENSORS.items():
-            arr = arrays.get(f"blk.{i}.{gname}")
-            if arr is not None:
-                t[ours] = arr
+        present = {ours: f"blk.{i}.{gname}" for ours, (gname, _) in _LAYER_TENSORS.items()
+                   if f"blk.{i}.{gname}" in g.tensors}
+        t: dict[str, np.ndarray] = {}
+        for fused, members in _FUSED.items():
+            if all(m in present for m in members):
+                parts = [present.pop(m) for m in members]
+                t[fused] = _load(g, parts, cache / f"blk.{i}.{fused}.npy")
+                tick(parts)
+        for ours, name in present.items():
+            t[ours] = _load(g, [name], cache / f"{name}.npy")
+            tick([name])
         layers.append(t)
     embd = arrays["token_embd.weight"]
     return ModelWeights(
@@ -104,10 +124,10 @@ def load_weights(
     )
 
 
-def _load_one(g: GGUFFile, name: str, cache: Path) -> np.ndarray:
-    info = g.tensors[name]
-    shape = _expected_shape(g, name)
-    path = cache / f"{name}.npy"
+def _load(g: GGUFFile, names: list[str], path: Path) -> np.ndarray:
+    """The tensors `names` stacked by rows, as float32: mapped from the cache, or dequantized once."""
+    shapes = [_expected_shape(g, n) for n in names]
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:])
     if path.exists():
         try:
             arr = np.load(path, mmap_mode="r")
@@ -115,20 +135,24 @@ def _load_one(g: GGUFFile, name: str, cache: Path) -> np.ndarray:
                 return arr
         except (ValueError, OSError):
             pass  # a damaged cache entry is rebuilt below
+    arr = np.empty(shape, dtype=np.float32)
+    row = 0
+    for name, sh in zip(names, shapes):
+        info = g.tensors[name]
+        try:
+            arr[row : row + sh[0]] = dequantize(g.raw(name), info.ggml_type, sh)
+        except UnsupportedQuantError as e:
+            raise ModelFileError(g.path, f"tensor {name}: {e}") from None
+        row += sh[0]
     try:
-        arr = dequantize(g.raw(name), info.ggml_type, shape)
-    except UnsupportedQuantError as e:
-        raise ModelFileError(g.path, f"tensor {name}: {e}") from None
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
-    try:
-        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             np.save(f, arr)
         os.replace(tmp, path)
         return np.load(path, mmap_mode="r")
     except OSError as e:  # a read-only or full cache only costs speed at the next start
-        print(f"ember: warning: cannot cache dequantized weights in {cache}: {e}", file=sys.stderr)
+        print(f"ember: warning: cannot cache dequantized weights in {path.parent}: {e}", file=sys.stderr)
         return arr
 
 
