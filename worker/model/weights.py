@@ -9,6 +9,7 @@ page cache shares the weights between restarts.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,9 @@ def load_weights(
 ) -> ModelWeights:
     """Dequantize (first time) or memory-map (cached) every tensor the forward pass needs."""
     cache = model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}"
+    for stale in cache.parent.glob("weights-f32-v*"):  # caches of older layouts are dead weight
+        if stale != cache:
+            shutil.rmtree(stale, ignore_errors=True)
     names = ["token_embd.weight", "output_norm.weight"]
     if not config.tied_output:
         names.append("output.weight")
