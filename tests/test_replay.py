@@ -11,7 +11,8 @@ def test_session_shapes_replay(tmp_path):
     report = run_replay(shapes, tmp_path, ["--kv-mem", "64MiB"])
     bad = [c for c in report.checks if not c.ok]
     assert not bad, bad
-    assert report.outcomes["failed"] == 0
+    assert report.outcomes["failed"] == 0 and report.outcomes["completed"] >= len(report.checks)
+    assert report.outcomes["canceled"] >= 1  # the client that gave up mid-prefill
     names = [c.name for c in report.checks]
     assert "after-kill-9" in names and "retry-after-abandon" in names
     restored = next(c for c in report.checks if c.name == "after-kill-9")

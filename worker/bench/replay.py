@@ -86,10 +86,15 @@ def _predict(prev_computed: list[int], prompt: list[int]) -> int:
 def _wait_writes(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = httpx.get(f"{url}/v1/stats", timeout=10).json()
+        stats = httpx.get(f"{url}/v1/stats", timeout=10).json()["metrics"]
         if stats.get("ember_kv_write_queue_depth", 0) == 0:
             return
         time.sleep(0.05)
+
+
+def _outcomes(url: str) -> dict[str, float]:
+    stats = httpx.get(f"{url}/v1/stats", timeout=10).json()["metrics"]
+    return {o: stats.get(f"ember_requests_total_{o}", 0) for o in ("completed", "failed", "canceled", "refused")}
 
 
 def _tokenizer(url: str):
@@ -153,12 +158,13 @@ def run_replay(shapes: Shapes, workdir: Path, worker_args: list[str], seed: int 
         # worker SIGKILL between turns; the new worker restores from disk
         next_prompt = convo + rng.integers(vocab_lo, vocab_hi, 30).tolist()
         _wait_writes(work.url)
+        before_kill = _outcomes(work.url)
         work.kill()
         work = WorkerProcess(*common, log_path=workdir / "worker-2.log").start()
         turn("after-kill-9", next_prompt, sent, expected=f">={_predict(sent, next_prompt)}")
 
-        stats = httpx.get(f"{work.url}/v1/stats", timeout=10).json()
-        report.outcomes = {o: stats.get(f"ember_requests_total_{o}", 0) for o in ("completed", "failed", "canceled")}
+        after = _outcomes(work.url)
+        report.outcomes = {o: before_kill[o] + after[o] for o in after}
     finally:
         work.kill()
         ref.kill()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,18 +95,23 @@ def cmd_resume(args: argparse.Namespace) -> int:
         common = [*model, "--kv-mem", args.kv_mem, "--max-seqs", "1"]
         with WorkerProcess(*common, "--kv-persist", "off", "--kv-dir", str(tmp / "off"), log_path=tmp / "ref.log") as w:
             ref = _stream(w.url, messages, args.gen)
+        print(f"reference (persistence off): TTFT {ref['ttft_s']:.2f} s, {ref['usage'].get('prompt_tokens')} "
+              f"prompt tokens", file=sys.stderr)
         w2 = WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"), log_path=tmp / "killed.log").start()
         try:
             killed = _stream(w2.url, messages, args.gen, kill_after=max(2, args.gen // 2), worker=w2)
         finally:
             w2.kill()
+        print(f"persistence on: TTFT {killed['ttft_s']:.2f} s, killed with SIGKILL after {killed['tokens']} tokens",
+              file=sys.stderr)
         with WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"), log_path=tmp / "warm.log") as w3:
             warm = _stream(w3.url, messages, args.gen)
-            stats = httpx.get(f"{w3.url}/v1/stats", timeout=10).json()
+            stats = httpx.get(f"{w3.url}/v1/stats", timeout=10).json()["metrics"]
     restore_s = stats.get("ember_kv_restore_seconds_total", 0.0)
     restore_b = stats.get("ember_kv_restore_bytes_total", 0.0)
+    prompt_tokens = ref["usage"].get("prompt_tokens") or 0
     result = {
-        "prompt_tokens": ref["usage"].get("prompt_tokens"),
+        "prompt_tokens": prompt_tokens,
         "cold_ttft_s": round(ref["ttft_s"], 3),
         "warm_ttft_s": round(warm["ttft_s"], 3),
         "warm_over_cold": round(warm["ttft_s"] / ref["ttft_s"], 4),
@@ -113,7 +119,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         "continuation_identical": warm["text"] == ref["text"],
         "restore_mb_s": round(restore_b / restore_s / 1e6, 1) if restore_s else None,
         "prefill_tok_s_persist_off": ref["prefill_tok_s"] and round(ref["prefill_tok_s"], 1),
-        "prefill_tok_s_persist_on": killed["prefill_tok_s"] and round(killed["prefill_tok_s"], 1),
+        "prefill_tok_s_persist_on": round(prompt_tokens / killed["ttft_s"], 1) if killed["ttft_s"] else None,
         "decode_tok_s_persist_off": ref["decode_tok_s"] and round(ref["decode_tok_s"], 2),
         "killed_mid_decode_after_tokens": killed["tokens"],
         "machine": machine_facts(),

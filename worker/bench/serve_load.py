@@ -149,14 +149,14 @@ async def _run(args) -> dict:
     base = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=10, headers=headers) as c:
-        before = (await c.get(f"{base}/v1/stats")).json()
+        before = (await c.get(f"{base}/v1/stats")).json()["metrics"]
     report = LoadReport()
     t0 = time.monotonic()
     deadline = t0 + args.duration
     await asyncio.gather(*[_client(base, i, deadline, args, report, headers) for i in range(args.clients)])
     wall = time.monotonic() - t0
     async with httpx.AsyncClient(timeout=10, headers=headers) as c:
-        after = (await c.get(f"{base}/v1/stats")).json()
+        after = (await c.get(f"{base}/v1/stats")).json()["metrics"]
     result = summarize(report, before, after, wall)
     result["clients"] = args.clients
     result["machine"] = machine_facts()
