@@ -12,7 +12,8 @@ import sys
 WORKER_VERBS = {
     "worker": "run the inference worker in the foreground (HTTP APIs on 127.0.0.1:8080)",
     "generate": "generate text from a prompt on this machine",
-    "bench": "benchmarks and synthetic models (bench speed, bench make-model)",
+    "bench": "benchmarks and synthetic models (speed, serve, resume, replay, make-model)",
+    "kernels": "CUDA kernels: kernels build --arch sm_90 (NVRTC; no GPU needed), kernels list",
 }
 
 USAGE = """usage: ember <command> [options]
@@ -24,8 +25,22 @@ Run `ember <command> --help` for a command's options.
 """
 
 
+# control-plane verbs (ember.daemon.commands) and the crash archive (ember.ops.crashes), imported on use
+DAEMON_VERBS = {
+    "start": "start ember in the background and wait until it serves",
+    "stop": "drain and stop the worker, then the daemon",
+    "restart": "drain and restart the worker",
+    "status": "daemon and worker state, pids, uptime, model, restarts, last crash (--json)",
+    "logs": "the worker's log, pretty-printed (-f follows; --daemon for the daemon's)",
+    "crashes": "the crash archive: crashes list | show ID | export ID",
+    "daemon": "daemon run: the supervising daemon in the foreground (what the service runs)",
+    "service": "start at boot: service install|uninstall|status [--system] [--dry-run]",
+    "config": "config show: the effective settings and where each came from",
+}
+
+
 def _usage() -> str:
-    verbs = "\n".join(f"  {name:<10} {text}" for name, text in WORKER_VERBS.items())
+    verbs = "\n".join(f"  {name:<10} {text}" for name, text in {**WORKER_VERBS, **DAEMON_VERBS}.items())
     return USAGE.format(verbs=verbs)
 
 
@@ -42,5 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     verb = args[0]
     if verb in WORKER_VERBS:
         os.execv(sys.executable, [sys.executable, "-m", "ember.worker", *args])
+    if verb == "crashes":
+        from ember.ops.crashes import main as crashes_main
+
+        return crashes_main(args[1:])
+    if verb in ("service", "config"):
+        from .service import VERBS as SERVICE_VERBS
+
+        return SERVICE_VERBS[verb](args[1:])
+    if verb in DAEMON_VERBS:
+        from .commands import VERBS
+
+        return VERBS[verb][0](args[1:])
     print(f"ember: unknown command {verb!r}\n\n{_usage()}", end="", file=sys.stderr)
     return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -86,6 +87,8 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     from .text.chat_template import ChatTemplateError
 
     t0 = time.monotonic()
+    # the daemon sends SIGUSR1 before killing a hung worker: every thread's stack lands in the log
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     log("config", version=version("ember"), pid=os.getpid(), config=worker_config.redacted(cfg),
         sources={k: v for k, v in sources.items() if v != "default"})
     try:

@@ -177,6 +177,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         rid = common.new_id("cmpl-")
         common.check_accepting(ctx, rid, openai_completions.PROTOCOL)
         req, plan = await openai_completions.to_generation(ctx, body, rid)
+        req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
         handle = common.submit(ctx, req, "prompt")
         created = common.now()
         headers = {"x-request-id": rid}

@@ -38,6 +38,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # logprobs of the prompt tokens too (completions `echo`)
     ignore_eos: bool = False
     protocol: str = ""  # for logs and metrics only
+    probe: bool = False  # the daemon's health probe: marked in the log so it is not taken for traffic
 
 
 @dataclass

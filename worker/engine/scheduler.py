@@ -283,7 +283,8 @@ class Engine:
         self.metrics.prompt_tokens.inc(s.prompt_len)
         self.metrics.cached_tokens.inc(s.cached_tokens)
         log("admit", request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
-            prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens)
+            prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens,
+            **({"probe": True} if s.req.probe else {}))
         s.handle.push([Started(s.prompt_len, s.cached_tokens)])
 
     def _progress_restores(self) -> None:
@@ -482,6 +483,8 @@ class Engine:
         fields = dict(request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol, prompt_tokens=s.prompt_len,
                       cached_tokens=s.cached_tokens, completion_tokens=s.generated,
                       seconds=round(time.monotonic() - s.arrived, 3))
+        if s.req.probe:
+            fields["probe"] = True
         if isinstance(event, Finished):
             fields["finish_reason"] = event.reason.value
         elif outcome is not Outcome.CANCELED:

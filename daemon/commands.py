@@ -1,0 +1,409 @@
+"""The daemon's verbs of the `ember` command: daemon run, start, stop, restart, status, logs.
+
+`ember crashes` lives in ember.ops (reading the archive needs nothing of the daemon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import control, supctl
+from .paths import Layout, layout, read_json
+from .settings import SettingsError, load
+
+EX_OK, EX_FAIL, EX_USAGE, EX_NOT_RUNNING, EX_CONFIG = 0, 1, 2, 3, 78
+
+
+# -- ember daemon run ---------------------------------------------------------------------------------
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="ember.toml (default ~/.config/ember/ember.toml, or $EMBER_CONFIG)")
+    p.add_argument("--command", metavar="CMD", help="run this engine instead of the ember worker (quoted command line)")
+    p.add_argument("--health-url", metavar="URL", help="the engine's liveness URL (with --command)")
+    p.add_argument("--ready-url", metavar="URL", help="the engine's readiness URL (default: --health-url)")
+    p.add_argument("--completions-url", metavar="URL", help="one-token generation probe URL ('' turns it off)")
+    p.add_argument("--log-file", metavar="FILE", help="a log file the engine writes itself (watched too)")
+    p.add_argument("--host", help="where the worker listens (default 127.0.0.1)")
+    p.add_argument("--port", help="the worker's port (default 8080)")
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k, None) for k in ("command", "health_url", "ready_url", "completions_url", "log_file",
+                                                "host", "port")}
+
+
+def cmd_daemon(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember daemon", description="the supervising daemon (what the service runs)")
+    sub = p.add_subparsers(dest="sub", required=True)
+    r = sub.add_parser("run", help="run the daemon in the foreground: supervise the worker until stopped")
+    _add_engine_flags(r)
+    r.add_argument("--mode", choices=("foreground", "background"), default="foreground", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.config:
+        os.environ["EMBER_CONFIG"] = os.path.abspath(os.path.expanduser(args.config))
+    try:
+        settings = load(_flags(args))
+    except SettingsError as e:
+        print(f"ember daemon: {e}", file=sys.stderr)
+        return EX_CONFIG
+    from .core import Daemon, DaemonError
+
+    d = Daemon(settings, layout(), mode=args.mode, flags=_flags(args))
+    try:
+        return d.run()
+    except DaemonError as e:
+        print(f"ember daemon: {e}", file=sys.stderr)
+        return EX_FAIL
+    except KeyboardInterrupt:
+        return EX_OK
+
+
+# -- talking to a running daemon ------------------------------------------------------------------------
+
+def _status(lay: Layout) -> dict | None:
+    resp = control.request(lay.control_sock, "status")
+    return resp.get("status") if resp and resp.get("ok") else None
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+def _systemd_unit() -> list[str] | None:
+    """systemctl argv prefix when an installed, running systemd manages ember.service."""
+    if not Path("/run/systemd/system").is_dir() or not shutil.which("systemctl"):
+        return None
+    if os.geteuid() == 0 and Path("/etc/systemd/system/ember.service").exists():
+        return ["systemctl"]
+    user = Path(os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")) / "systemd/user/ember.service"
+    if user.exists():
+        return ["systemctl", "--user"]
+    return None
+
+
+def _print_ready(st: dict) -> None:
+    ep = st.get("endpoint")
+    w = st.get("worker") or {}
+    print(f"ember is ready: {ep}/v1 (OpenAI), {ep} (Anthropic)"
+          + (f"  model {w.get('model')}" if w.get("model") else ""))
+
+
+def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen | None = None,
+                after_incarnation: int | None = None, quiet: bool = False) -> int:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        st = _status(lay)
+        if st:
+            last = st
+            inc = (st.get("worker") or {}).get("incarnation") or 0
+            fresh = after_incarnation is None or inc > after_incarnation
+            if st.get("state") == "ready" and fresh:
+                if not quiet:
+                    _print_ready(st)
+                return EX_OK
+            if st.get("state") == "failed" and fresh:
+                print(f"ember: the worker failed: {st.get('failed_reason')}", file=sys.stderr)
+                return EX_FAIL
+        if proc is not None and proc.poll() is not None:
+            tail = ""
+            try:
+                tail = lay.daemon_out.read_text()[-2000:]
+            except OSError:
+                pass
+            print(f"ember: the daemon exited with {proc.returncode}\n{tail}", file=sys.stderr)
+            return EX_FAIL
+        time.sleep(0.2)
+    why = (last or {}).get("not_ready_reason") or "no answer from the daemon"
+    print(f"ember: not ready after {timeout:g}s: {why}", file=sys.stderr)
+    return EX_FAIL
+
+
+def cmd_start(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember start", description="start ember (the daemon and its worker) and wait until ready")
+    _add_engine_flags(p)
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait for ready (default: startup_timeout + 30)")
+    p.add_argument("--no-wait", action="store_true", help="return once the daemon runs")
+    args = p.parse_args(argv)
+    if args.config:
+        os.environ["EMBER_CONFIG"] = os.path.abspath(os.path.expanduser(args.config))
+    try:
+        settings = load(_flags(args))
+    except SettingsError as e:
+        print(f"ember: {e}", file=sys.stderr)
+        return EX_CONFIG
+    lay = layout().ensure()
+    timeout = args.timeout or settings.startup_timeout + 30
+    st = _status(lay)
+    proc = None
+    if st is not None:
+        if st.get("state") in ("stopped", "failed"):
+            control.request(lay.control_sock, "start")
+            time.sleep(0.3)
+        elif st.get("state") == "ready":
+            _print_ready(st)
+            return EX_OK
+    else:
+        unit = _systemd_unit() if settings.service != "none" else None
+        if unit:
+            r = subprocess.run([*unit, "start", "ember.service"])
+            if r.returncode != 0:
+                return EX_FAIL
+        else:
+            argv_d = [sys.executable, "-m", "ember.daemon.cli_main", "daemon", "run", "--mode", "background"]
+            for k, v in _flags(args).items():
+                if v is not None:
+                    argv_d += ["--" + k.replace("_", "-"), str(v)]
+            out = os.open(lay.daemon_out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                proc = subprocess.Popen(argv_d, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        start_new_session=True, close_fds=True)
+            finally:
+                os.close(out)
+    if args.no_wait:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _status(lay) is None:
+            if proc is not None and proc.poll() is not None:
+                return EX_FAIL
+            time.sleep(0.1)
+        return EX_OK if _status(lay) is not None else EX_FAIL
+    return _wait_ready(lay, timeout, proc)
+
+
+def cmd_stop(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember stop", description="drain and stop the worker, then the daemon")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: drain time + 30)")
+    args = p.parse_args(argv)
+    lay = layout()
+    try:
+        settings = load()
+        timeout = args.timeout or settings.effective_stop_timeout + 30
+    except SettingsError:
+        timeout = args.timeout or 65.0
+    st = _status(lay)
+    if st is None:
+        if supctl.alive(lay.supervisor_sock):  # a daemon died and left supervisord serving
+            return _stop_orphan(lay, timeout)
+        print("ember is not running")
+        return EX_OK
+    pids = {"daemon": st["daemon"]["pid"], "supervisord": st["daemon"].get("supervisor_pid"),
+            "worker": (st.get("worker") or {}).get("pid")}
+    control.request(lay.control_sock, "stop")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids.values()):
+        time.sleep(0.1)
+    left = {k: v for k, v in pids.items() if _pid_alive(v)}
+    if left:
+        print(f"ember: still running after {timeout:g}s: {left}", file=sys.stderr)
+        return EX_FAIL
+    print("ember stopped" + (f" (worker pid {pids['worker']} drained)" if pids["worker"] else ""))
+    return EX_OK
+
+
+def _stop_orphan(lay: Layout, timeout: float) -> int:
+    rpc = supctl.rpc(lay.supervisor_sock, timeout=timeout)
+    try:
+        sup_pid = rpc.supervisor.getPID()
+        info = rpc.supervisor.getProcessInfo(supctl.PROGRAM)
+        if info["statename"] in ("RUNNING", "STARTING"):
+            rpc.supervisor.stopProcess(supctl.PROGRAM, True)
+        rpc.supervisor.shutdown()
+    except Exception as e:
+        print(f"ember: could not stop supervisord: {e}", file=sys.stderr)
+        return EX_FAIL
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _pid_alive(sup_pid):
+        time.sleep(0.1)
+    print("ember stopped (no daemon was running; its supervisord and worker are stopped)")
+    return EX_OK
+
+
+def cmd_restart(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember restart", description="drain and restart the worker (the daemon stays)")
+    p.add_argument("--timeout", type=float, default=None)
+    args = p.parse_args(argv)
+    lay = layout()
+    st = _status(lay)
+    if st is None:
+        return cmd_start(["--timeout", str(args.timeout)] if args.timeout else [])
+    try:
+        settings = load()
+        timeout = args.timeout or settings.effective_stop_timeout + settings.startup_timeout + 30
+    except SettingsError:
+        timeout = args.timeout or 400.0
+    inc = (st.get("worker") or {}).get("incarnation") or 0
+    control.request(lay.control_sock, "restart")
+    return _wait_ready(lay, timeout, after_incarnation=inc)
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _unsupervised(lay: Layout) -> dict | None:
+    if not supctl.alive(lay.supervisor_sock):
+        return None
+    try:
+        rpc = supctl.rpc(lay.supervisor_sock, timeout=3)
+        info = rpc.supervisor.getProcessInfo(supctl.PROGRAM)
+        if info["statename"] in ("RUNNING", "STARTING"):
+            return {"pid": info["pid"], "supervisor_pid": rpc.supervisor.getPID()}
+    except Exception:
+        pass
+    return None
+
+
+def cmd_status(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember status", description="daemon and worker state")
+    p.add_argument("--json", action="store_true", help="machine-readable")
+    args = p.parse_args(argv)
+    lay = layout()
+    st = _status(lay)
+    running = st is not None
+    if st is None:
+        st = read_json(lay.status_file) or {}
+        st = {**st, "state": "stopped" if st.get("state") != "failed" else "failed"}
+        st["daemon"] = {**(st.get("daemon") or {}), "pid": None, "running": False}
+        orphan = _unsupervised(lay)
+        if orphan:  # the daemon died and left supervisord and the worker serving
+            st["state"] = "unsupervised"
+            st["not_ready_reason"] = "the daemon is not running; the worker still serves (ember start re-attaches)"
+            st["daemon"]["supervisor_pid"] = orphan["supervisor_pid"]
+            st["worker"] = {**(st.get("worker") or {}), "pid": orphan["pid"], "state": "unsupervised"}
+    else:
+        st["daemon"]["running"] = True
+    if args.json:
+        print(json.dumps(st, indent=2, default=str))
+    else:
+        d, w = st.get("daemon") or {}, st.get("worker") or {}
+        print(f"ember: {st.get('state', 'stopped')}" + (f"  {st.get('endpoint')}" if running else ""))
+        if running:
+            print(f"  daemon   pid {d.get('pid')}  up {_ago(d.get('uptime_seconds'))}  ({d.get('mode')})"
+                  f"  supervisord pid {d.get('supervisor_pid')}")
+            print(f"  worker   {w.get('state')}  pid {w.get('pid') or '-'}  up {_ago(w.get('uptime_seconds'))}"
+                  f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
+        else:
+            print("  daemon   not running")
+            if w.get("state") == "unsupervised":
+                print(f"  worker   still serving, unsupervised  pid {w.get('pid')}  (supervisord pid {d.get('supervisor_pid')})")
+        if st.get("state") not in ("ready", "stopped", None) and st.get("not_ready_reason"):
+            print(f"  why      {st['not_ready_reason']}")
+        lc = st.get("last_crash")
+        print(f"  restarts {st.get('restarts', 0)}" + (f"  (next in {st['next_restart_in']}s)" if st.get("next_restart_in") else ""))
+        if lc:
+            print(f"  last crash {lc.get('detected_at')}  {lc.get('class')}  {lc.get('id')}  ({lc.get('reason')})")
+        if st.get("last_recovery_seconds") is not None:
+            print(f"  last recovery {st['last_recovery_seconds']:.1f}s from detection to ready")
+    if not running:
+        return EX_NOT_RUNNING
+    return EX_OK if st.get("state") == "ready" else EX_FAIL
+
+
+# -- ember logs -----------------------------------------------------------------------------------------
+
+_SKIP = {"ts", "level", "event"}
+
+
+def pretty(line: str) -> str:
+    t = line.strip()
+    if not t.startswith("{"):
+        return line.rstrip("\n")
+    try:
+        o = json.loads(t)
+    except ValueError:
+        return line.rstrip("\n")
+    if not isinstance(o, dict) or "event" not in o:
+        return line.rstrip("\n")
+    ts = str(o.get("ts", ""))
+    ts = ts[11:23] if len(ts) >= 23 else ts
+    parts = []
+    for k, v in o.items():
+        if k in _SKIP:
+            continue
+        if isinstance(v, str) and v and " " not in v and "=" not in v:
+            parts.append(f"{k}={v}")
+        else:
+            parts.append(f"{k}={json.dumps(v, default=str, ensure_ascii=False)}")
+    return f"{ts} {str(o.get('level', '')).upper():<5} {o.get('event'):<16} " + " ".join(parts)
+
+
+def _tail_lines(path: Path, n: int, upto: int | None = None) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell() if upto is None else min(upto, f.tell())
+            block, data = 65536, b""
+            while size > 0 and data.count(b"\n") <= n:
+                step = min(block, size)
+                size -= step
+                f.seek(size)
+                data = f.read(step) + data
+    except OSError:
+        return []
+    lines = data.decode(errors="replace").splitlines()
+    return lines[-n:] if n else []
+
+
+def cmd_logs(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ember logs", description="the worker's log, pretty-printed")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("-n", "--lines", type=int, default=100, help="lines from the end to show first (default 100)")
+    p.add_argument("--daemon", action="store_true", help="the daemon's own log instead")
+    p.add_argument("--raw", action="store_true", help="print the JSON lines as they are")
+    args = p.parse_args(argv)
+    lay = layout()
+    path = lay.daemon_log if args.daemon else lay.worker_log
+    fmt = (lambda s: s) if args.raw else pretty
+    if not path.exists() and not args.follow:
+        print(f"ember: no log yet at {path}", file=sys.stderr)
+        return EX_FAIL
+    out = sys.stdout
+    from .logwatch import TailedFile
+
+    tf = TailedFile(path, "log")
+    tf.open_at(None)  # first: a line written while the tail prints is followed, not lost
+    try:
+        for ln in _tail_lines(path, args.lines, upto=tf.offset if tf.f is not None else None):
+            out.write(fmt(ln) + "\n")
+        out.flush()
+        if not args.follow:
+            return EX_OK
+        while True:
+            for ln in tf.read_new():
+                out.write(fmt(ln) + "\n")
+            out.flush()
+            time.sleep(0.2)
+    except (KeyboardInterrupt, BrokenPipeError):
+        return EX_OK
+
+
+VERBS = {
+    "daemon": (cmd_daemon, "run the supervising daemon in the foreground (what the service runs)"),
+    "start": (cmd_start, "start ember in the background and wait until it serves"),
+    "stop": (cmd_stop, "drain and stop the worker and the daemon"),
+    "restart": (cmd_restart, "drain and restart the worker"),
+    "status": (cmd_status, "daemon and worker state, pids, uptime, model, restarts, last crash"),
+    "logs": (cmd_logs, "the worker's log, pretty-printed (-f follows; --daemon for the daemon's)"),
+}

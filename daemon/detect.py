@@ -1,0 +1,108 @@
+"""What a log line or an exit says about the worker: poisoned context, OOM, or nothing.
+
+The ember worker logs `engine_poisoned` (a JSON line with the CUDA code and name). A foreign engine
+(llama.cpp's llama-server, a PyTorch server) prints the raw CUDA messages instead; the sticky ones
+(the context is unusable afterwards, every later launch fails) are recognised by message, by
+enum name and by code: 700, 702, 710, 714-719. JSON lines are judged only by their `event`, so a
+logged prompt or error text can never trigger a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+# code -> (driver API name, runtime API name, message)
+STICKY = {
+    700: ("CUDA_ERROR_ILLEGAL_ADDRESS", "cudaErrorIllegalAddress", "an illegal memory access was encountered"),
+    702: ("CUDA_ERROR_LAUNCH_TIMEOUT", "cudaErrorLaunchTimeout", "the launch timed out and was terminated"),
+    710: ("CUDA_ERROR_ASSERT", "cudaErrorAssert", "device-side assert triggered"),
+    714: ("CUDA_ERROR_HARDWARE_STACK_ERROR", "cudaErrorHardwareStackError", "hardware stack error"),
+    715: ("CUDA_ERROR_ILLEGAL_INSTRUCTION", "cudaErrorIllegalInstruction", "an illegal instruction was encountered"),
+    716: ("CUDA_ERROR_MISALIGNED_ADDRESS", "cudaErrorMisalignedAddress", "misaligned address"),
+    717: ("CUDA_ERROR_INVALID_ADDRESS_SPACE", "cudaErrorInvalidAddressSpace",
+          "operation not supported on global/shared address space"),
+    718: ("CUDA_ERROR_INVALID_PC", "cudaErrorInvalidPc", "invalid program counter"),
+    719: ("CUDA_ERROR_LAUNCH_FAILED", "cudaErrorLaunchFailure", "unspecified launch failure"),
+}
+_BY_TEXT: list[tuple[re.Pattern, int]] = []
+for _code, (_drv, _rt, _msg) in STICKY.items():
+    _BY_TEXT.append((re.compile(re.escape(_msg), re.IGNORECASE), _code))
+    _BY_TEXT.append((re.compile(r"\b" + re.escape(_drv) + r"\b"), _code))
+    _BY_TEXT.append((re.compile(r"\b" + re.escape(_rt) + r"\b"), _code))
+_CODES = "|".join(str(c) for c in STICKY)
+# "CUDA error 700", "CUDA error: 700", "cuda error code 719", "CUDA_ERROR 716", "(error code 700)" on a CUDA line
+_CODE_RE = re.compile(r"\bcuda[ _]?error(?:\s*code)?\s*[:=]?\s*\(?(" + _CODES + r")\b", re.IGNORECASE)
+_CODE_CTX_RE = re.compile(r"\b(?:error|err|code|status)\s*[:=]?\s*\(?(" + _CODES + r")\b", re.IGNORECASE)
+
+_OOM_RE = re.compile(
+    r"\bMemoryError\b|out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|std::bad_alloc"
+    r"|Cannot allocate memory|failed to allocate .* buffer", re.IGNORECASE)
+
+
+def parse_json_line(text: str) -> dict[str, Any] | None:
+    t = text.strip()
+    if not t.startswith("{"):
+        return None
+    try:
+        obj = json.loads(t)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and "event" in obj else None
+
+
+def cuda_info(code: int) -> dict[str, Any]:
+    drv, rt, msg = STICKY[code]
+    return {"code": code, "name": drv, "runtime_name": rt, "message": msg}
+
+
+def poison_in_text(text: str) -> dict[str, Any] | None:
+    """A sticky CUDA error in a raw (non-JSON) log line: {'code', 'name', 'message', 'line'} or None."""
+    if len(text) > 8192:
+        text = text[:8192]
+    code = None
+    for pat, c in _BY_TEXT:
+        if pat.search(text):
+            code = c
+            break
+    if code is None:
+        m = _CODE_RE.search(text)
+        if m is None and "cuda" in text.lower():
+            m = _CODE_CTX_RE.search(text)
+        if m:
+            code = int(m.group(1))
+    if code is None:
+        return None
+    return {**cuda_info(code), "line": text.strip()[:2000]}
+
+
+def poison_in_line(text: str, parsed: dict[str, Any] | None) -> dict[str, Any] | None:
+    if parsed is not None:
+        if parsed.get("event") == "engine_poisoned":
+            out = {k: parsed.get(k) for k in ("code", "name", "message", "step", "running")}
+            return {k: v for k, v in out.items() if v is not None}
+        return None
+    return poison_in_text(text)
+
+
+def oom_in_text(text: str, parsed: dict[str, Any] | None) -> bool:
+    if parsed is not None:
+        blob = " ".join(str(parsed.get(k, "")) for k in ("event", "error", "message", "name"))
+        return bool(_OOM_RE.search(blob)) and parsed.get("level") in ("error", "critical", "fatal")
+    return bool(_OOM_RE.search(text[:8192]))
+
+
+# crash classes of a bundle (meta.json "class")
+POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, OOM = (
+    "poisoned-context", "crash-signal", "crash-exit", "hang", "unresponsive", "oom")
+CLASSES = (POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, OOM)
+
+_NORM = [(re.compile(r"0x[0-9a-fA-F]+"), "0x?"), (re.compile(r"\d+"), "N"), (re.compile(r"/[^\s:'\"]+"), "/PATH")]
+
+
+def normalize(text: str) -> str:
+    """A log line with the volatile parts (numbers, addresses, paths) taken out, for signatures."""
+    for pat, rep in _NORM:
+        text = pat.sub(rep, text)
+    return " ".join(text.split())[:300]

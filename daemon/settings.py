@@ -1,0 +1,275 @@
+"""The daemon's settings: `[daemon]` in ember.toml, `EMBER_DAEMON_*` variables, `ember daemon run` flags.
+
+Precedence: flag, then environment, then file, then the default. Durations accept seconds or a
+suffix (`500ms`, `30s`, `10m`, `1h`); sizes accept `512MiB`-style units. The defaults are the
+production policy (issue 4); tests shrink the timing knobs through the same keys.
+
+The engine is the ember worker unless `command` names another one (for example llama.cpp's
+llama-server), in which case `health_url` (liveness), and optionally `ready_url`,
+`completions_url` ("" turns the one-token generation probe off) and `log_file` say how to watch it.
+The worker's own settings stay in `[worker]` (or at the top level): the worker reads them itself;
+the daemon only reads `host`, `port` and `api_key` there, to know where to probe and with what key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .paths import config_file
+
+
+class SettingsError(ValueError):
+    """A bad daemon setting (one line). `ember daemon run` exits 78 with it."""
+
+
+@dataclass
+class Settings:
+    # the engine
+    command: list[str] | None = None  # foreign engine; None = the ember worker
+    health_url: str | None = None
+    ready_url: str | None = None
+    completions_url: str | None = None
+    log_file: str | None = None
+    worker_args: list[str] = field(default_factory=list)  # extra flags for the ember worker
+    host: str = "127.0.0.1"  # where the worker listens (from [worker] / EMBER_HOST)
+    port: int = 8080
+    api_key: str | None = None
+    drain_seconds: float = 30.0  # the worker's drain time (from [worker] / EMBER_DRAIN_SECONDS)
+    # the main loop and the probes
+    tick: float = 0.2
+    live_interval: float = 5.0
+    live_timeout: float = 5.0
+    live_failures: int = 3
+    ready_interval: float = 30.0
+    ready_timeout: float = 30.0
+    startup_poll: float = 0.25
+    startup_timeout: float = 300.0
+    hang_seconds: float = 120.0
+    dstate_seconds: float = 30.0
+    poison_grace: float = 5.0
+    kill_grace: float = 1.0
+    dump_signal: str = "USR1"  # sent to an ember worker before a hang kill (thread stacks), "" = none
+    stop_timeout: float = 0.0  # 0 = drain_seconds + 5
+    # the restart policy
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    backoff_reset: float = 600.0
+    breaker_crashes: int = 5
+    breaker_window: float = 600.0
+    # the archive and the logs
+    crash_keep: int = 50
+    crash_max_bytes: int = 256 << 20
+    events_seconds: float = 300.0
+    window_context: int = 20
+    health_records: int = 100
+    log_max_bytes: int = 50 << 20
+    log_backups: int = 5
+    ring_lines: int = 50000
+    # how `ember start` runs the daemon: auto (systemd unit if installed), none
+    service: str = "auto"
+    config_path: str | None = None  # the file these came from (informational)
+
+    @property
+    def foreign(self) -> bool:
+        return self.command is not None
+
+    @property
+    def probe_host(self) -> str:
+        if self.host in ("0.0.0.0", ""):
+            return "127.0.0.1"
+        if self.host == "::":
+            return "::1"
+        return self.host
+
+    def _base(self) -> str:
+        h = self.probe_host
+        return f"http://[{h}]:{self.port}" if ":" in h else f"http://{h}:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return self._base()
+
+    @property
+    def live_url(self) -> str:
+        if self.foreign:
+            return self.health_url or ""
+        return self._base() + "/health/live"
+
+    @property
+    def readiness_url(self) -> str:
+        if self.foreign:
+            return self.ready_url or self.health_url or ""
+        return self._base() + "/health/ready"
+
+    @property
+    def generation_url(self) -> str:
+        if self.completions_url is not None:
+            return self.completions_url
+        if self.foreign:
+            from urllib.parse import urlsplit
+
+            u = urlsplit(self.health_url or "")
+            return f"{u.scheme}://{u.netloc}/v1/completions" if u.netloc else ""
+        return self._base() + "/v1/completions"
+
+    @property
+    def effective_stop_timeout(self) -> float:
+        return self.stop_timeout or (self.drain_seconds + 5.0)
+
+    def redacted(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out.get("api_key"):
+            out["api_key"] = "***"
+        if out.get("command"):
+            out["command"] = redact_argv(out["command"])
+        out["worker_args"] = redact_argv(out["worker_args"])
+        return out
+
+
+_SECRET_FLAGS = ("--api-key", "--api_key", "--key", "--token", "--hf-token", "--password")
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+            continue
+        flag, eq, _ = a.partition("=")
+        if flag.lower() in _SECRET_FLAGS:
+            if eq:
+                out.append(flag + "=***")
+            else:
+                out.append(a)
+                hide = True
+            continue
+        out.append(a)
+    return out
+
+
+_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_SIZES = {"crash_max_bytes", "log_max_bytes"}
+
+
+def parse_duration(v: Any, name: str) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    m = _DUR.match(str(v))
+    if not m:
+        raise SettingsError(f"{name}: {v!r} is not a duration (examples: 500ms, 30s, 10m)")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+
+
+def parse_size(v: Any, name: str) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    m = _SIZE.match(str(v))
+    if not m:
+        raise SettingsError(f"{name}: {v!r} is not a size (examples: 64MiB, 1GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _convert(name: str, kind: Any, value: Any) -> Any:
+    t = str(kind)
+    try:
+        if name in _SIZES:
+            return parse_size(value, name)
+        if t == "float":
+            return parse_duration(value, name)
+        if t == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if t.startswith("list"):
+            if isinstance(value, str):
+                value = shlex.split(value)
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise ValueError
+            return list(value)
+        if value is None:
+            return None
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name}: {value!r} is not valid") from None
+
+
+def load(flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+         path: str | os.PathLike | None = None) -> Settings:
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    cfg_path = Path(path) if path else config_file(env)
+    data: dict[str, Any] = {}
+    if cfg_path.exists():
+        try:
+            data = tomllib.loads(cfg_path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SettingsError(f"config file {cfg_path}: {e}") from None
+    elif path or env.get("EMBER_CONFIG"):
+        raise SettingsError(f"config file {cfg_path} does not exist")
+    daemon_sec = data.get("daemon", {}) if isinstance(data.get("daemon"), dict) else {}
+    worker_sec = data.get("worker", data) if isinstance(data.get("worker", data), dict) else {}
+    known = {f.name: f.type for f in fields(Settings)}
+    raw: dict[str, Any] = {}
+    for key in ("host", "port", "api_key", "drain_seconds"):  # the worker's, read for probing
+        if key in worker_sec:
+            raw[key] = worker_sec[key]
+        var = "EMBER_" + key.upper()
+        if env.get(var):
+            raw[key] = env[var]
+    for key, value in daemon_sec.items():
+        if key not in known or key == "config_path":
+            raise SettingsError(f"[daemon] {key}: unknown setting")
+        raw[key] = value
+    for key in known:
+        var = "EMBER_DAEMON_" + key.upper()
+        if env.get(var):
+            raw[key] = env[var]
+    raw.update(flags)
+    s = Settings(config_path=str(cfg_path) if cfg_path.exists() else None)
+    for key, value in raw.items():
+        setattr(s, key, _convert(key, known[key], value))
+    validate(s)
+    return s
+
+
+def validate(s: Settings) -> None:
+    if not 0 < s.port < 65536:
+        raise SettingsError(f"port: {s.port} is not a TCP port")
+    if s.command is not None:
+        if not s.command:
+            raise SettingsError("command: empty")
+        if not s.health_url:
+            raise SettingsError("command: a foreign engine needs health_url (its liveness URL)")
+    for name in ("tick", "live_interval", "live_timeout", "ready_interval", "ready_timeout", "startup_poll",
+                 "startup_timeout", "backoff_base", "backoff_max"):
+        if getattr(s, name) <= 0:
+            raise SettingsError(f"{name}: must be positive")
+    if s.backoff_max < s.backoff_base:
+        raise SettingsError("backoff_max: must not be below backoff_base")
+    if s.live_failures < 1 or s.breaker_crashes < 1:
+        raise SettingsError("live_failures and breaker_crashes: at least 1")
+    if s.service not in ("auto", "none", "systemd"):
+        raise SettingsError(f"service: {s.service!r} (auto, none or systemd)")
+    if s.dump_signal and s.dump_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "QUIT", "ABRT"):
+        raise SettingsError(f"dump_signal: {s.dump_signal!r} (USR1, USR2, QUIT, ABRT or empty)")
+
+
+def worker_command(s: Settings) -> list[str]:
+    """The argv supervisord runs."""
+    if s.command is not None:
+        return list(s.command)
+    argv = [sys.executable, "-m", "ember.worker", "worker", "--host", s.host, "--port", str(s.port)]
+    if s.config_path:
+        argv += ["--config", s.config_path]
+    return argv + list(s.worker_args)
