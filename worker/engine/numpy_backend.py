@@ -113,10 +113,14 @@ class NumpyBackend:
         """Keys and values of positions [first rounded down to a block, length), and that start."""
         bs, cfg = self.block_size, self.config
         b0, b1 = first // bs, -(-length // bs)
-        idx = np.asarray(block_table[b0:b1], dtype=np.int64)
+        blocks = block_table[b0:b1]
         n = length - b0 * bs
-        keys = self.k_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
-        values = self.v_pool[layer, idx].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
+        if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+            sel = slice(blocks[0], blocks[-1] + 1)  # consecutive blocks (the usual case): a view, no copy
+        else:
+            sel = np.asarray(blocks, dtype=np.int64)
+        keys = self.k_pool[layer, sel].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
+        values = self.v_pool[layer, sel].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]
         return keys, values, b0 * bs
 
     # -- KV block transfer ------------------------------------------------------------------------
