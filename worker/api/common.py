@@ -21,6 +21,20 @@ from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
 from ..logs import log
 from .errors import ApiError, bad_request, from_validation
 
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling knobs every generation request accepts (OpenAI names; top_k, min_p and
+    repetition_penalty are extensions that llama.cpp and vLLM clients also send)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
 T = TypeVar("T")
 
 RETRY_AFTER_BUSY = 1  # seconds, 429: the queue is full

@@ -37,21 +37,13 @@ class ChatMessageIn(msgspec.Struct):
     tool_call_id: str | None = None
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
+class ChatRequest(common.SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     logprobs: bool | None = None

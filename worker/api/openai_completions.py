@@ -26,20 +26,12 @@ PROTOCOL = "completions"
 DEFAULT_MAX_TOKENS = 16
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class CompletionRequest(common.SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = DEFAULT_MAX_TOKENS
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     best_of: int | None = None

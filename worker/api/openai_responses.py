@@ -33,19 +33,11 @@ class TextConfig(msgspec.Struct):
     format: dict[str, Any] | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(common.SamplingFields, kw_only=True):
     input: str | list[dict[str, Any]]
     model: str = ""
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None  # extension (not in the Responses API), as top_k and min_p
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
