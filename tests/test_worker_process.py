@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,6 +132,13 @@ def test_configuration_errors_exit_78(tmp_path, args, needle):
     lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
     err = [e for e in lines if e["event"] == "config_error"]
     assert err and needle in err[0]["error"] and "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine can run the cuda backend")
+def test_cuda_backend_without_a_gpu_is_a_configuration_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(free_port()), "--backend", "cuda",
+                        "--kv-dir", str(tmp_path / "kv")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78 and "cuda is not available" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_fault_injection_refused_off_loopback(tmp_path):

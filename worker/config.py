@@ -60,7 +60,7 @@ HELP = {
     "kv_persist": "all (each full block as soon as complete), finished (when a request ends) or off",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
     "stall_seconds": "an engine loop with work and no progress this long fails /health/live (default 60)",
-    "backend": "compute backend: numpy (default)",
+    "backend": "compute backend: numpy (default) or cuda",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
 }
@@ -147,8 +147,8 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("stall_seconds: must be positive")
     if cfg.drain_seconds < 0:
         raise ConfigError("drain_seconds: must not be negative")
-    if cfg.backend not in ("numpy",):
-        raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy)")
+    if cfg.backend not in ("numpy", "cuda"):
+        raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy, cuda)")
     if cfg.fault and not is_loopback(cfg.host):
         raise ConfigError(f"fault: fault injection is refused on a non-loopback host ({cfg.host})")
 

@@ -48,11 +48,22 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .model.weights import load_weights
 
     model = open_model(cfg.model)
-    weights = load_weights(model.gguf, model.config)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE)
     kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
-    backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+    if cfg.backend == "cuda":
+        # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
+        from ember.kernels.errors import CudaUnavailable
+
+        from .engine.cuda_backend import CudaBackend
+
+        try:
+            backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+        except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
+            raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
+    else:
+        weights = load_weights(model.gguf, model.config)
+        backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
     limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
                           max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx)
     store = None
@@ -148,7 +159,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             await asyncio.sleep(0.01)
         try:
             result = await asyncio.to_thread(_load, cfg, metrics, faults, on_poisoned)
-        except (ModelFileError, ChatTemplateError) as e:
+        except (ModelFileError, ChatTemplateError, worker_config.ConfigError) as e:
             log("config_error", level="error", error=str(e))
             exit_code[0] = EX_CONFIG
             server.should_exit = True
