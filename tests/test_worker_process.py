@@ -123,6 +123,7 @@ def test_second_sigterm_exits_at_once(tmp_path, kv_args):
     (["--max-seqs", "0"], "max_seqs"),
     (["--kv-persist", "sometimes"], "kv_persist"),
     (["--fault", "explode"], "unknown fault"),
+    (["--fault", "cuda-illegal-address"], "needs --backend cuda"),
 ])
 def test_configuration_errors_exit_78(tmp_path, args, needle):
     port = free_port()

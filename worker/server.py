@@ -64,6 +64,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     else:
         weights = load_weights(model.gguf, model.config)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+    faults.check_backend(backend)
     limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
                           max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx)
     store = None
@@ -159,7 +160,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             await asyncio.sleep(0.01)
         try:
             result = await asyncio.to_thread(_load, cfg, metrics, faults, on_poisoned)
-        except (ModelFileError, ChatTemplateError, worker_config.ConfigError) as e:
+        except (ModelFileError, ChatTemplateError, worker_config.ConfigError, FaultSpecError) as e:
             log("config_error", level="error", error=str(e))
             exit_code[0] = EX_CONFIG
             server.should_exit = True

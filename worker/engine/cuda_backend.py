@@ -144,6 +144,12 @@ class CudaBackend:
     # -- one step ---------------------------------------------------------------------------------
 
     @_poison_guard
+    @_poison_guard
+    def inject_illegal_address(self) -> None:
+        """--fault cuda-illegal-address: a kernel really writes out of bounds (sticky error 700)."""
+        self.dev.make_current()
+        ops.fault_illegal_address(self.dev)
+
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
         dev, cfg = self.dev, self.config
         dev.make_current()

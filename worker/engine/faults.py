@@ -72,18 +72,27 @@ class FaultInjector:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def before_step(self, step: int, phases: set[str]) -> None:
+    def check_backend(self, backend) -> None:
+        """Refuse faults the backend cannot inject (a configuration error, exit 78)."""
+        for f in self.faults:
+            if f.kind == "cuda-illegal-address" and not hasattr(backend, "inject_illegal_address"):
+                raise FaultSpecError(f"fault cuda-illegal-address needs --backend cuda (this is {backend.name})")
+
+    def before_step(self, step: int, phases: set[str], backend=None) -> None:
         for f in self.faults:
             if f.kind == "slow":
                 time.sleep(f.ms / 1000)
                 continue
-            if f.fired or f.kind not in ("poison", "hang"):
+            if f.fired or f.kind not in ("poison", "hang", "cuda-illegal-address"):
                 continue
             if f.step is not None and step < f.step:
                 continue
             if f.phase is not None and f.phase not in phases:
                 continue
             f.fired = True
+            if f.kind == "cuda-illegal-address":
+                backend.inject_illegal_address()  # raises ContextPoisoned from the real sticky error
+                return
             if f.kind == "poison":
                 raise ContextPoisoned(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered (injected)")
             while not self.stop_hang.wait(3600):  # hang: the loop stops, the process lives on

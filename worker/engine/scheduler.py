@@ -207,7 +207,7 @@ class Engine:
         phases = {"prefill" if len(c.tokens) > 1 or s.generated == 0 else "decode" for c, s in zip(chunks, members)}
         self.step_count += 1
         self.metrics.steps.inc()
-        self.faults.before_step(self.step_count, phases)
+        self.faults.before_step(self.step_count, phases, self.backend)
         try:
             outputs = self.backend.forward(chunks)
         except ContextPoisoned:
