@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from . import config as worker_config
@@ -30,6 +30,13 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int) -> int:
 
     per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size)
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
+
+
+def _version() -> str:
+    try:
+        return version("ember")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
 
 
 class _Loaded:
@@ -101,7 +108,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     t0 = time.monotonic()
     # the daemon sends SIGUSR1 before killing a hung worker: every thread's stack lands in the log
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    log("config", version=version("ember"), pid=os.getpid(), config=worker_config.redacted(cfg),
+    log("config", version=_version(), pid=os.getpid(), config=worker_config.redacted(cfg),
         sources={k: v for k, v in sources.items() if v != "default"})
     try:
         faults = FaultInjector(parse_faults(cfg.fault))
