@@ -42,6 +42,7 @@ from gguf import GGUFWriter, RopeScalingType, TokenType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ember.kernels.quants import BLOCK_DTYPES, pack_k_scales
+from ember.worker.text.tokenizer import bytes_to_unicode
 
 T = GGMLQuantizationType
 
@@ -347,27 +348,13 @@ def _learn_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-@lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, in GPT-2's order (printable bytes first)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 # GPT-2 style pre-tokenizer for ASCII text (the real ones use \p{L} / \p{N}; same split here)
 _PRETOKENIZE = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 @lru_cache(maxsize=8)
 def _bpe_merges(n_merges: int) -> tuple[tuple[str, str], ...]:
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     words = Counter("".join(b2u[b] for b in w.encode()) for w in _PRETOKENIZE.findall(_TEXT))
     return tuple(_learn_merges(words, n_merges))
 
@@ -471,7 +458,7 @@ def _vocab_spm_gemma(n_vocab: int) -> Vocab:
 
 
 def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     tokens = list(b2u.values())  # the 256 byte characters, in GPT-2's order
     if kind == "bpe-llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",

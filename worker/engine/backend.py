@@ -26,6 +26,21 @@ class SeqChunk:
     logits: str = "last"  # "last", "all" or "none"
 
 
+def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarray:
+    """Pool slot (block * block_size + offset) of every new token of every chunk, in order."""
+    parts = []
+    for c in chunks:
+        end = c.start + len(c.tokens)
+        pos = np.arange(c.start, end)
+        table = np.asarray(c.block_table, dtype=np.int64)
+        if len(table) * block_size < end:
+            raise ValueError(f"block table covers {len(table) * block_size} positions, chunk needs {end}")
+        if table.size and (table.min() < 0 or table.max() >= n_blocks):
+            raise ValueError("block table names a block outside the pool")
+        parts.append(table[pos // block_size] * block_size + pos % block_size)
+    return np.concatenate(parts)
+
+
 class Backend(Protocol):
     name: str
     config: ModelConfig

@@ -26,7 +26,7 @@ from ember.kernels.errors import StickyCudaError
 
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
-from .backend import ContextPoisoned, SeqChunk
+from .backend import ContextPoisoned, SeqChunk, kv_slots
 
 _LAYER = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
@@ -165,7 +165,7 @@ class CudaBackend:
             spans.append((at, at + len(c.tokens)))
             row_seq[at : at + len(c.tokens)] = si
             at += len(c.tokens)
-        slots = self._slots(chunks)
+        slots = kv_slots(chunks, self.block_size, self.n_blocks)
         max_blocks = max(1, max(len(c.block_table) for c in chunks))
         tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
         for si, c in enumerate(chunks):
@@ -255,19 +255,6 @@ class CudaBackend:
             out.append(lg.view(0, (rows, cfg.vocab_size)).to_host())
         dev.synchronize()
         return out
-
-    def _slots(self, chunks: list[SeqChunk]) -> np.ndarray:
-        bs = self.block_size
-        parts = []
-        for c in chunks:
-            pos = np.arange(c.start, c.start + len(c.tokens))
-            table = np.asarray(c.block_table, dtype=np.int64)
-            if len(table) * bs < c.start + len(c.tokens):
-                raise ValueError(f"block table covers {len(table) * bs} positions, chunk needs {c.start + len(c.tokens)}")
-            if table.size and (table.min() < 0 or table.max() >= self.n_blocks):
-                raise ValueError("block table names a block outside the pool")
-            parts.append(table[pos // bs] * bs + pos % bs)
-        return np.concatenate(parts)
 
     def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""

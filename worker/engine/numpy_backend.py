@@ -14,7 +14,7 @@ from ember.kernels import reference as ops
 
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights
-from .backend import SeqChunk
+from .backend import SeqChunk, kv_slots
 
 
 class NumpyBackend:
@@ -46,7 +46,7 @@ class NumpyBackend:
         for c in chunks:
             spans.append((at, at + len(c.tokens)))
             at += len(c.tokens)
-        slots = self._slots(chunks)
+        slots = kv_slots(chunks, self.block_size, self.n_blocks)
 
         x = np.asarray(w.token_embd[tokens], dtype=np.float32)
         if cfg.embed_scale != 1.0:
@@ -97,17 +97,6 @@ class NumpyBackend:
             rows = x[b - 1 : b] if c.logits == "last" else x[a:b]
             out.append(ops.linear(ops.rms_norm(rows, w.output_norm, cfg.norm_eps), w.output))
         return out
-
-    def _slots(self, chunks: list[SeqChunk]) -> np.ndarray:
-        bs = self.block_size
-        parts = []
-        for c in chunks:
-            pos = np.arange(c.start, c.start + len(c.tokens))
-            table = np.asarray(c.block_table, dtype=np.int64)
-            if len(table) * bs < c.start + len(c.tokens):
-                raise ValueError(f"block table covers {len(table) * bs} positions, chunk needs {c.start + len(c.tokens)}")
-            parts.append(table[pos // bs] * bs + pos % bs)
-        return np.concatenate(parts)
 
     def _gather(self, layer: int, block_table: list[int], first: int, length: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Keys and values of positions [first rounded down to a block, length), and that start."""
