@@ -39,6 +39,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     protocol: str = ""  # for logs and metrics only
     probe: bool = False  # the daemon's health probe: marked in the log so it is not taken for traffic
+    # An llguidance grammar (the JSON text `llguidance.grammar_from` and the compilers produce) that
+    # every sampled token must keep valid: structured outputs and grammar-constrained tool calls.
+    # The API layer builds and validates it (400 on unsupported features); the engine enforces it.
+    grammar: str | None = None
 
 
 @dataclass
