@@ -21,9 +21,22 @@ class Outcome(str, enum.Enum):
     REFUSED = "refused"
 
 
+@dataclass
+class ReasoningBudget:
+    """Bounds a thinking model's reasoning block. The engine counts generated tokens while inside
+    the block (from `start` to `end`, both token-id sequences; `starts_inside` when the template
+    already opened it) and, once `budget` tokens are spent, emits `end` itself as if sampled, so
+    the answer still follows and the API layer sees a closed block."""
+
+    start: list[int]
+    end: list[int]
+    budget: int
+    starts_inside: bool = False
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an end-of-generation token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
+    LENGTH = "length"  # max_tokens, the context limit, or the loop guard (a repeating n-gram)
 
 
 @dataclass
@@ -43,6 +56,7 @@ class GenerationRequest:
     # every sampled token must keep valid: structured outputs and grammar-constrained tool calls.
     # The API layer builds and validates it (400 on unsupported features); the engine enforces it.
     grammar: str | None = None
+    reasoning: ReasoningBudget | None = None  # None: no bound (or not a thinking model)
 
 
 @dataclass
