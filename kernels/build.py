@@ -68,7 +68,8 @@ def _modules() -> dict[str, ModuleSpec]:
         rope=ModuleSpec("rope.cu", (), "rotary embedding, neox and normal"),
         act=ModuleSpec("act.cu", (), "gated MLP activation, silu and gelu_tanh"),
         attention=ModuleSpec("attention.cu", (), "paged attention (split-K), KV cache writes"),
-        sampling=ModuleSpec("sampling.cu", (), "argmax, softmax with temperature"),
+        sampling=ModuleSpec("sampling.cu", (), "argmax, softmax, top-k/top-p/min-p/temperature sampling"),
+        gemm=ModuleSpec("gemm.cu", (), "tensor-core matmul for prefill (f16/bf16 in, f32 out)"),
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),
     )
     return mods

@@ -322,6 +322,32 @@ class DeviceArray:
             raise ValueError("view exceeds the array")
         return v
 
+    def view_bytes(self, offset_bytes: int, count: int, dtype: Any) -> "DeviceArray":
+        """A non-owning view of `count` elements of `dtype` starting offset_bytes in."""
+        dt = np.dtype(dtype)
+        if offset_bytes % dt.itemsize:
+            raise ValueError(f"offset {offset_bytes} is not aligned for {dt.name}")
+        v = DeviceArray(self.device, count, dt, _base=self, _ptr=self.ptr + offset_bytes)
+        if v.ptr + v.nbytes > self.ptr + self.nbytes:
+            raise ValueError("view exceeds the array")
+        return v
+
+    def upload_from(self, host: "HostBuffer", nbytes: int, stream: Any, host_offset: int = 0) -> None:
+        """Asynchronous copy of nbytes from pinned host memory, ordered on `stream`."""
+        if nbytes > self.nbytes or host_offset + nbytes > host.nbytes:
+            raise ValueError("copy exceeds a buffer")
+        if nbytes:
+            check(_driver().cuMemcpyHtoDAsync(self.ptr, host.ptr + host_offset, nbytes, _stream_handle(stream)),
+                  "cuMemcpyHtoDAsync")
+
+    def download_into(self, host: "HostBuffer", nbytes: int, stream: Any, host_offset: int = 0) -> None:
+        """Asynchronous copy of nbytes into pinned host memory; done once `stream` is synchronized."""
+        if nbytes > self.nbytes or host_offset + nbytes > host.nbytes:
+            raise ValueError("copy exceeds a buffer")
+        if nbytes:
+            check(_driver().cuMemcpyDtoHAsync(host.ptr + host_offset, self.ptr, nbytes, _stream_handle(stream)),
+                  "cuMemcpyDtoHAsync")
+
     def upload(self, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr)
         if arr.nbytes != self.nbytes:
@@ -360,6 +386,43 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.shape}, {self.dtype}, 0x{self.ptr:x})"
+
+
+def copy_2d(*, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, to_host: bool) -> None:
+    """A strided copy of `height` rows of `width` bytes between device and (pageable) host memory in
+    one driver call: one KV block of every layer, which sit a layer's pool apart."""
+    drv = _driver()
+    p = drv.CUDA_MEMCPY2D()
+    dev_t, host_t = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE, drv.CUmemorytype.CU_MEMORYTYPE_HOST
+    if to_host:
+        p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = dev_t, src, host_t, dst
+    else:
+        p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = host_t, src, dev_t, dst
+    p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height = src_pitch, dst_pitch, width, height
+    check(drv.cuMemcpy2D(p), "cuMemcpy2D")
+
+
+class HostBuffer:
+    """Page-locked host memory (what asynchronous copies need) with a uint8 numpy view, `array`."""
+
+    def __init__(self, nbytes: int):
+        import ctypes
+
+        self.nbytes = max(int(nbytes), 8)
+        self.ptr = int(check(_driver().cuMemHostAlloc(self.nbytes, 0), f"cuMemHostAlloc({self.nbytes})"))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
+
+    def free(self) -> None:
+        if self.ptr and _poisoned is None:
+            check(_driver().cuMemFreeHost(self.ptr), "cuMemFreeHost")
+        self.ptr, self.array = 0, None
+
+    def __del__(self):
+        if getattr(self, "ptr", 0) and _poisoned is None:
+            try:
+                _driver().cuMemFreeHost(self.ptr)
+            except Exception:
+                pass
 
 
 # -- timing -------------------------------------------------------------------------------------------
@@ -450,6 +513,6 @@ def try_device(ordinal: int = 0) -> tuple[Device | None, str]:
 
 
 __all__ = [
-    "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "I32", "I64", "Kernel", "Module",
+    "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "HostBuffer", "copy_2d", "I32", "I64", "Kernel", "Module",
     "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "poisoned", "try_device",
 ]

@@ -257,16 +257,26 @@ def kv_write(dev: Device, k: DeviceArray, v: DeviceArray, k_cache: DeviceArray, 
 ATT_SPLIT_MAX = 512
 
 
+def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
+    """Keys per CTA: the longest run (at most 512) that still gives about two CTAs per SM."""
+    split = ATT_SPLIT_MAX
+    while split > 64 and rows * kv_heads * -(-max_keys // split) < 2 * dev.sm_count:
+        split //= 2
+    return split
+
+
 def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray,
               row_seq: DeviceArray, row_pos: DeviceArray, out: DeviceArray, *, rows: int, heads: int,
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
-              scale: float, split: int | None = None, stream=None) -> None:
+              scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
+              stream=None) -> None:
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
 
     max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
-    grid. split: keys per CTA (default: chosen to fill the GPU, at most 512)."""
+    grid. split: keys per CTA (default: attention_split). partials: (acc, ml) buffers for the split-K
+    partial results (default: the device's scratch; a captured graph passes its own, which never move)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None:
         raise TypeError("the KV cache must be float16 or float32")
@@ -276,10 +286,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     if g not in (1, 2, 4, 8) or head_dim not in (64, 128, 256):
         raise ValueError(f"no attention kernel for {g} query heads per kv head and head_dim {head_dim}")
     max_keys = max(1, int(max_keys))
-    if split is None:
-        split = ATT_SPLIT_MAX
-        while split > 64 and rows * kv_heads * -(-max_keys // split) < 2 * dev.sm_count:
-            split //= 2
+    split = attention_split(dev, rows, kv_heads, max_keys) if split is None else split
     split = max(1, min(int(split), ATT_SPLIT_MAX))
     S = -(-max_keys // split)
     name = f"attn_d{head_dim}_g{g}_{kvn}"
@@ -289,8 +296,13 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
             kv_heads, block_size, window, F32(scale), split, out, None, None, stream=stream
         )
         return
-    acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
-    ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
+    if partials is not None:
+        acc, ml = partials
+        _need(acc, np.float32, rows * heads * S * head_dim, "partials[0]")
+        _need(ml, np.float32, rows * heads * S * 2, "partials[1]")
+    else:
+        acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
+        ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
     dev.kernel("attention", name).launch(
         (kv_heads, rows, S), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
         kv_heads, block_size, window, F32(scale), split, None, acc, ml, stream=stream
@@ -328,6 +340,115 @@ def softmax(dev: Device, x: DeviceArray, y: DeviceArray, *, rows: int, cols: int
     )
 
 
+def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArray, *, rows: int, vocab: int,
+           ld: int | None = None, out_floor: DeviceArray | None = None, stream=None) -> None:
+    """out[r] = a token drawn from row r with its own temperature / top-k / top-p / min-p / seed / step.
+
+    params: a SampleParams block on the device (see `sample_params`). Twin: reference.sample_rows."""
+    _need(out, np.int32, rows, "out")
+    base = params.ptr
+    off = SampleParams.offsets(rows)
+    dev.kernel("sampling", "sample_f32").launch(
+        (rows,), (1024,), logits, I64(vocab if ld is None else ld), vocab, Pointer(base + off["temperature"]),
+        Pointer(base + off["top_k"]), Pointer(base + off["top_p"]), Pointer(base + off["min_p"]),
+        Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, stream=stream)
+
+
+class SampleParams:
+    """Per-row sampling parameters packed in one buffer (one copy per step): seeds (u64) first, then
+    temperature, top_p, min_p (f32), top_k (i32) and step (u32), each `rows` long."""
+
+    FIELDS = (("seed", np.uint64), ("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32),
+              ("top_k", np.int32), ("step", np.uint32))
+
+    @classmethod
+    def offsets(cls, rows: int) -> dict[str, int]:
+        out, at = {}, 0
+        for name, dt in cls.FIELDS:
+            out[name] = at
+            at += rows * np.dtype(dt).itemsize
+        return out
+
+    @classmethod
+    def nbytes(cls, rows: int) -> int:
+        return sum(rows * np.dtype(dt).itemsize for _, dt in cls.FIELDS)
+
+    @classmethod
+    def pack(cls, into: np.ndarray, rows: int, **values) -> None:
+        """Write the fields (sequences of `rows` values) into a uint8 host buffer of nbytes(rows)."""
+        off = cls.offsets(rows)
+        for name, dt in cls.FIELDS:
+            n = rows * np.dtype(dt).itemsize
+            into[off[name] : off[name] + n].view(dt)[:] = np.asarray(values[name], dtype=dt)
+
+
+# -- tensor-core matmul (prefill) -------------------------------------------------------------------------
+
+GEMM_TILE = 128
+HALF_KINDS = ("f16", "bf16")
+
+
+def to_half(dev: Device, x: DeviceArray, out: DeviceArray, n: int, *, kind: str = "f16", stream=None) -> None:
+    """out (uint16 bits) = x rounded to f16 or bf16."""
+    _need(out, np.uint16, n, "out")
+    blocks = max(1, min(-(-n // 256), dev.sm_count * 16))
+    dev.kernel("gemm", f"to_{kind}").launch((blocks,), (256,), x, out, I64(n), stream=stream)
+
+
+def dequant_half(dev: Device, w: QuantMatrix, out: DeviceArray, *, kind: str = "f16", stream=None) -> None:
+    """out [rows, cols] (uint16 bits) = W dequantized to f16 / bf16 (twin: quants.dequantize, rounded)."""
+    _need(out, np.uint16, w.rows * w.cols, "out")
+    threads = min(256, max(32, -(-(w.cols // 8) // 32) * 32))
+    dev.kernel("dequant", f"dequant_{w.type}_{'h16' if kind == 'f16' else 'hbf'}").launch(
+        (w.rows,), (threads,), w.data, I64(w.row_bytes), w.rows, w.cols, w.rows, out, stream=stream)
+
+
+def gemm(dev: Device, a: DeviceArray, b: DeviceArray, c: DeviceArray, *, m: int, n: int, k: int,
+         res: DeviceArray | None = None, kind: str = "f16", stream=None) -> None:
+    """c[m, n] = a[m, k] @ b[n, k].T (+ res[m, n]); a, b 16-bit (uint16 bits of f16 / bf16), c float32.
+    Twin: reference.linear on the 16-bit values. k must be a multiple of 32."""
+    if kind not in HALF_KINDS:
+        raise ValueError(f"kind must be one of {HALF_KINDS}")
+    if k % 32:
+        raise ValueError(f"the tensor-core matmul needs k a multiple of 32 (got {k})")
+    _need(a, np.uint16, m * k, "a")
+    _need(b, np.uint16, n * k, "b")
+    _need(c, np.float32, m * n, "c")
+    if res is not None:
+        _need(res, np.float32, m * n, "res")
+    dev.kernel("gemm", f"gemm_{kind}").launch(
+        (-(-n // GEMM_TILE), -(-m // GEMM_TILE)), (256,), a, b, res, c, m, n, k, I64(n), stream=stream)
+
+
+def linear_tc(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, res: DeviceArray | None = None,
+              kind: str = "f16", scratch: str = "gemm", stream=None) -> None:
+    """y[n, rows] = x[n, cols] @ dequantize(W).T (+ res) on the tensor cores: W decoded to 16 bits and x
+    converted into the device scratch buffers `<scratch>_w` / `<scratch>_x`, then gemm. For many rows
+    (prefill, large decode batches); small batches use matvec."""
+    wh = dev.scratch(f"{scratch}_w", w.rows * w.cols * 2).view(0, w.rows * w.cols, np.uint16)
+    xh = dev.scratch(f"{scratch}_x", n * w.cols * 2).view(0, n * w.cols, np.uint16)
+    dequant_half(dev, w, wh, kind=kind, stream=stream)
+    to_half(dev, x, xh, n * w.cols, kind=kind, stream=stream)
+    gemm(dev, xh, wh, y, m=n, n=w.rows, k=w.cols, res=res, kind=kind, stream=stream)
+
+
+def gather_rows(dev: Device, x: DeviceArray, idx: DeviceArray, out: DeviceArray, *, n: int, cols: int,
+                ldx: int | None = None, stream=None) -> None:
+    """out[i] = x[idx[i]] (rows of cols floats)."""
+    _need(idx, np.int32, n, "idx")
+    _need(out, np.float32, n * cols, "out")
+    dev.kernel("norm", "gather_rows_f32").launch((n,), (min(1024, max(32, -(-cols // 32) * 32)),), x,
+                                                 I64(cols if ldx is None else ldx), idx, n, cols, out, stream=stream)
+
+
+def add_bias(dev: Device, y: DeviceArray, bias: DeviceArray, *, n: int, cols: int, ldy: int | None = None,
+             stream=None) -> None:
+    """y[r] += bias for r < n."""
+    _need(bias, np.float32, cols, "bias")
+    dev.kernel("norm", "add_bias_f32").launch((n,), (min(1024, max(32, -(-cols // 32) * 32)),), y,
+                                              I64(cols if ldy is None else ldy), bias, n, cols, stream=stream)
+
+
 # -- fault injection ------------------------------------------------------------------------------------
 
 
@@ -340,6 +461,7 @@ def fault_illegal_address(dev: Device) -> None:
 
 
 __all__ = [
-    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "add", "argmax", "attention", "dequant_rows",
-    "fault_illegal_address", "gated_act", "kv_write", "matvec", "rms_norm", "rope", "row_nbytes", "softmax",
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "SampleParams", "add", "add_bias", "argmax",
+    "attention", "attention_split", "dequant_half", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
+    "kv_write", "linear_tc", "matvec", "rms_norm", "rope", "row_nbytes", "sample", "softmax", "to_half",
 ]

@@ -120,3 +120,59 @@ def gated_mlp_stacked(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, 
     g = gu[..., :half]
     g = silu(g) if act == "silu" else gelu_tanh(g)
     return linear(g * gu[..., half:], w_down)
+
+
+# -- sampling on the device (sampling.cu sample_f32) ------------------------------------------------------
+
+
+def _order_keys(x: np.ndarray) -> np.ndarray:
+    b = x.astype(np.float32).view(np.uint32)
+    keys = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+    return np.where(np.isnan(x), np.uint32(0), keys)
+
+
+def gumbel_noise(seed: int, step: int, n: int) -> np.ndarray:
+    """The device's noise: splitmix64's finaliser over (seed, step, index), as float32 Gumbel draws."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + (np.uint64(step) << np.uint64(32))
+             + np.arange(n, dtype=np.uint64))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
+
+
+def sample_floor(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> float:
+    """The smallest logit a draw may pick: top-k, then top-p of what is left, then min-p."""
+    x = x.astype(np.float32)
+    m = float(np.max(x))
+    if temperature <= 0:
+        return m
+    floor = -np.inf
+    if 0 < top_k < x.size:
+        floor = float(np.partition(x, x.size - top_k)[x.size - top_k])
+    if top_p < 1.0:
+        kept = np.sort(x[x >= floor])[::-1]
+        mass = np.cumsum(np.exp(kept.astype(np.float64) - m))
+        cut = int(np.searchsorted(mass, top_p * mass[-1]))
+        floor = max(floor, float(kept[min(cut, kept.size - 1)]))
+    if min_p > 0.0:
+        floor = max(floor, float(np.float32(m + np.log(np.float32(min_p)))))
+    return floor
+
+
+def sample_rows(x: np.ndarray, temperature, top_k, top_p, min_p, seed, step) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, floors) per row: the draw argmax(x / T + gumbel_noise) over x >= floor."""
+    tokens, floors = [], []
+    for r in range(x.shape[0]):
+        floor = sample_floor(x[r], temperature[r], top_k[r], top_p[r], min_p[r])
+        row = x[r].astype(np.float32)
+        if temperature[r] > 0:
+            score = row * (np.float32(1.0) / np.float32(temperature[r])) + gumbel_noise(seed[r], step[r], row.size)
+        else:
+            score = row.copy()
+        score[row < floor] = -np.inf
+        tokens.append(int(np.argmax(score)))
+        floors.append(floor)
+    return np.asarray(tokens, np.int32), np.asarray(floors, np.float32)

@@ -364,6 +364,132 @@ def test_softmax_rows(dev, rng, temperature):
     assert rel_err(y.to_host(), ref) < FP32_BAR
 
 
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, round to nearest even (the kernels' f2bf)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _half_bits(x: np.ndarray, kind: str) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).view(np.uint16) if kind == "f16" else _bf16_bits(x)
+
+
+def _half_values(bits: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "f16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# -- tensor-core matmul (prefill) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 32), (77, 200, 96), (256, 384, 640), (300, 1000, 2048)])
+def test_gemm_matches_linear_on_16_bit_inputs(dev, rng, kind, m, n, k):
+    a = _half_bits(rng.normal(0, 1, (m, k)), kind)
+    b = _half_bits(rng.normal(0, 0.05, (n, k)), kind)
+    res = rng.normal(0, 1, (m, n)).astype(np.float32)
+    c = dev.empty(m * n)
+    for with_res in (False, True):
+        c.poison()
+        ops.gemm(dev, dev.to_device(a), dev.to_device(b), c, m=m, n=n, k=k, kind=kind,
+                 res=dev.to_device(res) if with_res else None)
+        ref = _half_values(a, kind) @ _half_values(b, kind).T + (res if with_res else 0.0)
+        assert rel_err(c.to_host().reshape(m, n), ref) < FP32_BAR * 10  # products exact, float32 sums
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("tname", ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16"])
+def test_dequant_half_is_the_rounded_twin(dev, rng, tname, kind):
+    rows, cols = 37, 512
+    w, _, ref = upload_matrix(dev, rng, tname, rows, cols)
+    out = dev.empty(rows * cols, np.uint16)
+    out.poison()
+    ops.dequant_half(dev, w, out, kind=kind)
+    np.testing.assert_array_equal(out.to_host().reshape(rows, cols), _half_bits(ref, kind))
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_linear_tc_matches_linear(dev, rng, kind):
+    m, rows, cols = 150, 640, 2048
+    w, _, wf = upload_matrix(dev, rng, "q4_k", rows, cols)
+    x = rng.normal(0, 1, (m, cols)).astype(np.float32)
+    res = rng.normal(0, 1, (m, rows)).astype(np.float32)
+    y = dev.empty(m * rows)
+    y.poison()
+    ops.linear_tc(dev, w, dev.to_device(x), y, n=m, res=dev.to_device(res), kind=kind)
+    ref = reference.linear(x.astype(np.float64), wf.astype(np.float64)) + res
+    assert rel_err(y.to_host().reshape(m, rows), ref) < FP16_BAR
+
+
+def test_gather_rows_and_add_bias(dev, rng):
+    x = rng.normal(0, 1, (9, 100)).astype(np.float32)
+    idx = np.array([8, 0, 3, 3], np.int32)
+    out = dev.empty(4 * 100)
+    out.poison()
+    ops.gather_rows(dev, dev.to_device(x), dev.to_device(idx), out, n=4, cols=100)
+    np.testing.assert_array_equal(out.to_host().reshape(4, 100), x[idx])
+    bias = rng.normal(0, 1, 100).astype(np.float32)
+    y = dev.to_device(x)
+    ops.add_bias(dev, y, dev.to_device(bias), n=5, cols=100)
+    np.testing.assert_array_equal(y.to_host().reshape(9, 100), np.concatenate([x[:5] + bias, x[5:]]))
+
+
+def _sample_on_device(dev, x, **p):
+    rows, vocab = x.shape
+    buf = np.zeros(ops.SampleParams.nbytes(rows), np.uint8)
+    ops.SampleParams.pack(buf, rows, **p)
+    out, floor = dev.empty(rows, np.int32), dev.empty(rows)
+    out.poison()
+    floor.poison()
+    ops.sample(dev, dev.to_device(x), dev.to_device(buf), out, rows=rows, vocab=vocab, out_floor=floor)
+    return out.to_host(), floor.to_host()
+
+
+def test_device_sampling_matches_its_twin(dev, rng):
+    """top-k, top-p, min-p and temperature: the same kept set (the floor logit) and the same draw
+    as reference.sample_rows, whose noise is the kernel's hash."""
+    rows, vocab = 12, 32000
+    x = (rng.normal(0, 3, (rows, vocab)) + rng.normal(0, 1, (rows, 1))).astype(np.float32)
+    p = dict(temperature=[0.0, 1.0, 0.7, 1.3, 1.0, 1.0, 0.8, 1.0, 2.0, 1.0, 0.5, 1.0],
+             top_k=[0, 0, 40, 0, 0, 5, 50, 0, 0, 1, 0, 200],
+             top_p=[1.0, 1.0, 1.0, 0.9, 0.5, 1.0, 0.95, 1.0, 0.3, 1.0, 0.99, 0.8],
+             min_p=[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0, 0.0, 0.0, 0.02],
+             seed=rng.integers(0, 2**63, rows, dtype=np.uint64), step=rng.integers(0, 2**31, rows).astype(np.uint32))
+    tokens, floors = _sample_on_device(dev, x, **p)
+    ref_tokens, ref_floors = reference.sample_rows(x, *(np.asarray(p[k]) for k in
+                                                        ("temperature", "top_k", "top_p", "min_p", "seed", "step")))
+    for r in range(rows):
+        if p["top_p"][r] < 1.0 and floors[r] != ref_floors[r]:
+            # float32 sums on the device vs float64 here: only a crossing within rounding may differ
+            row, k = x[r], p["top_k"][r]
+            base = row if k == 0 else row[row >= np.sort(row)[-k]]
+            w = np.exp(base.astype(np.float64) - row.max())
+            at, above = w[base >= floors[r]].sum() / w.sum(), w[base > floors[r]].sum() / w.sum()
+            assert at >= p["top_p"][r] - 1e-5 and above < p["top_p"][r] + 1e-5, (r, floors[r], ref_floors[r])
+            continue
+        assert floors[r] == ref_floors[r], (r, floors[r], ref_floors[r])
+        assert x[r][tokens[r]] >= floors[r]
+        assert tokens[r] == ref_tokens[r], r
+    assert tokens[0] == np.argmax(x[0]) and tokens[9] == np.argmax(x[9])  # greedy, and top_k 1
+
+
+def test_device_sampling_follows_the_distribution(dev):
+    """Many draws from one small row (different steps): frequencies match softmax(x / T) over the
+    kept tokens (top-k 6 of 8, temperature 0.8)."""
+    x = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+    draws = 4096
+    xs = np.tile(x, (draws, 1))
+    tokens, _ = _sample_on_device(dev, xs, temperature=np.full(draws, 0.8), top_k=np.full(draws, 6),
+                                  top_p=np.ones(draws), min_p=np.zeros(draws), seed=np.full(draws, 7, np.uint64),
+                                  step=np.arange(draws, dtype=np.uint32))
+    counts = np.bincount(tokens, minlength=8)
+    assert counts[6] == counts[7] == 0
+    expect = np.exp(x[:6] / 0.8) / np.exp(x[:6] / 0.8).sum() * draws
+    chi2 = float((((counts[:6] - expect) ** 2) / expect).sum())
+    assert chi2 < 25.0, (counts, expect)  # 5 degrees of freedom: p < 0.001
+
+
 # -- sticky errors ----------------------------------------------------------------------------------------------
 
 

@@ -3,17 +3,35 @@
 // as numpy does; no FMA contraction). ids == nullptr decodes rows 0..n-1 (a whole tensor).
 // One block of threads per output row; each thread decodes 8-element units straight from global
 // memory (blocks of most types are only 2-byte aligned; A8 is used where 8-byte loads are safe).
+// The _h16 / _hbf variants write f16 / bf16 instead (whole matrices, for the prefill GEMM's B).
 #include "quant.cuh"
 
-template <int T, bool A8>
+EMBER_DEV void store8(float* dst, const float* w) {
+    float4* d = reinterpret_cast<float4*>(dst);
+    d[0] = make_float4(w[0], w[1], w[2], w[3]);
+    d[1] = make_float4(w[4], w[5], w[6], w[7]);
+}
+template <bool BF>
+EMBER_DEV void store8(u16* dst, const float* w) {
+    u32 p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u16 lo = BF ? f2bf(w[2 * k]) : f2h(w[2 * k]), hi = BF ? f2bf(w[2 * k + 1]) : f2h(w[2 * k + 1]);
+        p[k] = (u32)lo | ((u32)hi << 16);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(p[0], p[1], p[2], p[3]);
+}
+
+template <int T, bool A8, int OUT /* 0 float, 1 f16, 2 bf16 */, typename O>
 EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows, int cols,
-                            const int* __restrict__ ids, int n, float* __restrict__ out, float scale) {
+                            const int* __restrict__ ids, int n, O* __restrict__ out, float scale) {
     typedef QT<T> Q;
     const int i = blockIdx.x;
     if (i >= n) return;
     int row = ids ? ids[i] : i;
     if (row < 0 || row >= n_rows) {  // out of range: NaN row (the host checks ids; this is a guard)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = __int_as_float(0x7fc00000);
+        if constexpr (OUT == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = __int_as_float(0x7fc00000);
         return;
     }
     const u8* rp = W + (i64)row * row_bytes;
@@ -22,18 +40,16 @@ EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows,
         const int blk = g / Q::UNITS, u = g % Q::UNITS;
         float q[8], s, o;
         Q::template unit<A8>(rp + (i64)blk * Q::BYTES, u, q, s, o);
-        float4 lo, hi;
         float w[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             w[k] = Q::IS_FLOAT ? q[k] : __fsub_rn(__fmul_rn(s, q[k]), o);
             w[k] = scale == 1.0f ? w[k] : __fmul_rn(w[k], scale);
         }
-        lo = make_float4(w[0], w[1], w[2], w[3]);
-        hi = make_float4(w[4], w[5], w[6], w[7]);
-        float4* dst = reinterpret_cast<float4*>(out + (i64)i * cols + (i64)g * 8);
-        dst[0] = lo;
-        dst[1] = hi;
+        if constexpr (OUT == 0)
+            store8(out + (i64)i * cols + (i64)g * 8, w);
+        else
+            store8<OUT == 2>(out + (i64)i * cols + (i64)g * 8, w);
     }
 }
 
@@ -41,12 +57,20 @@ EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows,
     extern "C" __global__ void dequant_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
                                                    float* __restrict__ out, float scale) {            \
-        dequant_rows<T, false>(W, row_bytes, n_rows, cols, ids, n, out, scale);                     \
+        dequant_rows<T, false, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                  \
     }                                                                                                \
     extern "C" __global__ void dequant_##NAME##_a8(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
                                                    float* __restrict__ out, float scale) {            \
-        dequant_rows<T, true>(W, row_bytes, n_rows, cols, ids, n, out, scale);                      \
+        dequant_rows<T, true, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                   \
+    }                                                                                                \
+    extern "C" __global__ void dequant_##NAME##_h16(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
+                                                    int cols, int n, u16* __restrict__ out) {         \
+        dequant_rows<T, false, 1>(W, row_bytes, n_rows, cols, nullptr, n, out, 1.0f);               \
+    }                                                                                                \
+    extern "C" __global__ void dequant_##NAME##_hbf(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
+                                                    int cols, int n, u16* __restrict__ out) {         \
+        dequant_rows<T, false, 2>(W, row_bytes, n_rows, cols, nullptr, n, out, 1.0f);               \
     }
 
 DQ(f32, GT_F32)

@@ -39,3 +39,17 @@ extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = a[i] + b[i];
 }
+
+// out[i, :] = x[idx[i], :] (rows of cols floats, x with row stride ldx): the rows whose logits a step needs.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx, const int* __restrict__ idx,
+                                           int n, int cols, float* __restrict__ out) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const float* src = x + (i64)idx[i] * ldx;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = src[c];
+}
+
+// y[r, :] += bias over n rows of cols (row stride ldy): qwen2's q/k/v biases.
+extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restrict__ bias, int n, int cols) {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) y[(i64)blockIdx.x * ldy + c] += bias[c];
+}

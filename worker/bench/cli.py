@@ -19,9 +19,16 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--gen-tokens", type=int, default=128, metavar="N", help="decode length (default 128)")
     s.add_argument("--repeat", type=int, default=3, metavar="R", help="runs; the median is reported (default 3)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--backend", choices=("numpy", "cuda"), default="numpy", help="compute backend (default numpy)")
+    s.add_argument("--streams", type=int, default=1, metavar="N",
+                   help="cuda: also decode N streams together and report total tok/s (default 1: single stream only)")
+    s.add_argument("--stream-prompt", type=int, default=128, metavar="N", help="cuda: prompt tokens per stream (default 128)")
+    s.add_argument("--prefill-chunk", type=int, default=2048, metavar="N", help="cuda: prompt tokens per step (default 2048)")
+    s.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="cuda: KV cache precision (default f16)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 
+    from .grammar import add_grammar_parser
     from .replay import add_replay_parser
     from .resume import add_resume_parser
     from .serve_load import add_serve_parser
@@ -31,10 +38,18 @@ def add_bench_parser(sub) -> None:
     add_resume_parser(bsub)
     add_replay_parser(bsub)
     add_make_model_parser(bsub)
+    add_grammar_parser(bsub)
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
     import time
+
+    for name in ("prompt_tokens", "gen_tokens", "repeat", "streams", "stream_prompt", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            print(f"ember bench speed: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.backend == "cuda":
+        return _speed_cuda(args)
 
     import numpy as np
 
@@ -80,4 +95,25 @@ def cmd_speed(args: argparse.Namespace) -> int:
         print(f"tg{args.gen_tokens:<6} {result[f'tg{args.gen_tokens}_tok_s']:>9.1f} tok/s")
         print(f"load     {result['load_s']:>9.2f} s")
         print(f"peak RSS {result['peak_rss_mb']:>9d} MB")
+    return 0
+
+
+def _speed_cuda(args: argparse.Namespace) -> int:
+    from ember.kernels.errors import CudaUnavailable
+
+    from .gpu_speed import run
+
+    try:
+        result = run(args)
+    except CudaUnavailable as e:
+        print(f"ember bench speed: no usable CUDA device ({e})", file=sys.stderr)
+        return 78
+    result["machine"] = machine_facts()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model    {result['model']} (cuda backend, {result['device']}, KV {result['kv_dtype']})")
+    for key, value in result.items():
+        if key.endswith("_tok_s") or key in ("tg_share_of_limit", "load_s", "peak_device_mb", "graph_replays"):
+            print(f"{key:<28} {value}")
     return 0

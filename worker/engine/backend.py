@@ -18,12 +18,30 @@ import numpy as np
 from ..model.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class DeviceSample:
+    """How to draw a chunk's next token where the logits are (the CUDA backend): the host sampler's
+    chain without penalties. `step` (tokens generated so far) and `seed` pick the random draw."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    step: int
+
+
+class SampledToken(int):
+    """A token the backend drew itself (for a chunk with `sample` set), instead of logits."""
+
+
 @dataclass
 class SeqChunk:
     tokens: np.ndarray  # int32 [n] new token ids
     start: int  # position of tokens[0]; positions [0, start) are already in the KV blocks
     block_table: list[int]  # covers at least start + n positions
     logits: str = "last"  # "last", "all" or "none"
+    sample: DeviceSample | None = None  # with "last": the backend may return a SampledToken instead
 
 
 def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarray:
@@ -47,9 +65,10 @@ class Backend(Protocol):
     block_size: int
     n_blocks: int
 
-    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | SampledToken | None]:
         """Run one step. Returns, per chunk, float32 logits [rows, vocab] (rows = 1 for "last",
-        n for "all") or None for "none"."""
+        n for "all"), None for "none", or a SampledToken where the chunk asked for a draw and the
+        backend can make it (backends may always return logits instead)."""
         ...
 
     def read_block(self, block: int) -> np.ndarray:

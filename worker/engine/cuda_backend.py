@@ -1,23 +1,27 @@
 """The CUDA backend: the numpy backend's forward pass on the GPU, through ember.kernels.ops.
 
-Weights stay in their GGUF block formats on the device (QuantMatrix) and every projection is the
-quantized matvec (batches of up to 8 tokens per launch; longer chunks loop: prefill is correct, not
-fast yet). Activations are float32. The KV pool lives on the device in float32 with the numpy
-backend's block semantics; read_block / write_block copy one block to / from the host in the numpy
-layout [2, layers, block_size, kv_heads, head_dim], so the prefix cache and KV persistence work
-unchanged.
+Weights stay in their GGUF block formats on the device (QuantMatrix). Decode-sized steps use the
+quantized matvec (weights read once per 8 rows); prefill-sized steps decode each weight matrix to
+16 bits and multiply on the tensor cores (ops.linear_tc). Activations are float32; the KV pool
+(float16 by default) lives on the device with the numpy backend's block semantics. read_block /
+write_block copy one block to / from the host in the numpy layout [2, layers, block_size, kv_heads,
+head_dim] (float32), so the prefix cache and KV persistence work unchanged.
+
+Every buffer a step touches is allocated once, up front, and a step's inputs travel in one copy
+from pinned memory. A decode step (one token per sequence) is captured once per (batch bucket,
+context bucket) as a CUDA graph and then replayed with one launch, so the host does not bound small
+models. Chunks that ask for it (`SeqChunk.sample`) are sampled on the device and come back as
+`SampledToken`; the rest come back as logits.
 
 A sticky CUDA error (StickyCudaError: the context is poisoned) surfaces as ContextPoisoned, the
-worker's contract (engine_poisoned, exit 75).
-
-Not done yet: CUDA graphs for decode steps, tensor-core prefill, flash-style prefill attention,
-fp16 KV, fused kernels, device-side sampling. Head sizes the attention kernel lacks (it has 64, 128
-and 256) fall back to the numpy twin on the host (tiny test models only).
+worker's contract (engine_poisoned, exit 75). Head sizes the attention kernel lacks (it has 64, 128
+and 256) fall back to the numpy twin on the host (tiny test models only; never captured).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +30,7 @@ from ember.kernels.errors import StickyCudaError
 
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
-from .backend import ContextPoisoned, SeqChunk, kv_slots
+from .backend import ContextPoisoned, SampledToken, SeqChunk, kv_slots
 
 _LAYER = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
@@ -39,6 +43,12 @@ _LAYER = {
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# From this many rows a layer matmul decodes its weights to 16 bits and runs on the tensor cores
+# (3 launches) instead of the matvec (one launch, and one read of the weights, per 8 rows). The output
+# projection, much larger than any layer matrix, takes that path only for long "all"-logits steps.
+TC_MIN_ROWS = 16
+TC_MIN_ROWS_OUTPUT = 256
 
 
 def _poison_guard(fn):
@@ -54,32 +64,72 @@ def _poison_guard(fn):
     return wrapper
 
 
+def _bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class _Layout:
+    """Offsets (bytes) of a step's inputs in the pinned staging buffer and its device twin."""
+
+    rows: int  # row capacity (tokens per step)
+    seqs: int  # sequence capacity (chunks per step)
+    table_cap: int  # int32 entries for all block tables
+
+    def __post_init__(self):
+        r, s = self.rows, self.seqs
+        self.tok, self.pos, self.slots, self.seq = 0, 4 * r, 8 * r, 12 * r
+        self.out_rows = 16 * r  # the rows whose logits are wanted (r at most)
+        self.sample = 20 * r  # SampleParams for up to r rows (8-byte aligned: r is a multiple of 8)
+        self.tables = self.sample + ops.SampleParams.nbytes(r)
+        self.nbytes = self.tables + 4 * self.table_cap
+
+
 class CudaBackend:
     name = "cuda"
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int, block_size: int = 16,
-                 device=None):
-        from ember.kernels.cuda_runtime import Device
+                 device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
+                 tensor_cores: bool = True, graphs: bool = True):
+        from ember.kernels.cuda_runtime import Device, HostBuffer, Stream
 
+        if kv_dtype not in ("f16", "f32"):
+            raise ValueError("kv_dtype must be f16 or f32")
         try:
             self.dev = device if device is not None else Device()
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
         self.config, self.gguf = config, gguf_file
         self.block_size, self.n_blocks = block_size, n_blocks
-        try:
-            self._upload_weights()
-            self._alloc_kv()
-        except StickyCudaError as e:
-            raise ContextPoisoned(e.code, e.name, e.message) from e
-        self._bufs: dict[str, object] = {}
+        self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
+        self.max_rows = max(8, -(-max(max_rows, max_seqs) // 8) * 8)
+        self.max_seqs = max_seqs
+        self.graphs_enabled = graphs
+        # Gemma's activations can exceed float16's range; bf16 keeps float32's exponent
+        self.half_kind = "bf16" if config.arch.startswith("gemma") else "f16"
         cfg = config
         self._device_attention = (cfg.head_dim in ATTN_HEAD_DIMS and cfg.n_heads % cfg.n_kv_heads == 0
                                   and cfg.n_heads // cfg.n_kv_heads in ATTN_GROUPS)
+        try:
+            self.dev.make_current()
+            self.stream = Stream()
+            self._upload_weights()
+            self.tensor_cores = tensor_cores and all(
+                lw[w].cols % 32 == 0 for lw in self.layers for w in _MATRICES if w in lw)
+            self._alloc_kv()
+            self._alloc_step_buffers(HostBuffer)
+        except StickyCudaError as e:
+            raise ContextPoisoned(e.code, e.name, e.message) from e
+        self._graphs: dict[tuple[int, int], tuple[object, dict]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self.graph_replays = 0
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-        return 2 * config.n_layers * block_size * config.kv_dim * 4
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str = "f16") -> int:
+        return 2 * config.n_layers * block_size * config.kv_dim * (2 if kv_dtype == "f16" else 4)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -108,161 +158,298 @@ class CudaBackend:
                 full = f"blk.{i}.{gname}"
                 if full not in g.tensors:
                     continue
-                if ours in _MATRICES:
-                    lw[ours] = self._matrix(full)
-                elif ours in ("bq", "bk", "bv"):
-                    lw[ours] = self._vector(full)[1]  # host copy: tiled per step into the residual input
-                else:
-                    lw[ours] = self._vector(full)[0]
+                lw[ours] = self._matrix(full) if ours in _MATRICES else self._vector(full)[0]
             self.layers.append(lw)
         half = cfg.head_dim // 2
         exponents = np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim
         freqs = 1.0
         if "rope_freqs.weight" in g.tensors:
             freqs = np.asarray(self._vector("rope_freqs.weight")[1], np.float64)
-        self._inv_freq_global_host = cfg.rope_scale / (cfg.rope_base**exponents) / freqs
-        self._inv_freq_local_host = 1.0 / (cfg.rope_base_local**exponents)
-        self.inv_freq_global = self.dev.to_device(self._inv_freq_global_host.astype(np.float32))
-        self.inv_freq_local = self.dev.to_device(self._inv_freq_local_host.astype(np.float32))
+        inv_global = cfg.rope_scale / (cfg.rope_base**exponents) / freqs
+        inv_local = 1.0 / (cfg.rope_base_local**exponents)
+        self.inv_freq_global = self.dev.to_device(inv_global.astype(np.float32))
+        self.inv_freq_local = self.dev.to_device(inv_local.astype(np.float32))
 
     def _alloc_kv(self) -> None:
         cfg = self.config
-        self._layer_elems = self.n_blocks * self.block_size * cfg.kv_dim
-        self.k_pool = self.dev.empty((cfg.n_layers * self._layer_elems,), np.float32)
-        self.v_pool = self.dev.empty((cfg.n_layers * self._layer_elems,), np.float32)
+        # one block past the pool: the padded rows of a captured decode step write there
+        self.trash_block = self.n_blocks
+        self._layer_elems = (self.n_blocks + 1) * self.block_size * cfg.kv_dim
+        self.k_pool = self.dev.empty((cfg.n_layers * self._layer_elems,), self.kv_dtype)
+        self.v_pool = self.dev.empty((cfg.n_layers * self._layer_elems,), self.kv_dtype)
         self.k_pool.zero()
         self.v_pool.zero()
 
-    def _buf(self, key: str, elems: int, dtype=np.float32):
-        """A reusable device buffer of at least `elems` elements."""
-        b = self._bufs.get(key)
-        if b is None or b.size < elems or b.dtype != np.dtype(dtype):
-            b = self.dev.empty((max(elems, 64),), dtype)
-            self._bufs[key] = b
-        return b
+    def _alloc_step_buffers(self, HostBuffer) -> None:
+        cfg, R = self.config, self.max_rows
+        blocks = -(-max(cfg.context_length, 1) // self.block_size)
+        table_len = 1 << (blocks - 1).bit_length()  # decode steps bucket their table width to a power of 2
+        self.layout = _Layout(R, self.max_seqs, (self.max_seqs + 1) * table_len)
+        self._h_in = HostBuffer(self.layout.nbytes)
+        self._d_in = self.dev.empty((self.layout.nbytes,), np.uint8)
+        lay = self.layout
+
+        def ints(off: int, n: int):
+            return self._d_in.view_bytes(off, n, np.int32)
+
+        self.d_tok, self.d_pos = ints(lay.tok, R), ints(lay.pos, R)
+        self.d_slots, self.d_seq = ints(lay.slots, R), ints(lay.seq, R)
+        self.d_out_rows = ints(lay.out_rows, R)
+        self.d_tables = ints(lay.tables, lay.table_cap)
+        self.d_sample = self._d_in.view_bytes(lay.sample, ops.SampleParams.nbytes(R), np.uint8)
+        e = self.dev.empty
+        hid, qd, kvd, ffn = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
+        self.x, self.h, self.o2 = e((R * hid,)), e((R * hid,)), e((R * hid,))
+        self.q, self.att = e((R * qd,)), e((R * qd,))
+        self.k, self.v = e((R * kvd,)), e((R * kvd,))
+        self.g, self.u = e((R * ffn,)), e((R * ffn,))
+        self.hn = e((R * hid,))
+        self.logits = e((R * cfg.vocab_size,))
+        self.d_tokens_out = e((R,), np.int32)
+        self._h_tokens = HostBuffer(4 * R)
+        self._h_logits: HostBuffer | None = None
+        if self.tensor_cores:  # the prefill matmul's 16-bit scratch, at its largest, once
+            biggest = max(lw[w].rows * lw[w].cols for lw in self.layers for w in _MATRICES if w in lw)
+            widest = max(lw[w].cols for lw in self.layers for w in _MATRICES if w in lw)
+            self.dev.scratch("gemm_w", 2 * biggest)
+            self.dev.scratch("gemm_x", 2 * R * widest)
+
+    def device_memory(self) -> tuple[int, int]:
+        """(used, total) bytes on the device (all processes)."""
+        free, total = self.dev.memory_info()
+        return total - free, total
 
     # -- one step ---------------------------------------------------------------------------------
 
-    @_poison_guard
     @_poison_guard
     def inject_illegal_address(self) -> None:
         """--fault cuda-illegal-address: a kernel really writes out of bounds (sticky error 700)."""
         self.dev.make_current()
         ops.fault_illegal_address(self.dev)
 
-    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
-        dev, cfg = self.dev, self.config
+    @_poison_guard
+    def forward(self, chunks: list[SeqChunk]) -> list:
+        dev, cfg, bs = self.dev, self.config, self.block_size
         dev.make_current()
-        bs = self.block_size
-        tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int32) for c in chunks]).astype(np.int32)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        n = sum(len(c.tokens) for c in chunks)
+        if n > self.max_rows or len(chunks) > self.max_rows:
+            raise ValueError(f"a step of {n} tokens exceeds this backend's {self.max_rows} rows")
+        decode = all(len(c.tokens) == 1 and c.logits == "last" for c in chunks)
+        graph_rows = _bucket(len(chunks), GRAPH_BATCHES) if decode and len(chunks) <= min(self.max_seqs, GRAPH_BATCHES[-1]) else 0
+        rows = max(graph_rows, n)
+        max_len = max(c.start + len(c.tokens) for c in chunks)
+        stride = max(1, -(-max_len // bs))
+        if graph_rows:
+            stride = 1 << (stride - 1).bit_length()  # bucket the context so graphs are reused
+        if (len(chunks) + 1) * stride > self.layout.table_cap:
+            raise ValueError("the step's block tables exceed the staging buffer")
+
+        # the step's inputs, packed into pinned memory and sent in one copy
+        lay, hb = self.layout, self._h_in.array
+        tok = _host(hb, lay.tok, rows, np.int32)
+        pos = _host(hb, lay.pos, rows, np.int32)
+        slots = _host(hb, lay.slots, rows, np.int32)
+        seq = _host(hb, lay.seq, rows, np.int32)
+        tables = _host(hb, lay.tables, (len(chunks) + (1 if graph_rows else 0)) * stride, np.int32)
+        tok[:n] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
+        if tok[:n].size and (tok[:n].min() < 0 or tok[:n].max() >= cfg.vocab_size):
             raise ValueError("token id out of range")
-        positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32)
-        n = int(tokens.size)
+        pos[:n] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        slots[:n] = kv_slots(chunks, bs, self.n_blocks)
         spans, at = [], 0
-        row_seq = np.empty(n, dtype=np.int32)
+        tables.shape = (-1, stride)
+        tables[:] = self.trash_block
         for si, c in enumerate(chunks):
-            spans.append((at, at + len(c.tokens)))
-            row_seq[at : at + len(c.tokens)] = si
-            at += len(c.tokens)
-        slots = kv_slots(chunks, self.block_size, self.n_blocks)
-        max_blocks = max(1, max(len(c.block_table) for c in chunks))
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for si, c in enumerate(chunks):
-            tables[si, : len(c.block_table)] = c.block_table
-        max_pos = int(positions.max()) + 1 if n else 1
+            m = len(c.tokens)
+            spans.append((at, at + m))
+            seq[at : at + m] = si
+            used = min(len(c.block_table), stride)
+            tables[si, :used] = c.block_table[:used]
+            at += m
+        if graph_rows:  # padded rows: token 0 at position 0 of the trash block
+            tok[n:rows], pos[n:rows], seq[n:rows] = 0, 0, len(chunks)
+            slots[n:rows] = self.trash_block * bs
+        # which rows need logits, and which of those are drawn on the device
+        want: list[tuple[int, int, int]] = []  # (chunk, first row, row count)
+        for si, (c, (a, b)) in enumerate(zip(chunks, spans)):
+            if c.logits == "last":
+                want.append((si, b - 1, 1))
+            elif c.logits == "all":
+                want.append((si, a, b - a))
+        out_rows = _host(hb, lay.out_rows, rows, np.int32)
+        n_out = 0
+        for _, r0, cnt in want:
+            out_rows[n_out : n_out + cnt] = np.arange(r0, r0 + cnt)
+            n_out += cnt
+        sampled = [si for si, _, cnt in want if cnt == 1 and chunks[si].sample is not None]
+        if graph_rows:
+            out_rows[:rows] = np.arange(rows)
+            n_out = rows
+        self._pack_sampling(chunks, want, n_out)
+        end = lay.tables + tables.nbytes
+        self._d_in.view(0, end).upload_from(self._h_in, end, self.stream)
 
+        max_keys = stride * bs if graph_rows else max_len
+        if graph_rows:
+            key = (graph_rows, stride)
+            if key in self._graphs:
+                self._graphs[key][0].launch()
+                self.graph_replays += 1
+            elif key in self._seen and self.graphs_enabled and self._device_attention:
+                self._graphs[key] = self._capture(rows, stride, max_keys, n_out)
+                self._graphs[key][0].launch()
+            else:  # the first time: run eagerly (loads modules, warms up), capture next time
+                self._seen.add(key)
+                self._launch(rows, stride, max_keys, n_out, chunks, spans, pos)
+        else:
+            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled))
+        return self._results(chunks, want, sampled, n_out)
+
+    def _pack_sampling(self, chunks, want, n_out) -> None:
+        """SampleParams for the logits rows, in out_rows order (rows not drawn: greedy, ignored)."""
+        temp = np.zeros(n_out, np.float32)
+        top_k = np.zeros(n_out, np.int32)
+        top_p = np.ones(n_out, np.float32)
+        min_p = np.zeros(n_out, np.float32)
+        seed = np.zeros(n_out, np.uint64)
+        step = np.zeros(n_out, np.uint32)
+        at = 0
+        for si, _, cnt in want:
+            s = chunks[si].sample
+            if s is not None and cnt == 1:
+                temp[at], top_k[at], top_p[at], min_p[at] = s.temperature, s.top_k, s.top_p, s.min_p
+                seed[at], step[at] = s.seed & (2**64 - 1), s.step & (2**32 - 1)
+            at += cnt
+        buf = self._h_in.array[self.layout.sample : self.layout.sample + ops.SampleParams.nbytes(n_out)]
+        ops.SampleParams.pack(buf, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                              step=step)
+
+    def _results(self, chunks, want, sampled, n_out) -> list:
+        """Copy back what the scheduler needs: sampled tokens, and logits for the rest."""
+        st = self.stream
+        out: list = [None] * len(chunks)
+        if sampled:
+            self.d_tokens_out.view(0, n_out).download_into(self._h_tokens, 4 * n_out, st)
+        host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(_row_starts(want), want) if si not in sampled]
+        if host_rows:
+            total = sum(cnt for _, _, cnt in host_rows) * self.config.vocab_size * 4
+            if self._h_logits is None or self._h_logits.nbytes < total:
+                from ember.kernels.cuda_runtime import HostBuffer
+
+                if self._h_logits is not None:
+                    st.synchronize()
+                    self._h_logits.free()
+                self._h_logits = HostBuffer(max(total, 4 * self.config.vocab_size * 8))
+            at = 0
+            V = self.config.vocab_size
+            for si, r, cnt in host_rows:
+                self.logits.view(r * V, cnt * V).download_into(self._h_logits, cnt * V * 4, st, host_offset=at)
+                at += cnt * V * 4
+        st.synchronize()
+        if sampled:
+            toks = _host(self._h_tokens.array, 0, n_out, np.int32)
+            starts = dict(zip((si for si, _, _ in want), _row_starts(want)))
+            for si in sampled:
+                out[si] = SampledToken(int(toks[starts[si]]))
+        at = 0
+        V = self.config.vocab_size
+        for si, r, cnt in host_rows:
+            out[si] = _host(self._h_logits.array, at, cnt * V, np.float32).reshape(cnt, V).copy()
+            at += cnt * V * 4
+        return out
+
+    def _capture(self, rows, stride, max_keys, n_out):
+        """Record one decode step of `rows` sequences over at most `max_keys` keys as a CUDA graph,
+        with split-K buffers of its own (scratch that later grows must not move under a graph)."""
+        from ember.kernels.cuda_runtime import Graph
+
+        cfg = self.config
+        S = 1
+        for li in range(cfg.n_layers):
+            window = cfg.sliding_window if cfg.is_local_layer(li) else 0
+            keys = min(max_keys, window) if window else max_keys
+            S = max(S, -(-keys // ops.attention_split(self.dev, rows, cfg.n_kv_heads, keys)))
+        bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
+        self.stream.synchronize()
+        with Graph.capture(self.stream) as g:
+            self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs)
+        return g, bufs
+
+    def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True) -> None:
+        out = w is self.output
+        if tc and self.tensor_cores and n >= (TC_MIN_ROWS_OUTPUT if out else TC_MIN_ROWS):
+            # the output projection has scratch of its own: growing the layers' would move it under graphs
+            ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
+                          stream=self.stream)
+        else:
+            ops.matvec(self.dev, w, x, y, n=n, res=res, stream=self.stream)
+
+    def _launch(self, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
+                tc=True) -> None:
+        """Every kernel of one step, on self.stream, reading only device buffers (so it can be
+        captured: the tensor-core path's scratch is sized at start for every layer matrix and never
+        moves); chunks/spans/positions are needed only by the host attention fallback."""
+        dev, cfg, st = self.dev, self.config, self.stream
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qd, kvd, hid, ffn = cfg.q_dim, cfg.kv_dim, cfg.hidden, cfg.ffn
-        d_tok = self._buf("tok", n, np.int32)
-        d_tok.view(0, n).upload(tokens)
-        d_pos = self._buf("pos", n, np.int32)
-        d_pos.view(0, n).upload(positions)
-        d_slots = self._buf("slots", n, np.int32)
-        d_slots.view(0, n).upload(slots.astype(np.int32))
-        d_seq = self._buf("seq", n, np.int32)
-        d_seq.view(0, n).upload(row_seq)
-        d_tab = self._buf("tables", tables.size, np.int32)
-        d_tab.view(0, tables.size).upload(tables.reshape(-1))
-
-        x = self._buf("x", n * hid)
-        h = self._buf("h", n * hid)
-        o2 = self._buf("o2", n * hid)
-        q = self._buf("q", n * qd)
-        k = self._buf("k", n * kvd)
-        v = self._buf("v", n * kvd)
-        att = self._buf("att", n * qd)
-        g = self._buf("g", n * ffn)
-        u = self._buf("u", n * ffn)
-
-        ops.dequant_rows(dev, self.token_embd, x, d_tok, n=n, scale=float(np.float32(cfg.embed_scale)))
+        hid, ffn = cfg.hidden, cfg.ffn
+        x, h, o2, q, k, v, att, g, u = self.x, self.h, self.o2, self.q, self.k, self.v, self.att, self.g, self.u
+        ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)), stream=st)
         for li, lw in enumerate(self.layers):
             local = cfg.is_local_layer(li)
-            ops.rms_norm(dev, x, lw["attn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid)
+            ops.rms_norm(dev, x, lw["attn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             for wname, bname, out in (("wq", "bq", q), ("wk", "bk", k), ("wv", "bv", v)):
-                res = None
+                self._linear(lw[wname], h, out, n, tc=tc)
                 if bname in lw:
-                    res = self._buf(f"bias_{bname}", n * lw[wname].rows)
-                    # a synchronous copy on the legacy stream: ordered after the previous layer's use
-                    res.view(0, n * lw[wname].rows).upload(np.tile(lw[bname], (n, 1)).reshape(-1))
-                ops.matvec(dev, lw[wname], h, out, n=n, res=res)
+                    ops.add_bias(dev, out, lw[bname], n=n, cols=lw[wname].rows, stream=st)
             if cfg.qk_norm:
-                ops.rms_norm(dev, q, lw["q_norm"], q, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H)
-                ops.rms_norm(dev, k, lw["k_norm"], k, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk)
+                ops.rms_norm(dev, q, lw["q_norm"], q, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, stream=st)
+                ops.rms_norm(dev, k, lw["k_norm"], k, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk, stream=st)
             inv = self.inv_freq_local if local else self.inv_freq_global
-            ops.rope(dev, q, k, d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox)
+            ops.rope(dev, q, k, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, stream=st)
             kc = self.k_pool.view(li * self._layer_elems, self._layer_elems)
             vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
-            ops.kv_write(dev, k, v, kc, vc, d_slots, n=n, kv_heads=Hk, head_dim=D)
+            ops.kv_write(dev, k, v, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, stream=st)
             window = cfg.sliding_window if local else 0
-            max_keys = min(max_pos, window) if window else max_pos
+            keys = min(max_keys, window) if window else max_keys
             if self._device_attention:
-                ops.attention(dev, q, kc, vc, d_tab, d_seq, d_pos, att, rows=n, heads=H, kv_heads=Hk, head_dim=D,
-                              block_size=bs, max_blocks=max_blocks, max_keys=max_keys, window=window,
-                              scale=cfg.attn_scale)
+                ops.attention(dev, q, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                              kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
+                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, stream=st)
             else:
                 self._host_attention(li, chunks, spans, positions, q, att, window)
-
             if cfg.post_norms:
-                ops.matvec(dev, lw["wo"], att, o2, n=n)
-                ops.rms_norm(dev, o2, lw["post_attn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid)
-                ops.add(dev, x, o2, x, n * hid)
+                self._linear(lw["wo"], att, o2, n, tc=tc)
+                ops.rms_norm(dev, o2, lw["post_attn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                ops.add(dev, x, o2, x, n * hid, stream=st)
             else:
-                ops.matvec(dev, lw["wo"], att, x, n=n, res=x)
-            ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid)
-            ops.matvec(dev, lw["w_gate"], h, g, n=n)
-            ops.matvec(dev, lw["w_up"], h, u, n=n)
-            ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act)
+                self._linear(lw["wo"], att, x, n, res=x, tc=tc)
+            ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+            self._linear(lw["w_gate"], h, g, n, tc=tc)
+            self._linear(lw["w_up"], h, u, n, tc=tc)
+            ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act, stream=st)
             if cfg.post_norms:
-                ops.matvec(dev, lw["w_down"], g, o2, n=n)
-                ops.rms_norm(dev, o2, lw["post_ffn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid)
-                ops.add(dev, x, o2, x, n * hid)
+                self._linear(lw["w_down"], g, o2, n, tc=tc)
+                ops.rms_norm(dev, o2, lw["post_ffn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                ops.add(dev, x, o2, x, n * hid, stream=st)
             else:
-                ops.matvec(dev, lw["w_down"], g, x, n=n, res=x)
-
-        out: list[np.ndarray | None] = []
-        for c, (a, b) in zip(chunks, spans):
-            if c.logits == "none":
-                out.append(None)
-                continue
-            r0 = b - 1 if c.logits == "last" else a
-            rows = b - r0
-            xr = x.view(r0 * hid, rows * hid)
-            hn = self._buf("hn", rows * hid)
-            ops.rms_norm(dev, xr, self.output_norm, hn, eps=cfg.norm_eps, rows=rows, cols=hid)
-            lg = self._buf("logits", rows * cfg.vocab_size)
-            ops.matvec(dev, self.output, hn, lg, n=rows)
-            out.append(lg.view(0, (rows, cfg.vocab_size)).to_host())
-        dev.synchronize()
-        return out
+                self._linear(lw["w_down"], g, x, n, res=x, tc=tc)
+        if n_out:
+            ops.gather_rows(dev, x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
+            ops.rms_norm(dev, o2, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
+            self._linear(self.output, self.hn, self.logits, n_out, tc=tc and n_out >= TC_MIN_ROWS_OUTPUT)
+            if sample:
+                params = self.d_sample.view(0, ops.SampleParams.nbytes(n_out))
+                ops.sample(dev, self.logits, params, self.d_tokens_out, rows=n_out, vocab=cfg.vocab_size, stream=st)
 
     def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
         cfg, bs = self.config, self.block_size
-        n = len(positions)
+        n = spans[-1][1]
+        self.stream.synchronize()
         qh = q.view(0, (n, cfg.n_heads, cfg.head_dim)).to_host()
-        kc = self.k_pool.view(li * self._layer_elems, (self.n_blocks, bs, cfg.n_kv_heads, cfg.head_dim)).to_host()
-        vc = self.v_pool.view(li * self._layer_elems, (self.n_blocks, bs, cfg.n_kv_heads, cfg.head_dim)).to_host()
+        shape = (self.n_blocks + 1, bs, cfg.n_kv_heads, cfg.head_dim)
+        kc = self.k_pool.view(li * self._layer_elems, shape).to_host().astype(np.float32)
+        vc = self.v_pool.view(li * self._layer_elems, shape).to_host().astype(np.float32)
         res = np.empty((n, cfg.q_dim), dtype=np.float32)
         for c, (a, b) in zip(chunks, spans):
             length = c.start + len(c.tokens)
@@ -275,30 +462,54 @@ class CudaBackend:
 
     # -- KV block transfer ------------------------------------------------------------------------
 
-    def _block_views(self, block: int):
+    def _block_copy(self, block: int, host: np.ndarray, to_host: bool) -> None:
+        """K and V of one block for every layer <-> host [2, layers, block_size * kv_dim] (KV dtype):
+        two strided copies (a block's rows sit a layer's pool apart)."""
+        from ember.kernels.cuda_runtime import copy_2d
+
         if not 0 <= block < self.n_blocks:
             raise IndexError(f"block {block} outside the pool of {self.n_blocks}")
-        cfg = self.config
-        per = self.block_size * cfg.kv_dim
-        shape = (self.block_size, cfg.n_kv_heads, cfg.head_dim)
-        for li in range(cfg.n_layers):
-            off = li * self._layer_elems + block * per
-            yield li, self.k_pool.view(off, shape), self.v_pool.view(off, shape)
+        item = np.dtype(self.kv_dtype).itemsize
+        width = self.block_size * self.config.kv_dim * item
+        pitch = self._layer_elems * item
+        for half, pool in enumerate((self.k_pool, self.v_pool)):
+            dev_ptr = pool.ptr + block * width
+            host_ptr = host[half].ctypes.data
+            if to_host:
+                copy_2d(dst=host_ptr, dst_pitch=width, src=dev_ptr, src_pitch=pitch, width=width,
+                        height=self.config.n_layers, to_host=True)
+            else:
+                copy_2d(dst=dev_ptr, dst_pitch=pitch, src=host_ptr, src_pitch=width, width=width,
+                        height=self.config.n_layers, to_host=False)
 
     @_poison_guard
     def read_block(self, block: int) -> np.ndarray:
         self.dev.make_current()
+        self.stream.synchronize()  # the step that wrote it is done
         cfg = self.config
-        out = np.empty((2, cfg.n_layers, self.block_size, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
-        for li, kv, vv in self._block_views(block):
-            out[0, li] = kv.to_host()
-            out[1, li] = vv.to_host()
-        return out
+        raw = np.empty((2, cfg.n_layers, self.block_size * cfg.kv_dim), dtype=self.kv_dtype)
+        self._block_copy(block, raw, to_host=True)
+        return raw.astype(np.float32, copy=False).reshape(2, cfg.n_layers, self.block_size, cfg.n_kv_heads,
+                                                          cfg.head_dim)
 
     @_poison_guard
     def write_block(self, block: int, data: np.ndarray) -> None:
         self.dev.make_current()
-        data = np.asarray(data, dtype=np.float32)
-        for li, kv, vv in self._block_views(block):
-            kv.upload(data[0, li])
-            vv.upload(data[1, li])
+        self.stream.synchronize()  # no step still reads the block being replaced
+        cfg = self.config
+        raw = np.ascontiguousarray(np.asarray(data).reshape(2, cfg.n_layers, -1).astype(self.kv_dtype))
+        self._block_copy(block, raw, to_host=False)
+
+
+def _row_starts(want) -> list[int]:
+    starts, at = [], 0
+    for _, _, cnt in want:
+        starts.append(at)
+        at += cnt
+    return starts
+
+
+def _host(buf: np.ndarray, offset: int, count: int, dtype) -> np.ndarray:
+    dt = np.dtype(dtype)
+    return buf[offset : offset + count * dt.itemsize].view(dt)
+

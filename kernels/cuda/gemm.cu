@@ -1,0 +1,154 @@
+// Dense matmul for prefill on the tensor cores: C[M, N] = A[M, K] @ B[N, K]^T (+ R), 16-bit inputs
+// with float32 accumulation and output.
+//
+// Prefill multiplies many token rows by each weight matrix, so the weights are worth decoding once
+// per call (dequant.cu's 16-bit variants write B) and the activations are converted to 16 bits
+// (to_half below); the matmul itself is then bound by arithmetic, not by bytes.
+//
+// gemm_<h>: a CTA computes a 128 x 128 tile of C with 8 warps (2 x 4, each 64 x 32) from a
+// double-buffered 32-deep slice of A and B in shared memory, loaded with cp.async (rows beyond M or N
+// are zero-filled) and fed to mma.sync m16n8k16 through ldmatrix. Rows are padded to 40 halves so the
+// 8 row addresses of each ldmatrix fall in different banks. K must be a multiple of 32 (every model
+// dimension is). h = f16 or bf16: bf16 keeps the float32 exponent range, for models (Gemma) whose
+// activations can exceed what f16 holds.
+#include "common.cuh"
+
+#define GM_BM 128
+#define GM_BN 128
+#define GM_BK 32
+#define GM_LD 40  // halves per shared-memory row: 32 + 8 padding
+#define GM_THREADS 256
+
+EMBER_DEV u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+EMBER_DEV void cp_async16(u32 dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;  // 0: zero-fill the destination
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+EMBER_DEV void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+template <bool BF>
+EMBER_DEV void mma16816(float* c, const u32* a, const u32* b) {
+    if constexpr (BF) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+// Load one 128 x 32 slice of a row-major [rows, K] matrix into shared memory: 512 16-byte pieces,
+// two per thread.
+EMBER_DEV void load_tile(u16 (*dst)[GM_LD], const u16* __restrict__ src, int row0, int rows, int K, int k0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int piece = threadIdx.x + i * GM_THREADS;
+        const int r = piece >> 2, c = (piece & 3) * 8;
+        const int gr = row0 + r;
+        const bool ok = gr < rows;
+        cp_async16(smem_addr(&dst[r][c]), src + (ok ? (i64)gr * K + k0 + c : 0), ok);
+    }
+}
+
+template <bool BF>
+EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const float* R, float* C, int M, int N,
+                    int K, i64 ldc) {
+    __shared__ __align__(16) u16 sa[2][GM_BM][GM_LD];
+    __shared__ __align__(16) u16 sb[2][GM_BN][GM_LD];
+    const int m0 = blockIdx.y * GM_BM, n0 = blockIdx.x * GM_BN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int nk = K / GM_BK;
+    load_tile(sa[0], A, m0, M, K, 0);
+    load_tile(sb[0], B, n0, N, K, 0);
+    asm volatile("cp.async.commit_group;");
+    for (int kt = 0; kt < nk; ++kt) {
+        const int cur = kt & 1;
+        if (kt + 1 < nk) {
+            load_tile(sa[cur ^ 1], A, m0, M, K, (kt + 1) * GM_BK);
+            load_tile(sb[cur ^ 1], B, n0, N, K, (kt + 1) * GM_BK);
+        }
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group 1;");
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < GM_BK; ks += 16) {
+            u32 af[4][4], bfr[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = wm + i * 16 + (lane & 15), c = ks + (lane >> 4) * 8;
+                ldmatrix_x4(smem_addr(&sa[cur][r][c]), af[i][0], af[i][1], af[i][2], af[i][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {  // two n8 tiles per ldmatrix.x4
+                const int r = wn + j * 16 + (lane & 7) + ((lane >> 4) << 3), c = ks + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(smem_addr(&sb[cur][r][c]), bfr[2 * j][0], bfr[2 * j][1], bfr[2 * j + 1][0],
+                            bfr[2 * j + 1][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma16816<BF>(acc[i][j], af[i], bfr[j]);
+        }
+        __syncthreads();  // the next iteration's loads overwrite the buffer just read
+    }
+
+    // epilogue: c0,c1 at (row lane/4, cols 2*(lane%4) + 0/1); c2,c3 eight rows below
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = m0 + wm + i * 16 + (lane >> 2) + hh * 8;
+                const int c = n0 + wn + j * 8 + (lane & 3) * 2;
+                if (r >= M) continue;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (c + e >= N) continue;
+                    float v = acc[i][j][hh * 2 + e];
+                    if (R) v += R[(i64)r * ldc + c + e];
+                    C[(i64)r * ldc + c + e] = v;
+                }
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_f16(const u16* A, const u16* B, const float* R,
+                                                                  float* C, int M, int N, int K, i64 ldc) {
+    gemm<false>(A, B, R, C, M, N, K, ldc);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_bf16(const u16* A, const u16* B, const float* R,
+                                                                   float* C, int M, int N, int K, i64 ldc) {
+    gemm<true>(A, B, R, C, M, N, K, ldc);
+}
+
+// x (float32, n elements) to 16 bits: f16 (round to nearest) or bf16 (nearest even).
+extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = f2h(x[i]);
+}
+extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = f2bf(x[i]);
+}

@@ -1,0 +1,145 @@
+"""`ember bench speed --backend cuda`: prefill and decode tokens/s of the CUDA backend, llama-bench
+style (pp: one prompt; tg: one stream; --streams N: N streams decoding together), timed with device
+events on the backend's stream. The first run of each phase is a warm-up (module loads, graph
+captures) and is not counted; the median of the rest is reported, with the single-stream share of
+the memory-bandwidth limit (every weight byte read once per decode step) and peak device memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..engine.backend import DeviceSample, SeqChunk
+
+H200_BANDWIDTH = 4.3e12  # bytes/s the issue's limit uses (H200 HBM3e, about what a copy reaches)
+GREEDY = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes a decode step reads: every tensor but the embedding table (one row of it is read),
+    unless the output projection is the tied embedding."""
+    g = model.gguf
+    tied = "output.weight" not in g.tensors
+    return sum(int(t.nbytes) for name, t in g.tensors.items() if tied or name != "token_embd.weight")
+
+
+class _Seqs:
+    """Contiguous block tables for benchmark sequences (no prefix cache: every run computes)."""
+
+    def __init__(self, block_size: int, n_blocks: int):
+        self.bs, self.n_blocks, self.next = block_size, n_blocks, 0
+
+    def table(self, length: int) -> list[int]:
+        need = -(-length // self.bs)
+        if self.next + need > self.n_blocks:
+            self.next = 0  # reuse from the start: the previous run's contents do not matter
+        t = list(range(self.next, self.next + need))
+        self.next += need
+        return t
+
+
+def run(args) -> dict:
+    from ember.kernels.cuda_runtime import Timer
+
+    from ..engine.cuda_backend import CudaBackend
+    from ..model.loader import open_model
+
+    t0 = time.perf_counter()
+    model = open_model(args.model)
+    cfg = model.config
+    streams = max(1, args.streams)
+    chunk = min(args.prefill_chunk, args.prompt_tokens)
+    per_seq = args.prompt_tokens + args.gen_tokens + 1
+    stream_ctx = args.stream_prompt + args.gen_tokens + 1
+    bs = 16
+    n_blocks = 2 * (-(-per_seq // bs)) + streams * (-(-stream_ctx // bs)) + 2
+    backend = CudaBackend(cfg, model.gguf, n_blocks=n_blocks, block_size=bs, max_rows=max(chunk, streams),
+                          max_seqs=max(streams, 1), kv_dtype=args.kv_dtype)
+    load_s = time.perf_counter() - t0
+    peak = backend.device_memory()[0]
+    rng = np.random.default_rng(args.seed)
+    vocab = min(cfg.vocab_size, 32000)
+    seqs = _Seqs(bs, n_blocks)
+    timer = Timer()
+
+    def timed(fn) -> float:
+        timer.start(backend.stream)
+        fn()
+        return timer.stop(backend.stream) / 1000.0
+
+    def prefill(prompt, table, last_sample=GREEDY):
+        out = None
+        for s in range(0, len(prompt), chunk):
+            part = prompt[s : s + chunk]
+            last = s + len(part) == len(prompt)
+            (out,) = backend.forward([SeqChunk(part, s, table, "last" if last else "none",
+                                               sample=last_sample if last else None)])
+        return out
+
+    pp, tg, multi = [], [], []
+    for r in range(args.repeat + 1):  # run 0 warms up
+        prompt = rng.integers(1, vocab, args.prompt_tokens).astype(np.int32)
+        table = seqs.table(per_seq)
+        result: dict = {}
+        secs = timed(lambda: result.setdefault("tok", prefill(prompt, table)))
+        tok = int(result["tok"])
+        if r:
+            pp.append(args.prompt_tokens / secs)
+
+        def decode_one():
+            nonlocal tok
+            for i in range(args.gen_tokens):
+                (tok,) = backend.forward([SeqChunk(np.array([tok], np.int32), args.prompt_tokens + i, table, "last",
+                                                   sample=GREEDY)])
+                tok = int(tok)
+
+        secs = timed(decode_one)
+        if r:
+            tg.append(args.gen_tokens / secs)
+        peak = max(peak, backend.device_memory()[0])
+    if streams > 1:
+        for r in range(args.repeat + 1):
+            tables = [seqs.table(stream_ctx) for _ in range(streams)]
+            toks = [int(prefill(rng.integers(1, vocab, args.stream_prompt).astype(np.int32), t)) for t in tables]
+
+            def decode_many():
+                nonlocal toks
+                for i in range(args.gen_tokens):
+                    outs = backend.forward([SeqChunk(np.array([t], np.int32), args.stream_prompt + i, tab, "last",
+                                                     sample=GREEDY) for t, tab in zip(toks, tables)])
+                    toks = [int(o) for o in outs]
+
+            secs = timed(decode_many)
+            if r:
+                multi.append(streams * args.gen_tokens / secs)
+            peak = max(peak, backend.device_memory()[0])
+    graph_ms = _graph_step_ms(backend, timer)
+    wbytes = weight_bytes_per_token(model)
+    limit = H200_BANDWIDTH / wbytes
+    tg_med = float(np.median(tg))
+    out = {
+        "model": model.path.name, "backend": "cuda", "device": backend.dev.name, "kv_dtype": args.kv_dtype,
+        f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1), "prefill_chunk": chunk,
+        f"tg{args.gen_tokens}_tok_s": round(tg_med, 1),
+        "bandwidth_limit_tok_s": round(limit, 1), "tg_share_of_limit": round(tg_med / limit, 3),
+        "weight_bytes": wbytes, "load_s": round(load_s, 2), "peak_device_mb": round(peak / 2**20),
+        "graph_replays": backend.graph_replays, "runs": len(pp),
+        "decode_graph_gpu_ms": graph_ms,  # per captured step, replayed back to back: the device's share
+    }
+    if multi:
+        out[f"decode_{streams}_streams_tok_s"] = round(float(np.median(multi)), 1)
+    return out
+
+
+def _graph_step_ms(backend, timer, replays: int = 50) -> dict:
+    """Device time of each captured decode step, replayed back to back (no host work between):
+    what a step costs on the GPU, against which the tok/s above shows the host's share."""
+    out = {}
+    for (rows, stride), (graph, _) in sorted(backend._graphs.items()):
+        timer.start(backend.stream)
+        for _ in range(replays):
+            graph.launch()
+        out[f"b{rows}_blocks{stride}"] = round(timer.stop(backend.stream) / replays, 4)
+    return out
