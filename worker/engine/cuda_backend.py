@@ -90,6 +90,7 @@ class _Layout:
 
 class CudaBackend:
     name = "cuda"
+    samples_on_device = True  # chunks with `sample` set come back as SampledToken
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int, block_size: int = 16,
                  device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
