@@ -87,26 +87,41 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
 #pragma unroll
         for (int e = 0; e < E1; ++e) qr[g][e] = qp[e] * scale;
     }
-    for (int tb = 2 * warp; tb < nt; tb += ATT_THREADS / 16) {  // warp-uniform loop
-        const int t = tb + sub;
-        const bool ok = t < nt;
-        float kv[E1];
-        if (ok) {
-            const int p = t0 + t;
-            const i64 slot = (i64)bt[p / BS] * BS + p % BS;
-            load_vals<E1>(kc + slot * slot_stride + (i64)kh * D + hl * E1, kv);
-        } else {
+    // KU keys per half-warp per iteration, their loads issued together: the loop is bound by memory
+    // latency (block table, then K), not bandwidth, so several keys must be in flight at once
+    constexpr int KU = (G >= 8 || (D == 256 && G >= 4)) ? 2 : 4;
+    constexpr int KSTEP = ATT_THREADS / 16;  // keys one pass of the CTA covers
+    for (int tb = 2 * warp; tb < nt; tb += KU * KSTEP) {  // warp-uniform loop
+        float kv[KU][E1];
+        int slot_u[KU];
 #pragma unroll
-            for (int e = 0; e < E1; ++e) kv[e] = 0.0f;
+        for (int u = 0; u < KU; ++u) {
+            const int t = tb + u * KSTEP + sub;
+            const int p = t0 + min(t, nt - 1);
+            slot_u[u] = bt[p / BS] * BS + p % BS;
         }
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float d = 0.0f;
+        for (int u = 0; u < KU; ++u) {
+            const int t = tb + u * KSTEP + sub;
+            if (t < nt) {
+                load_vals<E1>(kc + (i64)slot_u[u] * slot_stride + (i64)kh * D + hl * E1, kv[u]);
+            } else {
 #pragma unroll
-            for (int e = 0; e < E1; ++e) d = fmaf(qr[g][e], kv[e], d);
+                for (int e = 0; e < E1; ++e) kv[u][e] = 0.0f;
+            }
+        }
 #pragma unroll
-            for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-            if (ok && hl == 0) sc[g][t] = d;
+        for (int u = 0; u < KU; ++u) {
+            const int t = tb + u * KSTEP + sub;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E1; ++e) d = fmaf(qr[g][e], kv[u][e], d);
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (t < nt && hl == 0) sc[g][t] = d;
+            }
         }
     }
     for (int i = tid; i < G * D; i += ATT_THREADS) (&red[0][0])[i] = 0.0f;
@@ -135,16 +150,35 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int e = 0; e < E2; ++e) acc[g][e] = 0.0f;
-    for (int t = warp; t < nt; t += ATT_THREADS / 32) {
-        const int p = t0 + t;
-        const i64 slot = (i64)bt[p / BS] * BS + p % BS;
-        float vv[E2];
-        load_vals<E2>(vc + slot * slot_stride + (i64)kh * D + lane * E2, vv);
+    constexpr int VU = 4;  // keys per warp per iteration, loads in flight together
+    constexpr int VSTEP = ATT_THREADS / 32;
+    for (int tb = warp; tb < nt; tb += VU * VSTEP) {
+        float vv[VU][E2];
+        int slot_u[VU];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float pg = sc[g][t];
+        for (int u = 0; u < VU; ++u) {
+            const int p = t0 + min(tb + u * VSTEP, nt - 1);
+            slot_u[u] = bt[p / BS] * BS + p % BS;
+        }
 #pragma unroll
-            for (int e = 0; e < E2; ++e) acc[g][e] = fmaf(pg, vv[e], acc[g][e]);
+        for (int u = 0; u < VU; ++u) {
+            if (tb + u * VSTEP < nt) {
+                load_vals<E2>(vc + (i64)slot_u[u] * slot_stride + (i64)kh * D + lane * E2, vv[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < E2; ++e) vv[u][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VU; ++u) {
+            const int t = min(tb + u * VSTEP, nt - 1);
+            const bool ok = tb + u * VSTEP < nt;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float pg = ok ? sc[g][t] : 0.0f;
+#pragma unroll
+                for (int e = 0; e < E2; ++e) acc[g][e] = fmaf(pg, vv[u][e], acc[g][e]);
+            }
         }
     }
     if (nt > 0) {
@@ -173,17 +207,21 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
 // Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                         int S, int Hq, int D, float* __restrict__ out) {
+    // unrolled and branch-free, so the loads of many splits are in flight at once (a dependent chain
+    // of S global loads is what made this kernel slow)
     const i64 h = (i64)blockIdx.y * Hq + blockIdx.x;
     const float* ml = part_ml + h * S * 2;
     float M = -__int_as_float(0x7f800000);
+#pragma unroll 8
     for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float num = 0.0f, den = 0.0f;
+#pragma unroll 8
         for (int s = 0; s < S; ++s) {
-            if (ml[2 * s + 1] == 0.0f) continue;  // empty split
-            const float f = expf(ml[2 * s] - M);
+            const float l = ml[2 * s + 1];
+            const float f = l > 0.0f ? expf(ml[2 * s] - M) : 0.0f;  // an empty split weighs nothing
             num = fmaf(f, part_acc[(h * S + s) * D + d], num);
-            den = fmaf(f, ml[2 * s + 1], den);
+            den = fmaf(f, l, den);
         }
         out[h * D + d] = num / den;
     }
