@@ -416,8 +416,31 @@ def gemm(dev: Device, a: DeviceArray, b: DeviceArray, c: DeviceArray, *, m: int,
     _need(c, np.float32, m * n, "c")
     if res is not None:
         _need(res, np.float32, m * n, "res")
+    splits = gemm_splits(dev, m, n, k)
+    if splits == 1:
+        dev.kernel("gemm", f"gemm_{kind}").launch(
+            (-(-n // GEMM_TILE), -(-m // GEMM_TILE)), (256,), a, b, res, c, m, n, k, I64(n), stream=stream)
+        return
+    ws = dev.scratch("gemm_splitk", gemm_splitk_bytes(dev))
     dev.kernel("gemm", f"gemm_{kind}").launch(
-        (-(-n // GEMM_TILE), -(-m // GEMM_TILE)), (256,), a, b, res, c, m, n, k, I64(n), stream=stream)
+        (-(-n // GEMM_TILE), -(-m // GEMM_TILE), splits), (256,), a, b, None, ws, m, n, k, I64(n), stream=stream)
+    blocks = max(1, min(-(-(m * n) // 256), dev.sm_count * 8))
+    dev.kernel("gemm", "gemm_splitk_reduce").launch((blocks,), (256,), ws, splits, I64(m * n), res, c, stream=stream)
+
+
+def gemm_splits(dev: Device, m: int, n: int, k: int) -> int:
+    """K runs per output tile: enough CTAs for about two per SM when the tiles alone are too few (a
+    small M: decode batches), each run at least 4 steps of 32; 1 for prefill-sized M."""
+    tiles = -(-n // GEMM_TILE) * -(-m // GEMM_TILE)
+    if tiles >= dev.sm_count:
+        return 1
+    return max(1, min(2 * dev.sm_count // tiles, k // 32 // 4, 16))
+
+
+def gemm_splitk_bytes(dev: Device) -> int:
+    """The split-K workspace's bound: splits * tiles <= 2 * SMs, each tile at most 128 x 128 floats.
+    Allocated once at that size, so a captured graph's pointer never moves."""
+    return 2 * dev.sm_count * GEMM_TILE * GEMM_TILE * 4
 
 
 def linear_tc(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, res: DeviceArray | None = None,
@@ -462,6 +485,6 @@ def fault_illegal_address(dev: Device) -> None:
 
 __all__ = [
     "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "SampleParams", "add", "add_bias", "argmax",
-    "attention", "attention_split", "dequant_half", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
+    "attention", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
     "kv_write", "linear_tc", "matvec", "rms_norm", "rope", "row_nbytes", "sample", "softmax", "to_half",
 ]

@@ -384,7 +384,7 @@ def _half_values(bits: np.ndarray, kind: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
-@pytest.mark.parametrize("m,n,k", [(1, 8, 32), (77, 200, 96), (256, 384, 640), (300, 1000, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 32), (77, 200, 96), (256, 384, 640), (300, 1000, 2048), (64, 4096, 4096)])
 def test_gemm_matches_linear_on_16_bit_inputs(dev, rng, kind, m, n, k):
     a = _half_bits(rng.normal(0, 1, (m, k)), kind)
     b = _half_bits(rng.normal(0, 0.05, (n, k)), kind)

@@ -66,6 +66,16 @@ EMBER_DEV void load_tile(u16 (*dst)[GM_LD], const u16* __restrict__ src, int row
 template <bool BF>
 EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const float* R, float* C, int M, int N,
                     int K, i64 ldc) {
+    // split-K (gridDim.z > 1): this CTA multiplies one run of K and writes its partial tile to
+    // C + z * M * ldc (a workspace; R is applied by gemm_splitk_reduce), so a small M still fills the GPU
+    const int nk_all = K / GM_BK, per = (nk_all + gridDim.z - 1) / gridDim.z;
+    const int kt0 = blockIdx.z * per, nk = max(0, min(nk_all, kt0 + per) - kt0);
+    if (gridDim.z > 1) {
+        C += (i64)blockIdx.z * M * ldc;
+        R = nullptr;
+    }
+    A += (i64)kt0 * GM_BK;
+    B += (i64)kt0 * GM_BK;
     __shared__ __align__(16) u16 sa[2][GM_BM][GM_LD];
     __shared__ __align__(16) u16 sb[2][GM_BN][GM_LD];
     const int m0 = blockIdx.y * GM_BM, n0 = blockIdx.x * GM_BN;
@@ -79,9 +89,10 @@ EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-    const int nk = K / GM_BK;
-    load_tile(sa[0], A, m0, M, K, 0);
-    load_tile(sb[0], B, n0, N, K, 0);
+    if (nk > 0) {
+        load_tile(sa[0], A, m0, M, K, 0);
+        load_tile(sb[0], B, n0, N, K, 0);
+    }
     asm volatile("cp.async.commit_group;");
     for (int kt = 0; kt < nk; ++kt) {
         const int cur = kt & 1;
@@ -132,6 +143,16 @@ EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const 
                     C[(i64)r * ldc + c + e] = v;
                 }
             }
+}
+
+// C = sum over the splits of the workspace (+ R): the second half of a split-K matmul.
+extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int splits, i64 mn, const float* R,
+                                              float* C) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < mn; i += (i64)gridDim.x * blockDim.x) {
+        float v = R ? R[i] : 0.0f;
+        for (int z = 0; z < splits; ++z) v += ws[(i64)z * mn + i];
+        C[i] = v;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_f16(const u16* A, const u16* B, const float* R,

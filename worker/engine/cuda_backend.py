@@ -213,6 +213,7 @@ class CudaBackend:
             widest = max(lw[w].cols for lw in self.layers for w in _MATRICES if w in lw)
             self.dev.scratch("gemm_w", 2 * biggest)
             self.dev.scratch("gemm_x", 2 * R * widest)
+            self.dev.scratch("gemm_splitk", ops.gemm_splitk_bytes(self.dev))
             if _bucket(min(self.max_seqs, GRAPH_BATCHES[-1]), GRAPH_BATCHES) >= TC_MIN_ROWS:  # graphs use it too
                 self.dev.scratch("gemm_out_w", 2 * self.output.rows * self.output.cols)
                 self.dev.scratch("gemm_out_x", 2 * R * self.output.cols)
