@@ -165,8 +165,8 @@ def test_errors_in_anthropic_shape(anthropic_client, api_worker):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert "text only" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
-        ask(anthropic_client, output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
-    assert "output_config.format" in e.value.body["error"]["message"]
+        ask(anthropic_client, output_config={"format": {"type": "json_schema", "schema": {"not": {"type": "null"}}}})
+    assert "output_config.format.schema" in e.value.body["error"]["message"]
     bad = anthropic.Anthropic(base_url=api_worker.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         ask(bad)

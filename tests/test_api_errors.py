@@ -28,7 +28,7 @@ def chat(client, **kw):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}]},
      "messages[0].content[0]"),
 ])

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from worker.engine.loopguard import LoopGuard, default_max_tokens
+from ember.worker.engine.loopguard import LoopGuard
 
 
 def feed_all(g, toks):
@@ -108,13 +108,30 @@ def test_bad_args():
         LoopGuard(repeats=1)
 
 
-def test_default_max_tokens():
-    assert default_max_tokens(8192, 100) == 8092
-    assert default_max_tokens(8192, 100, cap=4096) == 4096
-    assert default_max_tokens(8192, 8192) == 0
-    assert default_max_tokens(8192, 9000) == 0
-    assert default_max_tokens(8192, 0) == 8192
-    assert default_max_tokens(8192, 100, cap=0) == 8092  # a non-positive cap is ignored, still bounded
-    for bad in (0, -1, None):
-        with pytest.raises(ValueError):
-            default_max_tokens(bad, 10)
+def test_repeats_for_names_the_copies_that_fire():
+    g = LoopGuard(max_period=64, repeats=8, min_span=128)
+    assert g.repeats_for(1) == 128 and g.repeats_for(16) == 8 and g.repeats_for(20) == 8 and g.repeats_for(10) == 13
+    rng = random.Random(3)
+    block = rng.sample(range(100_000), 10)
+    fired = feed_all(g, prefix(rng) + block * 20)
+    assert g.period == 10 and fired == 37 + g.repeats_for(10) * 10 - 1
+
+
+def test_worker_config_loop_guard_flag_env_and_file(tmp_path):
+    import argparse
+
+    from ember.worker import config as wc
+
+    p = argparse.ArgumentParser()
+    wc.add_arguments(p)
+    cfg, src = wc.load(p.parse_args([]), env={})
+    assert (cfg.loop_guard, cfg.loop_guard_repeats, cfg.loop_guard_min_span) == (True, 8, 128)
+    toml = tmp_path / "ember.toml"
+    toml.write_text("[worker]\nloop_guard_repeats = 5\nloop_guard_min_span = 40\n")
+    cfg, src = wc.load(p.parse_args(["--config", str(toml), "--no-loop-guard"]), env={"EMBER_LOOP_GUARD_MIN_SPAN": "64"})
+    assert (cfg.loop_guard, cfg.loop_guard_repeats, cfg.loop_guard_min_span) == (False, 5, 64)
+    assert src["loop_guard"] == "flag --loop-guard" and src["loop_guard_min_span"] == "env EMBER_LOOP_GUARD_MIN_SPAN"
+    cfg, _ = wc.load(p.parse_args([]), env={"EMBER_LOOP_GUARD": "false"})
+    assert cfg.loop_guard is False
+    with pytest.raises(wc.ConfigError, match="loop_guard_repeats"):
+        wc.load(p.parse_args(["--loop-guard-repeats", "1"]), env={})

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from worker.text.toolcalls import (
+from ember.worker.text.toolcalls import (
     ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, collect,
     detect_format, mistral_call_id, openai_call_id, parse_tool_calls,
 )

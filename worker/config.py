@@ -42,6 +42,19 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     backend: str = "numpy"
     fault: str | None = None
     log_prompts: bool = False
+    # The loop guard ends a generation whose tail is one block of tokens repeated back to back.
+    # On by default, and conservative: a 270M model (or a large one at temperature 0) that falls
+    # into a loop otherwise burns the whole output cap, often the rest of the context, on a
+    # 2-core box that is minutes of a slot. It fires only on exact token-level repetition of at
+    # least `loop_guard_repeats` copies spanning at least `loop_guard_min_span` tokens, so a
+    # short run ("----", four spaces, a repeated word) never trips it, and it ends with finish
+    # reason `length`, which clients already treat as "truncated".
+    loop_guard: bool = True
+    loop_guard_repeats: int = 8
+    loop_guard_min_span: int = 128
+    # Where a thinking model's reasoning starts and ends: "auto" (from the chat template and the
+    # vocabulary), "none" (never split reasoning off), a known marker name, or "START,END".
+    reasoning_format: str = "auto"
 
 
 HELP = {
@@ -63,6 +76,10 @@ HELP = {
     "backend": "compute backend: numpy (default) or cuda",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
+    "loop_guard": "end a generation that repeats the same block of tokens (finish reason length; default on)",
+    "loop_guard_repeats": "back-to-back copies of a block (1-64 tokens) that count as a loop (default 8)",
+    "loop_guard_min_span": "and the copies must span at least this many tokens (default 128)",
+    "reasoning_format": "reasoning markers: auto (default, from the template), none, a marker name, or START,END",
 }
 
 _SECRET = {"api_key"}
@@ -149,6 +166,16 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("drain_seconds: must not be negative")
     if cfg.backend not in ("numpy", "cuda"):
         raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy, cuda)")
+    if cfg.loop_guard_repeats < 2:
+        raise ConfigError("loop_guard_repeats: must be at least 2")
+    if cfg.loop_guard_min_span < 0:
+        raise ConfigError("loop_guard_min_span: must not be negative")
+    from .text.reasoning import ReasoningConfigError, parse_override
+
+    try:
+        parse_override(cfg.reasoning_format)
+    except ReasoningConfigError as e:
+        raise ConfigError(f"reasoning_format: {e}") from None
     if cfg.fault and not is_loopback(cfg.host):
         raise ConfigError(f"fault: fault injection is refused on a non-loopback host ({cfg.host})")
 

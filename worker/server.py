@@ -25,10 +25,13 @@ EX_OK, EX_POISONED, EX_CONFIG = 0, 75, 78
 POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
 
 
-def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int) -> int:
-    from .engine.numpy_backend import NumpyBackend
+def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy") -> int:
+    if backend == "cuda":  # float16 KV on the device
+        from .engine.cuda_backend import CudaBackend as Backend
+    else:
+        from .engine.numpy_backend import NumpyBackend as Backend
 
-    per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size)
+    per_block = Backend.kv_bytes_per_block(model_config, block_size)
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
 
 
@@ -55,7 +58,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .model.weights import load_weights
 
     model = open_model(cfg.model)
-    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE)
+    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend)
     kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     if cfg.backend == "cuda":
@@ -65,15 +68,21 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         from .engine.cuda_backend import CudaBackend
 
         try:
-            backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+            backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
+                                  max_rows=max(cfg.prefill_chunk, cfg.max_seqs), max_seqs=cfg.max_seqs)
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
     else:
         weights = load_weights(model.gguf, model.config)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
     faults.check_backend(backend)
+    from .api import toolcalling
+
+    toolcalling.configure(cfg.reasoning_format)  # validated with the rest of the config
     limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
-                          max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx)
+                          max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx,
+                          loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
+                          loop_guard_min_span=cfg.loop_guard_min_span)
     store = None
     if cfg.kv_persist != "off":
         from .engine.kv_blocks import chain_hash, kv_salt

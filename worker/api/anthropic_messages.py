@@ -5,9 +5,12 @@ inside `messages`); they are passed to the chat template where they stand. Conte
 tool_use and tool_result become the template's tool calls and tool messages; thinking blocks are
 dropped; images and documents are refused (text-only model). stop_sequences, temperature, top_p,
 top_k (the current SDK no longer offers temperature; absent, it is the API's default 1.0);
-max_tokens is clamped to the context (and may be left out). output_config.format (structured
-output) is refused (400): the output is not constrained. cache_control, metadata, thinking,
-output_config.effort, tool_choice and unknown fields are ignored: the prefix cache is automatic.
+max_tokens is clamped to the context (and may be left out). output_config.format (or the beta's
+top-level output_format) constrains the output to a JSON schema (structured.py). cache_control,
+metadata, output_config.effort and unknown fields are ignored: the prefix cache is automatic.
+tools / tool_choice and thinking ({type: enabled, budget_tokens}): see toolcalling.py; the output
+then holds thinking blocks, a text block and tool_use blocks (stop_reason tool_use), streamed as
+thinking_delta and input_json_delta.
 
 Usage: input_tokens is the uncached part of the prompt, cache_read_input_tokens the part served
 from the prefix cache (so input + cache_read = the whole prompt), cache_creation_input_tokens 0.
@@ -24,7 +27,7 @@ from typing import Any
 import msgspec
 
 from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started
-from . import common
+from . import common, structured, toolcalling
 from .common import ApiContext, Collected, bad_request
 from .errors import ApiError, anthropic_error
 from .sse import frame
@@ -48,7 +51,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name for output_config.format
 
 
 class CountTokensResponse(msgspec.Struct):
@@ -58,6 +64,32 @@ class CountTokensResponse(msgspec.Struct):
 class TextBlock(msgspec.Struct):
     text: str
     type: str = "text"
+
+
+class ThinkingBlock(msgspec.Struct):
+    thinking: str
+    signature: str = ""  # nothing to sign: ember drops thinking blocks sent back to it
+    type: str = "thinking"
+
+
+class ToolUseBlock(msgspec.Struct):
+    id: str
+    name: str
+    input: dict[str, Any]
+    type: str = "tool_use"
+
+
+Block = TextBlock | ThinkingBlock | ToolUseBlock
+
+
+class ThinkingDelta(msgspec.Struct):
+    thinking: str
+    type: str = "thinking_delta"
+
+
+class InputJsonDelta(msgspec.Struct):
+    partial_json: str
+    type: str = "input_json_delta"
 
 
 class Usage(msgspec.Struct):
@@ -70,7 +102,7 @@ class Usage(msgspec.Struct):
 class Message(msgspec.Struct):
     id: str
     model: str
-    content: list[TextBlock]
+    content: list[Block]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
@@ -85,7 +117,7 @@ class MessageStart(msgspec.Struct):
 
 class ContentBlockStart(msgspec.Struct):
     index: int
-    content_block: TextBlock
+    content_block: Block
     type: str = "content_block_start"
 
 
@@ -96,7 +128,7 @@ class TextDelta(msgspec.Struct):
 
 class ContentBlockDelta(msgspec.Struct):
     index: int
-    delta: TextDelta
+    delta: TextDelta | ThinkingDelta | InputJsonDelta
     type: str = "content_block_delta"
 
 
@@ -184,69 +216,121 @@ def template_messages(body: MessagesRequest) -> list[dict]:
     return msgs
 
 
-def template_tools(tools: list[dict] | None) -> list[dict] | None:
-    out = []
-    for t in tools or []:
-        if t.get("name") and "input_schema" in t:
-            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                         "parameters": t["input_schema"]}})
-    return out or None
+async def prepared(ctx: ApiContext, body: MessagesRequest) -> toolcalling.Prepared:
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    plan = toolcalling.anthropic_plan(body.tools, body.tool_choice)
+    ask = toolcalling.anthropic_ask(body.thinking, body.max_tokens)
+    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages")
 
 
 async def prompt_of(ctx: ApiContext, body: MessagesRequest) -> list[int]:
-    if not body.messages:
-        raise bad_request("messages must not be empty", param="messages")
-    return await common.chat_prompt(ctx, template_messages(body), template_tools(body.tools), "messages")
+    return (await prepared(ctx, body)).prompt
 
 
 async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str) -> GenerationRequest:
-    fmt = (body.output_config or {}).get("format")
-    if fmt:
-        raise bad_request("output_config.format (structured outputs) is not supported: this worker does not "
-                          "constrain output to a schema yet", param="output_config.format")
+    fmt, where = (body.output_config or {}).get("format"), "output_config.format"
+    if fmt is None and body.output_format is not None:
+        fmt, where = body.output_format, "output_format"
+    grammar = await structured.off_loop(structured.anthropic_grammar, fmt, where)
     params = common.sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    prompt = await prompt_of(ctx, body)
+    prep = await prepared(ctx, body)
+    prompt = prep.prompt
     max_tokens = common.max_new_tokens(body.max_tokens, len(prompt), ctx.context_limit, "max_tokens")
-    return GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop_sequences),
-                             protocol=PROTOCOL)
+    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens,
+                                               stop=common.stop_list(body.stop_sequences), protocol=PROTOCOL,
+                                               grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
 
 
-def stop_reason(f: Finished) -> tuple[str, str | None]:
+def stop_reason(f: Finished, tool_use: bool = False) -> tuple[str, str | None]:
     if f.reason is FinishReason.LENGTH:
         return "max_tokens", None
+    if tool_use:
+        return "tool_use", None
     if f.stop_string is not None:
         return "stop_sequence", f.stop_string
     return "end_turn", None
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> Usage:
     return Usage(prompt_tokens - cached_tokens, output_tokens, 0, cached_tokens)
 
 
-def message(ctx: ApiContext, request_id: str, c: Collected) -> Message:
+def message(ctx: ApiContext, request_id: str, c: Collected, req: GenerationRequest | None = None) -> Message:
     f = c.finished
     assert f is not None
-    reason, seq = stop_reason(f)
-    return Message(request_id, ctx.model_name, [TextBlock(c.text)], reason, seq,
+    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    blocks: list = []
+    if out.reasoning or out.reasoning_open:
+        blocks.append(ThinkingBlock(out.reasoning))
+    if out.content or not out.calls:
+        blocks.append(TextBlock(out.content))
+    for call in out.calls:
+        blocks.append(ToolUseBlock(tool_use_id(call.id), call.name, toolcalling.parse_arguments(call.arguments)))
+    reason, seq = stop_reason(f, bool(out.calls))
+    return Message(request_id, ctx.model_name, blocks, reason, seq,
                    usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
 
 
 class MessagesStream:
-    def __init__(self, ctx: ApiContext, request_id: str, prompt_tokens: int):
+    """Content blocks open as their first text arrives (thinking, text, tool_use) and each closes
+    before the next opens; a stream cut inside thinking still closes its block."""
+
+    def __init__(self, ctx: ApiContext, request_id: str, prompt_tokens: int, req: GenerationRequest | None = None):
         self.ctx, self.id, self.prompt_tokens = ctx, request_id, prompt_tokens
         self.started = False
+        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
+        self.index = -1  # the last block opened
+        self.kind: str | None = None  # the open block's type
+        self.tool_use = False
 
     def _start(self, cached: int) -> list[bytes]:
         if self.started:
             return []
         self.started = True
         msg = Message(self.id, self.ctx.model_name, [], None, None, usage(self.prompt_tokens, cached, 0))
-        return [frame(MessageStart(msg), "message_start"),
-                frame(ContentBlockStart(0, TextBlock("")), "content_block_start"),
-                PING_FRAME]
+        return [frame(MessageStart(msg), "message_start")]
+
+    def _open(self, block: Block) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.kind = block.type
+        out.append(frame(ContentBlockStart(self.index, block), "content_block_start"))
+        return out + [PING_FRAME] if self.index == 0 else out  # the API's order: start, block, ping
+
+    def _close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [frame(ContentBlockStop(self.index), "content_block_stop")]
+
+    def _delta(self, delta: Any) -> bytes:
+        return frame(ContentBlockDelta(self.index, delta), "content_block_delta")
+
+    def _events(self, events: list) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, toolcalling.ReasoningDelta):
+                if self.kind != "thinking":
+                    out += self._open(ThinkingBlock(""))
+                out.append(self._delta(ThinkingDelta(e.text)))
+            elif isinstance(e, toolcalling.ContentDelta):
+                if self.kind != "text":
+                    out += self._open(TextBlock(""))
+                out.append(self._delta(TextDelta(e.text)))
+            elif isinstance(e, toolcalling.ToolCallStart):
+                self.tool_use = True
+                out += self._open(ToolUseBlock(tool_use_id(e.id), e.name, {}))
+            elif isinstance(e, toolcalling.ToolCallArgsDelta) and self.kind == "tool_use":
+                out.append(self._delta(InputJsonDelta(e.text)))
+        return out
 
     def open(self) -> list[bytes]:
         return []
@@ -259,13 +343,15 @@ class MessagesStream:
             self.prompt_tokens = e.prompt_tokens
             return self._start(e.cached_tokens)
         if isinstance(e, Delta):
-            if not e.text:
+            if not e.text and not e.tokens:
                 return []
-            return self._start(0) + [frame(ContentBlockDelta(0, TextDelta(e.text)), "content_block_delta")]
+            return self._start(0) + self._events(self.parser.feed_delta(e))
         if isinstance(e, Finished):
-            reason, seq = stop_reason(e)
-            return self._start(e.cached_tokens) + [
-                frame(ContentBlockStop(0), "content_block_stop"),
+            reason, seq = stop_reason(e, self.tool_use)
+            out = self._start(e.cached_tokens) + self._events(self.parser.finish())
+            if self.index < 0:
+                out += self._open(TextBlock(""))  # an empty answer still has its text block
+            return out + self._close() + [
                 frame(MessageDelta(StopDelta(reason, seq), usage(e.prompt_tokens, e.cached_tokens,
                                                                  e.completion_tokens)), "message_delta"),
                 frame(MessageStop(), "message_stop"),

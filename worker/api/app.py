@@ -167,9 +167,9 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         headers = {"x-request-id": rid}
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(handle, openai_chat.ChatStream(ctx, rid, created, include, want_lp), headers)
+            return sse(handle, openai_chat.ChatStream(ctx, rid, created, include, want_lp, req), headers)
         result = await common.collect(request.receive, handle)
-        return _json(openai_chat.completion(ctx, rid, created, result, want_lp), headers=headers)
+        return _json(openai_chat.completion(ctx, rid, created, result, want_lp, req), headers=headers)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response:
@@ -197,9 +197,9 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         created = common.now()
         headers = {"x-request-id": rid}
         if body.stream:
-            return sse(handle, openai_responses.ResponsesStream(ctx, body, rid, created), headers)
+            return sse(handle, openai_responses.ResponsesStream(ctx, body, rid, created, req), headers)
         result = await common.collect(request.receive, handle)
-        return _json(openai_responses.completed(ctx, body, rid, created, result), headers=headers)
+        return _json(openai_responses.completed(ctx, body, rid, created, result, req), headers=headers)
 
     @post("/v1/messages", status_code=200)
     async def messages(request: Request) -> Response:
@@ -210,9 +210,9 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         handle = common.submit(ctx, req, "messages")
         headers = {"request-id": rid, "x-request-id": rid}
         if body.stream:
-            return sse(handle, anthropic_messages.MessagesStream(ctx, rid, len(req.prompt)), headers)
+            return sse(handle, anthropic_messages.MessagesStream(ctx, rid, len(req.prompt), req), headers)
         result = await common.collect(request.receive, handle)
-        return _json(anthropic_messages.message(ctx, rid, result), headers=headers)
+        return _json(anthropic_messages.message(ctx, rid, result, req), headers=headers)
 
     @post("/v1/messages/count_tokens", status_code=200)
     async def count_tokens(request: Request) -> Response:

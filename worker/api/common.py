@@ -132,11 +132,23 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stop if s]
 
 
+DEFAULT_OUTPUT_FRACTION = 4  # no max tokens given: a quarter of the context...
+DEFAULT_OUTPUT_FLOOR = 1024  # ...but never less than this on a small context...
+DEFAULT_OUTPUT_CEILING = 32768  # ...nor more than this on a huge one (a runaway costs minutes of a shared engine)
+
+
+def default_max_tokens(context: int) -> int:
+    """The output cap when the client names none: bounded, so a generation that never emits an
+    end token (a looping model, an unbounded JSON string) still ends, with finish reason length.
+    1024 tokens for contexts up to 4096, a quarter of the context up to 128K, 32768 beyond."""
+    return min(max(context // DEFAULT_OUTPUT_FRACTION, DEFAULT_OUTPUT_FLOOR), DEFAULT_OUTPUT_CEILING)
+
+
 def max_new_tokens(value: int | None, prompt_len: int, context: int, param: str, *, allow_zero: bool = False) -> int:
-    """The protocol's max tokens, clamped to what the context leaves (None: all of it)."""
+    """The protocol's max tokens, clamped to what the context leaves (None: the default cap)."""
     room = max(context - prompt_len, 1)
     if value is None:
-        return room
+        return min(default_max_tokens(context), room)
     if value < (0 if allow_zero else 1):
         raise bad_request(f"{param} must be at least {0 if allow_zero else 1} (got {value})", param=param,
                           code="invalid_value")

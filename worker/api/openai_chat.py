@@ -3,9 +3,10 @@
 Request fields used: model (any name: one model is served), messages, stream, stream_options.
 include_usage, max_tokens / max_completion_tokens (the latter wins), temperature, top_p, seed,
 stop, logprobs / top_logprobs, n (only 1), presence_penalty, frequency_penalty, plus the common
-extensions top_k, min_p, repetition_penalty. tools are passed to the chat template; the output
-comes back as text (no tool-call parsing). response_format other than text is refused (400),
-since the output is not constrained. Unknown fields are ignored.
+extensions top_k, min_p, repetition_penalty. tools / tool_choice / parallel_tool_calls and
+reasoning_effort: see toolcalling.py (tool calls come back as message.tool_calls, reasoning as
+message.reasoning_content, both streamed as deltas). response_format json_object / json_schema constrain
+the output to the schema (see structured.py). Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started, TokenLogprob
-from . import common
+from . import common, structured, toolcalling
 from .common import ApiContext, Collected, bad_request
 from .errors import openai_error
 from .sse import KEEPALIVE_COMMENT, frame
@@ -49,6 +50,9 @@ class ChatRequest(common.SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -73,10 +77,23 @@ class ChoiceLogprobs(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # vLLM / DeepSeek's field for the model's reasoning
 
 
 class ChatChoice(msgspec.Struct):
@@ -116,9 +133,23 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str
 
 
+class ChunkFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: ChunkFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
@@ -150,14 +181,17 @@ class _NullUsageChunk(msgspec.Struct):
     usage: None = None
 
 
-def usage(finished: Finished) -> Usage:
+def usage(finished: Finished, reasoning_tokens: int = 0) -> Usage:
     return Usage(finished.prompt_tokens, finished.completion_tokens,
                  finished.prompt_tokens + finished.completion_tokens,
-                 PromptTokensDetails(finished.cached_tokens), CompletionTokensDetails())
+                 PromptTokensDetails(finished.cached_tokens),
+                 CompletionTokensDetails(min(reasoning_tokens, finished.completion_tokens)))
 
 
-def finish_reason(f: Finished) -> str:
-    return "length" if f.reason is FinishReason.LENGTH else "stop"
+def finish_reason(f: Finished, tool_calls: bool = False) -> str:
+    if f.reason is FinishReason.LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def logprob_entries(ctx: ApiContext, lps: list[TokenLogprob]) -> list[TokenLogprobOut]:
@@ -224,19 +258,13 @@ def flatten_content(content: Any, param: str) -> str | None:
     return "\n".join(texts)
 
 
-def check_response_format(fmt: dict | None, param: str = "response_format") -> None:
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise bad_request(f"{param} of type {fmt.get('type')!r} is not supported: this worker does not constrain "
-                          "output to a schema yet; ask for plain text", param=param, code="unsupported_parameter")
-
-
 async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> GenerationRequest:
     if body.n not in (None, 1):
         raise bad_request(f"n must be 1 (got {body.n}): this worker returns one choice per request", param="n",
                           code="unsupported_value")
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    check_response_format(body.response_format)
+    grammar = await structured.off_loop(structured.chat_grammar, body.response_format)
     k = None
     if body.logprobs:
         common.check_logprobs(body.top_logprobs, "top_logprobs")
@@ -247,32 +275,65 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
         repetition_penalty=body.repetition_penalty, seed=body.seed)
     stop = common.stop_list(body.stop)
     messages = template_messages(body.messages)
-    prompt = await common.chat_prompt(ctx, messages, body.tools, "messages")
+    plan = toolcalling.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    prep = await toolcalling.prepare(ctx, messages, plan, toolcalling.effort_ask(body.reasoning_effort,
+                                                                                 "reasoning_effort"), "messages")
+    prompt = prep.prompt
     which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = common.max_new_tokens(limit, len(prompt), ctx.context_limit, which)
-    return GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k, protocol=PROTOCOL)
+    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k,
+                                               protocol=PROTOCOL, grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
 
 
-def completion(ctx: ApiContext, request_id: str, created: int, c: Collected, want_logprobs: bool) -> ChatCompletion:
+def completion(ctx: ApiContext, request_id: str, created: int, c: Collected, want_logprobs: bool,
+               req: GenerationRequest | None = None) -> ChatCompletion:
     f = c.finished
     assert f is not None
     lps = ChoiceLogprobs(logprob_entries(ctx, c.logprobs)) if want_logprobs else None
-    choice = ChatChoice(0, ChatMessageOut(c.text), lps, finish_reason(f))
-    return ChatCompletion(request_id, "chat.completion", created, ctx.model_name, [choice], usage(f),
-                          ctx.fingerprint)
+    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    calls = [ToolCallOut(t.id, FunctionOut(t.name, t.arguments)) for t in out.calls] or None
+    message = ChatMessageOut(out.content if out.content or not calls else None, tool_calls=calls,
+                             reasoning_content=out.reasoning or None)
+    choice = ChatChoice(0, message, lps, finish_reason(f, bool(calls)))
+    return ChatCompletion(request_id, "chat.completion", created, ctx.model_name, [choice],
+                          usage(f, out.reasoning_tokens), ctx.fingerprint)
 
 
 class ChatStream:
     """Engine events -> chat.completion.chunk frames, then `data: [DONE]`."""
 
-    def __init__(self, ctx: ApiContext, request_id: str, created: int, include_usage: bool, want_logprobs: bool):
+    def __init__(self, ctx: ApiContext, request_id: str, created: int, include_usage: bool, want_logprobs: bool,
+                 req: GenerationRequest | None = None):
         self.ctx, self.id, self.created = ctx, request_id, created
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
         self.sent_role = False
+        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
+        self.calls = 0
+
+    def _parsed(self, events: list, lps: ChoiceLogprobs | None = None) -> list[bytes]:
+        """Output events -> chunks (logprobs ride on the first one, or on an empty delta)."""
+        out = []
+        for e in events:
+            if isinstance(e, toolcalling.ReasoningDelta):
+                d = ChunkDelta(reasoning_content=e.text)
+            elif isinstance(e, toolcalling.ContentDelta):
+                d = ChunkDelta(content=e.text)
+            elif isinstance(e, toolcalling.ToolCallStart):
+                self.calls += 1
+                d = ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(e.name, ""), e.id, "function")])
+            elif isinstance(e, toolcalling.ToolCallArgsDelta):
+                d = ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(arguments=e.text))])
+            else:
+                continue
+            out.append(self._chunk(d, None, lps))
+            lps = None
+        if lps is not None:
+            out.append(self._chunk(ChunkDelta(), None, lps))
+        return out
 
     def _chunk(self, delta: ChunkDelta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
         cls = _NullUsageChunk if self.include_usage else ChatCompletionChunk
@@ -296,14 +357,16 @@ class ChatStream:
             return self._role()
         if isinstance(e, Delta):
             lps = ChoiceLogprobs(logprob_entries(self.ctx, e.logprobs)) if self.want_logprobs and e.logprobs else None
-            if not e.text and lps is None:
+            if not e.text and not e.tokens and lps is None:
                 return []
-            return self._role() + [self._chunk(ChunkDelta(content=e.text), None, lps)]
+            return self._role() + self._parsed(self.parser.feed_delta(e), lps)
         if isinstance(e, Finished):
-            out = self._role() + [self._chunk(ChunkDelta(), finish_reason(e))]
+            out = self._role() + self._parsed(self.parser.finish())
+            out.append(self._chunk(ChunkDelta(), finish_reason(e, self.calls > 0)))
             if self.include_usage:
                 out.append(frame(ChatCompletionChunk(self.id, "chat.completion.chunk", self.created,
-                                                     self.ctx.model_name, self.ctx.fingerprint, [], usage(e))))
+                                                     self.ctx.model_name, self.ctx.fingerprint, [],
+                                                     usage(e, self.parser.reasoning_tokens))))
             return out + [b"data: [DONE]\n\n"]
         if isinstance(e, Failed):
             return [frame(openai_error(common.failed_error(e)))]

@@ -3,7 +3,9 @@
 input: a string or a list of items: messages (role user/system/developer/assistant, content a
 string or input_text/output_text parts), function_call / function_call_output items (and the
 other *_call / *_call_output kinds, rendered as tool calls and tool results); reasoning items are
-skipped. instructions becomes a leading system message. max_output_tokens caps the output; when
+skipped. tools (function tools) / tool_choice / parallel_tool_calls and reasoning.effort: see
+toolcalling.py; the output is then reasoning items, a message and function_call items, streamed with
+response.reasoning_text.delta and response.function_call_arguments.delta/.done events. instructions becomes a leading system message. max_output_tokens caps the output; when
 it is reached the response ends `incomplete` (reason max_output_tokens) with a
 `response.incomplete` event, as the API does. Responses are not stored: previous_response_id is
 refused (400). Extensions beyond the API: top_k, min_p, repetition_penalty, seed and stop.
@@ -21,9 +23,9 @@ from typing import Any
 import msgspec
 
 from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started
-from . import common
+from . import common, structured, toolcalling
 from .common import ApiContext, Collected, bad_request
-from .openai_chat import check_response_format, flatten_content
+from .openai_chat import flatten_content
 from .sse import KEEPALIVE_COMMENT, frame
 
 PROTOCOL = "responses"
@@ -41,6 +43,9 @@ class ResponsesRequest(common.SamplingFields, kw_only=True):
     stop: str | list[str] | None = None  # extension (not in the Responses API), as top_k and min_p
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
     text: TextConfig | None = None
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
@@ -63,6 +68,31 @@ class OutputMessage(msgspec.Struct):
     content: list[OutputText]
     type: str = "message"
     role: str = "assistant"
+
+
+class FunctionCallItem(msgspec.Struct):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+    type: str = "function_call"
+
+
+class ReasoningText(msgspec.Struct):
+    text: str
+    type: str = "reasoning_text"
+
+
+class ReasoningItem(msgspec.Struct):
+    id: str
+    status: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+    type: str = "reasoning"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -100,7 +130,7 @@ class Response(msgspec.Struct):
     created_at: int
     model: str
     status: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     usage: ResponseUsage | None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -112,10 +142,10 @@ class Response(msgspec.Struct):
     object: str = "response"
     parallel_tool_calls: bool = True
     previous_response_id: None = None
-    reasoning: None = None
+    reasoning: dict[str, Any] | None = None
     store: bool = False
     text: TextFormat = msgspec.field(default_factory=lambda: TextFormat({"type": "text"}))
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = []
     truncation: str = "disabled"
     user: str | None = None
@@ -134,7 +164,7 @@ class OutputItemEvent(msgspec.Struct):
     type: str
     sequence_number: int
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class ContentPartEvent(msgspec.Struct):
@@ -154,6 +184,43 @@ class TextDeltaEvent(msgspec.Struct):
     content_index: int
     delta: str
     logprobs: list[Any] = []
+
+
+class ItemDeltaEvent(msgspec.Struct):
+    """response.function_call_arguments.delta"""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(msgspec.Struct):
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str
+    name: str
+
+
+class ReasoningDeltaEvent(msgspec.Struct):
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(msgspec.Struct):
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class TextDoneEvent(msgspec.Struct):
@@ -215,69 +282,93 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
     return msgs
 
 
-def template_tools(tools: list[dict] | None) -> list[dict] | None:
-    out = []
-    for t in tools or []:
-        if t.get("type") == "function" and t.get("name"):
-            out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                         if k in t}})
-    return out or None
-
-
 async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str) -> GenerationRequest:
     if body.previous_response_id:
         raise bad_request("previous_response_id is not supported: this worker does not store responses; send the "
                           "whole conversation in input", param="previous_response_id", code="unsupported_parameter")
-    if body.text is not None:
-        check_response_format(body.text.format, "text.format")
+    grammar = await structured.off_loop(structured.responses_grammar, body.text.format if body.text else None)
     params = common.sampling_params(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed)
-    prompt = await common.chat_prompt(ctx, template_messages(body), template_tools(body.tools), "input")
+    plan = toolcalling.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if body.reasoning is not None and not isinstance(body.reasoning, dict):
+        raise bad_request("reasoning must be an object", param="reasoning")
+    ask = toolcalling.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")
+    prep = await toolcalling.prepare(ctx, template_messages(body), plan, ask, "input")
+    prompt = prep.prompt
     max_tokens = common.max_new_tokens(body.max_output_tokens, len(prompt), ctx.context_limit, "max_output_tokens")
-    return GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop),
-                             protocol=PROTOCOL)
+    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop),
+                                               protocol=PROTOCOL, grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
 
 
-def response_usage(f: Finished) -> ResponseUsage:
+def response_usage(f: Finished, reasoning_tokens: int = 0) -> ResponseUsage:
     return ResponseUsage(f.prompt_tokens, InputTokensDetails(f.cached_tokens), f.completion_tokens,
-                         OutputTokensDetails(), f.prompt_tokens + f.completion_tokens)
+                         OutputTokensDetails(min(reasoning_tokens, f.completion_tokens)),
+                         f.prompt_tokens + f.completion_tokens)
 
 
 class ResponseBuilder:
     def __init__(self, ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int):
         self.ctx, self.body, self.id, self.created = ctx, body, request_id, created
         self.item_id = "msg_" + request_id.removeprefix("resp_")
+        self.n_items = 0
 
-    def response(self, status: str, output: list[OutputMessage], usage: ResponseUsage | None = None,
+    def new_id(self, prefix: str) -> str:
+        """Ids of the items after the first message: derived from the response id, so they are unique."""
+        self.n_items += 1
+        return f"{prefix}{self.id.removeprefix('resp_')}_{self.n_items}"
+
+    def response(self, status: str, output: list, usage: ResponseUsage | None = None,
                  error: ResponseError | None = None, incomplete: IncompleteDetails | None = None) -> Response:
         b = self.body
         return Response(self.id, self.created, self.ctx.model_name, status, output, usage, error, incomplete,
                         b.instructions, b.max_output_tokens, b.temperature if b.temperature is not None else 1.0,
-                        b.top_p if b.top_p is not None else 1.0, b.metadata or {}, tools=b.tools or [], user=b.user)
+                        b.top_p if b.top_p is not None else 1.0, b.metadata or {}, tools=b.tools or [], user=b.user,
+                        text=TextFormat(b.text.format if b.text and b.text.format else {"type": "text"}),
+                        parallel_tool_calls=b.parallel_tool_calls is not False,
+                        tool_choice=b.tool_choice if b.tool_choice is not None else "auto",
+                        reasoning=b.reasoning)
 
-    def final(self, text: str, f: Finished) -> Response:
+    def final(self, output: list, f: Finished, reasoning_tokens: int = 0) -> Response:
         truncated = f.reason is FinishReason.LENGTH
-        item = OutputMessage(self.item_id, "incomplete" if truncated else "completed", [OutputText(text)])
-        return self.response("incomplete" if truncated else "completed", [item], response_usage(f),
+        return self.response("incomplete" if truncated else "completed", output, response_usage(f, reasoning_tokens),
                              incomplete=IncompleteDetails("max_output_tokens") if truncated else None)
 
 
-def completed(ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int, c: Collected) -> Response:
-    assert c.finished is not None
-    return ResponseBuilder(ctx, body, request_id, created).final(c.text, c.finished)
+def completed(ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int, c: Collected,
+              req: GenerationRequest | None = None) -> Response:
+    f = c.finished
+    assert f is not None
+    b = ResponseBuilder(ctx, body, request_id, created)
+    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    truncated = f.reason is FinishReason.LENGTH
+    items: list = []
+    if out.reasoning or out.reasoning_open:
+        items.append(ReasoningItem(b.new_id("rs_"), "incomplete" if out.reasoning_open else "completed",
+                                   [ReasoningText(out.reasoning)]))
+    if out.content or not out.calls:
+        items.append(OutputMessage(b.item_id, "incomplete" if truncated else "completed", [OutputText(out.content)]))
+    for call in out.calls:
+        items.append(FunctionCallItem(b.new_id("fc_"), call.id, call.name, call.arguments, "completed"))
+    return b.final(items, f, out.reasoning_tokens)
 
 
 class ResponsesStream:
-    def __init__(self, ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int):
+    """Output items open as their first text arrives (reasoning, then the message, then function
+    calls) and each closes before the next opens, as the API streams them."""
+
+    def __init__(self, ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int,
+                 req: GenerationRequest | None = None):
         self.b = ResponseBuilder(ctx, body, request_id, created)
         self.seq = 0
-        self.opened_item = False
-        self.parts: list[str] = []
+        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
+        self.items: list = []  # finished items, in output order
+        self.cur: Any = None  # the open item
+        self.text: list[str] = []  # the open item's text (reasoning, message or arguments)
 
     def _emit(self, cls, type_: str, *args, **kw) -> bytes:
         data = cls(type_, self.seq, *args, **kw)
@@ -289,36 +380,85 @@ class ResponsesStream:
         return [self._emit(LifecycleEvent, "response.created", r),
                 self._emit(LifecycleEvent, "response.in_progress", r)]
 
-    def _item(self) -> list[bytes]:
-        if self.opened_item:
-            return []
-        self.opened_item = True
-        iid = self.b.item_id
-        return [self._emit(OutputItemEvent, "response.output_item.added", 0, OutputMessage(iid, "in_progress", [])),
-                self._emit(ContentPartEvent, "response.content_part.added", iid, 0, 0, OutputText(""))]
-
     def keepalive(self) -> bytes:
         return KEEPALIVE_COMMENT
 
+    @property
+    def _index(self) -> int:
+        return len(self.items)
+
+    def _open(self, item: Any) -> list[bytes]:
+        out = self._close()
+        self.cur, self.text = item, []
+        out.append(self._emit(OutputItemEvent, "response.output_item.added", self._index, item))
+        if isinstance(item, OutputMessage):
+            out.append(self._emit(ContentPartEvent, "response.content_part.added", item.id, self._index, 0,
+                                  OutputText("")))
+        return out
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item, idx = self.cur, self._index
+        if item is None:
+            return []
+        text = "".join(self.text)
+        out = []
+        if isinstance(item, ReasoningItem):
+            item = ReasoningItem(item.id, status, [ReasoningText(text)])
+            out.append(self._emit(ReasoningDoneEvent, "response.reasoning_text.done", item.id, idx, 0, text))
+        elif isinstance(item, OutputMessage):
+            item = OutputMessage(item.id, status, [OutputText(text)])
+            out += [self._emit(TextDoneEvent, "response.output_text.done", item.id, idx, 0, text),
+                    self._emit(ContentPartEvent, "response.content_part.done", item.id, idx, 0, OutputText(text))]
+        else:
+            item = FunctionCallItem(item.id, item.call_id, item.name, text, "completed")
+            out.append(self._emit(ArgumentsDoneEvent, "response.function_call_arguments.done", item.id, idx, text,
+                                  item.name))
+        out.append(self._emit(OutputItemEvent, "response.output_item.done", idx, item))
+        self.items.append(item)
+        self.cur = None
+        return out
+
+    def _events(self, events: list) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, toolcalling.ReasoningDelta):
+                if not isinstance(self.cur, ReasoningItem):
+                    out += self._open(ReasoningItem(self.b.new_id("rs_"), "in_progress", []))
+                self.text.append(e.text)
+                out.append(self._emit(ReasoningDeltaEvent, "response.reasoning_text.delta", self.cur.id,
+                                      self._index, 0, e.text))
+            elif isinstance(e, toolcalling.ContentDelta):
+                if not isinstance(self.cur, OutputMessage):
+                    out += self._open(OutputMessage(self.b.item_id, "in_progress", []))
+                self.text.append(e.text)
+                out.append(self._emit(TextDeltaEvent, "response.output_text.delta", self.cur.id, self._index, 0,
+                                      e.text))
+            elif isinstance(e, toolcalling.ToolCallStart):
+                out += self._open(FunctionCallItem(self.b.new_id("fc_"), e.id, e.name, "", "in_progress"))
+            elif isinstance(e, toolcalling.ToolCallArgsDelta) and isinstance(self.cur, FunctionCallItem):
+                self.text.append(e.text)
+                out.append(self._emit(ItemDeltaEvent, "response.function_call_arguments.delta", self.cur.id,
+                                      self._index, e.text))
+        return out
+
     def on_event(self, e) -> list[bytes]:
-        iid = self.b.item_id
-        if isinstance(e, Started):
-            return self._item()
         if isinstance(e, Delta):
-            if not e.text:
+            if not e.text and not e.tokens:
                 return []
-            self.parts.append(e.text)
-            return self._item() + [self._emit(TextDeltaEvent, "response.output_text.delta", iid, 0, 0, e.text)]
+            return self._events(self.parser.feed_delta(e))
         if isinstance(e, Finished):
-            text = "".join(self.parts)
-            final = self.b.final(text, e)
-            item = final.output[0]
-            return self._item() + [
-                self._emit(TextDoneEvent, "response.output_text.done", iid, 0, 0, text),
-                self._emit(ContentPartEvent, "response.content_part.done", iid, 0, 0, OutputText(text)),
-                self._emit(OutputItemEvent, "response.output_item.done", 0, item),
-                self._emit(LifecycleEvent, f"response.{final.status}", final),
-            ]
+            truncated = e.reason is FinishReason.LENGTH
+            out = self._events(self.parser.finish())
+            if isinstance(self.cur, ReasoningItem) and self.parser.reasoning_open:
+                out += self._close("incomplete")  # the stream ended inside the reasoning block
+            elif isinstance(self.cur, OutputMessage) and truncated:
+                out += self._close("incomplete")
+            out += self._close()
+            if not any(isinstance(i, (OutputMessage, FunctionCallItem)) for i in self.items):
+                out += self._open(OutputMessage(self.b.item_id, "in_progress", []))  # an (empty) answer
+                out += self._close("incomplete" if truncated else "completed")
+            final = self.b.final(list(self.items), e, self.parser.reasoning_tokens)
+            return out + [self._emit(LifecycleEvent, f"response.{final.status}", final)]
         if isinstance(e, Failed):
             return self._failed(e.kind if e.kind != "overloaded" else "server_error", e.message)
         return []

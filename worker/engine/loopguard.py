@@ -1,4 +1,4 @@
-"""Generations that end: a repetition (loop) guard and a bounded default output cap.
+"""Generations that end: a repetition (loop) guard (the default output cap is api/common.default_max_tokens).
 
 `LoopGuard` is fed generated token ids one at a time.  It reports True once the most recent
 tokens are one block of length L repeated K times back to back, for some L in [1, max_period].
@@ -60,13 +60,6 @@ class LoopGuard:
             self.period = hit
         return self.triggered
 
-
-def default_max_tokens(context_limit: int, prompt_tokens: int, cap: int | None = None) -> int:
-    """Output-token budget when the request gives none: what is left of the context, optionally
-    capped.  Always a finite int >= 0 (0 means the prompt already fills the context)."""
-    if context_limit is None or context_limit <= 0:
-        raise ValueError("context_limit must be a positive int")
-    left = max(0, int(context_limit) - max(0, int(prompt_tokens)))
-    if cap is not None and cap > 0:
-        left = min(left, int(cap))
-    return left
+    def repeats_for(self, period: int) -> int:
+        """How many back-to-back copies of a block of length `period` trigger the guard."""
+        return self._need[period] // period + 1

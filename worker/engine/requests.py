@@ -57,6 +57,7 @@ class GenerationRequest:
     # The API layer builds and validates it (400 on unsupported features); the engine enforces it.
     grammar: str | None = None
     reasoning: ReasoningBudget | None = None  # None: no bound (or not a thinking model)
+    output_plan: object | None = None  # the protocol adapter's own state (how to parse the output); never read here
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Token sampling on the host: penalties, then top-k, top-p, min-p, temperature, then a draw.
+"""Token sampling on the host: a grammar's mask, penalties, then top-k, top-p, min-p, temperature,
+then a draw.
 
 The order follows llama.cpp's default sampler chain. Each request owns a seeded generator, so a
 request with a seed gives the same tokens whatever else is in the batch.
@@ -72,8 +73,13 @@ class Sampler:
         out[ids] = sel
         return out
 
-    def sample(self, logits: np.ndarray, history: list[int]) -> int:
-        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32), history)
+    def sample(self, logits: np.ndarray, history: list[int], bias: np.ndarray | None = None) -> int:
+        """`bias` (0 or -inf per token, from a grammar) goes first, so every later stage only ever
+        sees allowed tokens: a -inf logit stays -inf through the penalties and gets probability 0."""
+        logits = np.asarray(logits, dtype=np.float32)
+        if bias is not None:
+            logits = logits + bias
+        logits = self.apply_penalties(logits, history)
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))

@@ -8,11 +8,17 @@ runs the backend once, samples, and pushes events to the requests' HTTP handles.
 Every request settles exactly once (completed, failed, canceled or refused) with one log line.
 A failure inside one request fails that request alone; a poisoned compute context stops the
 engine and hands control to `on_poisoned` (the server exits with code 75).
+
+Three guards act on each sampled token: a request's grammar (constraints.py: the mask is computed
+while the backend step runs and applied before sampling), its reasoning budget (the engine closes
+the reasoning block itself), and the loop guard (a repeating n-gram ends the generation).
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,9 +30,12 @@ from ..logs import log
 from ..metrics import Metrics
 from ..model.loader import Model
 from ..text.tokenizer import IncrementalDecoder
-from .backend import Backend, ContextPoisoned, SeqChunk
+from .backend import Backend, ContextPoisoned, DeviceSample, SampledToken, SeqChunk
+from .constraints import ConstraintError, Constraints, GrammarError, SequenceConstraint
 from .faults import FaultInjector
 from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash, kv_salt
+from .loopguard import LoopGuard
+from .reasoning_budget import ReasoningTracker
 from .requests import (
     Delta, Failed, Finished, FinishReason, GenerationRequest, Keepalive, Outcome, PromptLogprobs,
     RequestHandle, Started, TokenLogprob,
@@ -56,6 +65,12 @@ class EngineLimits:
     max_step_tokens: int = 512  # tokens per backend step (decode tokens + prefill chunks)
     prefill_chunk: int = 256
     context: int = 8192
+    # The loop guard (see WorkerConfig.loop_guard for why these defaults): a block of up to
+    # `loop_guard_period` tokens repeated back to back max(repeats, min_span / length) times.
+    loop_guard: bool = True
+    loop_guard_repeats: int = 8
+    loop_guard_min_span: int = 128
+    loop_guard_period: int = 64
 
 
 @dataclass
@@ -82,6 +97,11 @@ class _Seq:
     restore_used: int = 0
     n_offered: int = 0  # full blocks handed to the KV store
     begun: bool = False
+    compiling: concurrent.futures.Future | None = None  # the grammar, until admission takes it
+    constraint: SequenceConstraint | None = None  # survives preemption: it has seen every output token
+    device_seed: int | None = None  # the seed of draws made on the device
+    reasoning: ReasoningTracker | None = None
+    guard: LoopGuard | None = None
 
     @property
     def req(self) -> GenerationRequest:
@@ -118,6 +138,7 @@ class Engine:
         self.last_progress = time.monotonic()  # heartbeat for hang detection
         self._arrivals = 0
         self._stop = False
+        self.constraints = Constraints(model.tokenizer, model.config.vocab_size)
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
 
     # -- HTTP side -----------------------------------------------------------------------------------
@@ -148,10 +169,22 @@ class Engine:
                 handle=handle, number=self._arrivals, arrived=time.monotonic(), tokens=list(req.prompt),
                 sampler=Sampler(req.params), decoder=IncrementalDecoder(tok), stopper=StopMatcher(req.stop),
                 prompt_len=len(req.prompt),
+                compiling=self.constraints.compile(req.grammar) if req.grammar is not None else None,
+                reasoning=ReasoningTracker(req.reasoning) if req.reasoning is not None else None,
+                # a grammar bounds its own output (structured.py caps strings, lists and depth) and a
+                # cut document would not parse: the guard is for free text only
+                guard=self._loop_guard() if req.grammar is None else None,
             )
             self._inbox.append(seq)
             self.metrics.started.inc()
             self._wake.notify()
+
+    def _loop_guard(self) -> LoopGuard | None:
+        lim = self.limits
+        if not lim.loop_guard:
+            return None
+        return LoopGuard(max_period=lim.loop_guard_period, repeats=lim.loop_guard_repeats,
+                         min_span=lim.loop_guard_min_span)
 
     @property
     def busy(self) -> bool:
@@ -166,6 +199,7 @@ class Engine:
             self._wake.notify()
         self.faults.stop_hang.set()
         self._thread.join(timeout)
+        self.constraints.shutdown()
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -250,6 +284,10 @@ class Engine:
         bs = self.backend.block_size
         while self.waiting and len(self.running) < self.limits.max_seqs:
             s = self.waiting[0]
+            if s.compiling is not None:
+                if not self._take_grammar(s):
+                    return  # still compiling: admit in order, on a later step
+                continue
             reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
             blocks, hashes = self.pool.match(s.tokens, reuse)
             stored = self.store.available(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else 0
@@ -273,6 +311,24 @@ class Engine:
                 s.restore_used = 0
             else:
                 self._begin(s)
+
+    def _take_grammar(self, s: _Seq) -> bool:
+        """Resolve the head's grammar: False while it still compiles (waiting briefly only when
+        nothing runs); a grammar that does not compile fails the request with a 400."""
+        fut = s.compiling
+        if not fut.done() and (self.running or not concurrent.futures.wait([fut], timeout=0.05).done):
+            return False
+        s.compiling = None
+        try:
+            s.constraint = fut.result()
+        except GrammarError as e:
+            self._settle(s, Outcome.FAILED, Failed(str(e), status=400, kind="invalid_grammar"))
+            return True
+        except Exception as e:  # llguidance itself failed: this request alone
+            self._settle(s, Outcome.FAILED, Failed(f"the grammar could not be compiled: {type(e).__name__}: {e}"))
+            return True
+        s.constraint.prefetch()  # the first mask computes during the prefill
+        return True
 
     def _begin(self, s: _Seq) -> None:
         """Admission accounting, once the prompt's cached part (device or store) is known."""
@@ -340,7 +396,7 @@ class Engine:
             want = "all" if s.req.prompt_logprobs and s.generated == 0 else (
                 "last" if s.n_computed + n == len(s.tokens) else "none")
             chunks.append(SeqChunk(np.asarray(s.tokens[s.n_computed : s.n_computed + n], np.int32),
-                                   s.n_computed, s.blocks, want))
+                                   s.n_computed, s.blocks, want, sample=self._device_sample(s) if want == "last" else None))
             members.append(s)
             budget -= n
         return chunks, members
@@ -423,24 +479,62 @@ class Engine:
             return
         if s.generated == 0 and s.req.prompt_logprobs:
             s.handle.push([PromptLogprobs(s.prompt_lp)])
-        self._sample(s, logits[-1], now)
+        self._sample(s, logits if isinstance(logits, SampledToken) else logits[-1], now)
+
+    def _device_sample(self, s: _Seq) -> DeviceSample | None:
+        """Let a backend that samples on the device (CUDA) draw this token where the logits are,
+        unless the request needs them on the host: a grammar mask, penalties or logprobs."""
+        if not getattr(self.backend, "samples_on_device", False) or s.constraint or s.req.logprobs is not None:
+            return None
+        p = s.req.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return None
+        if s.device_seed is None:  # a seeded request repeats; others draw from fresh entropy
+            s.device_seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        temp = 0.0 if p.greedy else p.temperature
+        return DeviceSample(temp, p.top_k, p.top_p, p.min_p, s.device_seed, s.generated)
 
     def _sample(self, s: _Seq, logits: np.ndarray, now: float) -> None:
-        req = s.req
-        token = s.sampler.sample(logits, s.tokens)
-        tok = self.model.tokenizer
         if s.generated == 0:
             self.metrics.ttft.observe(now - s.arrived)
         else:
             self.metrics.itl.observe(now - s.last_token_at)
         s.last_token_at = now
+        try:
+            token = self._choose(s, logits)
+            self._emit(s, token, logits)
+        except ConstraintError as e:
+            self._fail_grammar(s, e)
+
+    def _choose(self, s: _Seq, logits: np.ndarray) -> int:
+        """The next token: the reasoning block's closing marker once its budget is spent, else a
+        sample under the grammar's mask."""
+        forced = s.reasoning.forced_token() if s.reasoning else None
+        if forced is not None:
+            if s.reasoning.forced == 0:
+                log("reasoning_budget", request_id=s.req.request_id, seq=s.number, budget=s.reasoning.budget)
+            s.reasoning.forced += 1
+            return forced
+        if isinstance(logits, SampledToken):  # drawn on the device (see _device_sample)
+            return int(logits)
+        bias = s.constraint.bias() if s.constraint else None
+        return s.sampler.sample(logits, s.tokens, bias)
+
+    def _emit(self, s: _Seq, token: int, logits: np.ndarray) -> None:
+        req = s.req
+        tok = self.model.tokenizer
         is_end = not req.ignore_eos and (token in tok.eot_ids or token in req.stop_token_ids)
         if is_end:
             self._finish(s, FinishReason.STOP, None)
             return
+        if s.constraint:  # before anything is sent: a token the grammar refuses never reaches the client
+            s.constraint.consume(token)
         s.tokens.append(token)
         s.generated += 1
         self.metrics.generated_tokens.inc()
+        if s.reasoning:
+            s.reasoning.feed(token)
+        looped = s.guard.feed(token) if s.guard else False
         text, stop = s.stopper.feed(s.decoder.feed(token))
         lps = None
         if req.logprobs is not None:
@@ -449,8 +543,25 @@ class Engine:
             s.handle.push([Delta(text, [token], lps)])
         if stop is not None:
             self._finish(s, FinishReason.STOP, stop)
+        elif s.constraint and s.constraint.stopped:
+            self._finish(s, FinishReason.STOP, None)  # the grammar is complete
         elif s.generated >= req.max_tokens or len(s.tokens) >= self.limits.context:
             self._finish(s, FinishReason.LENGTH, None)
+        elif looped:
+            log("loop_guard", request_id=req.request_id, seq=s.number, period=s.guard.period,
+                repeats=s.guard.repeats_for(s.guard.period))
+            self._finish(s, FinishReason.LENGTH, None)
+        elif s.constraint:
+            s.constraint.prefetch()  # computes while the next backend step runs
+
+    def _fail_grammar(self, s: _Seq, e: ConstraintError) -> None:
+        forced = s.reasoning is not None and s.reasoning.forced_token() is not None
+        what = "the reasoning block's end marker is not allowed by the grammar" if forced else "the grammar failed"
+        # llguidance's errors can carry a panic's backtrace: the log keeps it, the client gets line one
+        log("request_error", level="error", request_id=s.req.request_id, error=f"grammar: {e}")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        self._settle(s, Outcome.FAILED, Failed(f"structured output: {what}: {first[:300]}", status=500,
+                                               kind="server_error"))
 
     def _finish(self, s: _Seq, reason: FinishReason, stop: str | None) -> None:
         if stop is None:  # release held-back text; the decoder's last bytes still pass the stop matcher

@@ -25,7 +25,7 @@ from importlib import resources
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -155,6 +155,16 @@ class ChatTemplate:
             raise ChatTemplateError(_one_line(e)) from None
         except (RecursionError, MemoryError, ValueError) as e:
             raise ChatTemplateError(_one_line(e)) from None
+        # Templates that never read `tools` cannot show tools to the model: the API layer then
+        # describes them in a system message itself (worker/api/toolcalling.py).
+        try:
+            self.variables = frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+        except jinja2.TemplateError:  # pragma: no cover - from_string already parsed it
+            self.variables = frozenset()
+
+    @property
+    def supports_tools(self) -> bool:
+        return "tools" in self.variables
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, tokenizer: Tokenizer) -> "ChatTemplate":
@@ -200,13 +210,19 @@ class ChatTemplate:
         Templates usually print {{ bos_token }} themselves and llama.cpp would then add a second BOS;
         like llama-server's Jinja path we drop the printed one and let the tokenizer add it.
         """
+        return self.render_encode(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)[1]
+
+    def render_encode(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None, **kwargs: Any) -> tuple[str, list[int]]:
+        """(prompt text, token ids): encode() that also returns the rendered text (the reasoning
+        parser looks at how the prompt ends)."""
         if self.tokenizer is None:
             raise ChatTemplateError("this chat template has no tokenizer to encode with")
         text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         tok = self.tokenizer
         if tok.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
-        return tok.encode(text, add_special=True, parse_special=True)
+        return text, tok.encode(text, add_special=True, parse_special=True)
 
 
 def _special_token_strings(tokenizer: Tokenizer) -> dict[str, Any]:

@@ -1,0 +1,189 @@
+"""Reasoning ("thinking") blocks: which markers a model uses, and splitting its output into
+reasoning text and answer text.
+
+Thinking models write their reasoning first, between markers such as ``<think>``/``</think>``
+(Qwen 3, QwQ, DeepSeek R1), ``[THINK]``/``[/THINK]`` (Magistral), ``<seed:think>`` (Seed-OSS) or
+``<|START_THINKING|>``/``<|END_THINKING|>`` (Command A reasoning). `detect` picks the pair from the
+chat template (it mentions the start marker) or, failing that, the vocabulary (both markers are
+single tokens); `parse_override` reads an explicit choice (a name, "START,END", or "none").
+
+`ReasoningSplitter` is incremental. The block is recognised only at the very start of the output
+(after leading whitespace), so an answer that merely mentions ``<think>`` is left alone; when the
+prompt already opened the block (DeepSeek R1, Qwen 3 thinking templates end the generation prompt
+with ``<think>\\n``) the splitter starts inside it. Everything after the end marker is answer text,
+whatever it contains (so tool-call markup inside reasoning is never a tool call: the caller parses
+only the answer). Partial markers are held back, never leaked into either side; `finish()` flushes
+a stream cut at any point (reasoning left open is reported by `open`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# (name, start, end), in detection order
+KNOWN_MARKERS: tuple[tuple[str, str, str], ...] = (
+    ("think", "<think>", "</think>"),
+    ("seed", "<seed:think>", "</seed:think>"),
+    ("mistral", "[THINK]", "[/THINK]"),
+    ("command", "<|START_THINKING|>", "<|END_THINKING|>"),
+)
+
+# reasoning_effort -> token budget. "none" closes the block at once (and asks the template not to
+# think, through enable_thinking=False).
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    start: str
+    end: str
+    name: str = "custom"
+
+
+class ReasoningConfigError(ValueError):
+    pass
+
+
+def parse_override(value: str | None) -> ReasoningFormat | None | str:
+    """A configured reasoning format: "auto" (or empty: detect), "none" (no reasoning parsing),
+    a known name ("think", "mistral"...) or "START,END". Returns "auto", None or a format."""
+    v = (value or "").strip()
+    if not v or v.lower() == "auto":
+        return "auto"
+    if v.lower() in ("none", "off", "false"):
+        return None
+    for name, start, end in KNOWN_MARKERS:
+        if v.lower() == name:
+            return ReasoningFormat(start, end, name)
+    if "," in v:
+        start, end = (p.strip() for p in v.split(",", 1))
+        if start and end and start != end:
+            return ReasoningFormat(start, end)
+    raise ReasoningConfigError(f"reasoning format {value!r}: use auto, none, one of "
+                               f"{', '.join(n for n, _, _ in KNOWN_MARKERS)}, or START,END markers")
+
+
+def detect(template_source: str | None, tokenizer: Any = None) -> ReasoningFormat | None:
+    """The model's reasoning markers, or None for a model that does not think."""
+    src = template_source or ""
+    for name, start, end in KNOWN_MARKERS:
+        if start in src:
+            return ReasoningFormat(start, end, name)
+    if tokenizer is not None:
+        for name, start, end in KNOWN_MARKERS:
+            if tokenizer.id_of(start) is not None and tokenizer.id_of(end) is not None:
+                return ReasoningFormat(start, end, name)
+    return None
+
+
+def starts_inside(prompt_text: str, fmt: ReasoningFormat) -> bool:
+    """True when the rendered prompt ends inside an open reasoning block (the template opened it)."""
+    i = prompt_text.rfind(fmt.start)
+    return i >= 0 and i > prompt_text.rfind(fmt.end) and not prompt_text[i + len(fmt.start):].strip()
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+REASONING = "reasoning"
+CONTENT = "content"
+
+
+class ReasoningSplitter:
+    """Feed output text; get (kind, text) pieces back, kind REASONING or CONTENT."""
+
+    def __init__(self, fmt: ReasoningFormat | None, *, inside: bool = False):
+        self.fmt = fmt
+        self.buf = ""
+        if fmt is None:
+            self.state = CONTENT
+        else:
+            self.state = REASONING if inside else "start"
+        self.had_reasoning = self.state == REASONING  # a reasoning block was (or is) open
+        self._lead = self.state == REASONING  # strip whitespace at the start of reasoning
+        self._after_close = False  # strip whitespace between the end marker and the answer
+        self.finished = False
+
+    @property
+    def open(self) -> bool:
+        """Inside a reasoning block (at the end: the stream was cut before the block closed)."""
+        return self.state == REASONING
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        if self.finished or not text:
+            return []
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        self._run(out, final=False)
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        if self.finished:
+            return []
+        out: list[tuple[str, str]] = []
+        self._run(out, final=True)
+        if self.buf:
+            kind = REASONING if self.state == REASONING else CONTENT
+            if kind == CONTENT and self._after_close:
+                self.buf = self.buf.lstrip()
+            if kind == REASONING:
+                self.buf = self.buf.rstrip()
+            if self.buf:
+                out.append((kind, self.buf))
+            self.buf = ""
+        self.finished = True
+        return out
+
+    def _run(self, out: list[tuple[str, str]], final: bool) -> None:
+        fmt = self.fmt
+        while self.buf:
+            if self.state == "start":
+                assert fmt is not None
+                s = self.buf.lstrip()
+                if s.startswith(fmt.start):
+                    self.buf = s[len(fmt.start):]
+                    self.state, self.had_reasoning, self._lead = REASONING, True, True
+                    continue
+                if not final and fmt.start.startswith(s):
+                    return  # whitespace or a partial start marker: wait
+                self.state = CONTENT
+                continue
+            if self.state == REASONING:
+                assert fmt is not None
+                if self._lead:
+                    self.buf = self.buf.lstrip()
+                    if not self.buf:
+                        return
+                    self._lead = False
+                j = self.buf.find(fmt.end)
+                if j >= 0:
+                    text = self.buf[:j].rstrip()
+                    if text:
+                        out.append((REASONING, text))
+                    self.buf = self.buf[j + len(fmt.end):]
+                    self.state, self._after_close = CONTENT, True
+                    continue
+                if final:
+                    return  # finish() flushes what is left
+                keep = _partial_suffix(self.buf, fmt.end)
+                body = self.buf[:len(self.buf) - keep]
+                ws = len(body) - len(body.rstrip())  # trailing whitespace may precede the end marker
+                emit = body[:len(body) - ws]
+                if emit:
+                    out.append((REASONING, emit))
+                self.buf = self.buf[len(emit):]
+                return
+            # content
+            if self._after_close:
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return
+                self._after_close = False
+            out.append((CONTENT, self.buf))
+            self.buf = ""
