@@ -357,3 +357,20 @@ def test_forced_tool_call_after_reasoning(think_anthropic, think_openai):
                 args += t.function.arguments or ""
     assert not reasoning.strip() and len(names) == 1  # effort none: the engine closes the block at once
     check_call(names[0], args)
+
+
+def test_structured_output_on_a_thinking_template_is_the_answer(think_openai):
+    """The template opens <think>; a response format closes that block in the prompt, so the JSON
+    document is the answer (parsed, valid), not swallowed into reasoning."""
+    import json as _json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    r = think_openai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Plan a trip."}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}})
+    msg = r.choices[0].message
+    doc = _json.loads(msg.content)
+    assert set(doc) == {"city", "days"} and 1 <= doc["days"] <= 9
+    assert not getattr(msg, "reasoning_content", None)

@@ -216,12 +216,12 @@ def template_messages(body: MessagesRequest) -> list[dict]:
     return msgs
 
 
-async def prepared(ctx: ApiContext, body: MessagesRequest) -> toolcalling.Prepared:
+async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = False) -> toolcalling.Prepared:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
     plan = toolcalling.anthropic_plan(body.tools, body.tool_choice)
     ask = toolcalling.anthropic_ask(body.thinking, body.max_tokens)
-    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages")
+    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured)
 
 
 async def prompt_of(ctx: ApiContext, body: MessagesRequest) -> list[int]:
@@ -234,7 +234,7 @@ async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str)
         fmt, where = body.output_format, "output_format"
     grammar = await structured.off_loop(structured.anthropic_grammar, fmt, where)
     params = common.sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    prep = await prepared(ctx, body)
+    prep = await prepared(ctx, body, structured=grammar is not None)
     prompt = prep.prompt
     max_tokens = common.max_new_tokens(body.max_tokens, len(prompt), ctx.context_limit, "max_tokens")
     return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens,

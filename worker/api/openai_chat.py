@@ -277,7 +277,8 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
     messages = template_messages(body.messages)
     plan = toolcalling.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     prep = await toolcalling.prepare(ctx, messages, plan, toolcalling.effort_ask(body.reasoning_effort,
-                                                                                 "reasoning_effort"), "messages")
+                                                                                 "reasoning_effort"), "messages",
+                                     structured=grammar is not None)
     prompt = prep.prompt
     which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -295,7 +295,7 @@ async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str
     if body.reasoning is not None and not isinstance(body.reasoning, dict):
         raise bad_request("reasoning must be an object", param="reasoning")
     ask = toolcalling.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")
-    prep = await toolcalling.prepare(ctx, template_messages(body), plan, ask, "input")
+    prep = await toolcalling.prepare(ctx, template_messages(body), plan, ask, "input", structured=grammar is not None)
     prompt = prep.prompt
     max_tokens = common.max_new_tokens(body.max_output_tokens, len(prompt), ctx.context_limit, "max_output_tokens")
     return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop),

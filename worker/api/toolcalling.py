@@ -502,8 +502,12 @@ class Prepared:
     output: OutputPlan
 
 
-async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: ReasoningAsk | None, param: str) -> Prepared:
-    """Render and tokenize the prompt; build the grammar and reasoning budget for this request."""
+async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: ReasoningAsk | None, param: str,
+                  *, structured: bool = False) -> Prepared:
+    """Render and tokenize the prompt; build the grammar and reasoning budget for this request.
+    structured: the answer is grammar-constrained from its first token (a response format), so a
+    reasoning block the template opens is closed in the prompt: the document is the answer, never
+    swallowed into reasoning."""
     from ..text.chat_template import ChatTemplateError
 
     ask = ask or ReasoningAsk()
@@ -527,6 +531,9 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
                           code="invalid_messages") from None
     r = facts.reasoning
     inside = r is not None and rz.starts_inside(text, r)
+    if structured and inside:
+        prompt = prompt + ctx.tokenizer.encode(r.end + "\n\n", add_special=False, parse_special=True)
+        inside, ask = False, ReasoningAsk(disabled=True)
     budget = None
     if r is not None and ask.budget is not None:
         tok = ctx.tokenizer
