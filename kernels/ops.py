@@ -195,6 +195,16 @@ def rms_norm(dev: Device, x: DeviceArray, weight: DeviceArray, y: DeviceArray, *
     )
 
 
+def rms_norm_add(dev: Device, x: DeviceArray, weight: DeviceArray, out: DeviceArray, *, eps: float, rows: int,
+                 cols: int, stream=None) -> None:
+    """out += rms_norm(x, weight, eps) row by row: Gemma's post-norms, folded into the residual add
+    (twin: reference.rms_norm, then +)."""
+    _need(weight, np.float32, cols, "weight")
+    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
+    dev.kernel("norm", "rms_norm_add_f32").launch((rows,), (threads,), x, weight, out, rows, cols, F32(eps),
+                                                  stream=stream)
+
+
 def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | None = None, *, stream=None) -> None:
     n = a.size if n is None else n
     dev.kernel("norm", "add_f32").launch((min(-(-n // 256), dev.sm_count * 16),), (256,), a, b, out, I64(n), stream=stream)
@@ -269,14 +279,15 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
               row_seq: DeviceArray, row_pos: DeviceArray, out: DeviceArray, *, rows: int, heads: int,
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
               scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
-              stream=None) -> None:
+              ldq: int | None = None, stream=None) -> None:
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
 
     max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
     grid. split: keys per CTA (default: attention_split). partials: (acc, ml) buffers for the split-K
-    partial results (default: the device's scratch; a captured graph passes its own, which never move)."""
+    partial results (default: the device's scratch; a captured graph passes its own, which never move).
+    ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None:
         raise TypeError("the KV cache must be float16 or float32")
@@ -293,7 +304,8 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     if S == 1:
         dev.kernel("attention", name).launch(
             (kv_heads, rows, 1), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-            kv_heads, block_size, window, F32(scale), split, out, None, None, stream=stream
+            kv_heads, block_size, window, F32(scale), split, out, None, None, I64(ldq or heads * head_dim),
+            stream=stream
         )
         return
     if partials is not None:
@@ -305,7 +317,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
         ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
     dev.kernel("attention", name).launch(
         (kv_heads, rows, S), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-        kv_heads, block_size, window, F32(scale), split, None, acc, ml, stream=stream
+        kv_heads, block_size, window, F32(scale), split, None, acc, ml, I64(ldq or heads * head_dim), stream=stream
     )
     dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
 
@@ -486,5 +498,5 @@ def fault_illegal_address(dev: Device) -> None:
 __all__ = [
     "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "SampleParams", "add", "add_bias", "argmax",
     "attention", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
-    "kv_write", "linear_tc", "matvec", "rms_norm", "rope", "row_nbytes", "sample", "softmax", "to_half",
+    "kv_write", "linear_tc", "matvec", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "softmax", "to_half",
 ]

@@ -206,6 +206,17 @@ def test_rms_norm_per_head_in_a_fused_qkv_buffer(dev, rng):
     np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v untouched
 
 
+def test_rms_norm_add_into_the_residual(dev, rng):
+    rows, cols = 5, 640
+    x = rng.normal(0, 3, (rows, cols)).astype(np.float32)
+    w = rng.normal(1, 0.1, cols).astype(np.float32)
+    res = rng.normal(0, 1, (rows, cols)).astype(np.float32)
+    out = dev.to_device(res)
+    ops.rms_norm_add(dev, dev.to_device(x), dev.to_device(w), out, eps=1e-6, rows=rows, cols=cols)
+    ref = res.astype(np.float64) + reference.rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-6)
+    assert rel_err(out.to_host().reshape(rows, cols), ref) < FP32_BAR
+
+
 def test_add(dev, rng):
     a, b = rng.normal(size=1001).astype(np.float32), rng.normal(size=1001).astype(np.float32)
     out = dev.empty(1001)

@@ -46,6 +46,9 @@ CASES = [
     ("<think></think>Answer", False, "", "Answer"),
     ("<think>x</think>a </think> b", False, "x", "a </think> b"),
     ("</think>only answer", True, "", "only answer"),
+    # a second block (here: opened after a budget ran out, closed at once by the engine) stays out
+    ("<think>a</think>The answer.<think></think>", False, "a", "The answer."),
+    ("b</think>x<think>c</think>", True, "bc", "x"),
 ]
 
 

@@ -63,7 +63,7 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
                     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                     const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
                     int split, float* __restrict__ out, float* __restrict__ part_acc,
-                    float* __restrict__ part_ml) {
+                    float* __restrict__ part_ml, i64 ldq) {
     __shared__ float sc[G][ATT_SPLIT_MAX];
     __shared__ float red[G][D];
     __shared__ float stat[G][2];
@@ -83,7 +83,7 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     float qr[G][E1];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const float* qp = q + ((i64)row * Hq + kh * G + g) * D + hl * E1;
+        const float* qp = q + (i64)row * ldq + (i64)(kh * G + g) * D + hl * E1;  // ldq: q rows may sit in a fused qkv row
 #pragma unroll
         for (int e = 0; e < E1; ++e) qr[g][e] = qp[e] * scale;
     }
@@ -232,9 +232,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
         const float* __restrict__ q, const KVT* __restrict__ kc, const KVT* __restrict__ vc,          \
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
-        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {         \
+        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
         attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
-                        scale, split, out, part_acc, part_ml);                                         \
+                        scale, split, out, part_acc, part_ml, ldq);                                    \
     }
 #define ATTN_G(D, KVN, KVT) ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)
 ATTN_G(64, f16, f16_t) ATTN_G(128, f16, f16_t) ATTN_G(256, f16, f16_t)

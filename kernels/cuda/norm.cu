@@ -34,6 +34,20 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float*
     }
 }
 
+// out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
+extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const float* __restrict__ w, float* out,
+                                            int n_rows, int cols, float eps) {
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    const float* xr = x + (i64)r * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)r * cols + c] += (xr[c] * inv) * w[c];
+}
+
 // Elementwise h = a + b (the residual add when no norm follows).
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)

@@ -41,6 +41,10 @@ _LAYER = {
     "post_ffn_norm": "post_ffw_norm.weight",
 }
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Matrices that read the same input are stacked into one (when their types agree): one launch, and
+# one pass over the input, instead of three (q, k, v) or two (gate, up).
+_STACKS = {"wqkv": ("wq", "wk", "wv"), "w_gu": ("w_gate", "w_up")}
+_ALL_MATRICES = _MATRICES + tuple(_STACKS)
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -118,7 +122,7 @@ class CudaBackend:
             self.stream = Stream()
             self._upload_weights()
             self.tensor_cores = tensor_cores and all(
-                lw[w].cols % 32 == 0 for lw in self.layers for w in _MATRICES if w in lw)
+                lw[w].cols % 32 == 0 for lw in self.layers for w in _ALL_MATRICES if w in lw)
             self._alloc_kv()
             self._alloc_step_buffers(HostBuffer)
         except StickyCudaError as e:
@@ -146,6 +150,17 @@ class CudaBackend:
         arr = np.asarray(quants.dequantize(self.gguf.raw(name), info.ggml_type, shape), dtype=np.float32)
         return self.dev.to_device(arr.reshape(-1)), arr.reshape(-1)
 
+    def _stackable(self, layer: int, parts: tuple[str, ...]) -> bool:
+        infos = [self.gguf.tensors.get(f"blk.{layer}.{_LAYER[p]}") for p in parts]
+        return (self._device_attention and all(t is not None for t in infos)
+                and len({(t.ggml_type, t.shape[0]) for t in infos}) == 1)
+
+    def _stacked(self, layer: int, parts: tuple[str, ...]) -> ops.QuantMatrix:
+        infos = [self.gguf.tensors[f"blk.{layer}.{_LAYER[p]}"] for p in parts]
+        raw = np.concatenate([np.asarray(self.gguf.raw(t.name)).view(np.uint8).reshape(-1) for t in infos])
+        return ops.QuantMatrix.upload(self.dev, raw, infos[0].ggml_type, sum(int(t.shape[1]) for t in infos),
+                                      int(infos[0].shape[0]))
+
     def _upload_weights(self) -> None:
         cfg, g = self.config, self.gguf
         self.token_embd = self._matrix("token_embd.weight")
@@ -158,7 +173,15 @@ class CudaBackend:
                 full = f"blk.{i}.{gname}"
                 if full not in g.tensors:
                     continue
-                lw[ours] = self._matrix(full) if ours in _MATRICES else self._vector(full)[0]
+                if ours not in _MATRICES:
+                    lw[ours] = self._vector(full)[0]
+            for ours in _MATRICES:  # uploaded after the stacking decision, so nothing is held twice
+                stack = next((k for k, parts in _STACKS.items() if ours in parts), None)
+                if stack is None or not self._stackable(i, _STACKS[stack]):
+                    if f"blk.{i}.{_LAYER[ours]}" in g.tensors:
+                        lw[ours] = self._matrix(f"blk.{i}.{_LAYER[ours]}")
+                elif stack not in lw:
+                    lw[stack] = self._stacked(i, _STACKS[stack])
             self.layers.append(lw)
         half = cfg.head_dim // 2
         exponents = np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim
@@ -203,14 +226,16 @@ class CudaBackend:
         self.q, self.att = e((R * qd,)), e((R * qd,))
         self.k, self.v = e((R * kvd,)), e((R * kvd,))
         self.g, self.u = e((R * ffn,)), e((R * ffn,))
+        self.qkv = e((R * (qd + 2 * kvd),)) if any("wqkv" in lw for lw in self.layers) else None
+        self.gu = e((R * 2 * ffn,)) if any("w_gu" in lw for lw in self.layers) else None
         self.hn = e((R * hid,))
         self.logits = e((R * cfg.vocab_size,))
         self.d_tokens_out = e((R,), np.int32)
         self._h_tokens = HostBuffer(4 * R)
         self._h_logits: HostBuffer | None = None
         if self.tensor_cores:  # the prefill matmul's 16-bit scratch, at its largest, once
-            biggest = max(lw[w].rows * lw[w].cols for lw in self.layers for w in _MATRICES if w in lw)
-            widest = max(lw[w].cols for lw in self.layers for w in _MATRICES if w in lw)
+            biggest = max(lw[w].rows * lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
+            widest = max(lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
             self.dev.scratch("gemm_w", 2 * biggest)
             self.dev.scratch("gemm_x", 2 * R * widest)
             self.dev.scratch("gemm_splitk", ops.gemm_splitk_bytes(self.dev))
@@ -395,46 +420,61 @@ class CudaBackend:
         moves); chunks/spans/positions are needed only by the host attention fallback."""
         dev, cfg, st = self.dev, self.config, self.stream
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        hid, ffn = cfg.hidden, cfg.ffn
+        hid, ffn, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         x, h, o2, q, k, v, att, g, u = self.x, self.h, self.o2, self.q, self.k, self.v, self.att, self.g, self.u
         ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)), stream=st)
         for li, lw in enumerate(self.layers):
             local = cfg.is_local_layer(li)
             ops.rms_norm(dev, x, lw["attn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-            for wname, bname, out in (("wq", "bq", q), ("wk", "bk", k), ("wv", "bv", v)):
-                self._linear(lw[wname], h, out, n, tc=tc)
+            if "wqkv" in lw:  # one matmul; q, k and v are column slices of its rows
+                ld = qd + 2 * kvd
+                self._linear(lw["wqkv"], h, self.qkv, n, tc=tc)
+                q_, k_, v_ = (self.qkv.view(off, self.qkv.size - off) for off in (0, qd, qd + kvd))
+                ldq = ldk = ldv = ld
+            else:
+                for wname, out in (("wq", q), ("wk", k), ("wv", v)):
+                    self._linear(lw[wname], h, out, n, tc=tc)
+                q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
+            for bname, out, cols, ldo in (("bq", q_, qd, ldq), ("bk", k_, kvd, ldk), ("bv", v_, kvd, ldv)):
                 if bname in lw:
-                    ops.add_bias(dev, out, lw[bname], n=n, cols=lw[wname].rows, stream=st)
+                    ops.add_bias(dev, out, lw[bname], n=n, cols=cols, ldy=ldo, stream=st)
             if cfg.qk_norm:
-                ops.rms_norm(dev, q, lw["q_norm"], q, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, stream=st)
-                ops.rms_norm(dev, k, lw["k_norm"], k, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk, stream=st)
+                ops.rms_norm(dev, q_, lw["q_norm"], q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, ldx=ldq,
+                             ldy=ldq, stream=st)
+                ops.rms_norm(dev, k_, lw["k_norm"], k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk, ldx=ldk,
+                             ldy=ldk, stream=st)
             inv = self.inv_freq_local if local else self.inv_freq_global
-            ops.rope(dev, q, k, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, stream=st)
+            ops.rope(dev, q_, k_, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, ldq=ldq,
+                     ldk=ldk, stream=st)
             kc = self.k_pool.view(li * self._layer_elems, self._layer_elems)
             vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
-            ops.kv_write(dev, k, v, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, stream=st)
+            ops.kv_write(dev, k_, v_, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv, stream=st)
             window = cfg.sliding_window if local else 0
             keys = min(max_keys, window) if window else max_keys
             if self._device_attention:
-                ops.attention(dev, q, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
                               kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
-                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, stream=st)
+                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
+                              stream=st)
             else:
                 self._host_attention(li, chunks, spans, positions, q, att, window)
             if cfg.post_norms:
                 self._linear(lw["wo"], att, o2, n, tc=tc)
-                ops.rms_norm(dev, o2, lw["post_attn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-                ops.add(dev, x, o2, x, n * hid, stream=st)
+                ops.rms_norm_add(dev, o2, lw["post_attn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             else:
                 self._linear(lw["wo"], att, x, n, res=x, tc=tc)
             ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-            self._linear(lw["w_gate"], h, g, n, tc=tc)
-            self._linear(lw["w_up"], h, u, n, tc=tc)
-            ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act, stream=st)
+            if "w_gu" in lw:  # gate and up in one matmul: [n, 2 * ffn] rows
+                self._linear(lw["w_gu"], h, self.gu, n, tc=tc)
+                ops.gated_act(dev, self.gu, self.gu.view(ffn, self.gu.size - ffn), g, n=n, ffn=ffn, act=cfg.act,
+                              ldg=2 * ffn, ldu=2 * ffn, ldo=ffn, stream=st)
+            else:
+                self._linear(lw["w_gate"], h, g, n, tc=tc)
+                self._linear(lw["w_up"], h, u, n, tc=tc)
+                ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act, stream=st)
             if cfg.post_norms:
                 self._linear(lw["w_down"], g, o2, n, tc=tc)
-                ops.rms_norm(dev, o2, lw["post_ffn_norm"], o2, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-                ops.add(dev, x, o2, x, n * hid, stream=st)
+                ops.rms_norm_add(dev, o2, lw["post_ffn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             else:
                 self._linear(lw["w_down"], g, x, n, res=x, tc=tc)
         if n_out:

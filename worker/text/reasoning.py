@@ -185,5 +185,21 @@ class ReasoningSplitter:
                 if not self.buf:
                     return
                 self._after_close = False
+            if fmt is not None and self.had_reasoning:
+                # a second block after the first (a small model's, or one opened after the budget
+                # ran out) still keeps its reasoning out of the answer; before any block, the
+                # marker in running text is just text
+                j = self.buf.find(fmt.start)
+                if j >= 0:
+                    if self.buf[:j].rstrip():
+                        out.append((CONTENT, self.buf[:j].rstrip()))
+                    self.buf = self.buf[j + len(fmt.start):]
+                    self.state, self.had_reasoning, self._lead = REASONING, True, True
+                    continue
+                keep = 0 if final else _partial_suffix(self.buf, fmt.start)
+                if keep < len(self.buf):
+                    out.append((CONTENT, self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+                return
             out.append((CONTENT, self.buf))
             self.buf = ""
