@@ -44,11 +44,12 @@ CASES = [
     ("No thinking here, <think> is just text.", False, "", "No thinking here, <think> is just text."),
     ("<thinking> is not the marker", False, "", "<thinking> is not the marker"),
     ("<think></think>Answer", False, "", "Answer"),
-    ("<think>x</think>a </think> b", False, "x", "a </think> b"),
+    ("<think>x</think>a </think> b", False, "x", "a  b"),  # after a block, a stray end marker is markup
     ("</think>only answer", True, "", "only answer"),
     # a second block (here: opened after a budget ran out, closed at once by the engine) stays out
     ("<think>a</think>The answer.<think></think>", False, "a", "The answer."),
     ("b</think>x<think>c</think>", True, "bc", "x"),
+    ("<think>r</think>In-house</think>\n\nvisual</think</", False, "r", "In-house\n\nvisual</think</"),
 ]
 
 

@@ -186,17 +186,22 @@ class ReasoningSplitter:
                     return
                 self._after_close = False
             if fmt is not None and self.had_reasoning:
-                # a second block after the first (a small model's, or one opened after the budget
-                # ran out) still keeps its reasoning out of the answer; before any block, the
-                # marker in running text is just text
-                j = self.buf.find(fmt.start)
-                if j >= 0:
-                    if self.buf[:j].rstrip():
-                        out.append((CONTENT, self.buf[:j].rstrip()))
-                    self.buf = self.buf[j + len(fmt.start):]
-                    self.state, self.had_reasoning, self._lead = REASONING, True, True
+                # once a block has closed, the markers are markup, never answer text: a second block
+                # (a small model's, or one opened after the budget ran out) is reasoning too, and a
+                # stray end marker is dropped. Before any block, a marker in running text is text.
+                js, je = self.buf.find(fmt.start), self.buf.find(fmt.end)
+                if js >= 0 and (je < 0 or js < je):
+                    if self.buf[:js].rstrip():
+                        out.append((CONTENT, self.buf[:js].rstrip()))
+                    self.buf = self.buf[js + len(fmt.start):]
+                    self.state, self._lead = REASONING, True
                     continue
-                keep = 0 if final else _partial_suffix(self.buf, fmt.start)
+                if je >= 0:
+                    if self.buf[:je]:
+                        out.append((CONTENT, self.buf[:je]))
+                    self.buf = self.buf[je + len(fmt.end):]
+                    continue
+                keep = 0 if final else max(_partial_suffix(self.buf, fmt.start), _partial_suffix(self.buf, fmt.end))
                 if keep < len(self.buf):
                     out.append((CONTENT, self.buf[:len(self.buf) - keep]))
                 self.buf = self.buf[len(self.buf) - keep:]
