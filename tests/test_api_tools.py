@@ -292,7 +292,8 @@ def think_anthropic(thinking_worker):
 
 def test_thinking_budget_closes_block_and_answer_follows(think_anthropic):
     m = think_anthropic.messages.create(model="m", max_tokens=48, messages=[{"role": "user", "content": "Hi"}],
-                                        thinking={"type": "enabled", "budget_tokens": 12})
+                                        thinking={"type": "enabled", "budget_tokens": 12},
+                                        extra_body={"temperature": 0})  # deterministic: the model's text is fixed
     kinds = [b.type for b in m.content]
     assert kinds[0] == "thinking" and m.content[0].thinking
     assert "</think>" not in m.content[0].thinking
@@ -325,11 +326,12 @@ def test_stream_cut_inside_reasoning_closes_cleanly(think_anthropic, think_opena
 
 def test_reasoning_effort_bounds_reasoning_on_chat_and_responses(think_openai):
     r = think_openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
-                                             reasoning_effort="none", max_tokens=24)
+                                             reasoning_effort="none", max_tokens=24, temperature=0)
     msg = r.choices[0].message
     assert "<think>" not in (msg.content or "") and "</think>" not in (msg.content or "")
     assert not getattr(msg, "reasoning_content", None)  # budget 0: the engine closes the block at once
-    r = think_openai.responses.create(model="m", input="Hi", reasoning={"effort": "minimal"}, max_output_tokens=300)
+    r = think_openai.responses.create(model="m", input="Hi", reasoning={"effort": "minimal"}, max_output_tokens=300,
+                                      temperature=0)
     kinds = [o.type for o in r.output]
     assert kinds[0] == "reasoning"
     assert r.usage.output_tokens_details.reasoning_tokens > 0
