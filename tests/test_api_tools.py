@@ -290,6 +290,8 @@ def think_anthropic(thinking_worker):
                                timeout=300)
 
 
+# The thinking tests sample greedily: the base model's text is then fixed, so what they assert about
+# the split does not hang on a random draw (a 6-token reasoning can otherwise be all whitespace).
 def test_thinking_budget_closes_block_and_answer_follows(think_anthropic):
     m = think_anthropic.messages.create(model="m", max_tokens=48, messages=[{"role": "user", "content": "Hi"}],
                                         thinking={"type": "enabled", "budget_tokens": 12},
@@ -303,14 +305,15 @@ def test_thinking_budget_closes_block_and_answer_follows(think_anthropic):
 
 def test_stream_cut_inside_reasoning_closes_cleanly(think_anthropic, think_openai):
     # no budget and a tiny max_tokens: the stream ends inside the reasoning block
-    with think_anthropic.messages.stream(model="m", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]) as s:
+    with think_anthropic.messages.stream(model="m", max_tokens=6, messages=[{"role": "user", "content": "Hi"}],
+                                         extra_body={"temperature": 0}) as s:
         events = [ev.type for ev in s]
         final = s.get_final_message()
     assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["thinking"]
     assert events.count("content_block_start") == events.count("content_block_stop") == 1
     assert events[-1] == "message_stop"
     stream = think_openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
-                                                  max_tokens=6, stream=True)
+                                                  max_tokens=6, stream=True, temperature=0)
     reasoning, content, finish = "", "", None
     for chunk in stream:
         if chunk.choices:
@@ -319,7 +322,7 @@ def test_stream_cut_inside_reasoning_closes_cleanly(think_anthropic, think_opena
             content += d.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert reasoning and content == "" and finish == "length"
-    r = think_openai.responses.create(model="m", input="Hi", max_output_tokens=6)
+    r = think_openai.responses.create(model="m", input="Hi", max_output_tokens=6, temperature=0)
     assert r.status == "incomplete" and r.output[0].type == "reasoning"
     assert r.output[0].content[0].text and r.output[0].status == "incomplete"
 
@@ -340,14 +343,15 @@ def test_reasoning_effort_bounds_reasoning_on_chat_and_responses(think_openai):
 def test_forced_tool_call_after_reasoning(think_anthropic, think_openai):
     m = think_anthropic.messages.create(model="m", max_tokens=160, messages=ASK, tools=ANTH_TOOLS,
                                         thinking={"type": "enabled", "budget_tokens": 16},
-                                        tool_choice={"type": "any", "disable_parallel_tool_use": True})
+                                        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                        extra_body={"temperature": 0})
     assert m.content[0].type == "thinking" and m.stop_reason == "tool_use"
     use = [b for b in m.content if b.type == "tool_use"]
     assert len(use) == 1
     check_call(use[0].name, use[0].input)
     stream = think_openai.chat.completions.create(model="m", messages=ASK, tools=CHAT_TOOLS, tool_choice="required",
                                                   parallel_tool_calls=False, reasoning_effort="none",
-                                                  max_tokens=160, stream=True)
+                                                  max_tokens=160, stream=True, temperature=0)
     reasoning, args, names = "", "", []
     for chunk in stream:
         if chunk.choices:
