@@ -18,14 +18,16 @@ import time
 import numpy as np
 
 from . import ops
-from .cuda_runtime import Device, Graph, Stream, Timer, check, _driver
+from .cuda_runtime import Device, Graph, Stream, Timer, _driver, check, pdl_launches
+
+PDL = [False]  # --pdl: graphs captured with programmatic dependent launch
 
 
 def _time_graph(dev: Device, stream: Stream, body, n_inner: int, replays: int = 7) -> float:
     """Median seconds of one body() call (body issues n_inner launches per call of its own)."""
     body()  # eager first run: loads modules and allocates scratch, which a capture must not do
     stream.synchronize()
-    with Graph.capture(stream) as g:
+    with Graph.capture(stream) as g, pdl_launches(PDL[0]):
         body()
     timer = Timer()
     g.launch()
@@ -75,7 +77,8 @@ def _rand_weights(rng, tname: str, rows: int, cols: int) -> np.ndarray:
     return raw
 
 
-def bench_matvec(dev, stream, rng, tname, rows, cols, batch=1, rows_per_warp=None, min_bytes=256 << 20, **kw):
+def bench_matvec(dev, stream, rng, tname, rows, cols, batch=1, rows_per_warp=None, min_bytes=256 << 20, int8=False,
+                 **kw):
     rb = rows * ops.row_nbytes(tname, cols)
     copies = max(2, -(-min_bytes // rb))
     raw = _rand_weights(rng, tname, rows, cols)
@@ -85,7 +88,10 @@ def bench_matvec(dev, stream, rng, tname, rows, cols, batch=1, rows_per_warp=Non
 
     def body():
         for m in mats:
-            ops.matvec(dev, m, x, y, rows_per_warp=rows_per_warp, stream=stream, **kw)
+            if int8:
+                ops.matvec_q8(dev, m, x, y, n=batch, stream=stream, **kw)
+            else:
+                ops.matvec(dev, m, x, y, rows_per_warp=rows_per_warp, stream=stream, **kw)
 
     t = _time_graph(dev, stream, body, len(mats))
     for m in mats:
@@ -102,7 +108,10 @@ LLAMA8B = [
 ]
 
 
-def run(out_path: str | None = None) -> dict:
+SECTIONS = ("types", "kv2", "kq8", "batch", "step", "attention", "small")
+
+
+def run(out_path: str | None = None, sections=SECTIONS) -> dict:
     dev = Device()
     stream = Stream()
     rng = np.random.default_rng(0)
@@ -120,99 +129,130 @@ def run(out_path: str | None = None) -> dict:
         extra = " ".join(f"{k}={v}" for k, v in kw.items())
         print(f"  {kind:<10} {name:<34} {t * 1e6:9.2f} us  {bw / 1e9:8.1f} GB/s  {100 * bw / ceil:5.1f}%  {extra}")
 
-    # matvec: quant types on the big 8B shape, batch 1
-    print("matvec, batch 1, [14336 x 4096] (ffn gate/up of an 8B model), staged kernel:")
-    for tname in ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16"):
-        t, nb = bench_matvec(dev, stream, rng, tname, 14336, 4096, variant="staged")
-        rec("matvec", f"{tname} 14336x4096 b1 staged", t, nb)
-    print("matvec Q4_K / Q5_K, column-resident kv2 kernel (unroll, prefetch, rows per block) vs staged:")
-    for tname in ("q4_k", "q5_k"):
-        for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336)):
-            for u, pf in ((4, False), (8, False), (2, True), (4, True)):
-                for rpb in (None, 8, 16):
-                    if rpb is not None and rpb % u:
+    if "types" in sections:
+        # matvec: quant types on the big 8B shape, batch 1
+        print("matvec, batch 1, [14336 x 4096] (ffn gate/up of an 8B model), staged kernel:")
+        for tname in ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16"):
+            t, nb = bench_matvec(dev, stream, rng, tname, 14336, 4096, variant="staged")
+            rec("matvec", f"{tname} 14336x4096 b1 staged", t, nb)
+    if "kv2" in sections:
+        print("matvec Q4_K / Q5_K, column-resident kv2 kernel (unroll, prefetch, rows per block) vs staged:")
+        for tname in ("q4_k", "q5_k"):
+            for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336)):
+                for u, pf in ((4, False), (8, False), (2, True), (4, True)):
+                    for rpb in (None, 8, 16):
+                        if rpb is not None and rpb % u:
+                            continue
+                        t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="kv2", unroll=u, prefetch=pf,
+                                             rows_per_block=rpb)
+                        rec("matvec", f"{tname} {rows}x{cols} b1 kv2{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
+                t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="staged")
+                rec("matvec", f"{tname} {rows}x{cols} b1 staged", t, nb)
+                for kw in (dict(variant="kv2", unroll=4), dict(variant="staged")):
+                    t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=2, **kw)
+                    rec("matvec", f"{tname} {rows}x{cols} b2 {kw['variant']}", t, nb)
+    if "kq8" in sections:
+        print("matvec Q4_K / Q5_K, int8 x (kq8: unroll, prefetch, rows per block):")
+        for tname in ("q4_k", "q5_k", "q6_k"):
+            for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336), (20480, 2560), (2560, 10240),
+                               (1024, 2560), (128256, 4096)):
+                full = tname == "q4_k" and (rows, cols) == (14336, 4096)  # every variant on one shape
+                for b, u, pf in sorted(ops.KQ8_VARIANTS):
+                    if not full and (b > 1 or (u, pf) not in ((4, True), (2, True), (4, False))):
                         continue
-                    t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="kv2", unroll=u, prefetch=pf,
-                                         rows_per_block=rpb)
-                    rec("matvec", f"{tname} {rows}x{cols} b1 kv2{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
-            t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="staged")
-            rec("matvec", f"{tname} {rows}x{cols} b1 staged", t, nb)
-            for kw in (dict(variant="kv2", unroll=4), dict(variant="staged")):
-                t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=2, **kw)
-                rec("matvec", f"{tname} {rows}x{cols} b2 {kw['variant']}", t, nb)
-    for b in (4, 8):
-        t, nb = bench_matvec(dev, stream, rng, "q4_k", 14336, 4096, batch=b, variant="staged")
-        rec("matvec", f"q4_k 14336x4096 b{b} staged", t, nb)
-    print("llama-8B Q4_K_M decode step, matvecs only (default variant choice):")
-    total = 0.0
-    total_bytes = 0
-    seen: dict = {}
-    for name, tname, rows, cols, count in LLAMA8B:
-        key = (tname, rows, cols)
-        if key not in seen:
-            seen[key] = bench_matvec(dev, stream, rng, tname, rows, cols)
-            rec("matvec", f"{tname} {rows}x{cols} b1 (auto)", *seen[key])
-        t, nb = seen[key]
-        total += t * count
-        total_bytes += nb * count
-    res["llama8b_matvec_ms"] = total * 1e3
-    res["llama8b_matvec_GB"] = total_bytes / 1e9
-    print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = {total_bytes / total / 1e9:.0f} GB/s"
-          f" -> at most {1 / total:.0f} tok/s from the matvecs alone (bandwidth limit {ceil / total_bytes:.0f} tok/s)")
+                    for rpb in (None, 8, 16, 32) if full else (None, 8, 16):
+                        if rpb is not None and rpb % u:
+                            continue
+                        t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=b, int8=True, unroll=u,
+                                             prefetch=pf, rows_per_block=rpb)
+                        rec("matvec", f"{tname} {rows}x{cols} b{b} kq8{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
+    if "batch" in sections:
+        for b in (4, 8):
+            t, nb = bench_matvec(dev, stream, rng, "q4_k", 14336, 4096, batch=b, variant="staged")
+            rec("matvec", f"q4_k 14336x4096 b{b} staged", t, nb)
+    if "step" in sections:
+        print("llama-8B Q4_K_M decode step, matvecs only (default variant choice):")
+        total = 0.0
+        total_bytes = 0
+        seen: dict = {}
+        for name, tname, rows, cols, count in LLAMA8B:
+            key = (tname, rows, cols)
+            if key not in seen:
+                seen[key] = bench_matvec(dev, stream, rng, tname, rows, cols)
+                rec("matvec", f"{tname} {rows}x{cols} b1 (auto)", *seen[key])
+            t, nb = seen[key]
+            total += t * count
+            total_bytes += nb * count
+        total8 = 0.0
+        for name, tname, rows, cols, count in LLAMA8B:
+            if tname in ops.KV2_TYPES:
+                t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, int8=True)
+                rec("matvec", f"{tname} {rows}x{cols} b1 kq8 (default)", t, nb)
+            else:
+                t, nb = seen[(tname, rows, cols)]
+            total8 += t * count
+        res["llama8b_matvec_int8_ms"] = total8 * 1e3
+        print(f"  8B step with int8 x: {total8 * 1e3:.3f} ms = {total_bytes / total8 / 1e9:.0f} GB/s")
+        res["llama8b_matvec_ms"] = total * 1e3
+        res["llama8b_matvec_GB"] = total_bytes / 1e9
+        print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = {total_bytes / total / 1e9:.0f} GB/s"
+              f" -> at most {1 / total:.0f} tok/s from the matvecs alone (bandwidth limit {ceil / total_bytes:.0f} tok/s)")
 
-    # attention decode
-    print("paged attention decode (fp16 KV, 32 q heads, 8 kv heads, D 128, block 16):")
-    for L, B in ((4096, 1), (32768, 1), (4096, 8), (1024, 64)):
-        hq, hk, d, bs = 32, 8, 128, 16
-        nblk = B * (L // bs)
-        kc = dev.empty((nblk * bs, hk, d), np.float16)
-        vc = dev.empty((nblk * bs, hk, d), np.float16)
-        kc.fill_bytes(0x3C); vc.fill_bytes(0x3C)
-        tables = dev.to_device(rng.permutation(nblk).astype(np.int32).reshape(B, L // bs))
-        q = dev.to_device(rng.normal(0, 1, (B, hq, d)).astype(np.float32))
-        seq = dev.to_device(np.arange(B, dtype=np.int32))
-        pos = dev.to_device(np.full(B, L - 1, np.int32))
-        out = dev.empty((B, hq, d))
+    if "attention" in sections:
+        # attention decode
+        print("paged attention decode (fp16 KV, 32 q heads, 8 kv heads, D 128, block 16):")
+        for L, B in ((4096, 1), (32768, 1), (4096, 8), (1024, 64)):
+            hq, hk, d, bs = 32, 8, 128, 16
+            nblk = B * (L // bs)
+            kc = dev.empty((nblk * bs, hk, d), np.float16)
+            vc = dev.empty((nblk * bs, hk, d), np.float16)
+            kc.fill_bytes(0x3C); vc.fill_bytes(0x3C)
+            tables = dev.to_device(rng.permutation(nblk).astype(np.int32).reshape(B, L // bs))
+            q = dev.to_device(rng.normal(0, 1, (B, hq, d)).astype(np.float32))
+            seq = dev.to_device(np.arange(B, dtype=np.int32))
+            pos = dev.to_device(np.full(B, L - 1, np.int32))
+            out = dev.empty((B, hq, d))
 
-        def body():
-            ops.attention(dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq, kv_heads=hk, head_dim=d,
-                          block_size=bs, max_blocks=L // bs, max_keys=L, scale=0.088, stream=stream)
+            def body():
+                ops.attention(dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq, kv_heads=hk, head_dim=d,
+                              block_size=bs, max_blocks=L // bs, max_keys=L, scale=0.088, stream=stream)
 
-        t = _time_graph(dev, stream, body, 1, replays=9)
-        rec("attention", f"ctx {L} x {B} seqs", t, 2 * B * L * hk * d * 2)
-        kc.free(); vc.free()
+            t = _time_graph(dev, stream, body, 1, replays=9)
+            rec("attention", f"ctx {L} x {B} seqs", t, 2 * B * L * hk * d * 2)
+            kc.free(); vc.free()
 
-    # small kernels: latency
-    print("small kernels (20 launches per graph; time per launch):")
-    x = dev.to_device(rng.normal(0, 1, (64, 4096)).astype(np.float32))
-    w = dev.to_device(np.ones(4096, np.float32))
-    y = dev.empty((64, 4096))
-    for n in (1, 64):
-        t = _time_graph(dev, stream, lambda: [ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x, h_out=y,
+    if "small" in sections:
+        # small kernels: latency
+        print("small kernels (20 launches per graph; time per launch):")
+        x = dev.to_device(rng.normal(0, 1, (64, 4096)).astype(np.float32))
+        w = dev.to_device(np.ones(4096, np.float32))
+        y = dev.empty((64, 4096))
+        for n in (1, 64):
+            t = _time_graph(dev, stream, lambda: [ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x, h_out=y,
+                                                                 stream=stream) for _ in range(20)], 20)
+            rec("rms_norm", f"residual+norm 4096 x {n}", t, n * 4096 * 4 * 4)
+        qkv = dev.to_device(rng.normal(0, 1, (64, 6144)).astype(np.float32))
+        posd = dev.to_device(np.arange(64, dtype=np.int32) + 1000)
+        invf = dev.to_device((1.0 / 500000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
+        for n in (1, 64):
+            t = _time_graph(dev, stream, lambda: [ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n,
+                                                             hq=32, hk=8, head_dim=128, neox=False, ldq=6144, ldk=6144,
                                                              stream=stream) for _ in range(20)], 20)
-        rec("rms_norm", f"residual+norm 4096 x {n}", t, n * 4096 * 4 * 4)
-    qkv = dev.to_device(rng.normal(0, 1, (64, 6144)).astype(np.float32))
-    posd = dev.to_device(np.arange(64, dtype=np.int32) + 1000)
-    invf = dev.to_device((1.0 / 500000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
-    for n in (1, 64):
-        t = _time_graph(dev, stream, lambda: [ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n,
-                                                         hq=32, hk=8, head_dim=128, neox=False, ldq=6144, ldk=6144,
-                                                         stream=stream) for _ in range(20)], 20)
-        rec("rope", f"32+8 heads x {n}", t, n * 40 * 128 * 8)
-    logits = dev.to_device(rng.normal(0, 1, (8, 128256)).astype(np.float32))
-    idx = dev.empty(8, np.int32)
-    for n in (1, 8):
-        t = _time_graph(dev, stream, lambda: [ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
-                                              for _ in range(20)], 20)
-        rec("argmax", f"vocab 128256 x {n}", t, n * 128256 * 4)
-    emb_raw = _rand_weights(rng, "q4_k", 128256, 4096)
-    emb = ops.QuantMatrix.upload(dev, emb_raw, "q4_k", 128256, 4096)
-    ids = dev.to_device(rng.integers(0, 128256, 64).astype(np.int32))
-    eo = dev.empty((64, 4096))
-    for n in (1, 64):
-        t = _time_graph(dev, stream, lambda: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
-                                              for _ in range(20)], 20)
-        rec("embed", f"q4_k rows 4096 x {n}", t, n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
+            rec("rope", f"32+8 heads x {n}", t, n * 40 * 128 * 8)
+        logits = dev.to_device(rng.normal(0, 1, (8, 128256)).astype(np.float32))
+        idx = dev.empty(8, np.int32)
+        for n in (1, 8):
+            t = _time_graph(dev, stream, lambda: [ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
+                                                  for _ in range(20)], 20)
+            rec("argmax", f"vocab 128256 x {n}", t, n * 128256 * 4)
+        emb_raw = _rand_weights(rng, "q4_k", 128256, 4096)
+        emb = ops.QuantMatrix.upload(dev, emb_raw, "q4_k", 128256, 4096)
+        ids = dev.to_device(rng.integers(0, 128256, 64).astype(np.int32))
+        eo = dev.empty((64, 4096))
+        for n in (1, 64):
+            t = _time_graph(dev, stream, lambda: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
+                                                  for _ in range(20)], 20)
+            rec("embed", f"q4_k rows 4096 x {n}", t, n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
 
     res["rows"] = rows_out
     if out_path:
@@ -224,8 +264,14 @@ def run(out_path: str | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ember.kernels.bench")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of: {', '.join(SECTIONS)}")
+    p.add_argument("--pdl", action="store_true", help="capture with programmatic dependent launch")
     a = p.parse_args(argv)
-    run(a.out)
+    PDL[0] = a.pdl
+    unknown = set(a.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    run(a.out, a.sections.split(","))
     return 0
 
 

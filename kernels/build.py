@@ -40,6 +40,7 @@ GGML_TYPE_IDS: dict[str, int] = {
     "q5_k": 13,
     "q6_k": 14,
     "bf16": 30,
+    "q6_kp": 1014,  # not a ggml type: Q6_K with blocks padded to 224 bytes on the device (quant.cuh)
 }
 GGML_TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPE_IDS.items()}
 
@@ -58,9 +59,9 @@ def _modules() -> dict[str, ModuleSpec]:
         f"matvec_{name}": ModuleSpec("matvec.cu", (f"-DQTYPE={tid}",), f"quantized matrix-vector product, {name}")
         for name, tid in GGML_TYPE_IDS.items()
     }
-    for name in ("q4_k", "q5_k"):
+    for name in ("q4_k", "q5_k", "q6_kp"):
         mods[f"matvec_k_{name}"] = ModuleSpec(
-            "matvec_k.cu", (f"-DQTYPE={GGML_TYPE_IDS[name]}",), f"column-resident matrix-vector product, {name}, batch 1-2"
+            "matvec_k.cu", (f"-DQTYPE={GGML_TYPE_IDS[name]}",), f"column-resident matrix-vector product, {name}"
         )
     mods.update(
         dequant=ModuleSpec("dequant.cu", (), "dequantize rows / embedding lookup, every type"),
@@ -68,6 +69,7 @@ def _modules() -> dict[str, ModuleSpec]:
         rope=ModuleSpec("rope.cu", (), "rotary embedding, neox and normal"),
         act=ModuleSpec("act.cu", (), "gated MLP activation, silu and gelu_tanh"),
         attention=ModuleSpec("attention.cu", (), "paged attention (split-K), KV cache writes"),
+        flash=ModuleSpec("flash.cu", (), "flash attention for prefill on the tensor cores (f16 KV)"),
         sampling=ModuleSpec("sampling.cu", (), "argmax, softmax, top-k/top-p/min-p/temperature sampling"),
         gemm=ModuleSpec("gemm.cu", (), "tensor-core matmul for prefill (f16/bf16 in, f32 out)"),
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),

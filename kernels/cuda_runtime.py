@@ -15,7 +15,9 @@ next synchronizing call (``synchronize``, a copy to the host, an event wait).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -271,6 +273,15 @@ class Pointer:
 class Kernel:
     def __init__(self, module: Module, name: str, handle):
         self.module, self.name, self.handle = module, name, handle
+        self._smem_limit = 48 << 10  # dynamic shared memory allowed without opting in
+
+    def _allow_smem(self, nbytes: int) -> None:
+        """Opt in to more than 48 KiB of dynamic shared memory (once per size increase)."""
+        if nbytes > self._smem_limit:
+            drv = _driver()
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(drv.cuFuncSetAttribute(self.handle, attr, int(nbytes)), f"cuFuncSetAttribute({self.name})")
+            self._smem_limit = nbytes
 
     def attribute(self, attr) -> int:
         return int(check(_driver().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))
@@ -282,13 +293,57 @@ class Kernel:
             return  # empty launch
         values = [_ctype(a) for a in args]
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        drv = _driver()
+        self._allow_smem(int(smem))
+        if _pdl.active:
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g[:3]
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b[:3]
+            cfg.sharedMemBytes = int(smem)
+            h = _stream_handle(stream)
+            cfg.hStream = drv.CUstream(h) if isinstance(h, int) else h
+            cfg.attrs = [_pdl_attribute()]
+            cfg.numAttrs = 1
+            check(drv.cuLaunchKernelEx(cfg, self.handle, ctypes.addressof(ptrs), 0),
+                  f"cuLaunchKernelEx({self.module.name}.{self.name})")
+            return
         check(
-            _driver().cuLaunchKernel(
+            drv.cuLaunchKernel(
                 self.handle, g[0], g[1], g[2], b[0], b[1], b[2], int(smem), _stream_handle(stream),
                 ctypes.addressof(ptrs), 0
             ),
             f"cuLaunchKernel({self.module.name}.{self.name})",
         )
+
+
+class _PdlState(threading.local):
+    active = False
+
+
+_pdl = _PdlState()
+
+
+@functools.lru_cache(maxsize=1)
+def _pdl_attribute():
+    drv = _driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
+
+
+@contextlib.contextmanager
+def pdl_launches(enabled: bool = True):
+    """Launch kernels in this block (this thread) with programmatic dependent launch: each may start
+    while the one before it in the stream still runs, and waits in grid_dependency_sync()
+    (common.cuh) for its data. Every kernel of ember's modules makes that call first; captured into a
+    graph, the edges become programmatic ones, so a decode step's launch gaps overlap."""
+    before = _pdl.active
+    _pdl.active = enabled
+    try:
+        yield
+    finally:
+        _pdl.active = before
 
 
 # -- memory -------------------------------------------------------------------------------------------
@@ -514,5 +569,6 @@ def try_device(ordinal: int = 0) -> tuple[Device | None, str]:
 
 __all__ = [
     "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "HostBuffer", "copy_2d", "I32", "I64", "Kernel", "Module",
-    "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "poisoned", "try_device",
+    "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "pdl_launches", "poisoned",
+    "try_device",
 ]

@@ -61,3 +61,6 @@ class CompileError(RuntimeError):
     def __init__(self, module: str, log: str, options: list[str] | None = None):
         self.module, self.log, self.options = module, log, list(options or [])
         super().__init__(f"NVRTC failed to compile kernel module {module!r}:\n{log.strip()}")
+
+    def __reduce__(self):  # rebuilt whole when raised in a build worker process
+        return (CompileError, (self.module, self.log, self.options))

@@ -21,7 +21,16 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
     "q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34),
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+    "q6_kp": (256, 224),  # Q6_K as stored on the device: blocks padded to 16-byte alignment
 }
+Q6K_PAD = 224 - 210
+
+
+def repack_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (210 bytes, only 2-byte aligned) -> 224-byte blocks (14 zero bytes appended), so
+    the kernels read every field with 16-byte loads (quant.cuh GT_Q6_KP)."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 210)
+    return np.concatenate([blocks, np.zeros((len(blocks), Q6K_PAD), np.uint8)], axis=1).reshape(-1)
 MATVEC_WARPS = 4  # MV_WARPS in matvec.cu
 
 
@@ -50,6 +59,16 @@ class QuantMatrix:
     type: str
     rows: int
     cols: int
+    # a 16-bit copy (uint16 bits, [rows, cols]) for the tensor-core matmul, when the caller keeps one
+    half: DeviceArray | None = None
+    half_kind: str = ""
+
+    def keep_half(self, dev: Device, kind: str, stream=None) -> None:
+        """Decode the matrix to 16 bits once and keep it: linear_tc then skips the per-call decode."""
+        if self.half is None or self.half_kind != kind:
+            self.half = dev.empty((self.rows * self.cols,), np.uint16)
+            self.half_kind = kind
+            dequant_half(dev, self, self.half, kind=kind, stream=stream)
 
     @property
     def row_bytes(self) -> int:
@@ -57,11 +76,14 @@ class QuantMatrix:
 
     @classmethod
     def upload(cls, dev: Device, raw: np.ndarray, ggml_type, rows: int, cols: int) -> "QuantMatrix":
+        """The GGUF bytes on the device; Q6_K is repacked to aligned blocks (q6_kp) on the way."""
         name = _type_name(ggml_type)
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
         need = rows * row_nbytes(name, cols)
         if raw.size != need:
             raise ValueError(f"{name} [{rows}, {cols}] needs {need} bytes, got {raw.size}")
+        if name == "q6_k":
+            raw, name = repack_q6_k(raw), "q6_kp"
         return cls(dev.to_device(raw), name, rows, cols)
 
 
@@ -88,6 +110,7 @@ def _pick_rows_per_warp(dev: Device, rows: int) -> int:
 
 
 KV2_TYPES = ("q4_k", "q5_k")
+KQ8_TYPES = ("q4_k", "q5_k", "q6_kp")
 KV2_MAX_COLS = 8 * 2048  # KV2_MAX_WARPS warps of 2048 columns
 # default for kv2 at batch 1: the software-pipelined variant (kv2p) measured faster for Q4_K, not Q5_K
 KV2_PREFETCH = {"q4_k": True, "q5_k": False}
@@ -95,6 +118,11 @@ KV2_PREFETCH = {"q4_k": True, "q5_k": False}
 
 def kv2_supported(w: QuantMatrix) -> bool:
     return w.type in KV2_TYPES and w.cols <= KV2_MAX_COLS and w.data.ptr % 16 == 0
+
+
+def kq8_supported(w: QuantMatrix) -> bool:
+    """The int8 matvec (matvec_q8) takes these rows: K-quants, at most 16384 columns, 16-byte aligned."""
+    return w.type in KQ8_TYPES and w.cols <= KV2_MAX_COLS and w.data.ptr % 16 == 0
 
 
 def _kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
@@ -157,6 +185,52 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
                  _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * w.rows * 4), stream=stream)
 
 
+KQ8_VARIANTS = {(1, 4, False), (1, 8, False), (2, 4, False), (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True),
+                (4, 2, False), (4, 2, True)}
+KQ8_DEFAULT = {1: (4, False), 2: (4, False), 4: (2, False)}  # (unroll, prefetch) per batch: measured, H200
+KQ8_MAX_ROWS = 16  # batches up to this many rows run in launches of 4 (each reads W once); more: tensor cores
+Q8_ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
+def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int = 1,
+              res: DeviceArray | None = None, ldx: int | None = None, act: str | None = None, up_offset: int = 0,
+              unroll: int | None = None, prefetch: bool | None = None, rows_per_block: int | None = None,
+              stream=None) -> None:
+    """y[n, rows] = q8(x)[n, cols] @ W.T (+ res) for Q4_K / Q5_K / Q6_K rows (matvec_k.cu kq8): x is quantized
+    to int8 per 32 columns inside the kernel and multiplied with dp4a. Batches of 1, 2 or 4 rows per
+    launch (larger n: launches of 4). Twin: reference.linear_q8(x, quants.dequantize(W)).
+
+    ldx: x's row stride (default cols). act ("silu" / "gelu_tanh"): x = act(x) * x[up_offset:], the
+    gated MLP's activation applied while loading (x is then the fused gate|up buffer)."""
+    if not kq8_supported(w) or n < 1:
+        raise ValueError(f"the int8 matvec takes Q4_K/Q5_K/Q6_K rows of at most {KV2_MAX_COLS} columns")
+    if act not in Q8_ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}")
+    ldx = w.cols if ldx is None else ldx
+    if ldx % 4 or up_offset % 4 or x.ptr % 16:
+        raise ValueError("x rows must be 16-byte aligned")
+    _need(x, np.float32, (n - 1) * ldx + w.cols + (up_offset if act else 0), "x")
+    _need(y, np.float32, n * w.rows, "y")
+    if res is not None:
+        _need(res, np.float32, n * w.rows, "res")
+    warps = -(-(w.cols // 256) // 8)
+    for b0 in range(0, n, 4):
+        nb = min(4, n - b0)
+        bt = 1 if nb == 1 else 2 if nb == 2 else 4
+        du, dpf = KQ8_DEFAULT[bt]
+        u = unroll or du
+        pf = dpf if prefetch is None else prefetch
+        if (bt, u, pf) not in KQ8_VARIANTS:
+            raise ValueError(f"kq8 (batch, unroll, prefetch) must be one of {sorted(KQ8_VARIANTS)}")
+        rpb = rows_per_block or _kv2_rows_per_block(dev, w.rows, w.cols, u)
+        if rpb % u or rpb > 64:
+            raise ValueError("rows_per_block must be a multiple of the unroll and at most 64")
+        dev.kernel(f"matvec_k_{w.type}", f"kq8{'p' if pf else ''}_b{bt}_u{u}").launch(
+            (-(-w.rows // rpb),), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols,
+            _ptr(x, b0 * ldx * 4), I64(ldx), I64(up_offset), Q8_ACTIVATIONS[act], nb,
+            _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * w.rows * 4), rpb, stream=stream)
+
+
 # -- dequantization / embedding lookup ----------------------------------------------------------------
 
 
@@ -203,6 +277,17 @@ def rms_norm_add(dev: Device, x: DeviceArray, weight: DeviceArray, out: DeviceAr
     threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
     dev.kernel("norm", "rms_norm_add_f32").launch((rows,), (threads,), x, weight, out, rows, cols, F32(eps),
                                                   stream=stream)
+
+
+def rms_norm_add_norm(dev: Device, x: DeviceArray, w1: DeviceArray, out: DeviceArray, w2: DeviceArray,
+                      h: DeviceArray, *, eps: float, rows: int, cols: int, stream=None) -> None:
+    """out += rms_norm(x, w1); h = rms_norm(out, w2), row by row: a post-norm residual add and the
+    next pre-norm in one launch (twin: reference.rms_norm, +, reference.rms_norm)."""
+    _need(w1, np.float32, cols, "w1")
+    _need(w2, np.float32, cols, "w2")
+    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
+    dev.kernel("norm", "rms_norm_add_norm_f32").launch((rows,), (threads,), x, w1, out, w2, h, rows, cols, F32(eps),
+                                                       stream=stream)
 
 
 def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | None = None, *, stream=None) -> None:
@@ -264,6 +349,33 @@ def kv_write(dev: Device, k: DeviceArray, v: DeviceArray, k_cache: DeviceArray, 
     )
 
 
+def qk_rope_kv(dev: Device, q: DeviceArray, k: DeviceArray, v: DeviceArray, k_cache: DeviceArray,
+               v_cache: DeviceArray, slots: DeviceArray, pos: DeviceArray, inv_freq: DeviceArray, *, n: int,
+               heads: int, kv_heads: int, head_dim: int, neox: bool, q_norm: DeviceArray | None = None,
+               k_norm: DeviceArray | None = None, eps: float = 1e-6, ldq: int | None = None, ldk: int | None = None,
+               ldv: int | None = None, stream=None) -> None:
+    """The attention prologue in one launch: per head, q and k RMS-normalised (when q_norm / k_norm
+    are given) and rotated at pos; q in place, k and v into the cache at slots. Twin:
+    reference.rms_norm per head, reference.rope, then the cache assignment (= rms_norm, rope and
+    kv_write in sequence)."""
+    kvn = _KV_NAMES.get(k_cache.dtype)
+    if kvn is None or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"no fused attention prologue for head_dim {head_dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    _need(pos, np.int32, n, "pos")
+    _need(inv_freq, np.float32, head_dim // 2, "inv_freq")
+    ldq = heads * head_dim if ldq is None else ldq
+    ldk = kv_heads * head_dim if ldk is None else ldk
+    ldv = kv_heads * head_dim if ldv is None else ldv
+    warps = min(16, heads + 2 * kv_heads)
+    dev.kernel("attention", f"qk_rope_kv_{kvn}").launch(
+        (n,), (32 * warps,), q, I64(ldq), k, I64(ldk), v, I64(ldv), heads, kv_heads, head_dim, q_norm, k_norm,
+        F32(eps), pos, inv_freq, 1 if neox else 0, k_cache, v_cache, slots, n, stream=stream)
+
+
 ATT_SPLIT_MAX = 512
 
 
@@ -320,6 +432,41 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
         kv_heads, block_size, window, F32(scale), split, None, acc, ml, I64(ldq or heads * head_dim), stream=stream
     )
     dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
+
+
+FLASH_ROWS = 64  # query rows per tile (flash.cu FA_ROWS)
+FLASH_HEAD_DIMS = (64, 128, 256)
+
+
+def flash_tiles(spans) -> np.ndarray:
+    """The flash kernel's tiles for a step: each chunk's rows (a, b) in runs of at most 64, as int32
+    (first row, row count) pairs. A chunk's rows are consecutive positions of one sequence."""
+    out = [(r, min(FLASH_ROWS, b - r)) for a, b in spans for r in range(a, b, FLASH_ROWS)]
+    return np.asarray(out, dtype=np.int32).reshape(-1, 2)
+
+
+def flash_smem_bytes(head_dim: int) -> int:
+    keys = 64 if head_dim <= 128 else 32
+    return (FLASH_ROWS + 4 * keys) * (head_dim + 8) * 2
+
+
+def flash_attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray,
+                    block_tables: DeviceArray, row_seq: DeviceArray, row_pos: DeviceArray, tiles: DeviceArray,
+                    out: DeviceArray, *, n_tiles: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                    max_blocks: int, window: int = 0, scale: float, ldq: int | None = None, stream=None) -> None:
+    """Paged causal GQA attention for prefill on the tensor cores (flash.cu): the same contract as
+    attention() for the rows that `tiles` (flash_tiles) lists, each tile consecutive positions of one
+    sequence; float16 KV only. Q and the probabilities are rounded to f16 (twin: reference.attention,
+    to f16 precision)."""
+    if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
+        raise TypeError("flash attention reads a float16 KV cache")
+    if heads % kv_heads or head_dim not in FLASH_HEAD_DIMS:
+        raise ValueError(f"no flash kernel for {heads}/{kv_heads} heads and head_dim {head_dim}")
+    _need(tiles, np.int32, 2 * n_tiles, "tiles")
+    dev.kernel("flash", f"flash_prefill_d{head_dim}").launch(
+        (n_tiles, heads), (256 if head_dim == 256 else 128,), q, I64(ldq or heads * head_dim), k_cache, v_cache, block_tables, max_blocks,
+        row_seq, row_pos, tiles, heads, kv_heads, block_size, window, F32(scale * math.log2(math.e)), out,
+        I64(heads * head_dim), smem=flash_smem_bytes(head_dim), stream=stream)
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -457,12 +604,16 @@ def gemm_splitk_bytes(dev: Device) -> int:
 
 def linear_tc(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, res: DeviceArray | None = None,
               kind: str = "f16", scratch: str = "gemm", stream=None) -> None:
-    """y[n, rows] = x[n, cols] @ dequantize(W).T (+ res) on the tensor cores: W decoded to 16 bits and x
-    converted into the device scratch buffers `<scratch>_w` / `<scratch>_x`, then gemm. For many rows
-    (prefill, large decode batches); small batches use matvec."""
-    wh = dev.scratch(f"{scratch}_w", w.rows * w.cols * 2).view(0, w.rows * w.cols, np.uint16)
+    """y[n, rows] = x[n, cols] @ dequantize(W).T (+ res) on the tensor cores: W decoded to 16 bits (or
+    its kept copy, QuantMatrix.keep_half) and x converted into the device scratch buffers
+    `<scratch>_w` / `<scratch>_x`, then gemm. For many rows (prefill, large decode batches); small
+    batches use matvec."""
     xh = dev.scratch(f"{scratch}_x", n * w.cols * 2).view(0, n * w.cols, np.uint16)
-    dequant_half(dev, w, wh, kind=kind, stream=stream)
+    if w.half is not None and w.half_kind == kind:
+        wh = w.half
+    else:
+        wh = dev.scratch(f"{scratch}_w", w.rows * w.cols * 2).view(0, w.rows * w.cols, np.uint16)
+        dequant_half(dev, w, wh, kind=kind, stream=stream)
     to_half(dev, x, xh, n * w.cols, kind=kind, stream=stream)
     gemm(dev, xh, wh, y, m=n, n=w.rows, k=w.cols, res=res, kind=kind, stream=stream)
 

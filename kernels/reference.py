@@ -25,6 +25,33 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     return y + bias if bias is not None else y
 
 
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., cols] (cols a multiple of 32) -> (q int8 [..., cols], d float32 [..., cols / 32]): per
+    32 columns, d = max|x| / 127 and q = round-half-away(x * (1 / d)) in float32, as the int8 matvecs
+    (matvec_k.cu kq8) and ggml's q8_0 / q8_1 quantize their input (d itself stays float32 here)."""
+    x = np.asarray(x, dtype=np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = np.max(np.abs(blocks), axis=-1) / np.float32(127.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    scaled = blocks * inv[..., None]
+    mag = np.abs(scaled)
+    whole = np.floor(mag)
+    q = (np.sign(scaled) * (whole + np.floor(2 * (mag - whole)))).astype(np.int8)  # exact roundf
+    return q.reshape(x.shape), d.astype(np.float32)
+
+
+def dequantize_q8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values an int8-quantized x stands for (float64: q * d is exact there)."""
+    blocks = q.astype(np.float64).reshape(*q.shape[:-1], -1, 32) * d.astype(np.float64)[..., None]
+    return blocks.reshape(q.shape)
+
+
+def linear_q8(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """What an int8-activation matvec computes: x quantized per 32 columns, times weight (float64)."""
+    return (dequantize_q8(*quantize_q8(x)) @ np.asarray(weight, dtype=np.float64).T)
+
+
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [n, head_dim/2] for the given positions; angles in float64 for long contexts."""
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]

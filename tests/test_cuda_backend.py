@@ -57,7 +57,8 @@ def _synth(model_dir, arch, shape="tiny"):
 
 # exact: float32 KV and matvec only (the numpy math, to float32 rounding); fast: the defaults
 # (float16 KV, prefill matmuls on the tensor cores in 16 bits)
-MODES = {"exact": dict(kv_dtype="f32", tensor_cores=False), "fast": dict(kv_dtype="f16", tensor_cores=True)}
+MODES = {"exact": dict(kv_dtype="f32", tensor_cores=False, int8_activations=False),
+         "fast": dict(kv_dtype="f16", tensor_cores=True)}
 
 
 def _backends(model, dev, n_blocks=24, mode="exact"):

@@ -182,3 +182,28 @@ def test_no_device_is_reported_not_raised():
     if dev is not None:
         pytest.skip(f"a CUDA device is present ({dev})")
     assert why
+
+
+def test_compile_error_survives_a_worker_process():
+    """build_all compiles in spawned processes: the error must unpickle whole (module, log, options),
+    or the pool breaks and the NVRTC log is lost."""
+    import pickle
+
+    from ember.kernels.errors import CompileError
+
+    e = pickle.loads(pickle.dumps(CompileError("flash", "flash.cu(1): error: x", ["-arch=sm_90"])))
+    assert (e.module, e.log, e.options) == ("flash", "flash.cu(1): error: x", ["-arch=sm_90"])
+    assert "flash.cu(1): error" in str(e)
+
+
+def test_q6_k_is_repacked_to_aligned_blocks():
+    """The device keeps Q6_K blocks padded to 224 bytes (16-byte aligned fields); the padding is all
+    that changes."""
+    import numpy as np
+
+    from ember.kernels import ops
+
+    raw = np.random.default_rng(3).integers(0, 256, 210 * 6, dtype=np.uint8)
+    packed = ops.repack_q6_k(raw).reshape(6, 224)
+    assert np.array_equal(packed[:, :210].reshape(-1), raw) and not packed[:, 210:].any()
+    assert ops.row_nbytes("q6_kp", 512) == 2 * 224 and ops.row_nbytes("q6_k", 512) == 2 * 210

@@ -124,6 +124,61 @@ def test_matvec_kv2_matches_linear(dev, rng, tname, n, unroll, prefetch, rows, c
     assert rel_err(y.to_host(), ref) < FP32_BAR
 
 
+@pytest.mark.parametrize("tname", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("n,unroll,prefetch", sorted(ops.KQ8_VARIANTS))
+@pytest.mark.parametrize("rows,cols", [(1000, 2304), (37, 14336), (300, 256)])
+def test_matvec_q8_matches_twin(dev, rng, tname, n, unroll, prefetch, rows, cols):
+    """The int8-activation kernel against its twin (x quantized the same way, float64 dot): partial
+    warps, 7 warps per row, rows that do not fill a block, residual in place, a strided x; n = 4 is
+    also run as 11 rows (launches of 4, 4 and 3)."""
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    x = (rng.normal(0, 1, (n, cols)) * rng.choice([1, 1, 10], (n, cols))).astype(np.float32)
+    ref = reference.linear_q8(x, wf)
+    y = dev.empty((n, rows))
+    for rpb in (None, unroll, 64):
+        y.poison()
+        ops.matvec_q8(dev, w, dev.to_device(x), y, n=n, unroll=unroll, prefetch=prefetch, rows_per_block=rpb)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, rpb
+    # int8 x stays close to the float product (the quantization's own error, not the kernel's; x has
+    # outliers 10x the rest, which coarsen their blocks' steps)
+    assert rel_err(y.to_host(), x.astype(np.float64) @ wf.T.astype(np.float64)) < 5e-2
+    res = rng.normal(0, 1, (n, rows)).astype(np.float32)
+    yd = dev.to_device(res)
+    ops.matvec_q8(dev, w, dev.to_device(x), yd, n=n, res=yd, unroll=unroll, prefetch=prefetch)
+    assert rel_err(yd.to_host(), ref + res) < FP32_BAR
+    wide = np.zeros((n, cols + 64), np.float32)
+    wide[:, :cols] = x
+    y.poison()
+    ops.matvec_q8(dev, w, dev.to_device(wide), y, n=n, ldx=cols + 64, unroll=unroll, prefetch=prefetch)
+    assert rel_err(y.to_host(), ref) < FP32_BAR
+    if n == 4:
+        x11 = rng.normal(0, 1, (11, cols)).astype(np.float32)
+        y11 = dev.empty((11, rows))
+        y11.poison()
+        ops.matvec_q8(dev, w, dev.to_device(x11), y11, n=11, unroll=unroll, prefetch=prefetch)
+        assert rel_err(y11.to_host(), reference.linear_q8(x11, wf)) < FP32_BAR
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_matvec_q8_fused_activation(dev, rng, act, n):
+    """x = act(gate) * up read from a fused gate|up buffer: the same as gated_act, then the matvec.
+    The activation is computed by the same device code in both, so the int8 inputs agree; against the
+    host's float32 activation an element may round to the neighbouring int8 step, hence 1e-3 there."""
+    ffn, rows = 2304, 640
+    w, raw, wf = upload_matrix(dev, rng, "q4_k", rows, ffn)
+    gu = rng.normal(0, 1.5, (n, 2 * ffn)).astype(np.float32)
+    gud = dev.to_device(gu)
+    g = dev.empty((n, ffn))
+    ops.gated_act(dev, gud, gud.view(ffn, gud.size - ffn), g, n=n, ffn=ffn, act=act, ldg=2 * ffn, ldu=2 * ffn)
+    y = dev.empty((n, rows))
+    y.poison()
+    ops.matvec_q8(dev, w, gud, y, n=n, ldx=2 * ffn, act=act, up_offset=ffn)
+    assert rel_err(y.to_host(), reference.linear_q8(g.to_host(), wf)) < FP32_BAR
+    fn = reference.silu if act == "silu" else reference.gelu_tanh
+    assert rel_err(y.to_host(), reference.linear_q8(fn(gu[:, :ffn]) * gu[:, ffn:], wf)) < 1e-3
+
+
 @pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q6_k", "q4_k"])
 def test_matvec_unaligned_rows_and_residual(dev, rng, tname):
     """Rows whose byte length is not a multiple of 16 take the 2-byte-load path; res is added."""
@@ -247,6 +302,83 @@ def test_rope_in_place_on_fused_qkv(dev, rng, neox, d):
     np.testing.assert_array_equal(got[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
 
 
+def test_rms_norm_add_norm(dev, rng):
+    """The post-norm residual add and the next pre-norm in one launch."""
+    rows, cols, eps = 5, 640, 1e-6
+    x = rng.normal(0, 3, (rows, cols)).astype(np.float32)
+    w1, w2 = (rng.normal(1, 0.1, cols).astype(np.float32) for _ in range(2))
+    res = rng.normal(0, 1, (rows, cols)).astype(np.float32)
+    out, h = dev.to_device(res), dev.empty((rows, cols))
+    h.poison()
+    ops.rms_norm_add_norm(dev, dev.to_device(x), dev.to_device(w1), out, dev.to_device(w2), h, eps=eps, rows=rows,
+                          cols=cols)
+    ref = res.astype(np.float64) + reference.rms_norm(x.astype(np.float64), w1.astype(np.float64), eps)
+    assert rel_err(out.to_host(), ref) < FP32_BAR
+    assert rel_err(h.to_host(), reference.rms_norm(ref, w2.astype(np.float64), eps)) < FP32_BAR
+
+
+@pytest.mark.parametrize("kv", [np.float16, np.float32])
+@pytest.mark.parametrize("neox,qk_norm", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("d,hq,hk", [(64, 4, 1), (128, 32, 8), (256, 8, 4)])
+def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, d, hq, hk):
+    """The fused attention prologue against its twins in sequence: per-head RMSNorm (optional), RoPE,
+    and the cache writes, on a fused qkv buffer with shuffled slots."""
+    n, eps, n_slots = 7, 1e-6, 64
+    width = (hq + 2 * hk) * d
+    qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
+    pos = rng.integers(0, 131072, n).astype(np.int32)
+    slots = rng.permutation(n_slots)[:n].astype(np.int32)
+    inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+    qw, kw = (rng.normal(1, 0.1, d).astype(np.float32) for _ in range(2))
+    buf = dev.to_device(qkv)
+    kc, vc = dev.empty((n_slots, hk, d), kv), dev.empty((n_slots, hk, d), kv)
+    kc.poison(); vc.poison()
+    ops.qk_rope_kv(dev, buf, buf.view(hq * d, n * width - hq * d), buf.view((hq + hk) * d, n * width - (hq + hk) * d),
+                   kc, vc, dev.to_device(slots), dev.to_device(pos), dev.to_device(inv_freq), n=n, heads=hq,
+                   kv_heads=hk, head_dim=d, neox=neox, q_norm=dev.to_device(qw) if qk_norm else None,
+                   k_norm=dev.to_device(kw) if qk_norm else None, eps=eps, ldq=width, ldk=width, ldv=width)
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
+    if qk_norm:
+        q, k = reference.rms_norm(q, qw, eps), reference.rms_norm(k, kw, eps)
+    cos, sin = reference.rope_tables(pos, inv_freq)
+    got = buf.to_host()
+    assert rel_err(got[:, : hq * d].reshape(n, hq, d), reference.rope(q, cos, sin, neox=neox)) < FP32_BAR
+    np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v rows are only read
+    kref = reference.rope(k, cos, sin, neox=neox)
+    # float16 slots: the kernel's and the twin's float32 may round to neighbouring halves
+    bar = FP32_BAR if kv == np.float32 else 1e-3
+    assert rel_err(kc.to_host()[slots].astype(np.float32), kref) < bar
+    np.testing.assert_array_equal(vc.to_host()[slots], v.astype(kv))
+
+
+def test_programmatic_dependent_launch_keeps_order(dev, rng):
+    """A captured chain of 200 kernels launched with PDL, each reading what the one before wrote
+    (and a matvec in between that prefetches weights before its wait): the result is exact, so every
+    kernel waited for its input."""
+    from ember.kernels.cuda_runtime import Graph, Stream, pdl_launches
+
+    st = Stream()
+    n = 1 << 16
+    ones = dev.to_device(np.ones(n, np.float32))
+    acc = dev.to_device(np.zeros(n, np.float32))
+    w, _, wf = upload_matrix(dev, rng, "q4_k", 256, 256)
+    y = dev.empty((1, 256))
+    with Graph.capture(st) as g:
+        ops.add(dev, acc, ones, acc, stream=st)  # the first node follows no kernel (as in the backend)
+        with pdl_launches():
+            for _ in range(199):
+                ops.add(dev, acc, ones, acc, stream=st)
+        ops.matvec_q8(dev, w, acc.view(0, 256), y, stream=st)
+    for reps in (1, 2):
+        g.launch()
+        st.synchronize()
+        np.testing.assert_array_equal(acc.to_host(), np.full(n, 200.0 * reps, np.float32))
+        assert rel_err(y.to_host(), reference.linear_q8(np.full((1, 256), 200.0 * reps, np.float32), wf)) < FP32_BAR
+    g.destroy()
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_act_on_fused_gate_up(dev, rng, act):
     n, f = 5, 1000
@@ -338,6 +470,39 @@ def test_paged_prefill_attention_rows(dev, rng, window):
                   max_keys=L if not window else window, window=window, scale=0.1)
     ref = reference.attention(q, keys[0], values[0], pos, window=window, scale=0.1)
     assert rel_err(out.to_host(), ref) < FP32_BAR
+
+
+@pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (256, 8, 4), (64, 4, 1), (128, 8, 8)])
+@pytest.mark.parametrize("window", [0, 100])
+def test_flash_prefill_attention(dev, rng, d, hq, hk, window):
+    """Flash attention on the tensor cores against the twin, for one step of four chunks: 250 rows
+    from position 200 (tiles of 64, 64, 64, 58), a 37-token prompt from 0, one decode row at position
+    1499 and 60 rows ending a 700-token sequence; shuffled block tables. f16 Q and probabilities: 1e-2."""
+    lens, bs = [450, 37, 1500, 700], 16
+    kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, np.float16)
+    chunks = [(0, 200, 450), (1, 0, 37), (2, 1499, 1500), (3, 640, 700)]  # (sequence, first position, end)
+    spans, seq, pos, at = [], [], [], 0
+    for s_, p0, p1 in chunks:
+        spans.append((at, at + p1 - p0))
+        seq += [s_] * (p1 - p0)
+        pos += list(range(p0, p1))
+        at += p1 - p0
+    n = at
+    q = rng.normal(0, 1, (n, hq, d)).astype(np.float32)
+    seq_a, pos_a = np.asarray(seq, np.int32), np.asarray(pos, np.int32)
+    scale = 1.0 / np.sqrt(d)
+    ref = np.concatenate([reference.attention(q[a:b], keys[s_], values[s_], pos_a[a:b], window=window, scale=scale)
+                          for (s_, _, _), (a, b) in zip(chunks, spans)])
+    tiles = ops.flash_tiles(spans)
+    assert [int(c) for c in tiles[:, 1]] == [64, 64, 64, 58, 37, 1, 60]
+    out = dev.empty((n, hq, d))
+    out.poison()
+    ops.flash_attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(seq_a), dev.to_device(pos_a),
+                        dev.to_device(tiles), out, n_tiles=len(tiles), heads=hq, kv_heads=hk, head_dim=d,
+                        block_size=bs, max_blocks=max_blocks, window=window, scale=scale)
+    got = out.to_host()
+    for (a, b) in spans:  # every chunk, the single decode row included, on its own
+        assert rel_err(got[a:b], ref[a:b]) < 1e-2, (a, b)
 
 
 # -- sampling -------------------------------------------------------------------------------------------------

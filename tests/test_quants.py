@@ -14,7 +14,7 @@ import pytest
 from gguf import quants as peer
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from ember.kernels import quants
+from ember.kernels import quants, reference
 from ember.kernels.quants import (
     BLOCK_DTYPES,
     SUPPORTED_TYPES,
@@ -203,3 +203,26 @@ def test_embedding_lookup_of_embedded_model(gemma):
     row_bytes = info.nbytes // n_rows
     raw = gemma.raw("token_embd.weight").reshape(n_rows, row_bytes)
     np.testing.assert_array_equal(rows, peer.dequantize(raw[ids], info.ggml_type))
+
+
+def test_quantize_q8_twin_matches_gguf_q8_0():
+    """The int8 matvecs' input quantization is ggml's q8_0 rounding: the same q bytes as gguf-py's
+    Q8_0 quantizer (which then stores d as float16; the twin keeps float32), ties included."""
+    rng = np.random.default_rng(7)
+    x = (rng.normal(0, 2, (64, 256)) * rng.choice([1, 1, 100], (64, 256))).astype(np.float32)
+    x[0, :32] = np.r_[127.0, np.arange(31) - 15.5]  # d = 1: exact .5 ties, rounded away from zero
+    x[1, :32] = 0.0
+    q, d = reference.quantize_q8(x)
+    blocks = peer.quantize(x, T.Q8_0).reshape(-1, 34)
+    assert np.array_equal(q.reshape(-1, 32), blocks[:, 2:].view(np.int8))
+    assert np.array_equal(d.reshape(-1).astype(np.float16), blocks[:, :2].copy().view(np.float16).reshape(-1))
+
+
+def test_quantize_q8_twin_bounds():
+    """The int8 twin: per 32 columns |q| <= 127, the block's largest element maps to +-127, zeros stay 0."""
+    x = np.random.default_rng(1).normal(0, 3, (3, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0
+    q, d = reference.quantize_q8(x)
+    assert q.dtype == np.int8 and d.shape == (3, 3)
+    assert np.abs(q.astype(int)).max() == 127 and not q[1, 32:64].any() and d[1, 1] == 0
+    assert np.abs(reference.dequantize_q8(q, d) - x).max() <= d.max() / 2 * 1.0001

@@ -40,6 +40,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     drain_seconds: float = 30.0
     stall_seconds: float = 60.0
     backend: str = "numpy"
+    # cuda: a 16-bit copy of the weight matrices for the tensor-core matmuls (prefill, decode batches of
+    # 16+), decoded once at start instead of at every such step: auto = when it fits with a tenth of
+    # the device left free.
+    f16_weights: str = "auto"
     fault: str | None = None
     log_prompts: bool = False
     # The loop guard ends a generation whose tail is one block of tokens repeated back to back.
@@ -74,6 +78,7 @@ HELP = {
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
     "stall_seconds": "an engine loop with work and no progress this long fails /health/live (default 60)",
     "backend": "compute backend: numpy (default) or cuda",
+    "f16_weights": "cuda: keep a 16-bit copy of the weights for prefill and large batches: auto (default: when it fits), on, off",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
     "loop_guard": "end a generation that repeats the same block of tokens (finish reason length; default on)",
@@ -166,6 +171,8 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("drain_seconds: must not be negative")
     if cfg.backend not in ("numpy", "cuda"):
         raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy, cuda)")
+    if cfg.f16_weights not in ("auto", "on", "off"):
+        raise ConfigError(f"f16_weights: {cfg.f16_weights!r} is not one of auto, on, off")
     if cfg.loop_guard_repeats < 2:
         raise ConfigError("loop_guard_repeats: must be at least 2")
     if cfg.loop_guard_min_span < 0:

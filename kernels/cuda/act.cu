@@ -1,14 +1,10 @@
 // Gated MLP activation: out = act(g) * u, act = silu (act 0) or gelu_tanh (act 1), over [n, F] with
 // row strides, so g and u can be the two halves of one fused gate|up buffer.
-#include "common.cuh"
-
-EMBER_DEV float silu(float x) { return x / (1.0f + expf(-x)); }
-EMBER_DEV float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
+#include "act.cuh"
 
 extern "C" __global__ void gated_act_f32(const float* g, i64 ldg, const float* u, i64 ldu, float* out,
                                          i64 ldo, int n, int F, int act) {
+    grid_dependency_sync();
     const i64 total = (i64)n * F;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / F, c = i % F;

@@ -207,6 +207,7 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
 // Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                         int S, int Hq, int D, float* __restrict__ out) {
+    grid_dependency_sync();
     // unrolled and branch-free, so the loads of many splits are in flight at once (a dependent chain
     // of S global loads is what made this kernel slow)
     const i64 h = (i64)blockIdx.y * Hq + blockIdx.x;
@@ -233,6 +234,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
         float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
+        grid_dependency_sync();                                                                        \
         attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
                         scale, split, out, part_acc, part_ml, ldq);                                    \
     }
@@ -255,9 +257,96 @@ EMBER_DEV void kv_write(const float* __restrict__ k, i64 ldk, const float* __res
 }
 extern "C" __global__ void kv_write_f16(const float* k, i64 ldk, const float* v, i64 ldv, f16_t* kc,
                                         f16_t* vc, const int* slots, int n, int Hk, int D) {
+    grid_dependency_sync();
     kv_write<f16_t>(k, ldk, v, ldv, kc, vc, slots, n, Hk, D);
 }
 extern "C" __global__ void kv_write_f32(const float* k, i64 ldk, const float* v, i64 ldv, float* kc,
                                         float* vc, const int* slots, int n, int Hk, int D) {
+    grid_dependency_sync();
     kv_write<float>(k, ldk, v, ldv, kc, vc, slots, n, Hk, D);
 }
+
+// The attention prologue of one decode/prefill step, one block per token: for each q and k head,
+// the per-head RMSNorm (qwen3, gemma3: when qw/kw are given) and RoPE, q written back in place and
+// k into its cache slot, and v copied into its slot; the work of rms_norm_f32 (twice), rope_f32 and
+// kv_write_* in one launch. One warp per head: lane l holds the rotation pairs i = l + 32 j (neox:
+// elements i and i + D/2; normal: 2i and 2i + 1), so the norm is a warp sum and the rotation needs
+// no exchange. Angles in double, like rope_f32 and the twin.
+#define PRO_MAX_PAIRS 4  // D / 64: head_dim up to 256
+template <typename KV>
+EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restrict__ k, i64 ldk,
+                          const float* __restrict__ v, i64 ldv, int hq, int hk, int D,
+                          const float* __restrict__ qw, const float* __restrict__ kw, float eps,
+                          const int* __restrict__ pos, const float* __restrict__ inv_freq, int neox,
+                          KV* __restrict__ kc, KV* __restrict__ vc, const int* __restrict__ slots, int n) {
+    __shared__ float cs[128], sn[128];
+    const int t = blockIdx.x;
+    if (t >= n) return;
+    const int half = D / 2, per = half / 32;
+    const double p = (double)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const double a = p * (double)inv_freq[i];
+        cs[i] = (float)cos(a);
+        sn[i] = (float)sin(a);
+    }
+    __syncthreads();
+    const i64 slot = slots[t];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int h = warp; h < hq + 2 * hk; h += nw) {
+        if (h >= hq + hk) {  // v: a copy into its slot
+            const float* src = v + (i64)t * ldv + (i64)(h - hq - hk) * D;
+            KV* dst = vc + (slot * hk + (h - hq - hk)) * D;
+            for (int e = lane; e < D; e += 32) dst[e] = from_f32<KV>(src[e]);
+            continue;
+        }
+        const bool is_q = h < hq;
+        const float* src = is_q ? q + (i64)t * ldq + (i64)h * D : k + (i64)t * ldk + (i64)(h - hq) * D;
+        const float* w = is_q ? qw : kw;
+        float a[PRO_MAX_PAIRS], b[PRO_MAX_PAIRS];
+        int ia[PRO_MAX_PAIRS], ib[PRO_MAX_PAIRS];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PRO_MAX_PAIRS; ++j) {
+            if (j < per) {
+                const int i = lane + 32 * j;
+                ia[j] = neox ? i : 2 * i;
+                ib[j] = neox ? i + half : 2 * i + 1;
+                a[j] = src[ia[j]];
+                b[j] = src[ib[j]];
+                ss = fmaf(a[j], a[j], ss);
+                ss = fmaf(b[j], b[j], ss);
+            }
+        }
+        float inv = 1.0f;
+        if (w) inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+        for (int j = 0; j < PRO_MAX_PAIRS; ++j) {
+            if (j < per) {
+                const int i = lane + 32 * j;
+                const float x1 = w ? (a[j] * inv) * w[ia[j]] : a[j];
+                const float x2 = w ? (b[j] * inv) * w[ib[j]] : b[j];
+                const float c = cs[i], s = sn[i];
+                const float r1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+                const float r2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+                if (is_q) {
+                    float* dst = q + (i64)t * ldq + (i64)h * D;
+                    dst[ia[j]] = r1;
+                    dst[ib[j]] = r2;
+                } else {
+                    KV* dst = kc + (slot * hk + (h - hq)) * D;
+                    dst[ia[j]] = from_f32<KV>(r1);
+                    dst[ib[j]] = from_f32<KV>(r2);
+                }
+            }
+        }
+    }
+}
+#define QK_ROPE_KV(KVN, KVT)                                                                                 \
+    extern "C" __global__ void qk_rope_kv_##KVN(                                                             \
+        float* q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv, int hq, int hk, int D,          \
+        const float* qw, const float* kw, float eps, const int* pos, const float* inv_freq, int neox,       \
+        KVT* kc, KVT* vc, const int* slots, int n) {                                                         \
+        grid_dependency_sync();                                                                              \
+        qk_rope_kv<KVT>(q, ldq, k, ldk, v, ldv, hq, hk, D, qw, kw, eps, pos, inv_freq, neox, kc, vc, slots, n); \
+    }
+QK_ROPE_KV(f16, f16_t) QK_ROPE_KV(f32, float)

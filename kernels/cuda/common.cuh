@@ -11,6 +11,20 @@ typedef unsigned long long u64;
 
 #define EMBER_DEV __device__ __forceinline__
 
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute (Kernel.launch
+// inside cuda_runtime.pdl_launches(): the backend's captured decode steps) may start while the
+// kernel before it in the stream is still running, to hide launch latency. It must neither read
+// that kernel's output nor write anything before grid_dependency_sync(), which waits until the
+// previous grid has completed and its memory is visible, then lets the next kernel launch early.
+// Every kernel calls it first (the matvecs after issuing their first weight loads, which depend on
+// nothing); launched without the attribute, both instructions return at once.
+EMBER_DEV void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 EMBER_DEV float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -57,19 +57,23 @@ EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows,
     extern "C" __global__ void dequant_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
                                                    float* __restrict__ out, float scale) {            \
+        grid_dependency_sync();                                                                       \
         dequant_rows<T, false, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                  \
     }                                                                                                \
     extern "C" __global__ void dequant_##NAME##_a8(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
                                                    float* __restrict__ out, float scale) {            \
+        grid_dependency_sync();                                                                       \
         dequant_rows<T, true, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                   \
     }                                                                                                \
     extern "C" __global__ void dequant_##NAME##_h16(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                     int cols, int n, u16* __restrict__ out) {         \
+        grid_dependency_sync();                                                                       \
         dequant_rows<T, false, 1>(W, row_bytes, n_rows, cols, nullptr, n, out, 1.0f);               \
     }                                                                                                \
     extern "C" __global__ void dequant_##NAME##_hbf(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                     int cols, int n, u16* __restrict__ out) {         \
+        grid_dependency_sync();                                                                       \
         dequant_rows<T, false, 2>(W, row_bytes, n_rows, cols, nullptr, n, out, 1.0f);               \
     }
 
@@ -82,3 +86,4 @@ DQ(q8_0, GT_Q8_0)
 DQ(q4_k, GT_Q4_K)
 DQ(q5_k, GT_Q5_K)
 DQ(q6_k, GT_Q6_K)
+DQ(q6_kp, GT_Q6_KP)

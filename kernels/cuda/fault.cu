@@ -4,6 +4,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void fault_illegal_address(float* p, i64 offset) {
+    grid_dependency_sync();
     volatile float* bad = p + offset;
     *bad = 1.0f;
 }

@@ -11,44 +11,13 @@
 // 8 row addresses of each ldmatrix fall in different banks. K must be a multiple of 32 (every model
 // dimension is). h = f16 or bf16: bf16 keeps the float32 exponent range, for models (Gemma) whose
 // activations can exceed what f16 holds.
-#include "common.cuh"
+#include "mma.cuh"
 
 #define GM_BM 128
 #define GM_BN 128
 #define GM_BK 32
 #define GM_LD 40  // halves per shared-memory row: 32 + 8 padding
 #define GM_THREADS 256
-
-EMBER_DEV u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-EMBER_DEV void cp_async16(u32 dst, const void* src, bool valid) {
-    const int bytes = valid ? 16 : 0;  // 0: zero-fill the destination
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-EMBER_DEV void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-template <bool BF>
-EMBER_DEV void mma16816(float* c, const u32* a, const u32* b) {
-    if constexpr (BF) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-}
 
 // Load one 128 x 32 slice of a row-major [rows, K] matrix into shared memory: 512 16-byte pieces,
 // two per thread.
@@ -148,6 +117,7 @@ EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const 
 // C = sum over the splits of the workspace (+ R): the second half of a split-K matmul.
 extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int splits, i64 mn, const float* R,
                                               float* C) {
+    grid_dependency_sync();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < mn; i += (i64)gridDim.x * blockDim.x) {
         float v = R ? R[i] : 0.0f;
         for (int z = 0; z < splits; ++z) v += ws[(i64)z * mn + i];
@@ -157,19 +127,23 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int 
 
 extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_f16(const u16* A, const u16* B, const float* R,
                                                                   float* C, int M, int N, int K, i64 ldc) {
+    grid_dependency_sync();
     gemm<false>(A, B, R, C, M, N, K, ldc);
 }
 extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_bf16(const u16* A, const u16* B, const float* R,
                                                                    float* C, int M, int N, int K, i64 ldc) {
+    grid_dependency_sync();
     gemm<true>(A, B, R, C, M, N, K, ldc);
 }
 
 // x (float32, n elements) to 16 bits: f16 (round to nearest) or bf16 (nearest even).
 extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    grid_dependency_sync();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = f2h(x[i]);
 }
 extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+    grid_dependency_sync();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = f2bf(x[i]);
 }

@@ -140,6 +140,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
         qmv_b##B##_r##R##_v##VEC(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,       \
                                  const float* __restrict__ x, int nb, const float* res, float* y) { \
+        grid_dependency_sync();                                                                     \
         qmv<B, R, VEC>(W, row_bytes, rows, cols, x, nb, res, y);                                    \
     }
 

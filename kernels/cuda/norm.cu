@@ -8,6 +8,7 @@
 extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float* h_out,
                                         const float* __restrict__ w, float* y, int n_rows, int cols,
                                         int heads, i64 ldx, i64 ldy, float eps) {
+    grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
@@ -37,6 +38,7 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float*
 // out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
 extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const float* __restrict__ w, float* out,
                                             int n_rows, int cols, float eps) {
+    grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
@@ -50,6 +52,7 @@ extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const f
 
 // Elementwise h = a + b (the residual add when no norm follows).
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {
+    grid_dependency_sync();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = a[i] + b[i];
 }
@@ -57,6 +60,7 @@ extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i
 // out[i, :] = x[idx[i], :] (rows of cols floats, x with row stride ldx): the rows whose logits a step needs.
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx, const int* __restrict__ idx,
                                            int n, int cols, float* __restrict__ out) {
+    grid_dependency_sync();
     const int i = blockIdx.x;
     if (i >= n) return;
     const float* src = x + (i64)idx[i] * ldx;
@@ -65,5 +69,33 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx,
 
 // y[r, :] += bias over n rows of cols (row stride ldy): qwen2's q/k/v biases.
 extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restrict__ bias, int n, int cols) {
+    grid_dependency_sync();
     for (int c = threadIdx.x; c < cols; c += blockDim.x) y[(i64)blockIdx.x * ldy + c] += bias[c];
+}
+
+// out += rms_norm(x) * w1, then h = rms_norm(out) * w2, one block per row: a Gemma post-norm folded
+// into the residual add and the next sub-block's pre-norm, in one launch instead of two. The same
+// per-element math as rms_norm_add_f32 followed by rms_norm_f32.
+extern "C" __global__ void rms_norm_add_norm_f32(const float* __restrict__ x, const float* __restrict__ w1,
+                                                 float* out, const float* __restrict__ w2, float* __restrict__ h,
+                                                 int n_rows, int cols, float eps) {
+    grid_dependency_sync();
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    const float* xr = x + (i64)r * cols;
+    float* orow = out + (i64)r * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    float ss2 = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float o = orow[c] + (xr[c] * inv) * w1[c];
+        orow[c] = o;
+        ss2 = fmaf(o, o, ss2);
+    }
+    ss2 = block_sum(ss2, scratch);
+    const float inv2 = 1.0f / sqrtf(ss2 / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) h[(i64)r * cols + c] = (orow[c] * inv2) * w2[c];
 }

@@ -25,6 +25,7 @@
 #define GT_Q5_K 13
 #define GT_Q6_K 14
 #define GT_BF16 30
+#define GT_Q6_KP 1014  // not a ggml type: Q6_K blocks padded to 224 bytes on the device (16-byte aligned)
 
 // byte b of `word` (0..3) as float(b) + 2^23: subtract BIAS to get the integer back.
 // The 0x4B000000 operand comes from a register so that PRMT can take its selector as an immediate
@@ -221,4 +222,11 @@ template <> struct QT<GT_Q6_K> {
         s = h2f(ld16(p + 208)) * (float)(int)(i8)p[192 + 8 * h + (e0 >> 4)];
         o = 0.0f;
     }
+};
+
+// Q6_K as the device stores it (ops.QuantMatrix.upload): each 210-byte block followed by 14 bytes of
+// padding, so every block and each of its fields is 16-byte aligned and can be read in 16-byte loads.
+template <> struct QT<GT_Q6_KP> : QT<GT_Q6_K> {
+    static constexpr int BYTES = 224;
+    static constexpr bool SMEM_A8 = true;
 };

@@ -10,6 +10,7 @@
 extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk, int hk,
                                     const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                     int n, int D, int neox) {
+    grid_dependency_sync();
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int t = blockIdx.x;
     if (t >= n) return;

@@ -4,6 +4,7 @@
 // out_idx[r] = first index of the largest value of row r (numpy.argmax's tie rule); one block per row.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V, int* __restrict__ out_idx,
                                       float* __restrict__ out_val) {
+    grid_dependency_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* xr = x + (i64)blockIdx.x * ld;
@@ -50,6 +51,7 @@ EMBER_DEV void better(float& best, int& bi, float v, int i) {
 
 extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, int V, float* __restrict__ pv,
                                            int* __restrict__ pi) {
+    grid_dependency_sync();
     __shared__ float sv[8];
     __shared__ int si[8];
     const int row = blockIdx.y, chunk = blockIdx.x, nchunks = gridDim.x;
@@ -90,6 +92,7 @@ extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, 
 
 extern "C" __global__ void argmax_final_f32(const float* __restrict__ pv, const int* __restrict__ pi, int nchunks,
                                             int* __restrict__ out_idx, float* __restrict__ out_val) {
+    grid_dependency_sync();
     const int row = blockIdx.x, lane = threadIdx.x;
     float best = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
@@ -110,6 +113,7 @@ extern "C" __global__ void argmax_final_f32(const float* __restrict__ pv, const 
 // y = softmax(x * inv_temp) per row (reference.softmax at inv_temp 1); one block per row.
 extern "C" __global__ void softmax_f32(const float* __restrict__ x, i64 ldx, float* __restrict__ y, i64 ldy,
                                        int V, float inv_temp) {
+    grid_dependency_sync();
     __shared__ float scratch[33];
     const float* xr = x + (i64)blockIdx.x * ldx;
     float* yr = y + (i64)blockIdx.x * ldy;
@@ -243,6 +247,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
     const float* __restrict__ x, i64 ld, int V, const float* __restrict__ temperature, const int* __restrict__ top_k,
     const float* __restrict__ top_p, const float* __restrict__ min_p, const u64* __restrict__ seed,
     const u32* __restrict__ step, int* __restrict__ out, float* __restrict__ out_floor) {
+    grid_dependency_sync();
     __shared__ float scratch[33];
     __shared__ float hist[256];
     __shared__ u32 pick;

@@ -25,6 +25,12 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--stream-prompt", type=int, default=128, metavar="N", help="cuda: prompt tokens per stream (default 128)")
     s.add_argument("--prefill-chunk", type=int, default=2048, metavar="N", help="cuda: prompt tokens per step (default 2048)")
     s.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="cuda: KV cache precision (default f16)")
+    s.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
+                   help="cuda: keep a 16-bit copy of the weights for prefill and large batches (default auto)")
+    s.add_argument("--no-int8", dest="int8", action="store_false",
+                   help="cuda: float activations in the decode matvecs (default: int8, as llama.cpp)")
+    s.add_argument("--no-pdl", dest="pdl", action="store_false",
+                   help="cuda: capture decode steps without programmatic dependent launch")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 

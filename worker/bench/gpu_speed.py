@@ -1,6 +1,7 @@
 """`ember bench speed --backend cuda`: prefill and decode tokens/s of the CUDA backend, llama-bench
-style (pp: one prompt; tg: one stream; --streams N: N streams decoding together), timed with device
-events on the backend's stream. The first run of each phase is a warm-up (module loads, graph
+style (pp: one prompt; tg: one stream generating from an empty context, as llama-bench's tg test
+does; tg at P: the same after the P-token prompt; --streams N: N streams decoding together), timed
+with device events on the backend's stream. The first run of each phase is a warm-up (module loads, graph
 captures) and is not counted; the median of the rest is reported, with the single-stream share of
 the memory-bandwidth limit (every weight byte read once per decode step) and peak device memory.
 """
@@ -56,7 +57,8 @@ def run(args) -> dict:
     bs = 16
     n_blocks = 2 * (-(-per_seq // bs)) + streams * (-(-stream_ctx // bs)) + 2
     backend = CudaBackend(cfg, model.gguf, n_blocks=n_blocks, block_size=bs, max_rows=max(chunk, streams),
-                          max_seqs=max(streams, 1), kv_dtype=args.kv_dtype)
+                          max_seqs=max(streams, 1), kv_dtype=args.kv_dtype, f16_weights=args.f16_weights,
+                          int8_activations=args.int8, pdl=args.pdl)
     load_s = time.perf_counter() - t0
     peak = backend.device_memory()[0]
     rng = np.random.default_rng(args.seed)
@@ -78,7 +80,7 @@ def run(args) -> dict:
                                                sample=last_sample if last else None)])
         return out
 
-    pp, tg, multi = [], [], []
+    pp, tg, tg_ctx, multi = [], [], [], []
     for r in range(args.repeat + 1):  # run 0 warms up
         prompt = rng.integers(1, vocab, args.prompt_tokens).astype(np.int32)
         table = seqs.table(per_seq)
@@ -88,14 +90,18 @@ def run(args) -> dict:
         if r:
             pp.append(args.prompt_tokens / secs)
 
-        def decode_one():
+        def decode_one(start: int, tab: list[int]):
             nonlocal tok
             for i in range(args.gen_tokens):
-                (tok,) = backend.forward([SeqChunk(np.array([tok], np.int32), args.prompt_tokens + i, table, "last",
+                (tok,) = backend.forward([SeqChunk(np.array([tok], np.int32), start + i, tab, "last",
                                                    sample=GREEDY)])
                 tok = int(tok)
 
-        secs = timed(decode_one)
+        secs = timed(lambda: decode_one(args.prompt_tokens, table))
+        if r:
+            tg_ctx.append(args.gen_tokens / secs)
+        tok = int(rng.integers(1, vocab))
+        secs = timed(lambda: decode_one(0, seqs.table(args.gen_tokens + 1)))
         if r:
             tg.append(args.gen_tokens / secs)
         peak = max(peak, backend.device_memory()[0])
@@ -121,8 +127,10 @@ def run(args) -> dict:
     tg_med = float(np.median(tg))
     out = {
         "model": model.path.name, "backend": "cuda", "device": backend.dev.name, "kv_dtype": args.kv_dtype,
+        "f16_weights": backend.f16_weights, "int8": backend.int8_activations, "pdl": backend.pdl,
         f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1), "prefill_chunk": chunk,
         f"tg{args.gen_tokens}_tok_s": round(tg_med, 1),
+        f"tg{args.gen_tokens}_at_{args.prompt_tokens}_tok_s": round(float(np.median(tg_ctx)), 1),
         "bandwidth_limit_tok_s": round(limit, 1), "tg_share_of_limit": round(tg_med / limit, 3),
         "weight_bytes": wbytes, "load_s": round(load_s, 2), "peak_device_mb": round(peak / 2**20),
         "graph_replays": backend.graph_replays, "runs": len(pp),

@@ -1,8 +1,9 @@
 """The CUDA backend: the numpy backend's forward pass on the GPU, through ember.kernels.ops.
 
 Weights stay in their GGUF block formats on the device (QuantMatrix). Decode-sized steps use the
-quantized matvec (weights read once per 8 rows); prefill-sized steps decode each weight matrix to
-16 bits and multiply on the tensor cores (ops.linear_tc). Activations are float32; the KV pool
+quantized matvec (weights read once per launch of up to 4-8 rows; Q4_K/Q5_K with x quantized to
+int8, as llama.cpp does); prefill-sized steps multiply on the tensor cores (ops.linear_tc) with a
+16-bit copy of each matrix, decoded once at start when it fits (f16_weights) or else per step. Activations are float32; the KV pool
 (float16 by default) lives on the device with the numpy backend's block semantics. read_block /
 write_block copy one block to / from the host in the numpy layout [2, layers, block_size, kv_heads,
 head_dim] (float32), so the prefix cache and KV persistence work unchanged.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ember.kernels import ops, quants, reference
+from ember.kernels.cuda_runtime import pdl_launches
 from ember.kernels.errors import StickyCudaError
 
 from ..model.config import ModelConfig
@@ -87,7 +89,9 @@ class _Layout:
         self.tok, self.pos, self.slots, self.seq = 0, 4 * r, 8 * r, 12 * r
         self.out_rows = 16 * r  # the rows whose logits are wanted (r at most)
         self.sample = 20 * r  # SampleParams for up to r rows (8-byte aligned: r is a multiple of 8)
-        self.tables = self.sample + ops.SampleParams.nbytes(r)
+        self.tiles = self.sample + ops.SampleParams.nbytes(r)  # flash attention's (row, count) pairs
+        self.tile_cap = r // ops.FLASH_ROWS + s + 1
+        self.tables = self.tiles + 8 * self.tile_cap
         self.nbytes = self.tables + 4 * self.table_cap
 
 
@@ -97,11 +101,14 @@ class CudaBackend:
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int, block_size: int = 16,
                  device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
-                 tensor_cores: bool = True, graphs: bool = True):
+                 tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
+                 f16_weights: str = "auto", pdl: bool = True):
         from ember.kernels.cuda_runtime import Device, HostBuffer, Stream
 
         if kv_dtype not in ("f16", "f32"):
             raise ValueError("kv_dtype must be f16 or f32")
+        if f16_weights not in ("auto", "on", "off"):
+            raise ValueError("f16_weights must be auto, on or off")
         try:
             self.dev = device if device is not None else Device()
         except StickyCudaError as e:
@@ -112,11 +119,18 @@ class CudaBackend:
         self.max_rows = max(8, -(-max(max_rows, max_seqs) // 8) * 8)
         self.max_seqs = max_seqs
         self.graphs_enabled = graphs
+        # small batches of Q4_K/Q5_K rows: x quantized to int8 in the matvec (dp4a), as llama.cpp does
+        self.int8_activations = int8_activations
+        # captured decode steps launch each kernel early (programmatic dependent launch, sm_90+)
+        self.pdl = pdl and self.dev.cc[0] >= 9
         # Gemma's activations can exceed float16's range; bf16 keeps float32's exponent
         self.half_kind = "bf16" if config.arch.startswith("gemma") else "f16"
         cfg = config
         self._device_attention = (cfg.head_dim in ATTN_HEAD_DIMS and cfg.n_heads % cfg.n_kv_heads == 0
                                   and cfg.n_heads // cfg.n_kv_heads in ATTN_GROUPS)
+        # prefill steps: flash attention on the tensor cores (float16 KV; the exact mode keeps float32)
+        self._flash = (self._device_attention and kv_dtype == "f16" and tensor_cores
+                       and cfg.head_dim in ops.FLASH_HEAD_DIMS)
         try:
             self.dev.make_current()
             self.stream = Stream()
@@ -124,6 +138,7 @@ class CudaBackend:
             self.tensor_cores = tensor_cores and all(
                 lw[w].cols % 32 == 0 for lw in self.layers for w in _ALL_MATRICES if w in lw)
             self._alloc_kv()
+            self.f16_weights = self._keep_half_weights(f16_weights)
             self._alloc_step_buffers(HostBuffer)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
@@ -203,6 +218,26 @@ class CudaBackend:
         self.k_pool.zero()
         self.v_pool.zero()
 
+    def _tc_matrices(self) -> list[ops.QuantMatrix]:
+        mats = [lw[w] for lw in self.layers for w in _ALL_MATRICES if w in lw]
+        return mats + ([self.output] if self.output not in mats else [])
+
+    def _keep_half_weights(self, mode: str) -> bool:
+        """Decode the tensor-core matmuls' weights to 16 bits once, after the KV pool has its memory:
+        prefill and batched decode then skip a decode of every matrix per step (on the 8B at 64
+        streams, 5.3 ms of a step). "auto" keeps them when they fit with a tenth of the device free."""
+        if mode == "off" or not self.tensor_cores:
+            return False
+        mats = self._tc_matrices()
+        need = sum(2 * m.rows * m.cols for m in mats)
+        free, total = self.dev.memory_info()
+        if mode == "auto" and need + total // 10 > free:
+            return False
+        for m in mats:
+            m.keep_half(self.dev, self.half_kind, stream=self.stream)
+        self.stream.synchronize()
+        return True
+
     def _alloc_step_buffers(self, HostBuffer) -> None:
         cfg, R = self.config, self.max_rows
         blocks = -(-max(cfg.context_length, 1) // self.block_size)
@@ -218,6 +253,7 @@ class CudaBackend:
         self.d_tok, self.d_pos = ints(lay.tok, R), ints(lay.pos, R)
         self.d_slots, self.d_seq = ints(lay.slots, R), ints(lay.seq, R)
         self.d_out_rows = ints(lay.out_rows, R)
+        self.d_tiles = ints(lay.tiles, 2 * lay.tile_cap)
         self.d_tables = ints(lay.tables, lay.table_cap)
         self.d_sample = self._d_in.view_bytes(lay.sample, ops.SampleParams.nbytes(R), np.uint8)
         e = self.dev.empty
@@ -236,11 +272,13 @@ class CudaBackend:
         if self.tensor_cores:  # the prefill matmul's 16-bit scratch, at its largest, once
             biggest = max(lw[w].rows * lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
             widest = max(lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
-            self.dev.scratch("gemm_w", 2 * biggest)
+            if not self.f16_weights:
+                self.dev.scratch("gemm_w", 2 * biggest)
             self.dev.scratch("gemm_x", 2 * R * widest)
             self.dev.scratch("gemm_splitk", ops.gemm_splitk_bytes(self.dev))
             if _bucket(min(self.max_seqs, GRAPH_BATCHES[-1]), GRAPH_BATCHES) >= TC_MIN_ROWS:  # graphs use it too
-                self.dev.scratch("gemm_out_w", 2 * self.output.rows * self.output.cols)
+                if not self.f16_weights:
+                    self.dev.scratch("gemm_out_w", 2 * self.output.rows * self.output.cols)
                 self.dev.scratch("gemm_out_x", 2 * R * self.output.cols)
 
     def device_memory(self) -> tuple[int, int]:
@@ -315,6 +353,12 @@ class CudaBackend:
             out_rows[:rows] = np.arange(rows)
             n_out = rows
         self._pack_sampling(chunks, want, n_out)
+        n_tiles = 0
+        if not graph_rows and self._flash and n > len(chunks):  # prefill rows: flash attention
+            tiles = ops.flash_tiles(spans)
+            if len(tiles) <= lay.tile_cap:
+                n_tiles = len(tiles)
+                _host(hb, lay.tiles, 2 * n_tiles, np.int32)[:] = tiles.reshape(-1)
         end = lay.tables + tables.nbytes
         self._d_in.view(0, end).upload_from(self._h_in, end, self.stream)
 
@@ -331,7 +375,7 @@ class CudaBackend:
                 self._seen.add(key)
                 self._launch(rows, stride, max_keys, n_out, chunks, spans, pos)
         else:
-            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled))
+            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles)
         return self._results(chunks, want, sampled, n_out)
 
     def _pack_sampling(self, chunks, want, n_out) -> None:
@@ -400,7 +444,7 @@ class CudaBackend:
             S = max(S, -(-keys // ops.attention_split(self.dev, rows, cfg.n_kv_heads, keys)))
         bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
         self.stream.synchronize()
-        with Graph.capture(self.stream) as g:
+        with Graph.capture(self.stream) as g, pdl_launches(self.pdl):
             self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs)
         return g, bufs
 
@@ -410,11 +454,28 @@ class CudaBackend:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
             ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
                           stream=self.stream)
+        elif self.int8_activations and n <= ops.KQ8_MAX_ROWS and ops.kq8_supported(w):
+            ops.matvec_q8(self.dev, w, x, y, n=n, res=res, stream=self.stream)
         else:
             ops.matvec(self.dev, w, x, y, n=n, res=res, stream=self.stream)
 
+    def _down(self, lw: dict, y, n: int, res=None, tc: bool = True) -> None:
+        """The MLP's down projection of act(gate) * up; the activation runs inside the int8 matvec
+        when that takes the step, else as a kernel of its own."""
+        cfg, w = self.config, lw["w_down"]
+        fused = "w_gu" in lw and self.int8_activations and ops.kq8_supported(w) and n <= ops.KQ8_MAX_ROWS and not (
+            tc and self.tensor_cores and n >= TC_MIN_ROWS)
+        if fused:
+            ops.matvec_q8(self.dev, w, self.gu, y, n=n, res=res, ldx=2 * cfg.ffn, act=cfg.act, up_offset=cfg.ffn,
+                          stream=self.stream)
+            return
+        if "w_gu" in lw:
+            ops.gated_act(self.dev, self.gu, self.gu.view(cfg.ffn, self.gu.size - cfg.ffn), self.g, n=n,
+                          ffn=cfg.ffn, act=cfg.act, ldg=2 * cfg.ffn, ldu=2 * cfg.ffn, ldo=cfg.ffn, stream=self.stream)
+        self._linear(w, self.g, y, n, res=res, tc=tc)
+
     def _launch(self, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
-                tc=True) -> None:
+                tc=True, n_tiles=0) -> None:
         """Every kernel of one step, on self.stream, reading only device buffers (so it can be
         captured: the tensor-core path's scratch is sized at start for every layer matrix and never
         moves); chunks/spans/positions are needed only by the host attention fallback."""
@@ -422,10 +483,14 @@ class CudaBackend:
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         hid, ffn, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         x, h, o2, q, k, v, att, g, u = self.x, self.h, self.o2, self.q, self.k, self.v, self.att, self.g, self.u
-        ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)), stream=st)
+        with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
+            ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
+                             stream=st)
+        h_ready = False  # h already holds this layer's attn_norm (fused into the previous layer's end)
         for li, lw in enumerate(self.layers):
             local = cfg.is_local_layer(li)
-            ops.rms_norm(dev, x, lw["attn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+            if not h_ready:
+                ops.rms_norm(dev, x, lw["attn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             if "wqkv" in lw:  # one matmul; q, k and v are column slices of its rows
                 ld = qd + 2 * kvd
                 self._linear(lw["wqkv"], h, self.qkv, n, tc=tc)
@@ -438,45 +503,60 @@ class CudaBackend:
             for bname, out, cols, ldo in (("bq", q_, qd, ldq), ("bk", k_, kvd, ldk), ("bv", v_, kvd, ldv)):
                 if bname in lw:
                     ops.add_bias(dev, out, lw[bname], n=n, cols=cols, ldy=ldo, stream=st)
-            if cfg.qk_norm:
-                ops.rms_norm(dev, q_, lw["q_norm"], q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, ldx=ldq,
-                             ldy=ldq, stream=st)
-                ops.rms_norm(dev, k_, lw["k_norm"], k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk, ldx=ldk,
-                             ldy=ldk, stream=st)
             inv = self.inv_freq_local if local else self.inv_freq_global
-            ops.rope(dev, q_, k_, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, ldq=ldq,
-                     ldk=ldk, stream=st)
             kc = self.k_pool.view(li * self._layer_elems, self._layer_elems)
             vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
-            ops.kv_write(dev, k_, v_, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv, stream=st)
             window = cfg.sliding_window if local else 0
             keys = min(max_keys, window) if window else max_keys
-            if self._device_attention:
-                ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
-                              kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
-                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                              stream=st)
+            if self._device_attention:  # q/k norms, RoPE and the KV write in one launch
+                ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, self.d_slots, self.d_pos, inv, n=n, heads=H, kv_heads=Hk,
+                               head_dim=D, neox=cfg.rope_neox, q_norm=lw.get("q_norm"), k_norm=lw.get("k_norm"),
+                               eps=cfg.norm_eps, ldq=ldq, ldk=ldk, ldv=ldv, stream=st)
+                if n_tiles:  # prefill: tiles of query rows on the tensor cores
+                    ops.flash_attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, self.d_tiles, att,
+                                        n_tiles=n_tiles, heads=H, kv_heads=Hk, head_dim=D,
+                                        block_size=self.block_size, max_blocks=stride, window=window,
+                                        scale=cfg.attn_scale, ldq=ldq, stream=st)
+                else:
+                    ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                                  kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
+                                  max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
+                                  stream=st)
             else:
+                if cfg.qk_norm:
+                    ops.rms_norm(dev, q_, lw["q_norm"], q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, ldx=ldq,
+                                 ldy=ldq, stream=st)
+                    ops.rms_norm(dev, k_, lw["k_norm"], k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
+                                 ldx=ldk, ldy=ldk, stream=st)
+                ops.rope(dev, q_, k_, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, ldq=ldq,
+                         ldk=ldk, stream=st)
+                ops.kv_write(dev, k_, v_, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv,
+                             stream=st)
                 self._host_attention(li, chunks, spans, positions, q, att, window)
-            if cfg.post_norms:
+            if cfg.post_norms:  # Gemma: post-norm into the residual, and the MLP's pre-norm, in one launch
                 self._linear(lw["wo"], att, o2, n, tc=tc)
-                ops.rms_norm_add(dev, o2, lw["post_attn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                ops.rms_norm_add_norm(dev, o2, lw["post_attn_norm"], x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n,
+                                      cols=hid, stream=st)
             else:
                 self._linear(lw["wo"], att, x, n, res=x, tc=tc)
-            ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             if "w_gu" in lw:  # gate and up in one matmul: [n, 2 * ffn] rows
                 self._linear(lw["w_gu"], h, self.gu, n, tc=tc)
-                ops.gated_act(dev, self.gu, self.gu.view(ffn, self.gu.size - ffn), g, n=n, ffn=ffn, act=cfg.act,
-                              ldg=2 * ffn, ldu=2 * ffn, ldo=ffn, stream=st)
             else:
                 self._linear(lw["w_gate"], h, g, n, tc=tc)
                 self._linear(lw["w_up"], h, u, n, tc=tc)
                 ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act, stream=st)
+            h_ready = False
             if cfg.post_norms:
-                self._linear(lw["w_down"], g, o2, n, tc=tc)
-                ops.rms_norm_add(dev, o2, lw["post_ffn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                self._down(lw, o2, n, tc=tc)
+                if li + 1 < len(self.layers):  # and the next layer's attention pre-norm
+                    ops.rms_norm_add_norm(dev, o2, lw["post_ffn_norm"], x, self.layers[li + 1]["attn_norm"], h,
+                                          eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
+                    h_ready = True
+                else:
+                    ops.rms_norm_add(dev, o2, lw["post_ffn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             else:
-                self._linear(lw["w_down"], g, x, n, res=x, tc=tc)
+                self._down(lw, x, n, res=x, tc=tc)
         if n_out:
             ops.gather_rows(dev, x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
             ops.rms_norm(dev, o2, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
