@@ -103,6 +103,16 @@ def _print_ready(st: dict) -> None:
           + (f"  model {w.get('model')}" if w.get("model") else ""))
 
 
+def _poll(done, timeout: float, interval: float = 0.1) -> bool:
+    """Call done() every `interval` seconds until it returns true (-> True) or `timeout` passes (-> False)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen | None = None,
                 after_incarnation: int | None = None, quiet: bool = False) -> int:
     deadline = time.monotonic() + timeout
@@ -176,11 +186,7 @@ def cmd_start(argv: list[str]) -> int:
             finally:
                 os.close(out)
     if args.no_wait:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _status(lay) is None:
-            if proc is not None and proc.poll() is not None:
-                return EX_FAIL
-            time.sleep(0.1)
+        _poll(lambda: _status(lay) is not None or (proc is not None and proc.poll() is not None), 30)
         return EX_OK if _status(lay) is not None else EX_FAIL
     return _wait_ready(lay, timeout, proc)
 
@@ -204,9 +210,7 @@ def cmd_stop(argv: list[str]) -> int:
     pids = {"daemon": st["daemon"]["pid"], "supervisord": st["daemon"].get("supervisor_pid"),
             "worker": (st.get("worker") or {}).get("pid")}
     control.request(lay.control_sock, "stop")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids.values()):
-        time.sleep(0.1)
+    _poll(lambda: not any(_pid_alive(p) for p in pids.values()), timeout)
     left = {k: v for k, v in pids.items() if _pid_alive(v)}
     if left:
         print(f"ember: still running after {timeout:g}s: {left}", file=sys.stderr)
@@ -226,9 +230,7 @@ def _stop_orphan(lay: Layout, timeout: float) -> int:
     except Exception as e:
         print(f"ember: could not stop supervisord: {e}", file=sys.stderr)
         return EX_FAIL
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and _pid_alive(sup_pid):
-        time.sleep(0.1)
+    _poll(lambda: not _pid_alive(sup_pid), 15)
     print("ember stopped (no daemon was running; its supervisord and worker are stopped)")
     return EX_OK
 

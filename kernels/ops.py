@@ -377,12 +377,13 @@ def qk_rope_kv(dev: Device, q: DeviceArray, k: DeviceArray, v: DeviceArray, k_ca
 
 
 ATT_SPLIT_MAX = 512
+ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one CTA per kv head is latency)
 
 
 def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
     """Keys per CTA: the longest run (at most 512) that still gives about two CTAs per SM."""
     split = ATT_SPLIT_MAX
-    while split > 64 and rows * kv_heads * -(-max_keys // split) < 2 * dev.sm_count:
+    while split > ATT_SPLIT_MIN and rows * kv_heads * -(-max_keys // split) < 2 * dev.sm_count:
         split //= 2
     return split
 

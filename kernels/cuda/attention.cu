@@ -283,12 +283,7 @@ EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restric
     const int t = blockIdx.x;
     if (t >= n) return;
     const int half = D / 2, per = half / 32;
-    const double p = (double)pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double a = p * (double)inv_freq[i];
-        cs[i] = (float)cos(a);
-        sn[i] = (float)sin(a);
-    }
+    rope_table(cs, sn, pos[t], inv_freq, half);
     __syncthreads();
     const i64 slot = slots[t];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;

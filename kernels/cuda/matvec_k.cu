@@ -80,6 +80,33 @@ EMBER_DEV int transposed_index(int lane) {
     return idx;
 }
 
+// A warp's partial sums of RU rows x B inputs: one transposing butterfly, then the lanes that hold a
+// total each (those whose bits below the transposed ones are zero) put it in shared memory.
+template <int B, int RU>
+EMBER_DEV void slice_reduce(float (&part)[RU * B], float (*red)[KV2_MAX_RPB * B], int warp, int lane, int r0) {
+    transpose_reduce<RU * B>(part, lane);
+    constexpr int N = RU * B, LOW = 32 / N;
+    if ((lane & (LOW - 1)) == 0) {
+        const int idx = transposed_index<N>(lane);
+        red[warp][(r0 + idx / B) * B + idx % B] = part[0];
+    }
+}
+
+// The block's rows: the warps' column slices summed (+ res) into y.
+template <int B>
+EMBER_DEV void slice_store(float (*red)[KV2_MAX_RPB * B], int nw, int rows_per_block, int row_base, int rows,
+                           int nb, const float* res, float* y) {
+    __syncthreads();
+    for (int t = threadIdx.x; t < rows_per_block * B; t += blockDim.x) {
+        const int r = t / B, b = t % B, row = row_base + r;
+        if (row >= rows || b >= nb) continue;
+        float sum = 0.0f;
+        for (int w = 0; w < nw; ++w) sum += red[w][t];
+        const i64 at = (i64)b * rows + row;
+        y[at] = sum + (res ? res[at] : 0.0f);
+    }
+}
+
 template <int B, int RU, bool PF>
 EMBER_DEV void kv2(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
                    int nb, const float* res, float* y, int rows_per_block) {
@@ -182,24 +209,9 @@ EMBER_DEV void kv2(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
                 part[i * B + b] = (s0 * (SCALE * (dot0[b] - xs[b][0])) - o0 * xs[b][0]) +
                                   (s1 * (SCALE * (dot1[b] - xs[b][1])) - o1 * xs[b][1]);
         }
-        transpose_reduce<RU * B>(part, lane);
-        constexpr int N = RU * B;
-        // lanes whose bits below the transposed ones are zero hold one total each
-        constexpr int LOW = 32 / N;
-        if ((lane & (LOW - 1)) == 0) {
-            const int idx = transposed_index<N>(lane);
-            red[warp][(r0 + idx / B) * B + idx % B] = part[0];
-        }
+        slice_reduce<B, RU>(part, red, warp, lane, r0);
     }
-    __syncthreads();
-    for (int t = threadIdx.x; t < rows_per_block * B; t += blockDim.x) {
-        const int r = t / B, b = t % B, row = row_base + r;
-        if (row >= rows || b >= nb) continue;
-        float s = 0.0f;
-        for (int w = 0; w < nw; ++w) s += red[w][t];
-        const i64 at = (i64)b * rows + row;
-        y[at] = s + (res ? res[at] : 0.0f);
-    }
+    slice_store<B>(red, nw, rows_per_block, row_base, rows, nb, res, y);
 }
 
 #define KV2(NAME, B, RU, PF)                                                                             \
@@ -405,23 +417,9 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
                 part[i * B + b] = acc;
             }
         }
-        transpose_reduce<RU * B>(part, lane);
-        constexpr int N = RU * B;
-        constexpr int LOW = 32 / N;
-        if ((lane & (LOW - 1)) == 0) {
-            const int idx = transposed_index<N>(lane);
-            red[warp][(r0 + idx / B) * B + idx % B] = part[0];
-        }
+        slice_reduce<B, RU>(part, red, warp, lane, r0);
     }
-    __syncthreads();
-    for (int t = threadIdx.x; t < rows_per_block * B; t += blockDim.x) {
-        const int r = t / B, b = t % B, row = row_base + r;
-        if (row >= rows || b >= nb) continue;
-        float sum = 0.0f;
-        for (int w = 0; w < nw; ++w) sum += red[w][t];
-        const i64 at = (i64)b * rows + row;
-        y[at] = sum + (res ? res[at] : 0.0f);
-    }
+    slice_store<B>(red, nw, rows_per_block, row_base, rows, nb, res, y);
 }
 
 #define KQ8(NAME, B, RU, PF)                                                                               \

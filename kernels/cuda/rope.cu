@@ -15,12 +15,7 @@ extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk
     const int t = blockIdx.x;
     if (t >= n) return;
     const int half = D / 2;
-    const double p = (double)pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double a = p * (double)inv_freq[i];
-        cs[i] = (float)cos(a);
-        sn[i] = (float)sin(a);
-    }
+    rope_table(cs, sn, pos[t], inv_freq, half);
     __syncthreads();
     const int total = (hq + hk) * half;
     for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {

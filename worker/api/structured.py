@@ -234,24 +234,18 @@ def _check_schema_fields(holder: dict, param: str, *, name_required: bool) -> An
 
 
 def chat_grammar(fmt: Any, param: str = "response_format") -> str | None:
-    """OpenAI chat `response_format` -> a grammar, or None for plain text."""
-    if fmt is None:
-        return None
-    kind = _type_of(fmt, param, ("text", "json_object", "json_schema"))
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return _json_object(fmt, param)
-    inner = fmt.get("json_schema")
-    if not isinstance(inner, dict):
-        raise bad_request(f"{param}.json_schema must be an object with `name` and `schema`",
-                          param=f"{param}.json_schema", code="invalid_value")
-    schema = _check_schema_fields(inner, f"{param}.json_schema", name_required=True)
-    return schema_grammar(schema, f"{param}.json_schema.schema")
+    """OpenAI chat `response_format` -> a grammar, or None for plain text. The schema sits one
+    level down, in `json_schema`."""
+    return _openai_grammar(fmt, param, nested=True)
 
 
 def responses_grammar(fmt: Any, param: str = "text.format") -> str | None:
-    """Responses API `text.format` -> a grammar, or None for plain text."""
+    """Responses API `text.format` -> a grammar, or None for plain text (the schema's fields sit in
+    the format object itself)."""
+    return _openai_grammar(fmt, param, nested=False)
+
+
+def _openai_grammar(fmt: Any, param: str, *, nested: bool) -> str | None:
     if fmt is None:
         return None
     kind = _type_of(fmt, param, ("text", "json_object", "json_schema"))
@@ -259,6 +253,11 @@ def responses_grammar(fmt: Any, param: str = "text.format") -> str | None:
         return None
     if kind == "json_object":
         return _json_object(fmt, param)
+    if nested:
+        fmt, param = fmt.get("json_schema"), f"{param}.json_schema"
+        if not isinstance(fmt, dict):
+            raise bad_request(f"{param} must be an object with `name` and `schema`", param=param,
+                              code="invalid_value")
     schema = _check_schema_fields(fmt, param, name_required=True)
     return schema_grammar(schema, f"{param}.schema")
 

@@ -44,8 +44,9 @@ _LAYER = {
 }
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # Matrices that read the same input are stacked into one (when their types agree): one launch, and
-# one pass over the input, instead of three (q, k, v) or two (gate, up).
-_STACKS = {"wqkv": ("wq", "wk", "wv"), "w_gu": ("w_gate", "w_up")}
+# one pass over the input, instead of three (q, k, v) or two (gate, up). In order of preference: a
+# Q4_K_M file's v is Q6_K in some layers, which then stack only q and k.
+_STACKS = {"wqkv": ("wq", "wk", "wv"), "wqk": ("wq", "wk"), "w_gu": ("w_gate", "w_up")}
 _ALL_MATRICES = _MATRICES + tuple(_STACKS)
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
@@ -190,9 +191,13 @@ class CudaBackend:
                     continue
                 if ours not in _MATRICES:
                     lw[ours] = self._vector(full)[0]
+            plan: dict[str, str] = {}  # matrix -> the stack it joins
+            for stack, parts in _STACKS.items():
+                if not any(p in plan for p in parts) and self._stackable(i, parts):
+                    plan.update(dict.fromkeys(parts, stack))
             for ours in _MATRICES:  # uploaded after the stacking decision, so nothing is held twice
-                stack = next((k for k, parts in _STACKS.items() if ours in parts), None)
-                if stack is None or not self._stackable(i, _STACKS[stack]):
+                stack = plan.get(ours)
+                if stack is None:
                     if f"blk.{i}.{_LAYER[ours]}" in g.tensors:
                         lw[ours] = self._matrix(f"blk.{i}.{_LAYER[ours]}")
                 elif stack not in lw:
@@ -262,7 +267,7 @@ class CudaBackend:
         self.q, self.att = e((R * qd,)), e((R * qd,))
         self.k, self.v = e((R * kvd,)), e((R * kvd,))
         self.g, self.u = e((R * ffn,)), e((R * ffn,))
-        self.qkv = e((R * (qd + 2 * kvd),)) if any("wqkv" in lw for lw in self.layers) else None
+        self.qkv = e((R * (qd + 2 * kvd),)) if any("wqkv" in lw or "wqk" in lw for lw in self.layers) else None
         self.gu = e((R * 2 * ffn,)) if any("w_gu" in lw for lw in self.layers) else None
         self.hn = e((R * hid,))
         self.logits = e((R * cfg.vocab_size,))
@@ -448,13 +453,18 @@ class CudaBackend:
             self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs)
         return g, bufs
 
+    def _int8(self, w: ops.QuantMatrix, n: int, tc: bool = True) -> bool:
+        """Whether a matmul of n rows runs as the int8 matvec (which can fuse the gated activation)."""
+        return (self.int8_activations and n <= ops.KQ8_MAX_ROWS and ops.kq8_supported(w)
+                and not (tc and self.tensor_cores and n >= TC_MIN_ROWS))
+
     def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True) -> None:
         out = w is self.output
         if tc and self.tensor_cores and n >= TC_MIN_ROWS:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
             ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
                           stream=self.stream)
-        elif self.int8_activations and n <= ops.KQ8_MAX_ROWS and ops.kq8_supported(w):
+        elif self._int8(w, n, tc):
             ops.matvec_q8(self.dev, w, x, y, n=n, res=res, stream=self.stream)
         else:
             ops.matvec(self.dev, w, x, y, n=n, res=res, stream=self.stream)
@@ -463,9 +473,7 @@ class CudaBackend:
         """The MLP's down projection of act(gate) * up; the activation runs inside the int8 matvec
         when that takes the step, else as a kernel of its own."""
         cfg, w = self.config, lw["w_down"]
-        fused = "w_gu" in lw and self.int8_activations and ops.kq8_supported(w) and n <= ops.KQ8_MAX_ROWS and not (
-            tc and self.tensor_cores and n >= TC_MIN_ROWS)
-        if fused:
+        if "w_gu" in lw and self._int8(w, n, tc):
             ops.matvec_q8(self.dev, w, self.gu, y, n=n, res=res, ldx=2 * cfg.ffn, act=cfg.act, up_offset=cfg.ffn,
                           stream=self.stream)
             return
@@ -496,6 +504,12 @@ class CudaBackend:
                 self._linear(lw["wqkv"], h, self.qkv, n, tc=tc)
                 q_, k_, v_ = (self.qkv.view(off, self.qkv.size - off) for off in (0, qd, qd + kvd))
                 ldq = ldk = ldv = ld
+            elif "wqk" in lw:  # q and k stacked, v (another type) on its own
+                self._linear(lw["wqk"], h, self.qkv, n, tc=tc)
+                self._linear(lw["wv"], h, v, n, tc=tc)
+                q_, k_, v_ = self.qkv, self.qkv.view(qd, self.qkv.size - qd), v
+                ldq = ldk = qd + kvd
+                ldv = kvd
             else:
                 for wname, out in (("wq", q), ("wk", k), ("wv", v)):
                     self._linear(lw[wname], h, out, n, tc=tc)

@@ -165,10 +165,16 @@ class KVStore:
         return False
 
     def close(self, timeout: float = 10.0) -> None:
+        """Flush pending writes and stop the threads; once it returns the store touches no file (a
+        scan still running could otherwise quarantine a file another store is writing)."""
         self.flush(timeout)
         self._stop.set()
         self._writes.put(None)
         self._reads.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
     # -- threads ---------------------------------------------------------------------------------------------
 
