@@ -141,3 +141,29 @@ def test_rms_norm_and_activations_stay_float32():
     np.testing.assert_allclose(y, x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * 2, rtol=1e-5)
     assert ops.gelu_tanh(x).dtype == np.float32 and ops.silu(x).dtype == np.float32
     np.testing.assert_allclose(ops.gelu_tanh(np.float32([0.0, 1.0]))[1], 0.841192, rtol=1e-5)
+
+
+def test_kv_slots_follow_the_block_tables():
+    """Slot of position p = table[p // bs] * bs + p % bs, for decode steps of many one-token chunks
+    (the fast path) and for mixed steps; tables that do not cover a chunk or name a block outside
+    the pool are refused."""
+    from ember.worker.engine.backend import kv_slots
+
+    rng = np.random.default_rng(11)
+    bs, pool = 16, 500
+    for one_token in (True, False):
+        chunks, want = [], []
+        for _ in range(40):
+            start = int(rng.integers(0, 300))
+            m = 1 if one_token else int(rng.integers(1, 40))
+            table = [int(b) for b in rng.choice(pool, -(-(start + m) // bs) + int(rng.integers(0, 3)), replace=False)]
+            chunks.append(SeqChunk(np.zeros(m, np.int32), start, table, "last"))
+            want += [table[p // bs] * bs + p % bs for p in range(start, start + m)]
+        got = kv_slots(chunks, bs, pool)
+        assert got.dtype == np.int64 and got.tolist() == want
+    with pytest.raises(ValueError, match="covers 16 positions"):
+        kv_slots([SeqChunk(np.zeros(1, np.int32), 16, [3], "last")], bs, pool)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kv_slots([SeqChunk(np.zeros(1, np.int32), 0, [3, pool], "last")], bs, pool)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kv_slots([SeqChunk(np.zeros(2, np.int32), 0, [-1], "last")], bs, pool)

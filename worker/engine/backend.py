@@ -10,6 +10,7 @@ logits for the positions each chunk asks for.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,18 +46,26 @@ class SeqChunk:
 
 
 def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarray:
-    """Pool slot (block * block_size + offset) of every new token of every chunk, in order."""
+    """Pool slot (block * block_size + offset) of every new token of every chunk, in order.
+
+    Every block a chunk's table names must lie in the pool (attention reads them all). A decode step
+    of many one-token chunks is computed without a numpy array per chunk: the host's share of a
+    64-sequence step is what bounds small models on a GPU."""
+    for c in chunks:
+        if len(c.block_table) * block_size < c.start + len(c.tokens):
+            raise ValueError(f"block table covers {len(c.block_table) * block_size} positions, "
+                             f"chunk needs {c.start + len(c.tokens)}")
+    used = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64)
+    if used.size and (used.min() < 0 or used.max() >= n_blocks):
+        raise ValueError("block table names a block outside the pool")
+    if all(len(c.tokens) == 1 for c in chunks):
+        return np.fromiter((c.block_table[c.start // block_size] * block_size + c.start % block_size for c in chunks),
+                           dtype=np.int64, count=len(chunks))
     parts = []
     for c in chunks:
-        end = c.start + len(c.tokens)
-        pos = np.arange(c.start, end)
-        table = np.asarray(c.block_table, dtype=np.int64)
-        if len(table) * block_size < end:
-            raise ValueError(f"block table covers {len(table) * block_size} positions, chunk needs {end}")
-        if table.size and (table.min() < 0 or table.max() >= n_blocks):
-            raise ValueError("block table names a block outside the pool")
-        parts.append(table[pos // block_size] * block_size + pos % block_size)
-    return np.concatenate(parts)
+        pos = np.arange(c.start, c.start + len(c.tokens))
+        parts.append(np.asarray(c.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 class Backend(Protocol):
