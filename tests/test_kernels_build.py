@@ -207,3 +207,19 @@ def test_q6_k_is_repacked_to_aligned_blocks():
     packed = ops.repack_q6_k(raw).reshape(6, 224)
     assert np.array_equal(packed[:, :210].reshape(-1), raw) and not packed[:, 210:].any()
     assert ops.row_nbytes("q6_kp", 512) == 2 * 224 and ops.row_nbytes("q6_k", 512) == 2 * 210
+
+
+def test_flash_tiles_and_attention_splits():
+    """Host-side choices of the attention launchers: each chunk's rows in tiles of at most 64 (one
+    sequence per tile), and decode splits that shrink to 16 keys only while the GPU would be empty."""
+    from types import SimpleNamespace
+
+    from ember.kernels import ops
+
+    tiles = ops.flash_tiles([(0, 130), (130, 131), (131, 195)])
+    assert tiles.tolist() == [[0, 64], [64, 64], [128, 2], [130, 1], [131, 64]]
+    assert ops.flash_tiles([]).shape == (0, 2)
+    h200 = SimpleNamespace(sm_count=132)
+    assert ops.attention_split(h200, rows=1, kv_heads=8, max_keys=64) == 16  # 4 splits x 8 heads
+    assert ops.attention_split(h200, rows=1, kv_heads=8, max_keys=4096) == 64
+    assert ops.attention_split(h200, rows=64, kv_heads=8, max_keys=4096) == 512  # the grid is full already
