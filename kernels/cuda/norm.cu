@@ -36,6 +36,14 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float*
 }
 
 // out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
+// 1 / sqrt(mean(v^2) + eps) of one row, every thread of the block taking part
+EMBER_DEV float row_inv_rms(const float* v, int cols, float eps, float* scratch /* 33 floats, shared */) {
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(v[c], v[c], ss);
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)cols + eps);
+}
+
 extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const float* __restrict__ w, float* out,
                                             int n_rows, int cols, float eps) {
     grid_dependency_sync();
@@ -43,10 +51,7 @@ extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const f
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * cols;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    const float inv = row_inv_rms(xr, cols, eps, scratch);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)r * cols + c] += (xr[c] * inv) * w[c];
 }
 
@@ -85,10 +90,7 @@ extern "C" __global__ void rms_norm_add_norm_f32(const float* __restrict__ x, co
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * cols;
     float* orow = out + (i64)r * cols;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    const float inv = row_inv_rms(xr, cols, eps, scratch);
     float ss2 = 0.0f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         const float o = orow[c] + (xr[c] * inv) * w1[c];

@@ -30,8 +30,9 @@ from typing import Any
 
 from ..engine.requests import Delta, GenerationRequest, ReasoningBudget
 from ..text import reasoning as rz
-from ..text.toolcalls import (
-    ContentDelta, ToolCall, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, detect_format,
+# the event types are re-exported: the protocol modules match on toolcalling.ContentDelta etc.
+from ..text.toolcalls import (  # noqa: F401
+    ContentDelta, ToolCall, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, collect, detect_format,
 )
 from .errors import bad_request
 
@@ -649,17 +650,9 @@ class OutputParser:
 
     def parse_all(self, text: str, tokens: list[int] | None = None) -> Parsed:
         events = self.feed(text, tokens) + self.finish()
-        reasoning, content, calls = [], [], []
-        for e in events:
-            if isinstance(e, ReasoningDelta):
-                reasoning.append(e.text)
-            elif isinstance(e, ContentDelta):
-                content.append(e.text)
-            elif isinstance(e, ToolCallStart):
-                calls.append(ToolCall(e.id, e.name, ""))
-            elif isinstance(e, ToolCallArgsDelta):
-                calls[e.index].arguments += e.text
-        return Parsed("".join(reasoning), "".join(content), calls, self.reasoning_tokens, self.split.open)
+        answer = collect(events)  # content and calls; reasoning deltas are not its concern
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        return Parsed(reasoning, answer.content, answer.tool_calls, self.reasoning_tokens, self.split.open)
 
 
 def _merge(events: list) -> list:
