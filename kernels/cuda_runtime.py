@@ -2,7 +2,7 @@
 
     dev = Device()                       # cuInit, primary context, made current in this thread
     a = dev.to_device(np.ones(4, np.float32))
-    k = dev.kernel("norm", "rms_norm_f32")   # module compiled by NVRTC (or read from the cache)
+    k = dev.kernel("norm", "rms_norm_f32_e4")   # module compiled by NVRTC (or read from the cache)
     k.launch((rows,), (256,), a, ...)    # arguments packed by their kind (see Kernel)
     dev.synchronize(); a.to_host()
 

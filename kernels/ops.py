@@ -253,6 +253,24 @@ def dequant_rows(dev: Device, w: QuantMatrix, out: DeviceArray, ids: DeviceArray
 # -- norms, residuals, rope, activations ----------------------------------------------------------------
 
 
+NORM_MAX_COLS = 8192
+
+
+def norm_shape(cols: int) -> tuple[int, int]:
+    """(columns per thread, threads) of the norm kernels for rows of `cols`: norm.cu holds a row in
+    registers, 4 columns per thread up to 4096 and 8 up to NORM_MAX_COLS."""
+    for per in (4, 8):
+        if cols <= per * 1024:
+            warps = -(-cols // (32 * per))
+            return per, 32 * max(1, warps)
+    raise ValueError(f"rows of {cols} columns exceed the norm kernels' {NORM_MAX_COLS}")
+
+
+def _norm_kernel(dev: Device, name: str, cols: int):
+    per, threads = norm_shape(cols)
+    return dev.kernel("norm", f"{name}_e{per}"), threads
+
+
 def rms_norm(dev: Device, x: DeviceArray, weight: DeviceArray, y: DeviceArray, *, eps: float,
              rows: int, cols: int, res: DeviceArray | None = None, h_out: DeviceArray | None = None,
              heads: int = 1, ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
@@ -263,8 +281,8 @@ def rms_norm(dev: Device, x: DeviceArray, weight: DeviceArray, y: DeviceArray, *
     ldx = cols * heads if ldx is None else ldx
     ldy = cols * heads if ldy is None else ldy
     _need(weight, np.float32, cols, "weight")
-    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
-    dev.kernel("norm", "rms_norm_f32").launch(
+    kernel, threads = _norm_kernel(dev, "rms_norm_f32", cols)
+    kernel.launch(
         (rows,), (threads,), x, res, h_out, weight, y, rows, cols, heads, I64(ldx), I64(ldy), F32(eps), stream=stream
     )
 
@@ -274,9 +292,8 @@ def rms_norm_add(dev: Device, x: DeviceArray, weight: DeviceArray, out: DeviceAr
     """out += rms_norm(x, weight, eps) row by row: Gemma's post-norms, folded into the residual add
     (twin: reference.rms_norm, then +)."""
     _need(weight, np.float32, cols, "weight")
-    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
-    dev.kernel("norm", "rms_norm_add_f32").launch((rows,), (threads,), x, weight, out, rows, cols, F32(eps),
-                                                  stream=stream)
+    kernel, threads = _norm_kernel(dev, "rms_norm_add_f32", cols)
+    kernel.launch((rows,), (threads,), x, weight, out, rows, cols, F32(eps), stream=stream)
 
 
 def rms_norm_add_norm(dev: Device, x: DeviceArray, w1: DeviceArray, out: DeviceArray, w2: DeviceArray,
@@ -285,9 +302,8 @@ def rms_norm_add_norm(dev: Device, x: DeviceArray, w1: DeviceArray, out: DeviceA
     next pre-norm in one launch (twin: reference.rms_norm, +, reference.rms_norm)."""
     _need(w1, np.float32, cols, "w1")
     _need(w2, np.float32, cols, "w2")
-    threads = min(1024, max(32, -(-(cols // 4) // 32) * 32))
-    dev.kernel("norm", "rms_norm_add_norm_f32").launch((rows,), (threads,), x, w1, out, w2, h, rows, cols, F32(eps),
-                                                       stream=stream)
+    kernel, threads = _norm_kernel(dev, "rms_norm_add_norm_f32", cols)
+    kernel.launch((rows,), (threads,), x, w1, out, w2, h, rows, cols, F32(eps), stream=stream)
 
 
 def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | None = None, *, stream=None) -> None:

@@ -223,3 +223,23 @@ def test_flash_tiles_and_attention_splits():
     assert ops.attention_split(h200, rows=1, kv_heads=8, max_keys=64) == 16  # 4 splits x 8 heads
     assert ops.attention_split(h200, rows=1, kv_heads=8, max_keys=4096) == 64
     assert ops.attention_split(h200, rows=64, kv_heads=8, max_keys=4096) == 512  # the grid is full already
+
+
+def test_norm_kernels_cover_every_width_ops_picks(built):
+    """ops.norm_shape picks the register-held variant (4 or 8 columns per thread) and its threads;
+    both variants of every norm kernel are in the module, and wider rows are refused up front."""
+    from ember.kernels import ops
+
+    assert ops.norm_shape(640) == (4, 160)
+    assert ops.norm_shape(4096) == (4, 1024)
+    assert ops.norm_shape(4097) == (8, 544)
+    assert ops.norm_shape(8192) == (8, 1024)
+    for cols in (1, 37, 640, 2560, 4096, 5000, 8192):
+        per, threads = ops.norm_shape(cols)
+        assert per * threads >= cols and threads <= 1024 and threads % 32 == 0
+    with pytest.raises(ValueError, match="8192"):
+        ops.norm_shape(8193)
+    cache, rc, _ = built
+    names = set(build.build_module("norm", "sm_90", cache=cache).resources)
+    for kernel in ("rms_norm_f32", "rms_norm_add_f32", "rms_norm_add_norm_f32"):
+        assert {f"{kernel}_e4", f"{kernel}_e8"} <= names

@@ -226,8 +226,13 @@ def test_dequant_rows_bit_exact(dev, rng, tname):
 # -- RMSNorm, residual, rope, activations -------------------------------------------------------------------
 
 
-def test_rms_norm_fused_residual(dev, rng):
-    rows, cols, eps = 7, 4096, 1e-6
+# the norm kernels hold a row in registers: 4 columns per thread up to 4096, 8 up to 8192
+NORM_COLS = [37, 640, 4096, 5120, 8192]
+
+
+@pytest.mark.parametrize("cols", NORM_COLS)
+def test_rms_norm_fused_residual(dev, rng, cols):
+    rows, eps = 7, 1e-6
     x = rng.normal(0, 1, (rows, cols)).astype(np.float32)
     r = rng.normal(0, 1, (rows, cols)).astype(np.float32)
     w = rng.normal(1, 0.1, cols).astype(np.float32)
@@ -261,8 +266,9 @@ def test_rms_norm_per_head_in_a_fused_qkv_buffer(dev, rng):
     np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v untouched
 
 
-def test_rms_norm_add_into_the_residual(dev, rng):
-    rows, cols = 5, 640
+@pytest.mark.parametrize("cols", NORM_COLS)
+def test_rms_norm_add_into_the_residual(dev, rng, cols):
+    rows = 5
     x = rng.normal(0, 3, (rows, cols)).astype(np.float32)
     w = rng.normal(1, 0.1, cols).astype(np.float32)
     res = rng.normal(0, 1, (rows, cols)).astype(np.float32)
@@ -270,6 +276,12 @@ def test_rms_norm_add_into_the_residual(dev, rng):
     ops.rms_norm_add(dev, dev.to_device(x), dev.to_device(w), out, eps=1e-6, rows=rows, cols=cols)
     ref = res.astype(np.float64) + reference.rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-6)
     assert rel_err(out.to_host().reshape(rows, cols), ref) < FP32_BAR
+
+
+def test_norm_rows_wider_than_the_kernels_are_refused(dev):
+    x = dev.empty((8193,))
+    with pytest.raises(ValueError, match="8192"):
+        ops.rms_norm(dev, x, x, x, eps=1e-6, rows=1, cols=8193)
 
 
 def test_add(dev, rng):
@@ -302,9 +314,10 @@ def test_rope_in_place_on_fused_qkv(dev, rng, neox, d):
     np.testing.assert_array_equal(got[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
 
 
-def test_rms_norm_add_norm(dev, rng):
+@pytest.mark.parametrize("cols", NORM_COLS)
+def test_rms_norm_add_norm(dev, rng, cols):
     """The post-norm residual add and the next pre-norm in one launch."""
-    rows, cols, eps = 5, 640, 1e-6
+    rows, eps = 5, 1e-6
     x = rng.normal(0, 3, (rows, cols)).astype(np.float32)
     w1, w2 = (rng.normal(1, 0.1, cols).astype(np.float32) for _ in range(2))
     res = rng.normal(0, 1, (rows, cols)).astype(np.float32)

@@ -69,12 +69,13 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     __shared__ float stat[G][2];
     const int kh = blockIdx.x, row = blockIdx.y, z = blockIdx.z, S = gridDim.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int pos = row_pos[row];
+    const int pos = row_pos[row];  // the step's inputs: read before waiting for the previous kernel
+    const int* bt = block_tables + (i64)row_seq[row] * max_blocks;
+    grid_dependency_sync();
     const int L = pos + 1;
     const int lo = window > 0 ? max(0, L - window) : 0;
     const int t0 = lo + z * split;
     const int nt = min(L, t0 + split) - t0;  // keys of this split; may be <= 0
-    const int* bt = block_tables + (i64)row_seq[row] * max_blocks;
     const i64 slot_stride = (i64)Hk * D;
 
     // phase 1: scores, 16 lanes per key
@@ -124,7 +125,6 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
             }
         }
     }
-    for (int i = tid; i < G * D; i += ATT_THREADS) (&red[0][0])[i] = 0.0f;
     __syncthreads();
 
     // softmax per head over this split (unnormalised; the sum is kept)
@@ -181,13 +181,18 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
             }
         }
     }
-    if (nt > 0) {
+    // the warps' sums, added in warp order (shared-memory float atomics cost more than these barriers,
+    // and the order makes the result reproducible)
 #pragma unroll
-        for (int g = 0; g < G; ++g)
+    for (int w = 0; w < ATT_THREADS / 32; ++w) {
+        if (warp == w) {
 #pragma unroll
-            for (int e = 0; e < E2; ++e) atomicAdd(&red[g][lane * E2 + e], acc[g][e]);
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int e = 0; e < E2; ++e) red[g][lane * E2 + e] = (w ? red[g][lane * E2 + e] : 0.0f) + acc[g][e];
+        }
+        __syncthreads();
     }
-    __syncthreads();
 
     for (int i = tid; i < G * D; i += ATT_THREADS) {
         const int g = i / D, d = i % D;
@@ -234,7 +239,6 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
         float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
-        grid_dependency_sync();                                                                        \
         attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
                         scale, split, out, part_acc, part_ml, ldq);                                    \
     }
@@ -281,9 +285,12 @@ EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restric
                           KV* __restrict__ kc, KV* __restrict__ vc, const int* __restrict__ slots, int n) {
     __shared__ float cs[128], sn[128];
     const int t = blockIdx.x;
-    if (t >= n) return;
     const int half = D / 2, per = half / 32;
-    rope_table(cs, sn, pos[t], inv_freq, half);
+    // positions and frequencies come from the step's input copy, not from the kernel before this one:
+    // the angles are computed while that kernel finishes (programmatic dependent launch)
+    if (t < n) rope_table(cs, sn, pos[t], inv_freq, half);
+    grid_dependency_sync();
+    if (t >= n) return;
     __syncthreads();
     const i64 slot = slots[t];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -341,7 +348,6 @@ EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restric
         float* q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv, int hq, int hk, int D,          \
         const float* qw, const float* kw, float eps, const int* pos, const float* inv_freq, int neox,       \
         KVT* kc, KVT* vc, const int* slots, int n) {                                                         \
-        grid_dependency_sync();                                                                              \
         qk_rope_kv<KVT>(q, ldq, k, ldk, v, ldv, hq, hk, D, qw, kw, eps, pos, inv_freq, neox, kc, vc, slots, n); \
     }
 QK_ROPE_KV(f16, f16_t) QK_ROPE_KV(f32, float)

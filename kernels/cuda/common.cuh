@@ -16,8 +16,11 @@ typedef unsigned long long u64;
 // kernel before it in the stream is still running, to hide launch latency. It must neither read
 // that kernel's output nor write anything before grid_dependency_sync(), which waits until the
 // previous grid has completed and its memory is visible, then lets the next kernel launch early.
-// Every kernel calls it first (the matvecs after issuing their first weight loads, which depend on
-// nothing); launched without the attribute, both instructions return at once.
+// Every kernel calls it before touching what earlier kernels of the step write. Before it, a kernel
+// may read only what no kernel writes: the weights (the matvecs issue their first rows' loads, the
+// norms load their weight vectors) and the step's inputs copied from the host (positions, block
+// tables: qk_rope_kv computes its angles, attention finds its row). Launched without the attribute,
+// both instructions return at once.
 EMBER_DEV void grid_dependency_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -5,54 +5,83 @@
 // in place. x, res, h_out share the x layout (ldx); y has its own (ldy). y may alias x or h_out.
 #include "common.cuh"
 
-extern "C" __global__ void rms_norm_f32(const float* x, const float* res, float* h_out,
+// A row lives in registers: thread t holds columns t + i * blockDim.x (i < E), so each
+// element is read once and the reductions wait on no second pass through memory. The weights depend
+// on no earlier kernel: they are loaded before the PDL wait (grid_dependency_sync).
+// Two sizes (ops picks): E = 4 columns per thread up to 4096 columns, E = 8 up to 8192.
+
+template <int E>
+EMBER_DEV void load_weights(const float* __restrict__ w, int cols, float (&wv)[E]) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        wv[i] = c < cols ? __ldg(w + c) : 0.0f;
+    }
+}
+
+EMBER_DEV float inv_rms(float ss, int cols, float eps, float* scratch) {
+    return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+}
+
+template <int E>
+EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out,
                                         const float* __restrict__ w, float* y, int n_rows, int cols,
                                         int heads, i64 ldx, i64 ldy, float eps) {
+    float wv[E], hv[E];
+    load_weights(w, cols, wv);
     grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const i64 ox = (i64)(r / heads) * ldx + (i64)(r % heads) * cols;
     const i64 oy = (i64)(r / heads) * ldy + (i64)(r % heads) * cols;
-    const float* xr = x + ox;
-    const float* rr = res ? res + ox : nullptr;
-    float* hr = h_out ? h_out + ox : nullptr;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float h = xr[c];
-        if (rr) h += rr[c];
-        if (hr) hr[c] = h;
-        ss = fmaf(h, h, ss);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        hv[i] = 0.0f;
+        if (c < cols) {
+            hv[i] = x[ox + c] + (res ? res[ox + c] : 0.0f);
+            ss = fmaf(hv[i], hv[i], ss);
+        }
     }
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-    // second pass: every element is re-read by the thread that wrote it in the first pass
-    const float* src = hr ? hr : xr;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float h = src[c];
-        if (rr && !hr) h += rr[c];
-        y[oy + c] = (h * inv) * w[c];
+    const float inv = inv_rms(ss, cols, eps, scratch);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < cols) {
+            if (h_out) h_out[ox + c] = hv[i];
+            y[oy + c] = (hv[i] * inv) * wv[i];
+        }
     }
 }
 
 // out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
-// 1 / sqrt(mean(v^2) + eps) of one row, every thread of the block taking part
-EMBER_DEV float row_inv_rms(const float* v, int cols, float eps, float* scratch /* 33 floats, shared */) {
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(v[c], v[c], ss);
-    ss = block_sum(ss, scratch);
-    return 1.0f / sqrtf(ss / (float)cols + eps);
-}
-
-extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ x, const float* __restrict__ w, float* out,
+template <int E>
+EMBER_DEV void rms_norm_add_row(const float* __restrict__ x, const float* __restrict__ w, float* out,
                                             int n_rows, int cols, float eps) {
+    float wv[E], xv[E], ov[E];
+    load_weights(w, cols, wv);
     grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * cols;
-    const float inv = row_inv_rms(xr, cols, eps, scratch);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)r * cols + c] += (xr[c] * inv) * w[c];
+    float* orow = out + (i64)r * cols;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        xv[i] = c < cols ? xr[c] : 0.0f;
+        ov[i] = c < cols ? orow[c] : 0.0f;
+        ss = fmaf(xv[i], xv[i], ss);
+    }
+    const float inv = inv_rms(ss, cols, eps, scratch);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < cols) orow[c] = ov[i] + (xv[i] * inv) * wv[i];
+    }
 }
 
 // Elementwise h = a + b (the residual add when no norm follows).
@@ -81,23 +110,59 @@ extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restri
 // out += rms_norm(x) * w1, then h = rms_norm(out) * w2, one block per row: a Gemma post-norm folded
 // into the residual add and the next sub-block's pre-norm, in one launch instead of two. The same
 // per-element math as rms_norm_add_f32 followed by rms_norm_f32.
-extern "C" __global__ void rms_norm_add_norm_f32(const float* __restrict__ x, const float* __restrict__ w1,
+template <int E>
+EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* __restrict__ w1,
                                                  float* out, const float* __restrict__ w2, float* __restrict__ h,
                                                  int n_rows, int cols, float eps) {
+    float w1v[E], w2v[E], xv[E], ov[E];
+    load_weights(w1, cols, w1v);
+    load_weights(w2, cols, w2v);
     grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * cols;
     float* orow = out + (i64)r * cols;
-    const float inv = row_inv_rms(xr, cols, eps, scratch);
-    float ss2 = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float o = orow[c] + (xr[c] * inv) * w1[c];
-        orow[c] = o;
-        ss2 = fmaf(o, o, ss2);
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        xv[i] = c < cols ? xr[c] : 0.0f;
+        ov[i] = c < cols ? orow[c] : 0.0f;
+        ss = fmaf(xv[i], xv[i], ss);
     }
-    ss2 = block_sum(ss2, scratch);
-    const float inv2 = 1.0f / sqrtf(ss2 / (float)cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) h[(i64)r * cols + c] = (orow[c] * inv2) * w2[c];
+    const float inv = inv_rms(ss, cols, eps, scratch);
+    float ss2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        ov[i] += (xv[i] * inv) * w1v[i];  // columns past the row: 0 + 0
+        ss2 = fmaf(ov[i], ov[i], ss2);
+    }
+    const float inv2 = inv_rms(ss2, cols, eps, scratch);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < cols) {
+            orow[c] = ov[i];
+            h[(i64)r * cols + c] = (ov[i] * inv2) * w2v[i];
+        }
+    }
 }
+
+#define NORM_KERNELS(E, MAXT)                                                                                \
+    extern "C" __global__ void __launch_bounds__(MAXT) rms_norm_f32_e##E(                                  \
+        const float* x, const float* res, float* h_out, const float* __restrict__ w, float* y, int n_rows,  \
+        int cols, int heads, i64 ldx, i64 ldy, float eps) {                                                \
+        rms_norm_row<E>(x, res, h_out, w, y, n_rows, cols, heads, ldx, ldy, eps);                          \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MAXT) rms_norm_add_f32_e##E(                              \
+        const float* __restrict__ x, const float* __restrict__ w, float* out, int n_rows, int cols, float eps) { \
+        rms_norm_add_row<E>(x, w, out, n_rows, cols, eps);                                                 \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MAXT) rms_norm_add_norm_f32_e##E(                         \
+        const float* __restrict__ x, const float* __restrict__ w1, float* out, const float* __restrict__ w2,   \
+        float* __restrict__ h, int n_rows, int cols, float eps) {                                          \
+        rms_norm_add_norm_row<E>(x, w1, out, w2, h, n_rows, cols, eps);                                    \
+    }
+NORM_KERNELS(4, 1024)
+NORM_KERNELS(8, 1024)

@@ -110,6 +110,9 @@ class CudaBackend:
             raise ValueError("kv_dtype must be f16 or f32")
         if f16_weights not in ("auto", "on", "off"):
             raise ValueError("f16_weights must be auto, on or off")
+        if config.hidden > ops.NORM_MAX_COLS:
+            raise ModelFileError(gguf_file.path, f"hidden size {config.hidden} exceeds the CUDA backend's "
+                                                 f"{ops.NORM_MAX_COLS} (its norm kernels)")
         try:
             self.dev = device if device is not None else Device()
         except StickyCudaError as e:
