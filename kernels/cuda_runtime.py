@@ -501,6 +501,20 @@ class Timer:
         return float(check(drv.cuEventElapsedTime(self._a, self._b), "cuEventElapsedTime"))
 
 
+class Event:
+    """A point in a stream's work to wait for (no timing: the cheapest kind to record)."""
+
+    def __init__(self):
+        drv = _driver()
+        self.handle = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self, stream: Any = 0) -> None:
+        check(_driver().cuEventRecord(self.handle, _stream_handle(stream)), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(_driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+
 class Stream:
     """A non-blocking stream (graph capture needs one; the legacy default stream cannot be captured)."""
 
@@ -569,6 +583,6 @@ def try_device(ordinal: int = 0) -> tuple[Device | None, str]:
 
 __all__ = [
     "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "HostBuffer", "copy_2d", "I32", "I64", "Kernel", "Module",
-    "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "pdl_launches", "poisoned",
+    "Event", "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "pdl_launches", "poisoned",
     "try_device",
 ]

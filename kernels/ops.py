@@ -530,6 +530,15 @@ def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArr
         Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, stream=stream)
 
 
+def feed_tokens(dev: Device, drawn: DeviceArray, source: DeviceArray, tokens: DeviceArray, *, n: int,
+                stream=None) -> None:
+    """tokens[i] = drawn[source[i]] where source[i] >= 0 (int32 arrays): a step's inputs taken from the
+    previous step's draws on the device (run-ahead decoding). Twin: numpy indexing."""
+    _need(source, np.int32, n, "source")
+    _need(tokens, np.int32, n, "tokens")
+    dev.kernel("sampling", "feed_tokens").launch((-(-n // 256),), (256,), drawn, source, tokens, n, stream=stream)
+
+
 class SampleParams:
     """Per-row sampling parameters packed in one buffer (one copy per step): seeds (u64) first, then
     temperature, top_p, min_p (f32), top_k (i32) and step (u32), each `rows` long."""

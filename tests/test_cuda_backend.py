@@ -172,6 +172,36 @@ def test_device_sampling_through_the_backend(dev, model_dir):
     assert len(draws) == 1
 
 
+def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
+    """Steps launched before the previous step's tokens are read, those tokens fed on the device:
+    the same greedy tokens as reading every step first, through the captured graphs (3 streams) and
+    an eager step whose rows are partly fed and partly sent by the host."""
+    from ember.worker.bench.gpu_speed import GREEDY, decode
+    from ember.worker.engine.backend import SampledToken
+
+    model = _synth(model_dir, "llama")
+    _, cud = _backends(model, dev, 24, "fast")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, model.config.vocab_size, 20).astype(np.int32) for _ in range(3)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    runs = []
+    for run_ahead in (False, True, True):  # twice: the second replays the graphs the first captured
+        firsts = cud.forward([SeqChunk(p, 0, t, "last", sample=GREEDY) for p, t in zip(prompts, tables)])
+        runs.append(decode(cud, [int(t) for t in firsts], 20, tables, 12, run_ahead))
+    assert runs[0] == runs[1] == runs[2]
+    assert cud.graph_replays > 0
+    # a prefill chunk (host tokens) in the same step as a fed decode row
+    first = cud.forward([SeqChunk(prompts[0], 0, tables[0], "last", sample=GREEDY)])[0]
+    pending = cud.submit([SeqChunk(np.zeros(1, np.int32), 20, tables[0], "last", sample=GREEDY),
+                          SeqChunk(prompts[1], 0, tables[1], "last", sample=GREEDY)], feed=[0, None])
+    fed, other = pending.result()
+    assert isinstance(fed, SampledToken) and isinstance(other, SampledToken)
+    (want,) = cud.forward([SeqChunk(np.array([int(first)], np.int32), 20, tables[0], "last", sample=GREEDY)])
+    assert int(fed) == int(want)
+    with pytest.raises(ValueError, match="drew no token"):
+        cud.submit([SeqChunk(np.zeros(1, np.int32), 21, tables[0], "last", sample=GREEDY)], feed=[3])
+
+
 def test_sticky_error_becomes_context_poisoned(dev, model_dir):
     """In a child process (the context stays poisoned): an out-of-bounds write by a real kernel
     surfaces from the backend's next forward as ContextPoisoned 700, not as StickyCudaError."""

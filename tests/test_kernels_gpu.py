@@ -284,6 +284,15 @@ def test_norm_rows_wider_than_the_kernels_are_refused(dev):
         ops.rms_norm(dev, x, x, x, eps=1e-6, rows=1, cols=8193)
 
 
+def test_feed_tokens_takes_the_previous_draws(dev, rng):
+    drawn = rng.integers(0, 50000, 64).astype(np.int32)
+    source = rng.integers(-1, 64, 37).astype(np.int32)
+    tokens = rng.integers(0, 50000, 37).astype(np.int32)
+    td = dev.to_device(tokens)
+    ops.feed_tokens(dev, dev.to_device(drawn), dev.to_device(source), td, n=37)
+    np.testing.assert_array_equal(td.to_host(), np.where(source >= 0, drawn[np.maximum(source, 0)], tokens))
+
+
 def test_add(dev, rng):
     a, b = rng.normal(size=1001).astype(np.float32), rng.normal(size=1001).astype(np.float32)
     out = dev.empty(1001)

@@ -44,6 +44,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # 16+), decoded once at start instead of at every such step: auto = when it fits with a tenth of
     # the device left free.
     f16_weights: str = "auto"
+    # cuda: launch each decode step before reading the previous step's tokens (fed on the device), so
+    # the host's per-step work overlaps the GPU's instead of adding to it
+    run_ahead: bool = True
     fault: str | None = None
     log_prompts: bool = False
     # The loop guard ends a generation whose tail is one block of tokens repeated back to back.
@@ -79,6 +82,7 @@ HELP = {
     "stall_seconds": "an engine loop with work and no progress this long fails /health/live (default 60)",
     "backend": "compute backend: numpy (default) or cuda",
     "f16_weights": "cuda: keep a 16-bit copy of the weights for prefill and large batches: auto (default: when it fits), on, off",
+    "run_ahead": "cuda: launch each decode step before the previous step's tokens are read (default on)",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
     "loop_guard": "end a generation that repeats the same block of tokens (finish reason length; default on)",

@@ -71,6 +71,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
             backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
                                   max_rows=max(cfg.prefill_chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
                                   f16_weights=cfg.f16_weights)
+            backend.runs_ahead = cfg.run_ahead
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
     else:

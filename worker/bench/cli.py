@@ -31,6 +31,9 @@ def add_bench_parser(sub) -> None:
                    help="cuda: float activations in the decode matvecs (default: int8, as llama.cpp)")
     s.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="cuda: capture decode steps without programmatic dependent launch")
+    s.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
+                   help="cuda: read each decode step's tokens before launching the next (default: the next step "
+                        "is launched first, its tokens fed on the device, as the server does)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 

@@ -1,9 +1,11 @@
 """`ember bench speed --backend cuda`: prefill and decode tokens/s of the CUDA backend, llama-bench
 style (pp: one prompt; tg: one stream generating from an empty context, as llama-bench's tg test
 does; tg at P: the same after the P-token prompt; --streams N: N streams decoding together), timed
-with device events on the backend's stream. The first run of each phase is a warm-up (module loads, graph
-captures) and is not counted; the median of the rest is reported, with the single-stream share of
-the memory-bandwidth limit (every weight byte read once per decode step) and peak device memory.
+with device events on the backend's stream. Decode runs ahead as the server does (each step launched
+before the previous step's tokens are read; --no-run-ahead waits instead). The first run of each
+phase is a warm-up (module loads, graph captures) and is not counted; the median of the rest is
+reported, with the single-stream share of the memory-bandwidth limit (every weight byte read once per
+decode step) and peak device memory.
 """
 
 from __future__ import annotations
@@ -92,10 +94,8 @@ def run(args) -> dict:
 
         def decode_one(start: int, tab: list[int]):
             nonlocal tok
-            for i in range(args.gen_tokens):
-                (tok,) = backend.forward([SeqChunk(np.array([tok], np.int32), start + i, tab, "last",
-                                                   sample=GREEDY)])
-                tok = int(tok)
+            toks = decode(backend, [tok], start, [tab], args.gen_tokens, args.run_ahead)
+            tok = toks[0]
 
         secs = timed(lambda: decode_one(args.prompt_tokens, table))
         if r:
@@ -112,10 +112,7 @@ def run(args) -> dict:
 
             def decode_many():
                 nonlocal toks
-                for i in range(args.gen_tokens):
-                    outs = backend.forward([SeqChunk(np.array([t], np.int32), args.stream_prompt + i, tab, "last",
-                                                     sample=GREEDY) for t, tab in zip(toks, tables)])
-                    toks = [int(o) for o in outs]
+                toks = decode(backend, toks, args.stream_prompt, tables, args.gen_tokens, args.run_ahead)
 
             secs = timed(decode_many)
             if r:
@@ -128,6 +125,7 @@ def run(args) -> dict:
     out = {
         "model": model.path.name, "backend": "cuda", "device": backend.dev.name, "kv_dtype": args.kv_dtype,
         "f16_weights": backend.f16_weights, "int8": backend.int8_activations, "pdl": backend.pdl,
+        "run_ahead": args.run_ahead,
         f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1), "prefill_chunk": chunk,
         f"tg{args.gen_tokens}_tok_s": round(tg_med, 1),
         f"tg{args.gen_tokens}_at_{args.prompt_tokens}_tok_s": round(float(np.median(tg_ctx)), 1),
@@ -139,6 +137,27 @@ def run(args) -> dict:
     if multi:
         out[f"decode_{streams}_streams_tok_s"] = round(float(np.median(multi)), 1)
     return out
+
+
+def decode(backend, tokens: list[int], start: int, tables: list[list[int]], steps: int, run_ahead: bool) -> list[int]:
+    """`steps` greedy decode steps of len(tokens) streams; the last tokens. run_ahead: as the server
+    does, step n + 1 is launched (its tokens fed from step n's draws on the device) before step n's
+    tokens are read back."""
+    n = len(tokens)
+
+    def step(i, toks):
+        return [SeqChunk(np.array([t], np.int32), start + i, tab, "last", sample=GREEDY) for t, tab in zip(toks, tables)]
+
+    if not run_ahead:
+        for i in range(steps):
+            tokens = [int(t) for t in backend.forward(step(i, tokens))]
+        return tokens
+    pending = backend.submit(step(0, tokens))
+    for i in range(1, steps):
+        nxt = backend.submit(step(i, [0] * n), feed=list(range(n)))
+        tokens = [int(t) for t in pending.result()]  # read (as a server streams them) while the next step runs
+        pending = nxt
+    return [int(t) for t in pending.result()]
 
 
 def _graph_step_ms(backend, timer, replays: int = 50) -> dict:

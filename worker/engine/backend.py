@@ -68,6 +68,16 @@ def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarr
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+class Done:
+    """A step computed when it was submitted (backends without asynchronous steps)."""
+
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+
+    def result(self) -> list:
+        return self.outputs
+
+
 class Backend(Protocol):
     name: str
     config: ModelConfig
@@ -79,6 +89,11 @@ class Backend(Protocol):
         n for "all"), None for "none", or a SampledToken where the chunk asked for a draw and the
         backend can make it (backends may always return logits instead)."""
         ...
+
+    # Optional (`runs_ahead = True`): submit(chunks, feed=None) launches a step and returns an object
+    # whose result() is what forward() returns. feed[i] = j makes chunk i's single token the draw of
+    # chunk j of the step submitted just before, taken where it was drawn, so the scheduler can launch
+    # step n + 1 before it has read step n's tokens (run-ahead decoding).
 
     def read_block(self, block: int) -> np.ndarray:
         """A copy of one block's K and V for every layer: float32 [2, layers, block_size, kv_heads, head_dim]."""

@@ -12,7 +12,10 @@ Every buffer a step touches is allocated once, up front, and a step's inputs tra
 from pinned memory. A decode step (one token per sequence) is captured once per (batch bucket,
 context bucket) as a CUDA graph and then replayed with one launch, so the host does not bound small
 models. Chunks that ask for it (`SeqChunk.sample`) are sampled on the device and come back as
-`SampledToken`; the rest come back as logits.
+`SampledToken`; the rest come back as logits. submit() launches a step and returns at once (two
+steps may be in flight, each with its own pinned buffers); a step's tokens may be the previous
+step's draws, copied on the device (`feed`), so the scheduler launches decode step n + 1 before it
+reads step n's tokens and the host's work overlaps the GPU's.
 
 A sticky CUDA error (StickyCudaError: the context is poisoned) surfaces as ContextPoisoned, the
 worker's contract (engine_poisoned, exit 75). Head sizes the attention kernel lacks (it has 64, 128
@@ -89,7 +92,8 @@ class _Layout:
         r, s = self.rows, self.seqs
         self.tok, self.pos, self.slots, self.seq = 0, 4 * r, 8 * r, 12 * r
         self.out_rows = 16 * r  # the rows whose logits are wanted (r at most)
-        self.sample = 20 * r  # SampleParams for up to r rows (8-byte aligned: r is a multiple of 8)
+        self.feed = 20 * r  # per row: the previous step's draw that is its token (run-ahead), or -1
+        self.sample = 24 * r  # SampleParams for up to r rows (8-byte aligned: r is a multiple of 8)
         self.tiles = self.sample + ops.SampleParams.nbytes(r)  # flash attention's (row, count) pairs
         self.tile_cap = r // ops.FLASH_ROWS + s + 1
         self.tables = self.tiles + 8 * self.tile_cap
@@ -99,12 +103,13 @@ class _Layout:
 class CudaBackend:
     name = "cuda"
     samples_on_device = True  # chunks with `sample` set come back as SampledToken
+    runs_ahead = True  # submit() returns before the step ends, and can feed a step from the last one's draws
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int, block_size: int = 16,
                  device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
                  tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
                  f16_weights: str = "auto", pdl: bool = True):
-        from ember.kernels.cuda_runtime import Device, HostBuffer, Stream
+        from ember.kernels.cuda_runtime import Device, Event, HostBuffer, Stream
 
         if kv_dtype not in ("f16", "f32"):
             raise ValueError("kv_dtype must be f16 or f32")
@@ -143,7 +148,7 @@ class CudaBackend:
                 lw[w].cols % 32 == 0 for lw in self.layers for w in _ALL_MATRICES if w in lw)
             self._alloc_kv()
             self.f16_weights = self._keep_half_weights(f16_weights)
-            self._alloc_step_buffers(HostBuffer)
+            self._alloc_step_buffers(HostBuffer, Event)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
         self._graphs: dict[tuple[int, int], tuple[object, dict]] = {}
@@ -246,12 +251,13 @@ class CudaBackend:
         self.stream.synchronize()
         return True
 
-    def _alloc_step_buffers(self, HostBuffer) -> None:
+    def _alloc_step_buffers(self, HostBuffer, Event) -> None:
         cfg, R = self.config, self.max_rows
         blocks = -(-max(cfg.context_length, 1) // self.block_size)
         table_len = 1 << (blocks - 1).bit_length()  # decode steps bucket their table width to a power of 2
         self.layout = _Layout(R, self.max_seqs, (self.max_seqs + 1) * table_len)
-        self._h_in = HostBuffer(self.layout.nbytes)
+        # two of each host buffer: a step is packed and launched while the one before is still running
+        self._h_in = [HostBuffer(self.layout.nbytes) for _ in range(2)]
         self._d_in = self.dev.empty((self.layout.nbytes,), np.uint8)
         lay = self.layout
 
@@ -261,6 +267,7 @@ class CudaBackend:
         self.d_tok, self.d_pos = ints(lay.tok, R), ints(lay.pos, R)
         self.d_slots, self.d_seq = ints(lay.slots, R), ints(lay.seq, R)
         self.d_out_rows = ints(lay.out_rows, R)
+        self.d_feed = ints(lay.feed, R)
         self.d_tiles = ints(lay.tiles, 2 * lay.tile_cap)
         self.d_tables = ints(lay.tables, lay.table_cap)
         self.d_sample = self._d_in.view_bytes(lay.sample, ops.SampleParams.nbytes(R), np.uint8)
@@ -275,8 +282,12 @@ class CudaBackend:
         self.hn = e((R * hid,))
         self.logits = e((R * cfg.vocab_size,))
         self.d_tokens_out = e((R,), np.int32)
-        self._h_tokens = HostBuffer(4 * R)
-        self._h_logits: HostBuffer | None = None
+        self._h_tokens = [HostBuffer(4 * R) for _ in range(2)]
+        self._h_logits: list[HostBuffer | None] = [None, None]
+        self._done = [Event(), Event()]  # recorded after each slot's step and its copies back
+        self._inflight: list[_Pending | None] = [None, None]
+        self._slot = 0
+        self._last: _Pending | None = None  # the step submitted last: the one a run-ahead step feeds on
         if self.tensor_cores:  # the prefill matmul's 16-bit scratch, at its largest, once
             biggest = max(lw[w].rows * lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
             widest = max(lw[w].cols for lw in self.layers for w in _ALL_MATRICES if w in lw)
@@ -302,13 +313,21 @@ class CudaBackend:
         self.dev.make_current()
         ops.fault_illegal_address(self.dev)
 
-    @_poison_guard
     def forward(self, chunks: list[SeqChunk]) -> list:
+        return self.submit(chunks).result()
+
+    @_poison_guard
+    def submit(self, chunks: list[SeqChunk], feed: list[int | None] | None = None) -> "_Pending":
+        """Launch one step and return at once; its result() waits for the device. feed[i] = j: chunk i's
+        one token is the draw of chunk j of the step submitted just before (still running, perhaps),
+        copied on the device; its `tokens` value is ignored. At most two steps are in flight: a third
+        submit first collects the oldest."""
         dev, cfg, bs = self.dev, self.config, self.block_size
         dev.make_current()
         n = sum(len(c.tokens) for c in chunks)
         if n > self.max_rows or len(chunks) > self.max_rows:
             raise ValueError(f"a step of {n} tokens exceeds this backend's {self.max_rows} rows")
+        sources = self._feed_sources(chunks, feed) if feed is not None else None
         decode = all(len(c.tokens) == 1 and c.logits == "last" for c in chunks)
         graph_rows = _bucket(len(chunks), GRAPH_BATCHES) if decode and len(chunks) <= min(self.max_seqs, GRAPH_BATCHES[-1]) else 0
         rows = max(graph_rows, n)
@@ -318,15 +337,23 @@ class CudaBackend:
             stride = 1 << (stride - 1).bit_length()  # bucket the context so graphs are reused
         if (len(chunks) + 1) * stride > self.layout.table_cap:
             raise ValueError("the step's block tables exceed the staging buffer")
+        slot = self._slot
+        older = self._inflight[slot]
+        if older is not None:
+            older.result()  # its host buffers are this step's
+        self._slot ^= 1
 
         # the step's inputs, packed into pinned memory and sent in one copy
-        lay, hb = self.layout, self._h_in.array
+        lay, hb = self.layout, self._h_in[slot].array
         tok = _host(hb, lay.tok, rows, np.int32)
         pos = _host(hb, lay.pos, rows, np.int32)
         slots = _host(hb, lay.slots, rows, np.int32)
         seq = _host(hb, lay.seq, rows, np.int32)
         tables = _host(hb, lay.tables, (len(chunks) + (1 if graph_rows else 0)) * stride, np.int32)
         tok[:n] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
+        if sources is not None:
+            tok[:n][sources >= 0] = 0
+            _host(hb, lay.feed, n, np.int32)[:] = sources
         if tok[:n].size and (tok[:n].min() < 0 or tok[:n].max() >= cfg.vocab_size):
             raise ValueError("token id out of range")
         pos[:n] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
@@ -360,7 +387,7 @@ class CudaBackend:
         if graph_rows:
             out_rows[:rows] = np.arange(rows)
             n_out = rows
-        self._pack_sampling(chunks, want, n_out)
+        self._pack_sampling(hb, chunks, want, n_out)
         n_tiles = 0
         if not graph_rows and self._flash and n > len(chunks):  # prefill rows: flash attention
             tiles = ops.flash_tiles(spans)
@@ -368,7 +395,9 @@ class CudaBackend:
                 n_tiles = len(tiles)
                 _host(hb, lay.tiles, 2 * n_tiles, np.int32)[:] = tiles.reshape(-1)
         end = lay.tables + tables.nbytes
-        self._d_in.view(0, end).upload_from(self._h_in, end, self.stream)
+        self._d_in.view(0, end).upload_from(self._h_in[slot], end, self.stream)
+        if sources is not None:  # the previous step's draws, still on the device, become tokens
+            ops.feed_tokens(dev, self.d_tokens_out, self.d_feed, self.d_tok, n=n, stream=self.stream)
 
         max_keys = stride * bs if graph_rows else max_len
         if graph_rows:
@@ -384,9 +413,29 @@ class CudaBackend:
                 self._launch(rows, stride, max_keys, n_out, chunks, spans, pos)
         else:
             self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles)
-        return self._results(chunks, want, sampled, n_out)
+        pending = _Pending(self, slot, chunks, want, sampled, n_out)
+        self._copy_back(pending)
+        self._inflight[slot] = self._last = pending
+        return pending
 
-    def _pack_sampling(self, chunks, want, n_out) -> None:
+    def _feed_sources(self, chunks, feed) -> np.ndarray:
+        """Per row, the row of the previous step's draws (d_tokens_out) that is its token, or -1."""
+        prev = self._last
+        if len(feed) != len(chunks):
+            raise ValueError("feed needs one entry per chunk")
+        sources = np.full(sum(len(c.tokens) for c in chunks), -1, np.int32)
+        at = 0
+        for c, j in zip(chunks, feed):
+            if j is not None:
+                if prev is None or j not in prev.drawn_rows:
+                    raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
+                if len(c.tokens) != 1:
+                    raise ValueError("a fed chunk has exactly one token")
+                sources[at] = prev.drawn_rows[j]
+            at += len(c.tokens)
+        return sources
+
+    def _pack_sampling(self, hb, chunks, want, n_out) -> None:
         """SampleParams for the logits rows, in out_rows order (rows not drawn: greedy, ignored)."""
         temp = np.zeros(n_out, np.float32)
         top_k = np.zeros(n_out, np.int32)
@@ -401,41 +450,43 @@ class CudaBackend:
                 temp[at], top_k[at], top_p[at], min_p[at] = s.temperature, s.top_k, s.top_p, s.min_p
                 seed[at], step[at] = s.seed & (2**64 - 1), s.step & (2**32 - 1)
             at += cnt
-        buf = self._h_in.array[self.layout.sample : self.layout.sample + ops.SampleParams.nbytes(n_out)]
+        buf = hb[self.layout.sample : self.layout.sample + ops.SampleParams.nbytes(n_out)]
         ops.SampleParams.pack(buf, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               step=step)
 
-    def _results(self, chunks, want, sampled, n_out) -> list:
-        """Copy back what the scheduler needs: sampled tokens, and logits for the rest."""
-        st = self.stream
-        out: list = [None] * len(chunks)
-        if sampled:
-            self.d_tokens_out.view(0, n_out).download_into(self._h_tokens, 4 * n_out, st)
-        host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(_row_starts(want), want) if si not in sampled]
-        if host_rows:
-            total = sum(cnt for _, _, cnt in host_rows) * self.config.vocab_size * 4
-            if self._h_logits is None or self._h_logits.nbytes < total:
+    def _copy_back(self, p: "_Pending") -> None:
+        """Queue the copies of what the scheduler needs (drawn tokens, logits for the rest) into the
+        step's host buffers, and mark the stream there."""
+        st, V = self.stream, self.config.vocab_size
+        if p.sampled:
+            self.d_tokens_out.view(0, p.n_out).download_into(self._h_tokens[p.slot], 4 * p.n_out, st)
+        if p.host_rows:
+            total = sum(cnt for _, _, cnt in p.host_rows) * V * 4
+            buf = self._h_logits[p.slot]
+            if buf is None or buf.nbytes < total:
                 from ember.kernels.cuda_runtime import HostBuffer
 
-                if self._h_logits is not None:
-                    st.synchronize()
-                    self._h_logits.free()
-                self._h_logits = HostBuffer(max(total, 4 * self.config.vocab_size * 8))
+                if buf is not None:
+                    buf.free()  # nothing still copies into it: the step that used this slot was collected
+                buf = self._h_logits[p.slot] = HostBuffer(max(total, 4 * V * 8))
             at = 0
-            V = self.config.vocab_size
-            for si, r, cnt in host_rows:
-                self.logits.view(r * V, cnt * V).download_into(self._h_logits, cnt * V * 4, st, host_offset=at)
+            for _, r, cnt in p.host_rows:
+                self.logits.view(r * V, cnt * V).download_into(buf, cnt * V * 4, st, host_offset=at)
                 at += cnt * V * 4
-        st.synchronize()
-        if sampled:
-            toks = _host(self._h_tokens.array, 0, n_out, np.int32)
-            starts = dict(zip((si for si, _, _ in want), _row_starts(want)))
-            for si in sampled:
-                out[si] = SampledToken(int(toks[starts[si]]))
-        at = 0
-        V = self.config.vocab_size
-        for si, r, cnt in host_rows:
-            out[si] = _host(self._h_logits.array, at, cnt * V, np.float32).reshape(cnt, V).copy()
+        self._done[p.slot].record(st)
+
+    @_poison_guard
+    def _collect(self, p: "_Pending") -> list:
+        self.dev.make_current()
+        self._done[p.slot].synchronize()
+        out: list = [None] * len(p.chunks)
+        if p.sampled:
+            toks = _host(self._h_tokens[p.slot].array, 0, p.n_out, np.int32)
+            for si, row in p.drawn_rows.items():
+                out[si] = SampledToken(int(toks[row]))
+        at, V = 0, self.config.vocab_size
+        for si, _, cnt in p.host_rows:
+            out[si] = _host(self._h_logits[p.slot].array, at, cnt * V, np.float32).reshape(cnt, V).copy()
             at += cnt * V * 4
         return out
 
@@ -640,6 +691,23 @@ class CudaBackend:
         cfg = self.config
         raw = np.ascontiguousarray(np.asarray(data).reshape(2, cfg.n_layers, -1).astype(self.kv_dtype))
         self._block_copy(block, raw, to_host=False)
+
+
+class _Pending:
+    """A launched step. result() waits for the device and returns what forward() would have."""
+
+    def __init__(self, backend: CudaBackend, slot: int, chunks, want, sampled, n_out):
+        self.backend, self.slot, self.chunks, self.n_out = backend, slot, chunks, n_out
+        starts = dict(zip((si for si, _, _ in want), _row_starts(want)))
+        self.sampled = sampled
+        self.drawn_rows = {si: starts[si] for si in sampled}  # chunk -> its row of d_tokens_out
+        self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(_row_starts(want), want) if si not in self.drawn_rows]
+        self._outputs: list | None = None
+
+    def result(self) -> list:
+        if self._outputs is None:
+            self._outputs = self.backend._collect(self)
+        return self._outputs
 
 
 def _row_starts(want) -> list[int]:

@@ -14,13 +14,19 @@ from ember.kernels import reference as ops
 
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights
-from .backend import SeqChunk, kv_slots
+from .backend import Done, SampledToken, SeqChunk, kv_slots
 
 
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16,
+                 draws: bool = False):
+        # draws: chunks with `sample` set come back as SampledToken, drawn by the CUDA sampler's twin,
+        # and submit() feeds a step from the previous one's draws: the CUDA backend's contract on the
+        # CPU, so the scheduler's run-ahead path is tested without a GPU
+        self.samples_on_device = self.runs_ahead = draws
+        self._drawn: dict[int, int] = {}  # the last step's draws, by chunk
         self.config, self.weights = config, weights
         self.block_size, self.n_blocks = block_size, n_blocks
         shape = (config.n_layers, n_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -38,7 +44,31 @@ class NumpyBackend:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+    def submit(self, chunks: list[SeqChunk], feed: list[int | None] | None = None) -> Done:
+        if feed is not None:
+            if len(feed) != len(chunks):
+                raise ValueError("feed needs one entry per chunk")
+            for c, j in zip(chunks, feed):
+                if j is not None and (j not in self._drawn or len(c.tokens) != 1):
+                    raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
+            chunks = [c if j is None else SeqChunk(np.array([self._drawn[j]], np.int32), c.start, c.block_table,
+                                                   c.logits, c.sample) for c, j in zip(chunks, feed)]
+        return Done(self.forward(chunks))
+
+    def forward(self, chunks: list[SeqChunk]) -> list:
+        out = self._logits(chunks)
+        self._drawn = {}
+        if self.samples_on_device:
+            for i, (c, logits) in enumerate(zip(chunks, out)):
+                if c.sample is not None and c.logits == "last":
+                    s = c.sample
+                    tokens, _ = ops.sample_rows(logits[-1:], [s.temperature], [s.top_k], [s.top_p], [s.min_p],
+                                                [s.seed & (2**64 - 1)], [s.step & (2**32 - 1)])
+                    out[i] = SampledToken(int(tokens[0]))
+                    self._drawn[i] = int(tokens[0])
+        return out
+
+    def _logits(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
         cfg, w = self.config, self.weights
         tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])

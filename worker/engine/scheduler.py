@@ -138,6 +138,8 @@ class Engine:
         self.last_progress = time.monotonic()  # heartbeat for hang detection
         self._arrivals = 0
         self._stop = False
+        self._ahead: _Ahead | None = None  # a decode step launched before the last one's tokens were read
+        self.ahead_steps = self.ahead_rows_dropped = 0  # run-ahead steps launched, and rows of them recomputed
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size)
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
 
@@ -233,21 +235,35 @@ class Engine:
         self._reap_cancelled()
         self._admit()
         self._progress_restores()
-        if not self.running:
-            return
-        chunks, members = self._plan()
-        if not chunks:
-            return
-        phases = {"prefill" if len(c.tokens) > 1 or s.generated == 0 else "decode" for c, s in zip(chunks, members)}
-        self.step_count += 1
-        self.metrics.steps.inc()
-        self.faults.before_step(self.step_count, phases, self.backend)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # launched during the last step: its rows whose sequence moved on are dropped
+            rows = ahead.valid_rows(self.running)
+            chunks, members = [ahead.chunks[i] for i in rows], [ahead.members[i] for i in rows]
+            pending = ahead.pending
+            self.ahead_rows_dropped += len(ahead.chunks) - len(chunks)
+        else:
+            if not self.running:
+                return
+            chunks, members = self._plan()
+            if not chunks:
+                return
+            pending = self._launch(chunks, members)
+            rows = list(range(len(chunks)))
+        # launch the next decode step before reading this one's tokens (they are fed on the device):
+        # the host's work for a step then overlaps the device's
+        nxt = self._run_ahead(chunks, members, rows) if pending is not None else None
         try:
-            outputs = self.backend.forward(chunks)
+            outputs = pending.result() if pending is not None else self.backend.forward(chunks)
         except ContextPoisoned:
             raise
         except Exception:
+            if nxt is not None:  # it was fed from this step's draws
+                nxt.discard()
+                nxt = None
             outputs = self._isolate(chunks, members)
+        if nxt is not None:
+            nxt.fed_from(outputs)
+        self._ahead = nxt
         now = time.monotonic()
         for chunk, seq, out in zip(chunks, members, outputs):
             if out is _FAILED:
@@ -259,6 +275,69 @@ class Engine:
             except Exception as e:
                 log("request_error", level="error", request_id=seq.req.request_id, error=f"{type(e).__name__}: {e}")
                 self._settle(seq, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
+
+    def _launch(self, chunks: list[SeqChunk], members: list[_Seq], phases: set[str] | None = None):
+        """Count the step, run the fault hooks, and submit it where the backend can run ahead (None:
+        the caller runs it with forward)."""
+        if phases is None:
+            phases = {"prefill" if len(c.tokens) > 1 or s.generated == 0 else "decode" for c, s in zip(chunks, members)}
+        self.step_count += 1
+        self.metrics.steps.inc()
+        self.faults.before_step(self.step_count, phases, self.backend)
+        if not getattr(self.backend, "runs_ahead", False):
+            return None
+        try:
+            return self.backend.submit(chunks)
+        except ContextPoisoned:
+            raise
+        except Exception:
+            return None  # forward() reruns it, and _isolate finds the culprit
+
+    def _run_ahead(self, chunks: list[SeqChunk], members: list[_Seq], rows: list[int]) -> "_Ahead | None":
+        """Submit the decode step after this one, each sequence's token the draw this step makes on the
+        device, when that step is already known: every running sequence is in this step, is drawing
+        its next token on the device, and nothing waits to be admitted. Sequences this step ends (by
+        length) sit it out; a sequence whose token turns out otherwise (a stop, a forced reasoning
+        marker, a cancel) has its row dropped and recomputed (its KV slot is simply rewritten).
+        rows[j]: chunk j's index in the step the backend ran (a run-ahead step may have dropped rows)."""
+        if not getattr(self.backend, "runs_ahead", False) or len(members) != len(self.running):
+            return None
+        if (self.waiting or self._inbox) and len(self.running) < self.limits.max_seqs:
+            return None
+        eligible: list[tuple[int, _Seq, int]] = []  # (chunk index, sequence, position of its next token)
+        for j, (c, s) in enumerate(zip(chunks, members)):
+            at = c.start + len(c.tokens)
+            if c.sample is None or c.logits != "last" or at != len(s.tokens) or s.restoring is not None:
+                return None
+            if s.generated + 1 >= s.req.max_tokens or at + 1 >= self.limits.context:
+                continue  # this step's token is its last
+            eligible.append((j, s, at))
+        if not eligible:
+            return None
+        nxt_chunks, nxt_members, feed, sources = [], [], [], []
+        for j, s, at in eligible:
+            need = -(-(at + 1) // self.backend.block_size) - len(s.blocks)
+            if need > 0:
+                try:
+                    s.blocks.extend(self.pool.allocate(need))
+                except OutOfBlocks:
+                    return None  # the normal plan preempts if it must
+            nxt_chunks.append(SeqChunk(np.zeros(1, np.int32), at, s.blocks, "last", sample=self._device_sample(s, 1)))
+            nxt_members.append(s)
+            feed.append(rows[j])
+            sources.append(j)
+        self.step_count += 1
+        self.metrics.steps.inc()
+        self.faults.before_step(self.step_count, {"decode"}, self.backend)
+        try:
+            pending = self.backend.submit(nxt_chunks, feed=feed)
+        except ContextPoisoned:
+            raise
+        except Exception as e:
+            log("engine_error", level="error", error=f"run-ahead step: {type(e).__name__}: {e}")
+            return None
+        self.ahead_steps += 1
+        return _Ahead(pending, nxt_chunks, nxt_members, sources)
 
     def _isolate(self, chunks: list[SeqChunk], members: list[_Seq]) -> list:
         """A batched step raised: rerun each chunk alone so only the culprit fails."""
@@ -481,9 +560,10 @@ class Engine:
             s.handle.push([PromptLogprobs(s.prompt_lp)])
         self._sample(s, logits if isinstance(logits, SampledToken) else logits[-1], now)
 
-    def _device_sample(self, s: _Seq) -> DeviceSample | None:
+    def _device_sample(self, s: _Seq, ahead: int = 0) -> DeviceSample | None:
         """Let a backend that samples on the device (CUDA) draw this token where the logits are,
-        unless the request needs them on the host: a grammar mask, penalties or logprobs."""
+        unless the request needs them on the host: a grammar mask, penalties or logprobs. ahead: the
+        draw is that many tokens past what the sequence has generated (a run-ahead step)."""
         if not getattr(self.backend, "samples_on_device", False) or s.constraint or s.req.logprobs is not None:
             return None
         p = s.req.params
@@ -492,7 +572,7 @@ class Engine:
         if s.device_seed is None:  # a seeded request repeats; others draw from fresh entropy
             s.device_seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         temp = 0.0 if p.greedy else p.temperature
-        return DeviceSample(temp, p.top_k, p.top_p, p.min_p, s.device_seed, s.generated)
+        return DeviceSample(temp, p.top_k, p.top_p, p.min_p, s.device_seed, s.generated + ahead)
 
     def _sample(self, s: _Seq, logits: np.ndarray, now: float) -> None:
         if s.generated == 0:
@@ -630,6 +710,51 @@ class Engine:
 
 
 _FAILED = object()
+
+
+class _Ahead:
+    """A run-ahead step in flight: row i fed from the draw of chunk sources[i] of the step before it.
+    Once that step's outputs are known (fed_from), a row is valid if its sequence took exactly that
+    token and is still running at that position."""
+
+    def __init__(self, pending, chunks: list[SeqChunk], members: list[_Seq], sources: list[int]):
+        self.pending, self.chunks, self.members, self.sources = pending, chunks, members, sources
+        self.tokens: list[int | None] = [None] * len(chunks)
+
+    def fed_from(self, outputs: list) -> None:
+        for i, j in enumerate(self.sources):
+            out = outputs[j]
+            self.tokens[i] = int(out) if isinstance(out, SampledToken) else None
+
+    def valid_rows(self, running: list[_Seq]) -> list[int]:
+        """The rows still wanted; the pending step's result() then returns theirs alone."""
+        keep = [i for i, (c, s, t) in enumerate(zip(self.chunks, self.members, self.tokens))
+                if t is not None and s in running and s.n_computed == c.start and len(s.tokens) == c.start + 1
+                and s.tokens[c.start] == t]
+        for i in keep:
+            self.chunks[i].tokens[0] = self.tokens[i]  # the token the device used, for a rerun on its own
+        if len(keep) != len(self.chunks):
+            self.pending = _Selected(self.pending, keep)
+        return keep
+
+    def discard(self) -> None:
+        try:
+            self.pending.result()
+        except ContextPoisoned:
+            raise
+        except Exception:
+            pass
+
+
+class _Selected:
+    """Some rows of a pending step's outputs."""
+
+    def __init__(self, pending, rows: list[int]):
+        self.pending, self.rows = pending, rows
+
+    def result(self) -> list:
+        out = self.pending.result()
+        return [out[i] for i in self.rows]
 
 
 def _token_logprob(lp: np.ndarray, token: int, k: int) -> TokenLogprob:
