@@ -194,23 +194,28 @@ Q8_ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int = 1,
               res: DeviceArray | None = None, ldx: int | None = None, act: str | None = None, up_offset: int = 0,
-              unroll: int | None = None, prefetch: bool | None = None, rows_per_block: int | None = None,
-              stream=None) -> None:
+              gated: bool = False, unroll: int | None = None, prefetch: bool | None = None,
+              rows_per_block: int | None = None, stream=None) -> None:
     """y[n, rows] = q8(x)[n, cols] @ W.T (+ res) for Q4_K / Q5_K / Q6_K rows (matvec_k.cu kq8): x is quantized
     to int8 per 32 columns inside the kernel and multiplied with dp4a. Batches of 1, 2 or 4 rows per
     launch (larger n: launches of 4). Twin: reference.linear_q8(x, quants.dequantize(W)).
 
     ldx: x's row stride (default cols). act ("silu" / "gelu_tanh"): x = act(x) * x[up_offset:], the
-    gated MLP's activation applied while loading (x is then the fused gate|up buffer)."""
+    gated MLP's activation applied while loading (x is then the fused gate|up buffer). gated: W is the
+    stacked [gate; up] matrix and y[n, rows / 2] = act(x W_gate^T) * (x W_up^T), the activation applied
+    to the outputs, once per column (twin: act(linear_q8(x, W_gate)) * linear_q8(x, W_up))."""
     if not kq8_supported(w) or n < 1:
         raise ValueError(f"the int8 matvec takes Q4_K/Q5_K/Q6_K rows of at most {KV2_MAX_COLS} columns")
     if act not in Q8_ACTIVATIONS:
         raise ValueError(f"unknown activation {act!r}")
+    if gated and (act is None or w.rows % 2 or res is not None or unroll or prefetch):
+        raise ValueError("a gated matvec needs an activation, an even number of rows, and no residual")
     ldx = w.cols if ldx is None else ldx
     if ldx % 4 or up_offset % 4 or x.ptr % 16:
         raise ValueError("x rows must be 16-byte aligned")
-    _need(x, np.float32, (n - 1) * ldx + w.cols + (up_offset if act else 0), "x")
-    _need(y, np.float32, n * w.rows, "y")
+    _need(x, np.float32, (n - 1) * ldx + w.cols + (up_offset if act and not gated else 0), "x")
+    out_rows = w.rows // 2 if gated else w.rows
+    _need(y, np.float32, n * out_rows, "y")
     if res is not None:
         _need(res, np.float32, n * w.rows, "res")
     warps = -(-(w.cols // 256) // 8)
@@ -223,12 +228,14 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
         if (bt, u, pf) not in KQ8_VARIANTS:
             raise ValueError(f"kq8 (batch, unroll, prefetch) must be one of {sorted(KQ8_VARIANTS)}")
         rpb = rows_per_block or _kv2_rows_per_block(dev, w.rows, w.cols, u)
-        if rpb % u or rpb > 64:
-            raise ValueError("rows_per_block must be a multiple of the unroll and at most 64")
-        dev.kernel(f"matvec_k_{w.type}", f"kq8{'p' if pf else ''}_b{bt}_u{u}").launch(
-            (-(-w.rows // rpb),), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols,
+        if rpb % u or rpb > 64 or (gated and rpb % 2):
+            raise ValueError("rows_per_block must be a multiple of the unroll (and even when gated), at most 64")
+        name = f"kq8g_b{bt}_u{u}" if gated else f"kq8{'p' if pf else ''}_b{bt}_u{u}"
+        grid = -(-out_rows // (rpb // 2)) if gated else -(-w.rows // rpb)
+        dev.kernel(f"matvec_k_{w.type}", name).launch(
+            (grid,), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols,
             _ptr(x, b0 * ldx * 4), I64(ldx), I64(up_offset), Q8_ACTIVATIONS[act], nb,
-            _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * w.rows * 4), rpb, stream=stream)
+            _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * out_rows * 4), rpb, stream=stream)
 
 
 # -- dequantization / embedding lookup ----------------------------------------------------------------

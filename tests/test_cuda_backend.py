@@ -179,8 +179,9 @@ def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
     from ember.worker.bench.gpu_speed import GREEDY, decode
     from ember.worker.engine.backend import SampledToken
 
-    model = _synth(model_dir, "llama")
+    model = _synth(model_dir, "gemma3", "gemma3-270m")  # head_dim 256: attention on the device, graphs
     _, cud = _backends(model, dev, 24, "fast")
+    assert cud._device_attention
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, model.config.vocab_size, 20).astype(np.int32) for _ in range(3)]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]

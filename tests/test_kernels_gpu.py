@@ -179,6 +179,28 @@ def test_matvec_q8_fused_activation(dev, rng, act, n):
     assert rel_err(y.to_host(), reference.linear_q8(fn(gu[:, :ffn]) * gu[:, ffn:], wf)) < 1e-3
 
 
+@pytest.mark.parametrize("tname", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 11])
+@pytest.mark.parametrize("ffn", [1000, 37])
+def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):
+    """The stacked [gate; up] matrix with the activation in the epilogue: y = act(x Wg^T) * (x Wu^T),
+    [n, ffn], against the twin on each half (each block pairs gate rows with their up rows; ffn not a
+    multiple of a block's pairs; batches in launches of up to 4)."""
+    cols = 2304
+    w, raw, wf = upload_matrix(dev, rng, tname, 2 * ffn, cols)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    fn = reference.silu if act == "silu" else reference.gelu_tanh
+    ref = fn(reference.linear_q8(x, wf[:ffn])) * reference.linear_q8(x, wf[ffn:])
+    y = dev.empty((n, ffn))
+    for rpb in (None, 8, 64):
+        y.poison()
+        ops.matvec_q8(dev, w, dev.to_device(x), y, n=n, act=act, gated=True, rows_per_block=rpb)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, rpb
+    with pytest.raises(ValueError, match="gated"):
+        ops.matvec_q8(dev, w, dev.to_device(x), y, n=n, gated=True)
+
+
 @pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q4_k"])  # q6_k is repacked to aligned blocks
 def test_matvec_unaligned_rows_and_residual(dev, rng, tname):
     """Rows whose byte length is not a multiple of 16 take the 2-byte-load path; res is added."""

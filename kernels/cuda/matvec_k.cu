@@ -107,6 +107,23 @@ EMBER_DEV void slice_store(float (*red)[KV2_MAX_RPB * B], int nw, int rows_per_b
     }
 }
 
+// The block's gate rows [0, pair) and their up rows [pair, 2 pair): y = act(gate) * up.
+template <int B>
+EMBER_DEV void gated_store(float (*red)[KV2_MAX_RPB * B], int nw, int pair, int gate_base, int ffn, int nb, int act,
+                           float* y) {
+    __syncthreads();
+    for (int t = threadIdx.x; t < pair * B; t += blockDim.x) {
+        const int r = t / B, b = t % B, col = gate_base + r;
+        if (col >= ffn || b >= nb) continue;
+        float g = 0.0f, u = 0.0f;
+        for (int w = 0; w < nw; ++w) {
+            g += red[w][t];
+            u += red[w][t + pair * B];
+        }
+        y[(i64)b * ffn + col] = (act == 2 ? gelu_tanh(g) : silu(g)) * u;
+    }
+}
+
 template <int B, int RU, bool PF>
 EMBER_DEV void kv2(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
                    int nb, const float* res, float* y, int rows_per_block) {
@@ -248,7 +265,10 @@ EMBER_DEV int pack_i8x4(int a, int b, int c, int d) {
     return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | ((u32)d << 24);
 }
 
-template <int B, int RU, bool PF>
+// GATED: W is the stacked [gate; up] matrix (rows = 2 ffn) and y = act(x W_gate^T) * (x W_up^T), [nb, ffn]:
+// a block takes rows_per_block / 2 gate rows and the up rows that pair with them, so the MLP's
+// activation is applied once per column here instead of in every block of the down projection.
+template <int B, int RU, bool PF, bool GATED>
 EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
                    i64 ldx, i64 uoff, int act, int nb, const float* res, float* y, int rows_per_block) {
     typedef QT<QTYPE> Q;
@@ -261,6 +281,13 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
     const int sb = warp * 8 + (lane >> 2), c = lane & 3;
     const bool active = sb < nsb;
     const int row_base = blockIdx.x * rows_per_block;
+    const int half = rows / 2, pair = rows_per_block / 2, gate_base = blockIdx.x * pair;
+    // the matrix row of the block's r-th row, or -1 past the end
+    auto row_of = [&](int r) -> int {
+        if (!GATED) return row_base + r < rows ? row_base + r : -1;
+        const int g = gate_base + (r < pair ? r : r - pair);
+        return g < half ? (r < pair ? g : half + g) : -1;
+    };
     // first column of group g of this lane's slice: col0 + g * GSTEP
     const int col0 = Q6 ? 128 * (c >> 1) + 16 * (c & 1) : 64 * c;
     constexpr int GSTEP = Q6 ? 32 : 16;
@@ -269,8 +296,8 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
     auto load = [&](int r0) {
 #pragma unroll
         for (int i = 0; i < RU; ++i) {
-            const int row = row_base + r0 + i;
-            if (active && row < rows && r0 < rows_per_block) {
+            const int row = r0 < rows_per_block ? row_of(r0 + i) : -1;
+            if (active && row >= 0) {
                 const u8* p = W + (i64)row * row_bytes + (i64)sb * Q::BYTES;
                 if (Q6) {  // ql[128] qh[64] scales[16] d pad[14]
                     const int n = c >> 1, k = c & 1;
@@ -315,7 +342,7 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
                     const i64 at = (i64)b * ldx + sb * 256 + col0 + (gp + h) * GSTEP + 4 * i;
                     if (active && b < nb) {
                         f = *reinterpret_cast<const float4*>(x + at);
-                        if (act) {
+                        if (act && !GATED) {
                             const float4 u = *reinterpret_cast<const float4*>(x + at + uoff);
                             f.x = (act == 2 ? gelu_tanh(f.x) : silu(f.x)) * u.x;
                             f.y = (act == 2 ? gelu_tanh(f.y) : silu(f.y)) * u.y;
@@ -419,15 +446,21 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
         }
         slice_reduce<B, RU>(part, red, warp, lane, r0);
     }
-    slice_store<B>(red, nw, rows_per_block, row_base, rows, nb, res, y);
+    if (GATED)
+        gated_store<B>(red, nw, pair, gate_base, half, nb, act, y);
+    else
+        slice_store<B>(red, nw, rows_per_block, row_base, rows, nb, res, y);
 }
 
-#define KQ8(NAME, B, RU, PF)                                                                               \
+#define KQ8_(NAME, B, RU, PF, GATED)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, i64 ldx, \
         i64 uoff, int act, int nb, const float* res, float* y, int rows_per_block) {                       \
-        kq8<B, RU, PF>(W, row_bytes, rows, cols, x, ldx, uoff, act, nb, res, y, rows_per_block);            \
+        kq8<B, RU, PF, GATED>(W, row_bytes, rows, cols, x, ldx, uoff, act, nb, res, y, rows_per_block);     \
     }
+#define KQ8(NAME, B, RU, PF) KQ8_(NAME, B, RU, PF, false)
 KQ8(kq8_b1_u4, 1, 4, false) KQ8(kq8_b1_u8, 1, 8, false) KQ8(kq8_b2_u4, 2, 4, false)
 KQ8(kq8p_b1_u2, 1, 2, true) KQ8(kq8p_b1_u4, 1, 4, true) KQ8(kq8p_b2_u2, 2, 2, true) KQ8(kq8p_b2_u4, 2, 4, true)
 KQ8(kq8_b4_u2, 4, 2, false) KQ8(kq8p_b4_u2, 4, 2, true)
+// the gate|up projection with the activation in its epilogue (x plain: act applies to the outputs)
+KQ8_(kq8g_b1_u4, 1, 4, false, true) KQ8_(kq8g_b2_u4, 2, 4, false, true) KQ8_(kq8g_b4_u2, 4, 2, false, true)

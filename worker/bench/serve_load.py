@@ -9,7 +9,6 @@ Traffic goes only to the given base URL (default loopback).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random

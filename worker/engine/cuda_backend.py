@@ -523,10 +523,27 @@ class CudaBackend:
         else:
             ops.matvec(self.dev, w, x, y, n=n, res=res, stream=self.stream)
 
-    def _down(self, lw: dict, y, n: int, res=None, tc: bool = True) -> None:
-        """The MLP's down projection of act(gate) * up; the activation runs inside the int8 matvec
-        when that takes the step, else as a kernel of its own."""
+    def _gate_up(self, lw: dict, h, n: int, tc: bool = True) -> bool:
+        """The MLP's gate and up projections. True: the int8 matvec took them and wrote act(gate) * up
+        to self.g (the activation in its epilogue); else self.gu (or self.g, self.u) holds them apart."""
+        cfg = self.config
+        if "w_gu" not in lw:
+            self._linear(lw["w_gate"], h, self.g, n, tc=tc)
+            self._linear(lw["w_up"], h, self.u, n, tc=tc)
+            return False
+        if self._int8(lw["w_gu"], n, tc):
+            ops.matvec_q8(self.dev, lw["w_gu"], h, self.g, n=n, act=cfg.act, gated=True, stream=self.stream)
+            return True
+        self._linear(lw["w_gu"], h, self.gu, n, tc=tc)
+        return False
+
+    def _down(self, lw: dict, y, n: int, res=None, tc: bool = True, gated: bool = False) -> None:
+        """The MLP's down projection of act(gate) * up: already in self.g when `gated`; else the
+        activation runs inside the int8 matvec when that takes the step, or as a kernel of its own."""
         cfg, w = self.config, lw["w_down"]
+        if gated:
+            self._linear(w, self.g, y, n, res=res, tc=tc)
+            return
         if "w_gu" in lw and self._int8(w, n, tc):
             ops.matvec_q8(self.dev, w, self.gu, y, n=n, res=res, ldx=2 * cfg.ffn, act=cfg.act, up_offset=cfg.ffn,
                           stream=self.stream)
@@ -534,6 +551,8 @@ class CudaBackend:
         if "w_gu" in lw:
             ops.gated_act(self.dev, self.gu, self.gu.view(cfg.ffn, self.gu.size - cfg.ffn), self.g, n=n,
                           ffn=cfg.ffn, act=cfg.act, ldg=2 * cfg.ffn, ldu=2 * cfg.ffn, ldo=cfg.ffn, stream=self.stream)
+        else:
+            ops.gated_act(self.dev, self.g, self.u, self.g, n=n, ffn=cfg.ffn, act=cfg.act, stream=self.stream)
         self._linear(w, self.g, y, n, res=res, tc=tc)
 
     def _launch(self, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
@@ -543,8 +562,8 @@ class CudaBackend:
         moves); chunks/spans/positions are needed only by the host attention fallback."""
         dev, cfg, st = self.dev, self.config, self.stream
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        hid, ffn, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
-        x, h, o2, q, k, v, att, g, u = self.x, self.h, self.o2, self.q, self.k, self.v, self.att, self.g, self.u
+        hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
+        x, h, o2, q, k, v, att = self.x, self.h, self.o2, self.q, self.k, self.v, self.att
         with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
             ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
                              stream=st)
@@ -608,15 +627,10 @@ class CudaBackend:
             else:
                 self._linear(lw["wo"], att, x, n, res=x, tc=tc)
                 ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-            if "w_gu" in lw:  # gate and up in one matmul: [n, 2 * ffn] rows
-                self._linear(lw["w_gu"], h, self.gu, n, tc=tc)
-            else:
-                self._linear(lw["w_gate"], h, g, n, tc=tc)
-                self._linear(lw["w_up"], h, u, n, tc=tc)
-                ops.gated_act(dev, g, u, g, n=n, ffn=ffn, act=cfg.act, stream=st)
+            gated = self._gate_up(lw, h, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             h_ready = False
             if cfg.post_norms:
-                self._down(lw, o2, n, tc=tc)
+                self._down(lw, o2, n, tc=tc, gated=gated)
                 if li + 1 < len(self.layers):  # and the next layer's attention pre-norm
                     ops.rms_norm_add_norm(dev, o2, lw["post_ffn_norm"], x, self.layers[li + 1]["attn_norm"], h,
                                           eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
@@ -624,7 +638,7 @@ class CudaBackend:
                 else:
                     ops.rms_norm_add(dev, o2, lw["post_ffn_norm"], x, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             else:
-                self._down(lw, x, n, res=x, tc=tc)
+                self._down(lw, x, n, res=x, tc=tc, gated=gated)
         if n_out:
             ops.gather_rows(dev, x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
             ops.rms_norm(dev, o2, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
