@@ -108,7 +108,33 @@ LLAMA8B = [
 ]
 
 
-SECTIONS = ("types", "kv2", "kq8", "batch", "step", "attention", "small")
+# the 8B's prefill matmuls (n x k of the weight): q|k|v, o, gate|up, down
+GEMM_SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
+
+SECTIONS = ("types", "kv2", "kq8", "batch", "step", "attention", "small", "gemm")
+
+
+def cublas_seconds(m: int, n: int, k: int, reps: int = 10) -> float | None:
+    """The same f16 matmul through cuBLAS (PyTorch's a @ b.T, f32 accumulation), where PyTorch is
+    installed (ember does not depend on it): the comparison behind the choice of own mma kernels."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        a @ b.T
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            a @ b.T
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
 
 
 def run(out_path: str | None = None, sections=SECTIONS) -> dict:
@@ -253,6 +279,21 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
             t = _time_graph(dev, stream, lambda: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
                                                   for _ in range(20)], 20)
             rec("embed", f"q4_k rows 4096 x {n}", t, n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
+
+    if "gemm" in sections:
+        print("prefill matmul, f16 inputs, f32 accumulation (m tokens x n x k): ember's mma.sync kernel, then cuBLAS")
+        for m in (2048, 512, 64):
+            for name, n, k in GEMM_SHAPES:
+                a = dev.to_device(rng.normal(0, 1, (m, k)).astype(np.float16).view(np.uint16))
+                b = dev.to_device(rng.normal(0, 0.02, (n, k)).astype(np.float16).view(np.uint16))
+                c = dev.empty((m, n))
+                t = _time_graph(dev, stream, lambda: ops.gemm(dev, a, b, c, m=m, n=n, k=k, stream=stream), 1)
+                nbytes = 2 * (m + n) * k + 4 * m * n
+                rec("gemm", f"ember {name} {m}x{n}x{k}", t, nbytes, TFLOPS=round(2 * m * n * k / t / 1e12, 1))
+                tc = cublas_seconds(m, n, k)
+                if tc is not None:
+                    rec("gemm", f"cublas {name} {m}x{n}x{k}", tc, nbytes, TFLOPS=round(2 * m * n * k / tc / 1e12, 1))
+                a.free(); b.free(); c.free()
 
     res["rows"] = rows_out
     if out_path:

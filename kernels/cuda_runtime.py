@@ -168,13 +168,16 @@ class Device:
         out.upload(arr)
         return out
 
-    def scratch(self, key: str, nbytes: int) -> "DeviceArray":
-        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials."""
+    def scratch(self, key: str, nbytes: int, zeroed: bool = False) -> "DeviceArray":
+        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials.
+        zeroed: filled with zeros when (re)allocated (its users must leave it zeroed)."""
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
             buf = DeviceArray(self, (max(nbytes, 256),), np.uint8)
+            if zeroed:
+                buf.zero()
             self._scratch[key] = buf
         return buf
 
@@ -417,9 +420,11 @@ class DeviceArray:
         return out
 
     def fill_bytes(self, value: int) -> None:
-        """Set every byte (0xFF poisons floats as NaN and ints as -1)."""
+        """Set every byte (0xFF poisons floats as NaN and ints as -1), finished when this returns (the
+        memset runs on the legacy stream, which the backend's non-blocking streams do not wait for)."""
         if self.nbytes:
             check(_driver().cuMemsetD8(self.ptr, value & 0xFF, self.nbytes), "cuMemsetD8")
+            self.device.synchronize()
 
     def poison(self) -> None:
         self.fill_bytes(0xFF)
