@@ -168,16 +168,13 @@ class Device:
         out.upload(arr)
         return out
 
-    def scratch(self, key: str, nbytes: int, zeroed: bool = False) -> "DeviceArray":
-        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials.
-        zeroed: filled with zeros when (re)allocated (its users must leave it zeroed)."""
+    def scratch(self, key: str, nbytes: int) -> "DeviceArray":
+        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials."""
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
             buf = DeviceArray(self, (max(nbytes, 256),), np.uint8)
-            if zeroed:
-                buf.zero()
             self._scratch[key] = buf
         return buf
 

@@ -421,11 +421,9 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
 
     max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
-    grid. split: keys per CTA (default: attention_split). partials: (acc, ml, done) buffers for the
-    split-K partial results and the per-(row, kv head) counters of finished splits, int32, zero and
-    left zero (default: the device's scratch; a captured graph passes its own, which never move). The
-    last split to finish merges them. ldq: q's row stride (default heads * head_dim; larger when q
-    sits in a fused qkv row)."""
+    grid. split: keys per CTA (default: attention_split). partials: (acc, ml) buffers for the split-K
+    partial results (default: the device's scratch; a captured graph passes its own, which never move).
+    ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None:
         raise TypeError("the KV cache must be float16 or float32")
@@ -438,20 +436,26 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     split = attention_split(dev, rows, kv_heads, max_keys) if split is None else split
     split = max(1, min(int(split), ATT_SPLIT_MAX))
     S = -(-max_keys // split)
-    acc = ml = done = None
-    if S > 1 and partials is not None:
-        acc, ml, done = partials
+    name = f"attn_d{head_dim}_g{g}_{kvn}"
+    if S == 1:
+        dev.kernel("attention", name).launch(
+            (kv_heads, rows, 1), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
+            kv_heads, block_size, window, F32(scale), split, out, None, None, I64(ldq or heads * head_dim),
+            stream=stream
+        )
+        return
+    if partials is not None:
+        acc, ml = partials
         _need(acc, np.float32, rows * heads * S * head_dim, "partials[0]")
         _need(ml, np.float32, rows * heads * S * 2, "partials[1]")
-        _need(done, np.int32, rows * kv_heads, "partials[2]")
-    elif S > 1:
+    else:
         acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
         ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
-        done = dev.scratch("attn_done", rows * kv_heads * 4, zeroed=True)
-    dev.kernel("attention", f"attn_d{head_dim}_g{g}_{kvn}").launch(
+    dev.kernel("attention", name).launch(
         (kv_heads, rows, S), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-        kv_heads, block_size, window, F32(scale), split, out, acc, ml, done, I64(ldq or heads * head_dim),
-        stream=stream)
+        kv_heads, block_size, window, F32(scale), split, None, acc, ml, I64(ldq or heads * head_dim), stream=stream
+    )
+    dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
 
 
 FLASH_ROWS = 64  # query rows per tile (flash.cu FA_ROWS)

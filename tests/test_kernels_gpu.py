@@ -496,9 +496,6 @@ def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
                       split=split)
         err = rel_err(out.to_host(), refs)
         assert err < bar, (split, err)
-        # the last split of each (row, kv head) merged them and set its counter back to zero
-        done = dev.scratch("attn_done", 4)
-        assert not done.view(0, (len(lens) * hk,), np.int32).to_host().any()
 
 
 @pytest.mark.parametrize("window", [0, 64])

@@ -9,10 +9,8 @@
 // most `split` keys (split-K over long contexts). Scores go to shared memory (16 lanes per key, D/16
 // elements each), a softmax per head, then the weighted sum of V (one warp per key, D/32 elements per
 // lane). With one split the CTA writes the normalised output; otherwise it writes (sum p*v, max, sum p)
-// and counts itself done on a per-(row, kv head) counter: the split that finishes last merges them
-// all (no launch of its own) and sets the counter back to 0 for the next step. Decode is one query
-// row per sequence; prefill may use the same kernel with one row per prompt token (correct, not
-// flash-style fast: the fast mode's prefill uses flash.cu).
+// and attn_combine merges the splits. Decode is one query row per sequence; prefill may use the same
+// kernel with one row per prompt token (correct, not yet flash-style fast).
 #include "common.cuh"
 
 #define ATT_THREADS 128
@@ -60,32 +58,12 @@ EMBER_DEV void load_vals(const float* p, float* out) {
     }
 }
 
-// out[h, d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s over the S splits of head h. Reads go
-// to L2 (__ldcg): other CTAs wrote them. Unrolled and branch-free, so the loads of many splits are in
-// flight at once (a dependent chain of S loads is slow).
-EMBER_DEV void merge_splits(const float* part_acc, const float* part_ml, int S, i64 h, int D, int d,
-                            float* __restrict__ out) {
-    const float* ml = part_ml + h * S * 2;
-    float M = -__int_as_float(0x7f800000);
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
-    float num = 0.0f, den = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) {
-        const float l = __ldcg(ml + 2 * s + 1);
-        const float f = l > 0.0f ? expf(__ldcg(ml + 2 * s) - M) : 0.0f;  // an empty split weighs nothing
-        num = fmaf(f, __ldcg(part_acc + (h * S + s) * D + d), num);
-        den = fmaf(f, l, den);
-    }
-    out[h * D + d] = num / den;
-}
-
 template <int D, int G, typename KV>
 EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                     const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
                     int split, float* __restrict__ out, float* __restrict__ part_acc,
-                    float* __restrict__ part_ml, int* __restrict__ done, i64 ldq) {
+                    float* __restrict__ part_ml, i64 ldq) {
     __shared__ float sc[G][ATT_SPLIT_MAX];
     __shared__ float red[G][D];
     __shared__ float stat[G][2];
@@ -216,34 +194,43 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
         __syncthreads();
     }
 
-    if (S == 1) {
-        for (int i = tid; i < G * D; i += ATT_THREADS) {
-            const int g = i / D, d = i % D;
-            out[((i64)row * Hq + kh * G + g) * D + d] = red[g][d] / stat[g][1];
-        }
-        return;
-    }
     for (int i = tid; i < G * D; i += ATT_THREADS) {
         const int g = i / D, d = i % D;
         const i64 h = (i64)row * Hq + kh * G + g;
-        part_acc[(h * S + z) * D + d] = red[g][d];
-        if (d == 0) {
-            part_ml[(h * S + z) * 2] = nt > 0 ? stat[g][0] : -__int_as_float(0x7f800000);
-            part_ml[(h * S + z) * 2 + 1] = nt > 0 ? stat[g][1] : 0.0f;
+        if (S == 1) {
+            out[h * D + d] = red[g][d] / stat[g][1];
+        } else {
+            part_acc[(h * S + z) * D + d] = red[g][d];
+            if (d == 0) {
+                part_ml[(h * S + z) * 2] = nt > 0 ? stat[g][0] : -__int_as_float(0x7f800000);
+                part_ml[(h * S + z) * 2 + 1] = nt > 0 ? stat[g][1] : 0.0f;
+            }
         }
     }
-    // the last split of this (row, kv head) to finish merges them all
-    __shared__ int is_last;
-    __threadfence();  // this split's partials are visible device-wide before it counts itself
-    __syncthreads();
-    int* counter = done + (i64)row * Hk + kh;
-    if (tid == 0) is_last = atomicAdd(counter, 1) == S - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    if (tid == 0) *counter = 0;  // ready for the next step (and the next replay of a graph)
-    for (int i = tid; i < G * D; i += ATT_THREADS)
-        merge_splits(part_acc, part_ml, S, (i64)row * Hq + kh * G + i / D, D, i % D, out);
+}
+
+// Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
+extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                        int S, int Hq, int D, float* __restrict__ out) {
+    grid_dependency_sync();
+    // unrolled and branch-free, so the loads of many splits are in flight at once (a dependent chain
+    // of S global loads is what made this kernel slow)
+    const i64 h = (i64)blockIdx.y * Hq + blockIdx.x;
+    const float* ml = part_ml + h * S * 2;
+    float M = -__int_as_float(0x7f800000);
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < S; ++s) {
+            const float l = ml[2 * s + 1];
+            const float f = l > 0.0f ? expf(ml[2 * s] - M) : 0.0f;  // an empty split weighs nothing
+            num = fmaf(f, part_acc[(h * S + s) * D + d], num);
+            den = fmaf(f, l, den);
+        }
+        out[h * D + d] = num / den;
+    }
 }
 
 #define ATTN(D, G, KVN, KVT)                                                                          \
@@ -251,9 +238,9 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
         const float* __restrict__ q, const KVT* __restrict__ kc, const KVT* __restrict__ vc,          \
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
-        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, int* done, i64 ldq) { \
+        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
         attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
-                        scale, split, out, part_acc, part_ml, done, ldq);                              \
+                        scale, split, out, part_acc, part_ml, ldq);                                    \
     }
 #define ATTN_G(D, KVN, KVT) ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)
 ATTN_G(64, f16, f16_t) ATTN_G(128, f16, f16_t) ATTN_G(256, f16, f16_t)

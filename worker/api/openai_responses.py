@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started
+from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest
 from . import common, structured, toolcalling
 from .common import ApiContext, Collected, bad_request
 from .openai_chat import flatten_content

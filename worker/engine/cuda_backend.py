@@ -501,10 +501,7 @@ class CudaBackend:
             window = cfg.sliding_window if cfg.is_local_layer(li) else 0
             keys = min(max_keys, window) if window else max_keys
             S = max(S, -(-keys // ops.attention_split(self.dev, rows, cfg.n_kv_heads, keys)))
-        done = self.dev.empty((rows * cfg.n_kv_heads,), np.int32)
-        done.zero()  # the attention kernels leave it zero
-        bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)),
-                done)
+        bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
         self.stream.synchronize()
         with Graph.capture(self.stream) as g, pdl_launches(self.pdl):
             self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs)
