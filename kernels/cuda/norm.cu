@@ -4,7 +4,6 @@
 // kernel normalises whole hidden rows (heads = 1) and per-head slices of q/k (qwen3, gemma3 q/k norm)
 // in place. x, res, h_out share the x layout (ldx); y has its own (ldy). y may alias x or h_out.
 #include "common.cuh"
-
 // A row lives in registers: thread t holds columns t + i * blockDim.x (i < E), so each
 // element is read once and the reductions wait on no second pass through memory. The weights depend
 // on no earlier kernel: they are loaded before the PDL wait (grid_dependency_sync).
@@ -24,9 +23,8 @@ EMBER_DEV float inv_rms(float ss, int cols, float eps, float* scratch) {
 }
 
 template <int E>
-EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out,
-                                        const float* __restrict__ w, float* y, int n_rows, int cols,
-                                        int heads, i64 ldx, i64 ldy, float eps) {
+EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out, const float* __restrict__ w, float* y,
+                            int n_rows, int cols, int heads, i64 ldx, i64 ldy, float eps) {
     float wv[E], hv[E];
     load_weights(w, cols, wv);
     grid_dependency_sync();
@@ -57,18 +55,11 @@ EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out,
 }
 
 // out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
+// post_norm_add: ov = out row + rms_norm(x row) * w (w already loaded), shared with rms_norm_add_norm.
 template <int E>
-EMBER_DEV void rms_norm_add_row(const float* __restrict__ x, const float* __restrict__ w, float* out,
-                                            int n_rows, int cols, float eps) {
-    float wv[E], xv[E], ov[E];
-    load_weights(w, cols, wv);
-    grid_dependency_sync();
-    __shared__ float scratch[33];
-    const int r = blockIdx.x;
-    if (r >= n_rows) return;
-    const float* xr = x + (i64)r * cols;
-    float* orow = out + (i64)r * cols;
-    float ss = 0.0f;
+EMBER_DEV void post_norm_add(const float* xr, const float* orow, const float (&wv)[E], int cols, float eps,
+                             float* scratch, float (&ov)[E]) {
+    float xv[E], ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
@@ -78,66 +69,46 @@ EMBER_DEV void rms_norm_add_row(const float* __restrict__ x, const float* __rest
     }
     const float inv = inv_rms(ss, cols, eps, scratch);
 #pragma unroll
+    for (int i = 0; i < E; ++i) ov[i] += (xv[i] * inv) * wv[i];  // columns past the row: 0 + 0
+}
+
+template <int E>
+EMBER_DEV void rms_norm_add_row(const float* __restrict__ x, const float* __restrict__ w, float* out, int n_rows,
+                                int cols, float eps) {
+    float wv[E], ov[E];
+    load_weights(w, cols, wv);
+    grid_dependency_sync();
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    float* orow = out + (i64)r * cols;
+    post_norm_add(x + (i64)r * cols, orow, wv, cols, eps, scratch, ov);
+#pragma unroll
     for (int i = 0; i < E; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < cols) orow[c] = ov[i] + (xv[i] * inv) * wv[i];
+        if (c < cols) orow[c] = ov[i];
     }
-}
-
-// Elementwise h = a + b (the residual add when no norm follows).
-extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {
-    grid_dependency_sync();
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        out[i] = a[i] + b[i];
-}
-
-// out[i, :] = x[idx[i], :] (rows of cols floats, x with row stride ldx): the rows whose logits a step needs.
-extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx, const int* __restrict__ idx,
-                                           int n, int cols, float* __restrict__ out) {
-    grid_dependency_sync();
-    const int i = blockIdx.x;
-    if (i >= n) return;
-    const float* src = x + (i64)idx[i] * ldx;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = src[c];
-}
-
-// y[r, :] += bias over n rows of cols (row stride ldy): qwen2's q/k/v biases.
-extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restrict__ bias, int n, int cols) {
-    grid_dependency_sync();
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) y[(i64)blockIdx.x * ldy + c] += bias[c];
 }
 
 // out += rms_norm(x) * w1, then h = rms_norm(out) * w2, one block per row: a Gemma post-norm folded
 // into the residual add and the next sub-block's pre-norm, in one launch instead of two. The same
 // per-element math as rms_norm_add_f32 followed by rms_norm_f32.
 template <int E>
-EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* __restrict__ w1,
-                                                 float* out, const float* __restrict__ w2, float* __restrict__ h,
-                                                 int n_rows, int cols, float eps) {
-    float w1v[E], w2v[E], xv[E], ov[E];
+EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* __restrict__ w1, float* out,
+                                     const float* __restrict__ w2, float* __restrict__ h, int n_rows, int cols,
+                                     float eps) {
+    float w1v[E], w2v[E], ov[E];
     load_weights(w1, cols, w1v);
     load_weights(w2, cols, w2v);
     grid_dependency_sync();
     __shared__ float scratch[33];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
-    const float* xr = x + (i64)r * cols;
     float* orow = out + (i64)r * cols;
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        xv[i] = c < cols ? xr[c] : 0.0f;
-        ov[i] = c < cols ? orow[c] : 0.0f;
-        ss = fmaf(xv[i], xv[i], ss);
-    }
-    const float inv = inv_rms(ss, cols, eps, scratch);
+    post_norm_add(x + (i64)r * cols, orow, w1v, cols, eps, scratch, ov);
     float ss2 = 0.0f;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-        ov[i] += (xv[i] * inv) * w1v[i];  // columns past the row: 0 + 0
-        ss2 = fmaf(ov[i], ov[i], ss2);
-    }
+    for (int i = 0; i < E; ++i) ss2 = fmaf(ov[i], ov[i], ss2);
     const float inv2 = inv_rms(ss2, cols, eps, scratch);
 #pragma unroll
     for (int i = 0; i < E; ++i) {
@@ -166,3 +137,26 @@ EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* _
     }
 NORM_KERNELS(4, 1024)
 NORM_KERNELS(8, 1024)
+
+// Elementwise h = a + b (the residual add when no norm follows).
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {
+    grid_dependency_sync();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[i];
+}
+
+// out[i, :] = x[idx[i], :] (rows of cols floats, x with row stride ldx): the rows whose logits a step needs.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx, const int* __restrict__ idx,
+                                           int n, int cols, float* __restrict__ out) {
+    grid_dependency_sync();
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const float* src = x + (i64)idx[i] * ldx;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = src[c];
+}
+
+// y[r, :] += bias over n rows of cols (row stride ldy): qwen2's q/k/v biases.
+extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restrict__ bias, int n, int cols) {
+    grid_dependency_sync();
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) y[(i64)blockIdx.x * ldy + c] += bias[c];
+}
