@@ -62,6 +62,7 @@ class QuantMatrix:
     # a 16-bit copy (uint16 bits, [rows, cols]) for the tensor-core matmul, when the caller keeps one
     half: DeviceArray | None = None
     half_kind: str = ""
+    stride: int = 0  # bytes from one row to the next (0: the blocks' own row size)
 
     def keep_half(self, dev: Device, kind: str, stream=None) -> None:
         """Decode the matrix to 16 bits once and keep it: linear_tc then skips the per-call decode."""
@@ -72,19 +73,29 @@ class QuantMatrix:
 
     @property
     def row_bytes(self) -> int:
-        return row_nbytes(self.type, self.cols)
+        return self.stride or row_nbytes(self.type, self.cols)
 
     @classmethod
-    def upload(cls, dev: Device, raw: np.ndarray, ggml_type, rows: int, cols: int) -> "QuantMatrix":
-        """The GGUF bytes on the device; Q6_K is repacked to aligned blocks (q6_kp) on the way."""
+    def upload(cls, dev: Device, raw: np.ndarray, ggml_type, rows: int, cols: int,
+               align_rows: bool = True) -> "QuantMatrix":
+        """The GGUF bytes on the device; Q6_K is repacked to aligned blocks (q6_kp) on the way, and rows
+        whose length is not a multiple of 16 bytes (Q4_0/Q5_0/Q8_0 rows of 640 columns: Gemma 3
+        270M) are padded to one, so the matvec stages them with 16-byte loads (align_rows=False keeps
+        them packed: the 2-byte-load path)."""
         name = _type_name(ggml_type)
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        need = rows * row_nbytes(name, cols)
-        if raw.size != need:
-            raise ValueError(f"{name} [{rows}, {cols}] needs {need} bytes, got {raw.size}")
+        natural = row_nbytes(name, cols)
+        if raw.size != rows * natural:
+            raise ValueError(f"{name} [{rows}, {cols}] needs {rows * natural} bytes, got {raw.size}")
         if name == "q6_k":
             raw, name = repack_q6_k(raw), "q6_kp"
-        return cls(dev.to_device(raw), name, rows, cols)
+        stride = 0
+        if align_rows and natural % 16:
+            stride = -(-natural // 16) * 16
+            padded = np.zeros((rows, stride), np.uint8)
+            padded[:, :natural] = raw.reshape(rows, natural)
+            raw = padded.reshape(-1)
+        return cls(dev.to_device(raw), name, rows, cols, stride=stride)
 
 
 def _ptr(a: DeviceArray | None, offset_bytes: int = 0) -> Pointer:
@@ -183,6 +194,31 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
         k.launch(grid, (MATVEC_WARPS * 32,), w.data, I64(rb), w.rows, w.cols,
                  _ptr(x, b0 * w.cols * 4), nb,
                  _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * w.rows * 4), stream=stream)
+
+
+def matvec_gated(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, act: str,
+                 stream=None) -> None:
+    """y[n, rows / 2] = act(x W_gate^T) * (x W_up^T) for the stacked [gate; up] matrix W (matvec.cu
+    qmvg: a warp takes a gate row and its up row, 16-byte aligned rows of any staged type). Twin:
+    act(reference.linear(x, W_gate)) * reference.linear(x, W_up)."""
+    if not matvec_gated_supported(w):
+        raise ValueError("the gated matvec needs an even number of 16-byte aligned rows")
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {act!r}")
+    ffn = w.rows // 2
+    _need(x, np.float32, n * w.cols, "x")
+    _need(y, np.float32, n * ffn, "y")
+    grid = (-(-ffn // MATVEC_WARPS),)
+    for b0 in range(0, n, 8):
+        nb = min(8, n - b0)
+        bt = 1 if nb == 1 else 2 if nb == 2 else 4 if nb <= 4 else 8
+        dev.kernel(f"matvec_{w.type}", f"qmvg_b{bt}").launch(
+            grid, (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, _ptr(x, b0 * w.cols * 4), nb,
+            _ptr(y, b0 * ffn * 4), Q8_ACTIVATIONS[act], stream=stream)
+
+
+def matvec_gated_supported(w: QuantMatrix) -> bool:
+    return w.rows % 2 == 0 and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
 
 
 KQ8_VARIANTS = {(1, 4, False), (1, 8, False), (2, 4, False), (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True),

@@ -71,10 +71,10 @@ def random_tensor(rng: np.random.Generator, t: T, rows: int, cols: int) -> np.nd
     return raw
 
 
-def upload_matrix(dev, rng, tname: str, rows: int, cols: int):
+def upload_matrix(dev, rng, tname: str, rows: int, cols: int, align_rows: bool = True):
     t = QTYPES[tname]
     raw = random_tensor(rng, t, rows, cols)
-    w = ops.QuantMatrix.upload(dev, raw, t, rows, cols)
+    w = ops.QuantMatrix.upload(dev, raw, t, rows, cols, align_rows=align_rows)
     return w, raw, quants.dequantize(raw, t, (rows, cols))
 
 
@@ -201,14 +201,36 @@ def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):
         ops.matvec_q8(dev, w, dev.to_device(x), y, n=n, gated=True)
 
 
+@pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k", "f16"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n", [1, 3, 8, 11])
+def test_matvec_gated_staged(dev, rng, tname, act, n):
+    """The staged matvec over a stacked [gate; up] matrix with the activation in its epilogue (a warp
+    per gate row and its up row): 640 columns (rows padded to 16 bytes on upload), ffn not a multiple
+    of the block's warps, batches in launches of up to 8."""
+    ffn, cols = 99, 640 if not tname.endswith("_k") else 768
+    w, raw, wf = upload_matrix(dev, rng, tname, 2 * ffn, cols)
+    x = rng.normal(0, 1, (n, cols)).astype(np.float32)
+    fn = reference.silu if act == "silu" else reference.gelu_tanh
+    xd = x.astype(np.float64)
+    ref = fn(xd @ wf[:ffn].T.astype(np.float64)) * (xd @ wf[ffn:].T.astype(np.float64))
+    y = dev.empty((n, ffn))
+    y.poison()
+    ops.matvec_gated(dev, w, dev.to_device(x), y, n=n, act=act)
+    assert rel_err(y.to_host(), ref) < FP32_BAR
+
+
 @pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q4_k"])  # q6_k is repacked to aligned blocks
-def test_matvec_unaligned_rows_and_residual(dev, rng, tname):
-    """Rows whose byte length is not a multiple of 16 take the 2-byte-load path; res is added."""
+@pytest.mark.parametrize("align_rows", [False, True])
+def test_matvec_unaligned_rows_and_residual(dev, rng, tname, align_rows):
+    """Rows whose byte length is not a multiple of 16: kept packed they take the 2-byte-load path;
+    padded on upload (the default) the 16-byte one, every consumer honouring the row stride (the
+    matvec, the embedding lookup, the 16-bit decode for the tensor cores); res is added."""
     cols = 256 * 3 if tname.endswith("_k") else 32 * 5
     rows = 77
-    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols, align_rows=align_rows)
     if tname != "q4_k":
-        assert w.row_bytes % 16, "test meant for the unaligned path"
+        assert bool(w.row_bytes % 16) != align_rows, "test meant for the packed and the padded rows"
     n = 5
     x = rng.normal(0, 1, (n, cols)).astype(np.float32)
     res = rng.normal(0, 1, (n, rows)).astype(np.float32)
@@ -221,6 +243,14 @@ def test_matvec_unaligned_rows_and_residual(dev, rng, tname):
     yd = dev.to_device(res)
     ops.matvec(dev, w, dev.to_device(x), yd, res=yd, variant="staged")
     assert rel_err(yd.to_host(), ref) < FP32_BAR
+    ids = np.array([76, 0, 41, 76], np.int32)
+    rows_out = dev.empty((len(ids), cols))
+    rows_out.poison()
+    ops.dequant_rows(dev, w, rows_out, dev.to_device(ids))
+    np.testing.assert_array_equal(rows_out.to_host().reshape(len(ids), cols), wf[ids])
+    half = dev.empty((rows * cols,), np.uint16)
+    ops.dequant_half(dev, w, half, kind="f16")
+    np.testing.assert_array_equal(half.to_host().reshape(rows, cols), _half_bits(wf, "f16"))
 
 
 # -- dequantization / embedding lookup ---------------------------------------------------------------------

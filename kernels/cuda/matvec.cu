@@ -8,6 +8,7 @@
 // units from shared memory and multiplies them with x, whose values are read once per unit and used
 // for all R rows. Per unit: sum q*x in float, then * scale (- min * sum x); the final sum over
 // lanes is a butterfly. Memory-bound by design: every weight byte is read exactly once.
+#include "act.cuh"
 #include "quant.cuh"
 
 #ifndef QTYPE
@@ -20,9 +21,13 @@ template <int VEC> struct VecT;
 template <> struct VecT<16> { typedef uint4 T; };
 template <> struct VecT<2> { typedef u16 T; };
 
-template <int B, int R, int VEC>
+// GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
+// row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
+// MLP's activation is computed once per column instead of in every block of the down projection.
+template <int B, int R, int VEC, bool GATED = false>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
-                   const float* __restrict__ x, int nb, const float* res, float* y) {
+                   const float* __restrict__ x, int nb, const float* res, float* y, int act = 0) {
+    static_assert(!GATED || R == 2, "a gated warp owns one gate row and its up row");
     typedef QT<QTYPE> Q;
     typedef typename VecT<VEC>::T V;
     constexpr int CHUNK = Q::CB * Q::BYTES;
@@ -30,14 +35,15 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * MV_WARPS + warp) * R;
-    if (row0 >= rows) return;  // the whole warp leaves; only __syncwarp is used below
+    const int half = rows / 2;
+    const int row0 = (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: the gate row
+    if (row0 >= (GATED ? half : rows)) return;  // the whole warp leaves; only __syncwarp is used below
     const int nblk = cols / Q::ELEMS;
     const int nchunks = (nblk + Q::CB - 1) / Q::CB;
 
     const u8* rowp[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) rowp[r] = W + (i64)min(row0 + r, rows - 1) * row_bytes;
+    for (int r = 0; r < R; ++r) rowp[r] = W + (i64)(GATED ? row0 + r * half : min(row0 + r, rows - 1)) * row_bytes;
 
     V buf[R][NVR];
     auto load = [&](int ch) {
@@ -120,7 +126,11 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[b][r] = warp_sum(acc[b][r]);
-    if (lane == 0) {
+    if (GATED && lane == 0) {
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+            if (b < nb) y[(i64)b * half + row0] = (act == 2 ? gelu_tanh(acc[b][0]) : silu(acc[b][0])) * acc[b][R - 1];
+    } else if (lane == 0) {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             if (b >= nb) break;
@@ -149,3 +159,13 @@ QMV(2, 1, 16) QMV(2, 2, 16) QMV(2, 4, 16)
 QMV(4, 1, 16) QMV(4, 2, 16) QMV(4, 4, 16)
 QMV(8, 1, 16) QMV(8, 2, 16) QMV(8, 4, 16)
 QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
+
+// the gate|up projection with the activation in its epilogue (16-byte aligned rows only)
+#define QMVG(B)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
+        qmvg_b##B(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,                      \
+                  const float* __restrict__ x, int nb, float* y, int act) {                         \
+        grid_dependency_sync();                                                                     \
+        qmv<B, 2, 16, true>(W, row_bytes, rows, cols, x, nb, nullptr, y, act);                      \
+    }
+QMVG(1) QMVG(2) QMVG(4) QMVG(8)

@@ -524,17 +524,23 @@ class CudaBackend:
             ops.matvec(self.dev, w, x, y, n=n, res=res, stream=self.stream)
 
     def _gate_up(self, lw: dict, h, n: int, tc: bool = True) -> bool:
-        """The MLP's gate and up projections. True: the int8 matvec took them and wrote act(gate) * up
-        to self.g (the activation in its epilogue); else self.gu (or self.g, self.u) holds them apart."""
+        """The MLP's gate and up projections. True: a matvec took the stacked matrix and wrote
+        act(gate) * up to self.g (the activation in its epilogue: the int8 one for K-quants, the staged
+        one for the other types); else self.gu (or self.g, self.u) holds them apart."""
         cfg = self.config
         if "w_gu" not in lw:
             self._linear(lw["w_gate"], h, self.g, n, tc=tc)
             self._linear(lw["w_up"], h, self.u, n, tc=tc)
             return False
-        if self._int8(lw["w_gu"], n, tc):
-            ops.matvec_q8(self.dev, lw["w_gu"], h, self.g, n=n, act=cfg.act, gated=True, stream=self.stream)
+        w = lw["w_gu"]
+        if self._int8(w, n, tc):
+            ops.matvec_q8(self.dev, w, h, self.g, n=n, act=cfg.act, gated=True, stream=self.stream)
             return True
-        self._linear(lw["w_gu"], h, self.gu, n, tc=tc)
+        matmul = tc and self.tensor_cores and n >= TC_MIN_ROWS
+        if not matmul and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w):
+            ops.matvec_gated(self.dev, w, h, self.g, n=n, act=cfg.act, stream=self.stream)
+            return True
+        self._linear(w, h, self.gu, n, tc=tc)
         return False
 
     def _down(self, lw: dict, y, n: int, res=None, tc: bool = True, gated: bool = False) -> None:
