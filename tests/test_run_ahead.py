@@ -77,7 +77,7 @@ def _both(runtime, reqs_fn, cancel=None, **limits):
 
 
 def test_batched_greedy_tokens_equal_the_waiting_engine(runtime):
-    lengths = [5, 12, 9, 16]  # sequences end at different steps: their rows in the step ahead are dropped
+    lengths = [5, 12, 9, 16]  # sequences end at different steps: the step ahead leaves out those that end
     plain, fast, steps, dropped = _both(
         runtime, lambda: [_req(runtime, p, n=n, rid=f"r{i}", ignore_eos=True) for i, (p, n) in enumerate(zip(PROMPTS, lengths))])
     assert [t for t, _ in fast] == [t for t, _ in plain]
@@ -125,26 +125,58 @@ def test_a_forced_reasoning_marker_replaces_the_fed_token(runtime):
     assert dropped >= 1
 
 
+def _drive(runtime, ahead: bool, first, late, join_after: int):
+    """Run the engine loop on this thread, step by step: `first` alone for join_after steps, then the
+    `late` requests arrive. Returns each request's tokens and whether a run-ahead step was in flight
+    when they arrived."""
+    be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=256, block_size=runtime.backend.block_size,
+                      draws=True)
+    be.runs_ahead = ahead
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=4, context=4096), metrics=Metrics())
+    loop = asyncio.new_event_loop()
+    handles = []
+
+    def arrive(req):
+        handles.append(RequestHandle(req, loop))
+        engine.submit(handles[-1])
+
+    def step():
+        engine.waiting.extend(engine._inbox)
+        engine._inbox.clear()
+        engine._step()
+
+    arrive(first)
+    for _ in range(join_after):
+        step()
+    in_flight = engine._ahead is not None
+    for r in late:
+        arrive(r)
+    while engine.busy:
+        step()
+
+    async def tokens(h):
+        out = []
+        async for e in h.events():
+            if isinstance(e, Delta):
+                out += e.tokens
+        return out
+
+    try:
+        return [loop.run_until_complete(tokens(h)) for h in handles], in_flight
+    finally:
+        loop.close()
+
+
 def test_a_new_request_joins_after_the_step_ahead(runtime):
-    """A request that arrives while steps run ahead is admitted at the next step and changes nothing
-    for the others."""
+    """Requests that arrive while a run-ahead step is in flight are admitted at the next step, and
+    every sequence's tokens are those of the engine that waits for each step."""
     def reqs():
         return [_req(runtime, p, n=14, rid=f"j{i}", ignore_eos=True) for i, p in enumerate(PROMPTS)]
 
-    async def staggered(engine):
-        first = asyncio.ensure_future(_collect(engine, reqs()[0]))
-        await asyncio.sleep(0.3)
-        rest = await asyncio.gather(*[_collect(engine, r) for r in reqs()[1:]])
-        return [await first] + list(rest)
-
-    results = []
-    for ahead in (False, True):
-        engine = _engine(runtime, ahead)
-        try:
-            results.append(asyncio.run(staggered(engine)))
-        finally:
-            engine.shutdown()
-    assert [t for t, _ in results[1]] == [t for t, _ in results[0]]
+    plain, was_ahead = _drive(runtime, False, reqs()[0], reqs()[1:], join_after=5)
+    fast, in_flight = _drive(runtime, True, reqs()[0], reqs()[1:], join_after=5)
+    assert not was_ahead and in_flight  # the late requests arrived with a step already launched
+    assert fast == plain and [len(t) for t in fast] == [14] * len(PROMPTS)
 
 
 def test_the_numpy_feed_contract(runtime):
@@ -178,4 +210,4 @@ def test_the_benchmark_decode_loop_runs_ahead_to_the_same_tokens(runtime):
         firsts = be.forward([SeqChunk(p[:length], 0, t, "last", sample=DeviceSample(0.0, 0, 1.0, 0.0, 0, 0))
                              for p, t in zip(prompts, tables)])
         results.append(decode(be, [int(t) for t in firsts], length, tables, 6, run_ahead))
-    assert results[0] == results[1]
+    assert results[0] == results[1] and len(results[0]) == 6  # every step's tokens

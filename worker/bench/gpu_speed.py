@@ -94,8 +94,7 @@ def run(args) -> dict:
 
         def decode_one(start: int, tab: list[int]):
             nonlocal tok
-            toks = decode(backend, [tok], start, [tab], args.gen_tokens, args.run_ahead)
-            tok = toks[0]
+            tok = decode(backend, [tok], start, [tab], args.gen_tokens, args.run_ahead)[-1][0]
 
         secs = timed(lambda: decode_one(args.prompt_tokens, table))
         if r:
@@ -112,7 +111,7 @@ def run(args) -> dict:
 
             def decode_many():
                 nonlocal toks
-                toks = decode(backend, toks, args.stream_prompt, tables, args.gen_tokens, args.run_ahead)
+                toks = decode(backend, toks, args.stream_prompt, tables, args.gen_tokens, args.run_ahead)[-1]
 
             secs = timed(decode_many)
             if r:
@@ -139,25 +138,28 @@ def run(args) -> dict:
     return out
 
 
-def decode(backend, tokens: list[int], start: int, tables: list[list[int]], steps: int, run_ahead: bool) -> list[int]:
-    """`steps` greedy decode steps of len(tokens) streams; the last tokens. run_ahead: as the server
-    does, step n + 1 is launched (its tokens fed from step n's draws on the device) before step n's
-    tokens are read back."""
-    n = len(tokens)
+def decode(backend, tokens: list[int], start: int, tables: list[list[int]], steps: int,
+           run_ahead: bool) -> list[list[int]]:
+    """`steps` greedy decode steps of len(tokens) streams; every step's tokens. run_ahead: as the
+    server does, step n + 1 is launched (its tokens fed from step n's draws on the device) before step
+    n's tokens are read back."""
+    n, out = len(tokens), []
 
     def step(i, toks):
         return [SeqChunk(np.array([t], np.int32), start + i, tab, "last", sample=GREEDY) for t, tab in zip(toks, tables)]
 
-    if not run_ahead:
+    if not run_ahead or steps < 1:
         for i in range(steps):
             tokens = [int(t) for t in backend.forward(step(i, tokens))]
-        return tokens
+            out.append(tokens)
+        return out
     pending = backend.submit(step(0, tokens))
     for i in range(1, steps):
         nxt = backend.submit(step(i, [0] * n), feed=list(range(n)))
-        tokens = [int(t) for t in pending.result()]  # read (as a server streams them) while the next step runs
+        out.append([int(t) for t in pending.result()])  # read (as a server streams them) while the next step runs
         pending = nxt
-    return [int(t) for t in pending.result()]
+    out.append([int(t) for t in pending.result()])
+    return out
 
 
 def _graph_step_ms(backend, timer, replays: int = 50) -> dict:

@@ -339,8 +339,13 @@ class CudaBackend:
             raise ValueError("the step's block tables exceed the staging buffer")
         slot = self._slot
         older = self._inflight[slot]
-        if older is not None:
-            older.result()  # its host buffers are this step's
+        if older is not None:  # its host buffers are this step's: wait for it (its error is its own)
+            try:
+                older.result()
+            except ContextPoisoned:
+                raise
+            except Exception:
+                pass
         self._slot ^= 1
 
         # the step's inputs, packed into pinned memory and sent in one copy
@@ -711,6 +716,9 @@ class CudaBackend:
         cfg = self.config
         raw = np.ascontiguousarray(np.asarray(data).reshape(2, cfg.n_layers, -1).astype(self.kv_dtype))
         self._block_copy(block, raw, to_host=False)
+        # a copy from pageable memory may return before its DMA lands, and the backend's stream does
+        # not wait for the legacy stream it runs on: the next step must see the block
+        self.dev.synchronize()
 
 
 class _Pending:
@@ -723,10 +731,17 @@ class _Pending:
         self.drawn_rows = {si: starts[si] for si in sampled}  # chunk -> its row of d_tokens_out
         self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(_row_starts(want), want) if si not in self.drawn_rows]
         self._outputs: list | None = None
+        self._error: Exception | None = None
 
     def result(self) -> list:
+        if self._error is not None:
+            raise self._error
         if self._outputs is None:
-            self._outputs = self.backend._collect(self)
+            try:
+                self._outputs = self.backend._collect(self)
+            except Exception as e:  # raised once more to whoever asks again, not to the next step
+                self._error = e
+                raise
         return self._outputs
 
 

@@ -73,7 +73,7 @@ class EngineLimits:
     loop_guard_period: int = 64
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `s in running` and remove() by identity, not by fields
 class _Seq:
     handle: RequestHandle
     number: int  # 1-based arrival order, for fault injection and logs
@@ -222,14 +222,26 @@ class Engine:
                 return
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
                 log("engine_error", level="error", error=f"{type(e).__name__}: {e}")
+                self._drop_ahead()
                 for s in list(self.running) + list(self.waiting):
                     self._settle(s, Outcome.FAILED, Failed(f"internal error: {type(e).__name__}"))
                 self.running.clear()
                 self.waiting.clear()
             self.last_progress = time.monotonic()
             self._update_gauges()
+        self._drop_ahead()
         for s in list(self.running) + list(self.waiting):
             self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
+
+    def _drop_ahead(self) -> None:
+        """Wait for a run-ahead step still in flight and forget it (its rows are not wanted)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            try:
+                ahead.discard()
+            except ContextPoisoned as e:
+                self._poison(e)
+                self._stop = True  # nothing more can run in this process
 
     def _step(self) -> None:
         self._reap_cancelled()
