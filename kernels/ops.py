@@ -84,11 +84,12 @@ class QuantMatrix:
         them packed: the 2-byte-load path)."""
         name = _type_name(ggml_type)
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        natural = row_nbytes(name, cols)
-        if raw.size != rows * natural:
-            raise ValueError(f"{name} [{rows}, {cols}] needs {rows * natural} bytes, got {raw.size}")
+        need = rows * row_nbytes(name, cols)
+        if raw.size != need:
+            raise ValueError(f"{name} [{rows}, {cols}] needs {need} bytes, got {raw.size}")
         if name == "q6_k":
             raw, name = repack_q6_k(raw), "q6_kp"
+        natural = row_nbytes(name, cols)  # as stored (Q6_K's repacked blocks are already aligned)
         stride = 0
         if align_rows and natural % 16:
             stride = -(-natural // 16) * 16

@@ -243,3 +243,36 @@ def test_norm_kernels_cover_every_width_ops_picks(built):
     names = set(build.build_module("norm", "sm_90", cache=cache).resources)
     for kernel in ("rms_norm_f32", "rms_norm_add_f32", "rms_norm_add_norm_f32"):
         assert {f"{kernel}_e4", f"{kernel}_e8"} <= names
+
+
+def test_upload_pads_rows_to_16_bytes_and_keeps_the_bytes():
+    """QuantMatrix.upload on a stand-in device: rows whose length is not a multiple of 16 bytes (the
+    640-column Q5_0/Q8_0 rows of Gemma 3 270M) are padded with zeros and the matrix records the
+    stride; Q6_K is repacked first, and its 224-byte blocks need no padding at any width."""
+    import numpy as np
+
+    from ember.kernels import ops
+
+    class Stored:
+        def __init__(self, arr):
+            self.arr, self.ptr = arr, 0
+
+    class StandIn:
+        def to_device(self, arr):
+            return Stored(arr)
+
+    rng = np.random.default_rng(3)
+    for tname, cols, stride in (("q8_0", 640, 688), ("q5_0", 640, 448), ("q4_0", 640, 368), ("q6_k", 2560, 2240),
+                                ("q6_k", 4096, 3584), ("q4_k", 768, 432), ("f16", 640, 1280)):
+        rows, natural = 5, ops.row_nbytes(tname, cols)
+        raw = rng.integers(0, 256, rows * natural, dtype=np.uint8)
+        m = ops.QuantMatrix.upload(StandIn(), raw, tname, rows, cols)
+        assert m.row_bytes == stride and m.row_bytes % 16 == 0, tname
+        stored = m.data.arr.reshape(rows, stride)
+        if tname == "q6_k":
+            np.testing.assert_array_equal(stored.reshape(-1), ops.repack_q6_k(raw))
+        else:
+            np.testing.assert_array_equal(stored[:, :natural], raw.reshape(rows, natural))
+            assert not stored[:, natural:].any()
+        packed = ops.QuantMatrix.upload(StandIn(), raw, tname, rows, cols, align_rows=False)
+        assert packed.stride == 0
