@@ -726,10 +726,11 @@ class _Pending:
 
     def __init__(self, backend: CudaBackend, slot: int, chunks, want, sampled, n_out):
         self.backend, self.slot, self.chunks, self.n_out = backend, slot, chunks, n_out
-        starts = dict(zip((si for si, _, _ in want), _row_starts(want)))
+        starts = _row_starts(want)
         self.sampled = sampled
-        self.drawn_rows = {si: starts[si] for si in sampled}  # chunk -> its row of d_tokens_out
-        self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(_row_starts(want), want) if si not in self.drawn_rows]
+        first = {si: r for r, (si, _, _) in zip(starts, want)}
+        self.drawn_rows = {si: first[si] for si in sampled}  # chunk -> its row of d_tokens_out
+        self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(starts, want) if si not in self.drawn_rows]
         self._outputs: list | None = None
         self._error: Exception | None = None
 
