@@ -168,13 +168,16 @@ class Device:
         out.upload(arr)
         return out
 
-    def scratch(self, key: str, nbytes: int) -> "DeviceArray":
-        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials."""
+    def scratch(self, key: str, nbytes: int, zero: bool = False) -> "DeviceArray":
+        """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials; zero:
+        zeroed when (re)allocated (for users that leave it zeroed, like the sampler's counters)."""
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
             buf = DeviceArray(self, (max(nbytes, 256),), np.uint8)
+            if zero:
+                buf.zero()
             self._scratch[key] = buf
         return buf
 

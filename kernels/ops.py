@@ -222,6 +222,57 @@ def matvec_gated_supported(w: QuantMatrix) -> bool:
     return w.rows % 2 == 0 and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
 
 
+XPRO_COLS = 1024  # matvec.cu: rows a block of qmvx / qmvgx normalises itself
+
+
+@dataclass
+class PostNorm:
+    """The input of matvec_post_norm, made in the kernel: x = rms_norm(res + rms_norm(o) * w1) * w2 --
+    Gemma's post-norm into the residual and the next pre-norm, rms_norm_add_norm's math -- with block 0
+    storing the new residual res + rms_norm(o) * w1 in res_out (not res: the other blocks still read it;
+    None: not stored)."""
+
+    o: DeviceArray
+    res: DeviceArray
+    res_out: DeviceArray | None
+    w1: DeviceArray
+    w2: DeviceArray
+    eps: float
+
+
+def post_norm_supported(w: QuantMatrix) -> bool:
+    return w.cols <= XPRO_COLS and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
+
+
+def matvec_post_norm(dev: Device, w: QuantMatrix, pn: PostNorm, y: DeviceArray, *, act: str | None = None,
+                     rows_per_warp: int | None = None, stream=None) -> None:
+    """One row: y = x @ W.T with x = the PostNorm's (act given: W is the stacked [gate; up] matrix and
+    y = act(x W_gate^T) * (x W_up^T), as matvec_gated). Saves the rms_norm_add_norm launch before it.
+    Twin: rms_norm_add_norm, then matvec / matvec_gated."""
+    if not post_norm_supported(w) or (act is not None and not matvec_gated_supported(w)):
+        raise ValueError(f"the post-norm matvec takes 16-byte aligned rows of at most {XPRO_COLS} columns")
+    for a, name in ((pn.o, "o"), (pn.res, "res"), (pn.w1, "w1"), (pn.w2, "w2")):
+        _need(a, np.float32, w.cols, name)
+    if pn.res_out is not None:
+        _need(pn.res_out, np.float32, w.cols, "res_out")
+    args = (pn.o, pn.res, pn.res_out, pn.w1, pn.w2, F32(pn.eps))
+    if act is not None:
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown activation {act!r}")
+        _need(y, np.float32, w.rows // 2, "y")
+        dev.kernel(f"matvec_{w.type}", "qmvgx_b1").launch(
+            (-(-(w.rows // 2) // MATVEC_WARPS),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, *args,
+            y, Q8_ACTIVATIONS[act], stream=stream)
+        return
+    _need(y, np.float32, w.rows, "y")
+    r = rows_per_warp or _pick_rows_per_warp(dev, w.rows)
+    if r not in (1, 2, 4):
+        raise ValueError("rows_per_warp must be 1, 2 or 4")
+    dev.kernel(f"matvec_{w.type}", f"qmvx_b1_r{r}").launch(
+        (-(-w.rows // (MATVEC_WARPS * r)),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, *args, y,
+        stream=stream)
+
+
 KQ8_VARIANTS = {(1, 4, False), (1, 8, False), (2, 4, False), (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True),
                 (4, 2, False), (4, 2, True)}
 KQ8_DEFAULT = {1: (4, False), 2: (4, False), 4: (2, False)}  # (unroll, prefetch) per batch: measured, H200
@@ -440,6 +491,32 @@ ATT_SPLIT_MAX = 512
 ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one CTA per kv head is latency)
 
 
+ATTW_SPLIT_MAX = 64  # attention.cu: keys a CTA of attn_warp takes at most
+ATTW_KEYS_PER_WARP = 8  # a warp's share of a split, at the finest
+ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
+
+
+def attention_split_warp(dev: Device, rows: int, kv_heads: int, group: int, max_keys: int) -> int:
+    """Keys per CTA for attn_warp: ATTW_KEYS_PER_WARP for each warp that shares a head (4 / group of
+    them when group < 4), doubled while that would make more than four CTAs per SM."""
+    split = ATTW_KEYS_PER_WARP * max(1, 4 // group)
+    while split < ATTW_SPLIT_MAX and rows * kv_heads * -(-max_keys // split) > 4 * dev.sm_count:
+        split *= 2
+    return split
+
+
+def _split(dev: Device, rows: int, group: int, kv_heads: int, max_keys: int, warp: bool) -> int:
+    return attention_split_warp(dev, rows, kv_heads, group, max_keys) if warp else attention_split(
+        dev, rows, kv_heads, max_keys)
+
+
+def attention_parts(dev: Device, rows: int, heads: int, kv_heads: int, max_keys: int, decode: bool) -> int:
+    """How many split-K parts attention() makes by default (decode: with a prologue), which sizes the
+    partials buffers a captured graph owns."""
+    max_keys = max(1, int(max_keys))
+    return -(-max_keys // _split(dev, rows, heads // kv_heads, kv_heads, max_keys, decode and max_keys <= ATTW_MAX_KEYS))
+
+
 def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
     """Keys per CTA: the longest run (at most 512) that still gives about two CTAs per SM."""
     split = ATT_SPLIT_MAX
@@ -448,11 +525,30 @@ def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int
     return split
 
 
+@dataclass
+class DecodePrologue:
+    """For attention(prologue=...): qk_rope_kv's work fused into the attention kernel, for decode
+    steps (one row per sequence, its only new key at its position). q is then the raw q rows; k and v
+    the raw k and v rows (strides ldk, ldv); the new k (normed, rotated) and v go to their slots."""
+
+    k: DeviceArray
+    v: DeviceArray
+    slots: DeviceArray
+    inv_freq: DeviceArray
+    neox: bool
+    ldk: int
+    ldv: int
+    q_norm: DeviceArray | None = None
+    k_norm: DeviceArray | None = None
+    eps: float = 1e-6
+
+
 def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray,
               row_seq: DeviceArray, row_pos: DeviceArray, out: DeviceArray, *, rows: int, heads: int,
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
               scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
-              ldq: int | None = None, stream=None) -> None:
+              ldq: int | None = None, prologue: DecodePrologue | None = None, kernel: str = "auto",
+              stream=None) -> None:
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
@@ -460,26 +556,55 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
     grid. split: keys per CTA (default: attention_split). partials: (acc, ml) buffers for the split-K
     partial results (default: the device's scratch; a captured graph passes its own, which never move).
-    ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row)."""
+    ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row). prologue:
+    decode rows with qk_rope_kv fused in (twin: qk_rope_kv's, then attention). kernel: with a
+    prologue, "warp" (attn_warp: splits of at most ATTW_SPLIT_MAX keys, no shared-memory phases; the
+    default up to ATTW_MAX_KEYS keys) or "block" (attn_decode)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
-    if kvn is None:
-        raise TypeError("the KV cache must be float16 or float32")
+    if kvn is None or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
     if heads % kv_heads:
         raise ValueError("heads must be a multiple of kv_heads")
     g = heads // kv_heads
     if g not in (1, 2, 4, 8) or head_dim not in (64, 128, 256):
         raise ValueError(f"no attention kernel for {g} query heads per kv head and head_dim {head_dim}")
+    if prologue is not None:
+        if (prologue.q_norm is None) != (prologue.k_norm is None):
+            raise ValueError("q_norm and k_norm go together")
+        _need(prologue.inv_freq, np.float32, head_dim // 2, "inv_freq")
+        _need(prologue.slots, np.int32, rows, "slots")
     max_keys = max(1, int(max_keys))
-    split = attention_split(dev, rows, kv_heads, max_keys) if split is None else split
-    split = max(1, min(int(split), ATT_SPLIT_MAX))
+    if kernel not in ("auto", "warp", "block") or (kernel == "warp" and prologue is None):
+        raise ValueError("kernel is auto, block, or (with a prologue) warp")
+    warp = prologue is not None and (max_keys <= ATTW_MAX_KEYS if kernel == "auto" else kernel == "warp")
+    if split is None:
+        split = _split(dev, rows, g, kv_heads, max_keys, warp)
+    split = max(1, min(int(split), ATTW_SPLIT_MAX if warp else ATT_SPLIT_MAX))
     S = -(-max_keys // split)
-    name = f"attn_d{head_dim}_g{g}_{kvn}"
+    ldq = ldq or heads * head_dim
+
+    def launch(out_, acc, ml):
+        grid = (kv_heads, rows, S)
+        if warp:
+            p = prologue
+            dev.kernel("attention", f"attn_warp_d{head_dim}_g{g}_{kvn}").launch(
+                grid, (128,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm, F32(p.eps),
+                p.inv_freq, 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos,
+                heads, kv_heads, block_size, window, F32(scale), split, out_, acc, ml, stream=stream)
+            return
+        if prologue is None:
+            dev.kernel("attention", f"attn_d{head_dim}_g{g}_{kvn}").launch(
+                grid, (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads, kv_heads,
+                block_size, window, F32(scale), split, out_, acc, ml, I64(ldq), stream=stream)
+            return
+        p = prologue
+        dev.kernel("attention", f"attn_decode_d{head_dim}_g{g}_{kvn}").launch(
+            grid, (128,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm, F32(p.eps), p.inv_freq,
+            1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
+            kv_heads, block_size, window, F32(scale), split, out_, acc, ml, stream=stream)
+
     if S == 1:
-        dev.kernel("attention", name).launch(
-            (kv_heads, rows, 1), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-            kv_heads, block_size, window, F32(scale), split, out, None, None, I64(ldq or heads * head_dim),
-            stream=stream
-        )
+        launch(out, None, None)
         return
     if partials is not None:
         acc, ml = partials
@@ -488,10 +613,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     else:
         acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
         ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
-    dev.kernel("attention", name).launch(
-        (kv_heads, rows, S), (128,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-        kv_heads, block_size, window, F32(scale), split, None, acc, ml, I64(ldq or heads * head_dim), stream=stream
-    )
+    launch(None, acc, ml)
     dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
 
 
@@ -560,18 +682,37 @@ def softmax(dev: Device, x: DeviceArray, y: DeviceArray, *, rows: int, cols: int
     )
 
 
+SAMPLE_PART = 8192  # entries of a greedy row one block of sample_f32 takes
+SAMPLE_MAX_PARTS = 64
+
+
+def sample_parts(vocab: int) -> int:
+    return min(SAMPLE_MAX_PARTS, max(1, -(-vocab // SAMPLE_PART)))
+
+
 def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArray, *, rows: int, vocab: int,
-           ld: int | None = None, out_floor: DeviceArray | None = None, stream=None) -> None:
+           ld: int | None = None, out_floor: DeviceArray | None = None,
+           work: tuple[DeviceArray, DeviceArray] | None = None, stream=None) -> None:
     """out[r] = a token drawn from row r with its own temperature / top-k / top-p / min-p / seed / step.
 
-    params: a SampleParams block on the device (see `sample_params`). Twin: reference.sample_rows."""
+    params: a SampleParams block on the device (see `sample_params`). work: (counters, partials), int32
+    of at least rows (zeroed once: the kernel leaves them at zero) and 2 * rows * sample_parts(vocab)
+    elements; default: the device's own (a captured graph must bring its own: those may move). Twin:
+    reference.sample_rows."""
     _need(out, np.int32, rows, "out")
+    parts = sample_parts(vocab)
+    if work is None:
+        work = (dev.scratch("sample_counters", 4 * rows, zero=True), dev.scratch("sample_parts", 8 * rows * parts))
+    counters, partials = work
+    if counters.nbytes < 4 * rows or partials.nbytes < 8 * rows * parts:
+        raise ValueError("the sampler's work buffers are too small")
     base = params.ptr
     off = SampleParams.offsets(rows)
     dev.kernel("sampling", "sample_f32").launch(
-        (rows,), (1024,), logits, I64(vocab if ld is None else ld), vocab, Pointer(base + off["temperature"]),
+        (rows, parts), (1024,), logits, I64(vocab if ld is None else ld), vocab, Pointer(base + off["temperature"]),
         Pointer(base + off["top_k"]), Pointer(base + off["top_p"]), Pointer(base + off["min_p"]),
-        Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, stream=stream)
+        Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, Pointer(partials.ptr),
+        Pointer(partials.ptr + 4 * rows * parts), Pointer(counters.ptr), stream=stream)
 
 
 def feed_tokens(dev: Device, drawn: DeviceArray, source: DeviceArray, tokens: DeviceArray, *, n: int,
@@ -717,7 +858,7 @@ def fault_illegal_address(dev: Device) -> None:
 
 
 __all__ = [
-    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "QuantMatrix", "SampleParams", "add", "add_bias", "argmax",
-    "attention", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
-    "kv_write", "linear_tc", "matvec", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "softmax", "to_half",
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "QuantMatrix", "SampleParams", "add", "add_bias",
+    "argmax", "attention", "attention_parts", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
+    "kv_write", "linear_tc", "matvec", "matvec_post_norm", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
 ]

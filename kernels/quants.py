@@ -33,6 +33,7 @@ __all__ = [
     "dequantize_rows",
     "pack_k_scales",
     "row_nbytes",
+    "to_q8_0",
     "unpack_k_scales",
 ]
 
@@ -268,6 +269,25 @@ def dequantize_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType | int) ->
     out = np.empty(raw.size // size * block, dtype=np.float32)
     _decode_flat(raw, t, out)
     return out
+
+
+# Legacy types whose values are d * integer with no minimum: Q8_0 holds them exactly (same fp16 d,
+# the integer as int8), so matrices of these types can be stacked into one Q8_0 matrix.
+Q8_0_EXACT = (T.Q4_0, T.Q5_0, T.Q8_0)
+_Q8_0_INTS = {T.Q4_0: lambda b: _low_high_nibbles(b["qs"]).reshape(len(b), QK).astype(np.int8) - np.int8(8),
+              T.Q5_0: lambda b: _q5(b).astype(np.int8) - np.int8(16), T.Q8_0: lambda b: b["qs"]}
+
+
+def to_q8_0(raw: np.ndarray, ggml_type: GGMLQuantizationType | int) -> np.ndarray:
+    """Q4_0 / Q5_0 / Q8_0 blocks -> the Q8_0 blocks (bytes) that decode to bit-identical values."""
+    t = _as_type(ggml_type)
+    if t not in Q8_0_EXACT:
+        raise ValueError(f"{t.name} has no exact Q8_0 form")
+    blocks = _as_bytes(raw).view(BLOCK_DTYPES[t])
+    out = np.empty(len(blocks), BLOCK_DTYPES[T.Q8_0])
+    out["d"] = blocks["d"]
+    out["qs"] = _Q8_0_INTS[t](blocks)
+    return out.view(np.uint8)
 
 
 def _as_bytes(raw: np.ndarray) -> np.ndarray:

@@ -220,6 +220,44 @@ def test_matvec_gated_staged(dev, rng, tname, act, n):
     assert rel_err(y.to_host(), ref) < FP32_BAR
 
 
+@pytest.mark.parametrize("tname", ["q5_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("cols,gated", [(640, False), (1024, False), (640, True), (768, True)])
+def test_matvec_post_norm(dev, rng, tname, cols, gated):
+    """The matvec that makes its own input (Gemma's post-norm into the residual, then the next
+    pre-norm: rms_norm_add_norm's twin math) in every block, block 0 storing the new residual in
+    another buffer; plain (every rows-per-warp) and gated (act(gate) * up)."""
+    if tname.endswith("_k") and cols % 256:
+        cols = 768
+    eps, rows = 1e-6, 198
+    w, raw, wf = upload_matrix(dev, rng, tname, rows, cols)
+    o = rng.normal(0, 3, cols).astype(np.float32)
+    res = rng.normal(0, 1, cols).astype(np.float32)
+    w1, w2 = (rng.normal(1, 0.1, cols).astype(np.float32) for _ in range(2))
+    new_res = res.astype(np.float64) + reference.rms_norm(o.astype(np.float64), w1.astype(np.float64), eps)
+    xn = reference.rms_norm(new_res, w2.astype(np.float64), eps)
+    res_d, out_d = dev.to_device(res), dev.empty(cols)
+    for r in (None,) if gated else (1, 2, 4):
+        out_d.poison()
+        pn = ops.PostNorm(dev.to_device(o), res_d, out_d, dev.to_device(w1), dev.to_device(w2), eps)
+        if gated:
+            ffn = rows // 2
+            y = dev.empty(ffn)
+            y.poison()
+            ops.matvec_post_norm(dev, w, pn, y, act="gelu_tanh")
+            ref = reference.gelu_tanh(xn @ wf[:ffn].T.astype(np.float64)) * (xn @ wf[ffn:].T.astype(np.float64))
+        else:
+            y = dev.empty(rows)
+            y.poison()
+            ops.matvec_post_norm(dev, w, pn, y, rows_per_warp=r)
+            ref = xn @ wf.T.astype(np.float64)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, r
+        assert rel_err(out_d.to_host(), new_res) < FP32_BAR
+        np.testing.assert_array_equal(res_d.to_host(), res)  # the old residual is only read
+    with pytest.raises(ValueError, match="at most 1024 columns"):
+        big, _, _ = upload_matrix(dev, rng, "q8_0", 8, 2048)
+        ops.matvec_post_norm(dev, big, pn, dev.empty(8))
+
+
 @pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q4_k"])  # q6_k is repacked to aligned blocks
 @pytest.mark.parametrize("align_rows", [False, True])
 def test_matvec_unaligned_rows_and_residual(dev, rng, tname, align_rows):
@@ -528,6 +566,60 @@ def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
         assert err < bar, (split, err)
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("neox,qk_norm", [(True, True), (False, False)])
+@pytest.mark.parametrize("d,hq,hk", [(256, 4, 1), (128, 32, 8), (64, 8, 8), (256, 8, 4), (128, 64, 8)])
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("kernel", ["warp", "block"])
+def test_decode_attention_with_fused_prologue(dev, rng, kv_dtype, neox, qk_norm, d, hq, hk, window, kernel):
+    """attn_warp and attn_decode: raw q/k/v rows in, the prologue (norms, RoPE, the new K/V into their
+    slots) done by the attention kernel itself. The new key's slot is poisoned first: the kernel must
+    store it and must not read it back."""
+    lens, bs, eps = [1, 37, 1500, 700], 16, 1e-6
+    kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype)
+    n = len(lens)
+    pos = np.array([L - 1 for L in lens], np.int32)
+    host_tables = tables.to_host()
+    slots = (host_tables[np.arange(n), pos // bs] * bs + pos % bs).astype(np.int32)
+    nan = np.full((n, hk, d), np.nan, np.float32)
+    ops.kv_write(dev, dev.to_device(nan), dev.to_device(nan), kc, vc, dev.to_device(slots), n=n, kv_heads=hk, head_dim=d)
+    width = (hq + 2 * hk) * d
+    qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
+    inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+    qw, kw = (rng.normal(1, 0.1, d).astype(np.float32) for _ in range(2))
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
+    if qk_norm:
+        q, k = reference.rms_norm(q, qw, eps), reference.rms_norm(k, kw, eps)
+    cos, sin = reference.rope_tables(pos, inv_freq)
+    q, k = reference.rope(q, cos, sin, neox=neox), reference.rope(k, cos, sin, neox=neox)
+    k_new, v_new = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
+    scale = 1.0 / np.sqrt(d)
+    refs = []
+    for s in range(n):
+        keys[s][-1], values[s][-1] = k_new[s], v_new[s]
+        refs.append(reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale)[0])
+    buf = dev.to_device(qkv)
+    pro = ops.DecodePrologue(buf.view(hq * d, n * width - hq * d), buf.view((hq + hk) * d, n * width - (hq + hk) * d),
+                             dev.to_device(slots), dev.to_device(inv_freq), neox, width, width,
+                             dev.to_device(qw) if qk_norm else None, dev.to_device(kw) if qk_norm else None, eps)
+    out = dev.empty((n, hq, d))
+    # float16 slots: the kernel's and the twin's float32 k may round to neighbouring halves
+    bar = FP32_BAR if kv_dtype == np.float32 else 1e-3
+    for split in (None, 8, 16, 64) if kernel == "warp" else (None, 16, 512):
+        out.poison()
+        ops.attention(dev, buf, kc, vc, tables, dev.to_device(np.arange(n, dtype=np.int32)), dev.to_device(pos), out,
+                      rows=n, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
+                      max_keys=max(lens) if not window else min(window, max(lens)), window=window, scale=scale,
+                      split=split, ldq=width, prologue=pro, kernel=kernel)
+        err = rel_err(out.to_host(), np.stack(refs))
+        assert err < bar, (split, err)
+    assert rel_err(kc.to_host()[slots].astype(np.float32), k_new) < bar
+    np.testing.assert_array_equal(vc.to_host()[slots], v.astype(kv_dtype))
+    np.testing.assert_array_equal(buf.to_host(), qkv)  # the q|k|v rows are only read
+
+
 @pytest.mark.parametrize("window", [0, 64])
 def test_paged_prefill_attention_rows(dev, rng, window):
     """One query row per prompt token (a chunk starting at position 200 of a 450-token sequence)."""
@@ -722,6 +814,28 @@ def test_device_sampling_matches_its_twin(dev, rng):
         assert x[r][tokens[r]] >= floors[r]
         assert tokens[r] == ref_tokens[r], r
     assert tokens[0] == np.argmax(x[0]) and tokens[9] == np.argmax(x[9])  # greedy, and top_k 1
+
+
+@pytest.mark.parametrize("vocab", [262144, 100003, 8192, 77])
+def test_greedy_sampling_split_over_blocks(dev, rng, vocab):
+    """Greedy rows are argmax'd by several blocks per row and merged by the last one: numpy's first
+    index of the maximum, with ties across the parts' borders, a row whose maximum is in its last
+    part, and a sampled row in between (its other blocks leave). Run twice: the counters reset."""
+    rows = 5
+    x = rng.normal(0, 1, (rows, vocab)).astype(np.float32)
+    x[0, [vocab - 1, vocab // 2, 3]] = 9.0  # ties: the first index wins
+    x[1, vocab - 1] = 9.0
+    x[3, [vocab // 3, vocab // 3 + 1]] = 7.0
+    p = dict(temperature=[0.0, 0.0, 1.0, 0.0, 0.0], top_k=[0] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows,
+             seed=np.arange(rows, dtype=np.uint64), step=np.zeros(rows, np.uint32))
+    for _ in range(2):
+        tokens, floors = _sample_on_device(dev, x, **p)
+        for r in (0, 1, 3, 4):
+            assert tokens[r] == np.argmax(x[r]), r
+            assert floors[r] == x[r].max()
+        ref, _ = reference.sample_rows(x[2:3], *(np.asarray(p[k][2:3]) for k in
+                                                 ("temperature", "top_k", "top_p", "min_p", "seed", "step")))
+        assert tokens[2] == ref[0]
 
 
 def test_device_sampling_follows_the_distribution(dev):

@@ -74,6 +74,18 @@ def test_random_blocks_match_gguf_py(t):
         np.testing.assert_array_equal(ours, _peer(raw, t, shape))
 
 
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_to_q8_0_decodes_to_the_same_values(t):
+    """The stacked matrices of mixed legacy types (upcast to Q8_0) keep every value bit for bit,
+    checked through gguf-py's Q8_0 decoder."""
+    raw = random_blocks(t, 17 * 20, 3)
+    q8 = quants.to_q8_0(raw, t)
+    assert q8.size == 17 * 20 * GGML_QUANT_SIZES[T.Q8_0][1]
+    np.testing.assert_array_equal(_peer(q8, T.Q8_0, (17, 640)), _peer(raw, t, (17, 640)))
+    with pytest.raises(ValueError, match="no exact Q8_0 form"):
+        quants.to_q8_0(random_blocks(T.Q4_1, 4, 0), T.Q4_1)
+
+
 @pytest.mark.parametrize("t", PEER_TYPES, ids=lambda t: t.name)
 def test_chunked_decode_matches_unchunked(t, monkeypatch):
     """Chunk boundaries in the middle of the tensor change nothing."""

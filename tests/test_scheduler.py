@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ember.worker.engine.faults import FaultInjector, parse_faults
-from ember.worker.engine.requests import Delta, Failed, Finished, GenerationRequest, RequestHandle, Started
+from ember.worker.engine.requests import Delta, Failed, GenerationRequest, RequestHandle, Started
 from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.scheduler import Engine, EngineLimits, QueueFull

@@ -11,6 +11,12 @@
 // lane). With one split the CTA writes the normalised output; otherwise it writes (sum p*v, max, sum p)
 // and attn_combine merges the splits. Decode is one query row per sequence; prefill may use the same
 // kernel with one row per prompt token (correct, not yet flash-style fast).
+//
+// attn_decode_<D>_g<G>_<kv>: the same for decode steps (one row per sequence) with qk_rope_kv's work
+// for the row fused in front: each CTA norms and rotates its G query heads and its key head itself,
+// the CTA whose split holds the new position stores the new K and V, and before waiting for the
+// kernel before it (the q|k|v matvec) a CTA reads its keys' slots and fetches their K and V rows into
+// L2 -- every key but the new one was written by an earlier step.
 #include "common.cuh"
 
 #define ATT_THREADS 128
@@ -58,25 +64,120 @@ EMBER_DEV void load_vals(const float* p, float* out) {
     }
 }
 
-template <int D, int G, typename KV>
+// The decode prologue that attn_decode fuses in front of attn (FUSED): the step's raw k and v rows
+// (q is attn's q), the per-head RMSNorm weights (null: none), RoPE, and the new token's cache slot.
+struct DecodePrologue {
+    const float* k;
+    i64 ldk;
+    const float* v;
+    i64 ldv;
+    const float* qw;
+    const float* kw;
+    float eps;
+    const float* inv_freq;
+    int neox;
+    const int* slots;
+};
+
+template <int D, int G, typename KV, bool FUSED>
 EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                     const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
                     int split, float* __restrict__ out, float* __restrict__ part_acc,
-                    float* __restrict__ part_ml, i64 ldq) {
+                    float* __restrict__ part_ml, i64 ldq, const DecodePrologue& pro, KV* kc_new, KV* vc_new) {
     __shared__ float sc[G][ATT_SPLIT_MAX];
     __shared__ float red[G][D];
     __shared__ float stat[G][2];
+    // FUSED: the roped q heads, the new key and value (as the cache holds them), slots, angles
+    constexpr int FD = FUSED ? D : 1, FS = FUSED ? ATT_SPLIT_MAX : 1;
+    __shared__ float qs[G][FD], knew[FD], vnew[FD], cs[FD / 2 + 1], sn[FD / 2 + 1];
+    __shared__ float ssq[ATT_THREADS / 32][G + 1];
+    __shared__ int slot_s[FS];
     const int kh = blockIdx.x, row = blockIdx.y, z = blockIdx.z, S = gridDim.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int pos = row_pos[row];  // the step's inputs: read before waiting for the previous kernel
     const int* bt = block_tables + (i64)row_seq[row] * max_blocks;
-    grid_dependency_sync();
     const int L = pos + 1;
     const int lo = window > 0 ? max(0, L - window) : 0;
     const int t0 = lo + z * split;
     const int nt = min(L, t0 + split) - t0;  // keys of this split; may be <= 0
     const i64 slot_stride = (i64)Hk * D;
+    if constexpr (FUSED) {
+        // a decode row's only new key is its own, at pos: the older keys' slots are known and their K
+        // and V rows (written by earlier steps) are fetched into L2 while the kernel before finishes
+        rope_table(cs, sn, pos, pro.inv_freq, D / 2);
+        for (int t = tid; t < nt; t += ATT_THREADS) {
+            const int p = t0 + t;
+            const int s = bt[p / BS] * BS + p % BS;
+            slot_s[t] = s;
+            if (p != pos) {
+                l2_prefetch(kc + (i64)s * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
+                l2_prefetch(vc + (i64)s * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
+            }
+        }
+    }
+    grid_dependency_sync();
+    if constexpr (FUSED) {
+        // qk_rope_kv's work for this kv head: thread i < D/2 takes rotation pair i (neox: elements i
+        // and i + D/2; normal: 2i and 2i + 1) of the G query heads and the key head
+        constexpr int HALF = D / 2;
+        const bool owner = pos >= t0 && pos < t0 + nt;  // this split holds the new key: it stores it
+        const i64 slot_new = pro.slots[row];
+        const int ia = pro.neox ? tid : 2 * tid, ib = pro.neox ? tid + HALF : 2 * tid + 1;
+        float a[G + 1], b[G + 1];
+#pragma unroll
+        for (int h = 0; h <= G; ++h) {
+            float ss = 0.0f;
+            a[h] = b[h] = 0.0f;
+            if (tid < HALF) {
+                const float* src = h < G ? q + (i64)row * ldq + (i64)(kh * G + h) * D
+                                         : pro.k + (i64)row * pro.ldk + (i64)kh * D;
+                a[h] = src[ia];
+                b[h] = src[ib];
+                ss = fmaf(a[h], a[h], ss);
+                ss = fmaf(b[h], b[h], ss);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) ssq[warp][h] = ss;
+        }
+        for (int e = tid; e < D; e += ATT_THREADS) {  // v: into its slot as it is
+            const KV val = from_f32<KV>(pro.v[(i64)row * pro.ldv + (i64)kh * D + e]);
+            vnew[e] = to_f32(val);
+            if (owner) vc_new[(slot_new * Hk + kh) * D + e] = val;
+        }
+        __syncthreads();
+        if (tid < HALF) {
+#pragma unroll
+            for (int h = 0; h <= G; ++h) {
+                const float* w = h < G ? pro.qw : pro.kw;
+                float inv = 1.0f;
+                if (w) {
+                    float tot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < ATT_THREADS / 32; ++i) tot += ssq[i][h];
+                    inv = 1.0f / sqrtf(tot / (float)D + pro.eps);
+                }
+                const float x1 = w ? (a[h] * inv) * w[ia] : a[h];
+                const float x2 = w ? (b[h] * inv) * w[ib] : b[h];
+                const float c = cs[tid], sv = sn[tid];
+                const float r1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv));
+                const float r2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv));
+                if (h < G) {
+                    qs[h][ia] = r1;
+                    qs[h][ib] = r2;
+                } else {
+                    const KV k1 = from_f32<KV>(r1), k2 = from_f32<KV>(r2);
+                    knew[ia] = to_f32(k1);
+                    knew[ib] = to_f32(k2);
+                    if (owner) {
+                        kc_new[(slot_new * Hk + kh) * D + ia] = k1;
+                        kc_new[(slot_new * Hk + kh) * D + ib] = k2;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
 
     // phase 1: scores, 16 lanes per key
     constexpr int E1 = D / 16;
@@ -86,7 +187,7 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     for (int g = 0; g < G; ++g) {
         const float* qp = q + (i64)row * ldq + (i64)(kh * G + g) * D + hl * E1;  // ldq: q rows may sit in a fused qkv row
 #pragma unroll
-        for (int e = 0; e < E1; ++e) qr[g][e] = qp[e] * scale;
+        for (int e = 0; e < E1; ++e) qr[g][e] = (FUSED ? qs[g][hl * E1 + e] : qp[e]) * scale;
     }
     // KU keys per half-warp per iteration, their loads issued together: the loop is bound by memory
     // latency (block table, then K), not bandwidth, so several keys must be in flight at once
@@ -99,12 +200,15 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
         for (int u = 0; u < KU; ++u) {
             const int t = tb + u * KSTEP + sub;
             const int p = t0 + min(t, nt - 1);
-            slot_u[u] = bt[p / BS] * BS + p % BS;
+            slot_u[u] = FUSED ? slot_s[min(t, nt - 1)] : bt[p / BS] * BS + p % BS;
         }
 #pragma unroll
         for (int u = 0; u < KU; ++u) {
             const int t = tb + u * KSTEP + sub;
-            if (t < nt) {
+            if (FUSED && t0 + t == pos) {  // the new key: this kernel wrote it, so it is not read back
+#pragma unroll
+                for (int e = 0; e < E1; ++e) kv[u][e] = knew[hl * E1 + e];
+            } else if (t < nt) {
                 load_vals<E1>(kc + (i64)slot_u[u] * slot_stride + (i64)kh * D + hl * E1, kv[u]);
             } else {
 #pragma unroll
@@ -158,11 +262,14 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
 #pragma unroll
         for (int u = 0; u < VU; ++u) {
             const int p = t0 + min(tb + u * VSTEP, nt - 1);
-            slot_u[u] = bt[p / BS] * BS + p % BS;
+            slot_u[u] = FUSED ? slot_s[min(tb + u * VSTEP, nt - 1)] : bt[p / BS] * BS + p % BS;
         }
 #pragma unroll
         for (int u = 0; u < VU; ++u) {
-            if (tb + u * VSTEP < nt) {
+            if (FUSED && t0 + tb + u * VSTEP == pos) {
+#pragma unroll
+                for (int e = 0; e < E2; ++e) vv[u][e] = vnew[lane * E2 + e];
+            } else if (tb + u * VSTEP < nt) {
                 load_vals<E2>(vc + (i64)slot_u[u] * slot_stride + (i64)kh * D + lane * E2, vv[u]);
             } else {
 #pragma unroll
@@ -209,6 +316,224 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     }
 }
 
+// attn_warp_d<D>_g<G>_<kv>: attn_decode's work for short splits (at most ATTW_SPLIT_MAX keys a CTA)
+// with no shared-memory phases: a warp owns one query head (G >= 4: G / 4 heads) and a strided share of
+// the split's keys; lane l holds elements [l E, l E + E) of every vector (E = D / 32), so a score is a
+// warp sum, the softmax runs online in registers and V is summed where it is loaded. The prologue is
+// done per warp (its heads and the key head; the neox RoPE partner of a lane's element is in lane l ^ 16).
+// With G < 4, 4 / G warps share a head and merge through shared memory at the end. Keys are read KC at
+// a time (their loads in flight together); the split's K and V rows were fetched into L2 before the wait.
+#define ATTW_SPLIT_MAX 64
+template <int D, int G, typename KV>
+EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodePrologue& pro, KV* kc, KV* vc,
+                         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
+                         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
+                         int split, float* __restrict__ out, float* __restrict__ part_acc,
+                         float* __restrict__ part_ml) {
+    constexpr int E = D / 32, NW = ATT_THREADS / 32;
+    constexpr int WPH = G >= NW ? 1 : NW / G;  // warps per head
+    constexpr int HPW = G >= NW ? G / NW : 1;  // heads per warp
+    constexpr int KC = 32 / E;                 // keys per chunk: 32 floats of K and of V per lane
+    __shared__ float cs[D / 2], sn[D / 2];
+    __shared__ int slot_s[ATTW_SPLIT_MAX];
+    __shared__ float mrg[WPH > 1 ? NW : 1][2 + D];
+    const int kh = blockIdx.x, row = blockIdx.y, z = blockIdx.z, S = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int pos = row_pos[row];
+    const int* bt = block_tables + (i64)row_seq[row] * max_blocks;
+    const int L = pos + 1;
+    const int lo = window > 0 ? max(0, L - window) : 0;
+    const int t0 = lo + z * split;
+    const int nt = min(L, t0 + split) - t0;
+    const i64 slot_stride = (i64)Hk * D;
+    // before the wait: angles, slots, the older keys' K and V into L2, the norm weights
+    rope_table(cs, sn, pos, pro.inv_freq, D / 2);
+    for (int t = tid; t < nt; t += ATT_THREADS) {
+        const int p = t0 + t;
+        const int sl = bt[p / BS] * BS + p % BS;
+        slot_s[t] = sl;
+        if (p != pos) {
+            l2_prefetch(kc + (i64)sl * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
+            l2_prefetch(vc + (i64)sl * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
+        }
+    }
+    float qwr[E], kwr[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qwr[e] = pro.qw ? pro.qw[lane * E + e] : 1.0f;
+        kwr[e] = pro.kw ? pro.kw[lane * E + e] : 1.0f;
+    }
+    grid_dependency_sync();
+    __syncthreads();
+
+    const int h0 = WPH > 1 ? warp % G : warp;  // this warp's first head (of HPW, NW apart)
+    const int kset = WPH > 1 ? warp / G : 0;   // and its share of the keys: t = kset (mod WPH)
+    // RMSNorm (optional) and RoPE of one head vector held E elements per lane
+    auto norm_rope = [&](float (&x)[E], const float (&w)[E], bool normed) {
+        if (normed) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + pro.eps);
+#pragma unroll
+            for (int e = 0; e < E; ++e) x[e] = (x[e] * inv) * w[e];
+        }
+        if (pro.neox) {  // pairs (i, i + D/2): lanes l and l ^ 16
+            const bool lo_half = lane < 16;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float other = __shfl_xor_sync(0xffffffffu, x[e], 16);
+                const int i = (lane & 15) * E + e;
+                const float x1 = lo_half ? x[e] : other, x2 = lo_half ? other : x[e];
+                const float c = cs[i], sv = sn[i];
+                x[e] = lo_half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv))
+                               : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv));
+            }
+        } else {  // pairs (2i, 2i + 1): within the lane
+#pragma unroll
+            for (int e = 0; e < E; e += 2) {
+                const int i = (lane * E + e) / 2;
+                const float x1 = x[e], x2 = x[e + 1], c = cs[i], sv = sn[i];
+                x[e] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv));
+                x[e + 1] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv));
+            }
+        }
+    };
+    float qh[HPW][E], kn[E], vn[E];
+#pragma unroll
+    for (int j = 0; j < HPW; ++j)
+        load_vals<E>(q + (i64)row * ldq + (i64)(kh * G + h0 + j * NW) * D + lane * E, qh[j]);
+    load_vals<E>(pro.k + (i64)row * pro.ldk + (i64)kh * D + lane * E, kn);
+    load_vals<E>(pro.v + (i64)row * pro.ldv + (i64)kh * D + lane * E, vn);
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+        norm_rope(qh[j], qwr, pro.qw != nullptr);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qh[j][e] *= scale;
+    }
+    norm_rope(kn, kwr, pro.kw != nullptr);
+    const bool owner = pos >= t0 && pos < t0 + nt;  // this split holds the new key: it stores it
+    const i64 at_new = ((i64)pro.slots[row] * Hk + kh) * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {  // the new key and value as the cache holds them
+        const KV kq = from_f32<KV>(kn[e]), vq = from_f32<KV>(vn[e]);
+        if (owner && warp == 0) {
+            kc[at_new + e] = kq;
+            vc[at_new + e] = vq;
+        }
+        kn[e] = to_f32(kq);
+        vn[e] = to_f32(vq);
+    }
+
+    float m[HPW], l[HPW], acc[HPW][E];
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+        m[j] = -__int_as_float(0x7f800000);
+        l[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[j][e] = 0.0f;
+    }
+    for (int c0 = kset; c0 < nt; c0 += KC * WPH) {  // warp-uniform
+        float kk[KC][E], vv[KC][E];
+#pragma unroll
+        for (int u = 0; u < KC; ++u) {
+            const int t = c0 + u * WPH;
+            if (t < nt && t0 + t != pos) {
+                const i64 at = (i64)slot_s[t] * slot_stride + (i64)kh * D + lane * E;
+                load_vals<E>(kc + at, kk[u]);
+                load_vals<E>(vc + at, vv[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    kk[u][e] = kn[e];  // the new key (its score is masked below when t >= nt)
+                    vv[u][e] = vn[e];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HPW; ++j) {
+            float sc[KC], cmax = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (int u = 0; u < KC; ++u) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) d = fmaf(qh[j][e], kk[u][e], d);
+                sc[u] = warp_sum(d);
+                if (c0 + u * WPH >= nt) sc[u] = -__int_as_float(0x7f800000);
+                cmax = fmaxf(cmax, sc[u]);
+            }
+            const float mn = fmaxf(m[j], cmax);
+            const float r = expf(m[j] - mn);  // 0 while m was -inf
+            l[j] *= r;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[j][e] *= r;
+#pragma unroll
+            for (int u = 0; u < KC; ++u) {
+                const float pu = expf(sc[u] - mn);
+                l[j] += pu;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pu, vv[u][e], acc[j][e]);
+            }
+            m[j] = mn;
+        }
+    }
+    if constexpr (WPH > 1) {  // merge the warps that share a head into the first of them
+#pragma unroll
+        for (int e = 0; e < E; ++e) mrg[warp][2 + lane * E + e] = acc[0][e];
+        if (lane == 0) { mrg[warp][0] = m[0]; mrg[warp][1] = l[0]; }
+        __syncthreads();
+        if (kset != 0) return;
+        float M = m[0];
+#pragma unroll
+        for (int k = 1; k < WPH; ++k) M = fmaxf(M, mrg[warp + k * G][0]);
+        const float f0 = l[0] > 0.0f ? expf(m[0] - M) : 0.0f;
+        l[0] *= f0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[0][e] *= f0;
+#pragma unroll
+        for (int k = 1; k < WPH; ++k) {
+            const float lk = mrg[warp + k * G][1];
+            const float f = lk > 0.0f ? expf(mrg[warp + k * G][0] - M) : 0.0f;
+            l[0] = fmaf(f, lk, l[0]);
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[0][e] = fmaf(f, mrg[warp + k * G][2 + lane * E + e], acc[0][e]);
+        }
+        m[0] = M;
+    }
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+        const i64 h = (i64)row * Hq + kh * G + h0 + j * NW;
+        if (S == 1) {
+            const float inv = 1.0f / l[j];
+#pragma unroll
+            for (int e = 0; e < E; ++e) out[h * D + lane * E + e] = acc[j][e] * inv;
+        } else {
+#pragma unroll
+            for (int e = 0; e < E; ++e) part_acc[(h * S + z) * D + lane * E + e] = acc[j][e];
+            if (lane == 0) {
+                part_ml[(h * S + z) * 2] = l[j] > 0.0f ? m[j] : -__int_as_float(0x7f800000);
+                part_ml[(h * S + z) * 2 + 1] = l[j];
+            }
+        }
+    }
+}
+#define ATTN_WARP(D, G, KVN, KVT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_warp_d##D##_g##G##_##KVN(           \
+        const float* __restrict__ q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv,        \
+        const float* qw, const float* kw, float eps, const float* inv_freq, int neox, const int* slots, \
+        KVT* kc, KVT* vc, const int* __restrict__ block_tables, int max_blocks,                        \
+        const int* __restrict__ row_seq, const int* __restrict__ row_pos, int Hq, int Hk, int BS,      \
+        int window, float scale, int split, float* __restrict__ out, float* __restrict__ part_acc,     \
+        float* __restrict__ part_ml) {                                                                 \
+        const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots};                  \
+        attn_warp<D, G, KVT>(q, ldq, pro, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk,  \
+                             BS, window, scale, split, out, part_acc, part_ml);                        \
+    }
+#define ATTN_WARP_G(D, KVN, KVT) \
+    ATTN_WARP(D, 1, KVN, KVT) ATTN_WARP(D, 2, KVN, KVT) ATTN_WARP(D, 4, KVN, KVT) ATTN_WARP(D, 8, KVN, KVT)
+ATTN_WARP_G(64, f16, f16_t) ATTN_WARP_G(128, f16, f16_t) ATTN_WARP_G(256, f16, f16_t)
+ATTN_WARP_G(64, f32, float) ATTN_WARP_G(128, f32, float) ATTN_WARP_G(256, f32, float)
+
 // Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                         int S, int Hq, int D, float* __restrict__ out) {
@@ -239,10 +564,28 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
         const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
         float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
-        attn<D, G, KVT>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window,    \
-                        scale, split, out, part_acc, part_ml, ldq);                                    \
+        attn<D, G, KVT, false>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS,     \
+                               window, scale, split, out, part_acc, part_ml, ldq, DecodePrologue{},   \
+                               nullptr, nullptr);                                                     \
     }
-#define ATTN_G(D, KVN, KVT) ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)
+// attn_decode: one decode row per sequence, with qk_rope_kv's work for it fused in front (the new k
+// and v stored by the split that holds position pos, and used from shared memory, not read back)
+#define ATTN_DECODE(D, G, KVN, KVT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_d##D##_g##G##_##KVN(           \
+        const float* __restrict__ q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv,          \
+        const float* qw, const float* kw, float eps, const float* inv_freq, int neox, const int* slots,  \
+        KVT* kc, KVT* vc, const int* __restrict__ block_tables, int max_blocks,                          \
+        const int* __restrict__ row_seq, const int* __restrict__ row_pos, int Hq, int Hk, int BS,        \
+        int window, float scale, int split, float* __restrict__ out, float* __restrict__ part_acc,       \
+        float* __restrict__ part_ml) {                                                                   \
+        const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots};                    \
+        attn<D, G, KVT, true>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window, \
+                              scale, split, out, part_acc, part_ml, ldq, pro, kc, vc);                   \
+    }
+#define ATTN_G(D, KVN, KVT)                                                                      \
+    ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)          \
+    ATTN_DECODE(D, 1, KVN, KVT) ATTN_DECODE(D, 2, KVN, KVT) ATTN_DECODE(D, 4, KVN, KVT)          \
+    ATTN_DECODE(D, 8, KVN, KVT)
 ATTN_G(64, f16, f16_t) ATTN_G(128, f16, f16_t) ATTN_G(256, f16, f16_t)
 ATTN_G(64, f32, float) ATTN_G(128, f32, float) ATTN_G(256, f32, float)
 

@@ -19,12 +19,22 @@ typedef unsigned long long u64;
 // Every kernel calls it before touching what earlier kernels of the step write. Before it, a kernel
 // may read only what no kernel writes: the weights (the matvecs issue their first rows' loads, the
 // norms load their weight vectors) and the step's inputs copied from the host (positions, block
-// tables: qk_rope_kv computes its angles, attention finds its row). Launched without the attribute,
-// both instructions return at once.
+// tables: qk_rope_kv computes its angles, attention finds its row) and, in a decode step, the KV
+// cache rows of earlier positions (written by earlier steps: attn_decode fetches them into L2).
+// Launched without the attribute, both instructions return at once.
 EMBER_DEV void grid_dependency_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Start fetching [p, p + bytes) into L2 and go on (p 16-byte aligned, bytes a multiple of 16).
+EMBER_DEV void l2_prefetch(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+    for (int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
 #endif
 }
 

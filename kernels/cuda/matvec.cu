@@ -9,6 +9,7 @@
 // for all R rows. Per unit: sum q*x in float, then * scale (- min * sum x); the final sum over
 // lanes is a butterfly. Memory-bound by design: every weight byte is read exactly once.
 #include "act.cuh"
+#include "norm.cuh"
 #include "quant.cuh"
 
 #ifndef QTYPE
@@ -16,6 +17,20 @@
 #endif
 
 #define MV_WARPS 4
+#define XPRO_COLS (8 * MV_WARPS * 32)  // rows a block normalises itself (XPRO): 8 columns a thread
+
+// XPRO: the input x = rms_norm(res + rms_norm(o) * w1) * w2 is computed by every block from o and the
+// residual res (Gemma's post-norm, residual add and next pre-norm: rms_norm_add_norm's math), held in
+// shared memory; block 0 stores the new residual to res_out (another buffer: the other blocks still read
+// res). Batch 1, rows of at most XPRO_COLS columns.
+struct XPro {
+    const float* o;
+    const float* res;
+    float* res_out;
+    const float* w1;
+    const float* w2;
+    float eps;
+};
 
 template <int VEC> struct VecT;
 template <> struct VecT<16> { typedef uint4 T; };
@@ -24,20 +39,32 @@ template <> struct VecT<2> { typedef u16 T; };
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
 // row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
 // MLP's activation is computed once per column instead of in every block of the down projection.
-template <int B, int R, int VEC, bool GATED = false>
+template <int B, int R, int VEC, bool GATED = false, bool XP = false>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
-                   const float* __restrict__ x, int nb, const float* res, float* y, int act = 0) {
+                   const float* __restrict__ x, int nb, const float* res, float* y, int act = 0,
+                   const XPro& xp = XPro{}) {
     static_assert(!GATED || R == 2, "a gated warp owns one gate row and its up row");
+    static_assert(!XP || B == 1, "a block normalises one row of x");
     typedef QT<QTYPE> Q;
     typedef typename VecT<VEC>::T V;
     constexpr int CHUNK = Q::CB * Q::BYTES;
     constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
     __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
+    __shared__ __align__(16) float xnorm[XP ? XPRO_COLS : 4];  // XP: this block's x
+    __shared__ float scratch[XP ? 33 : 1];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int half = rows / 2;
     const int row0 = (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: the gate row
-    if (row0 >= (GATED ? half : rows)) return;  // the whole warp leaves; only __syncwarp is used below
+    const bool idle = row0 >= (GATED ? half : rows);
+    float w1v[XP ? 8 : 1], w2v[XP ? 8 : 1];
+    if constexpr (XP) {
+        load_weights(xp.w1, cols, w1v);
+        load_weights(xp.w2, cols, w2v);
+    } else if (idle) {  // the whole warp leaves; only __syncwarp is used below
+        grid_dependency_sync();
+        return;
+    }
     const int nblk = cols / Q::ELEMS;
     const int nchunks = (nblk + Q::CB - 1) / Q::CB;
 
@@ -65,7 +92,24 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[b][r] = 0.0f;
 
-    load(0);
+    // the first chunk's weights depend on no earlier kernel: loaded while it finishes (programmatic
+    // dependent launch; a small matrix's whole row is one chunk), x read after the wait
+    if (!idle) load(0);
+    grid_dependency_sync();
+    if constexpr (XP) {  // every warp takes part in the block's reductions, idle or not
+        float ov[8], hv[8];
+        post_norm_add_norm(xp.o, xp.res, w1v, w2v, cols, xp.eps, scratch, ov, hv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < cols) {
+                xnorm[c] = hv[i];
+                if (blockIdx.x == 0 && xp.res_out) xp.res_out[c] = ov[i];
+            }
+        }
+        __syncthreads();
+        if (idle) return;
+    }
     for (int ch = 0; ch < nchunks; ++ch) {
         const int nbc = min(Q::CB, nblk - ch * Q::CB);
         const int bytes = nbc * Q::BYTES;
@@ -90,7 +134,12 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
             float xv[B][8], xs[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                if (b < nb) {
+                if (XP) {
+                    const float4 lo = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e);
+                    const float4 hi = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e + 4);
+                    xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
+                    xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
+                } else if (b < nb) {
                     const float4 lo = __ldg(reinterpret_cast<const float4*>(xc + (i64)b * cols + e));
                     const float4 hi = __ldg(reinterpret_cast<const float4*>(xc + (i64)b * cols + e + 4));
                     xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
@@ -150,7 +199,6 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
         qmv_b##B##_r##R##_v##VEC(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,       \
                                  const float* __restrict__ x, int nb, const float* res, float* y) { \
-        grid_dependency_sync();                                                                     \
         qmv<B, R, VEC>(W, row_bytes, rows, cols, x, nb, res, y);                                    \
     }
 
@@ -165,7 +213,22 @@ QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
         qmvg_b##B(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,                      \
                   const float* __restrict__ x, int nb, float* y, int act) {                         \
-        grid_dependency_sync();                                                                     \
         qmv<B, 2, 16, true>(W, row_bytes, rows, cols, x, nb, nullptr, y, act);                      \
     }
 QMVG(1) QMVG(2) QMVG(4) QMVG(8)
+
+// batch 1 with the input normalised in the kernel (XPro): the 16-byte row path, and the gate|up one
+#define QMVX(R)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvx_b1_r##R(                           \
+        const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res,  \
+        float* res_out, const float* w1, const float* w2, float eps, float* y) {                        \
+        const XPro xp{o, res, res_out, w1, w2, eps};                                                    \
+        qmv<1, R, 16, false, true>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, 0, xp);            \
+    }
+QMVX(1) QMVX(2) QMVX(4)
+extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvgx_b1(
+    const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res, float* res_out,
+    const float* w1, const float* w2, float eps, float* y, int act) {
+    const XPro xp{o, res, res_out, w1, w2, eps};
+    qmv<1, 2, 16, true, true>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, act, xp);
+}

@@ -3,24 +3,11 @@
 // Rows are addressed as (token t, head j) = (r / heads, r % heads) at t * ld + j * cols, so the same
 // kernel normalises whole hidden rows (heads = 1) and per-head slices of q/k (qwen3, gemma3 q/k norm)
 // in place. x, res, h_out share the x layout (ldx); y has its own (ldy). y may alias x or h_out.
-#include "common.cuh"
+#include "norm.cuh"
 // A row lives in registers: thread t holds columns t + i * blockDim.x (i < E), so each
 // element is read once and the reductions wait on no second pass through memory. The weights depend
 // on no earlier kernel: they are loaded before the PDL wait (grid_dependency_sync).
 // Two sizes (ops picks): E = 4 columns per thread up to 4096 columns, E = 8 up to 8192.
-
-template <int E>
-EMBER_DEV void load_weights(const float* __restrict__ w, int cols, float (&wv)[E]) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        wv[i] = c < cols ? __ldg(w + c) : 0.0f;
-    }
-}
-
-EMBER_DEV float inv_rms(float ss, int cols, float eps, float* scratch) {
-    return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
-}
 
 template <int E>
 EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out, const float* __restrict__ w, float* y,
@@ -54,24 +41,6 @@ EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out, cons
     }
 }
 
-// out = out + rms_norm(x) * w, one block per row: a post-norm (Gemma) folded into the residual add.
-// post_norm_add: ov = out row + rms_norm(x row) * w (w already loaded), shared with rms_norm_add_norm.
-template <int E>
-EMBER_DEV void post_norm_add(const float* xr, const float* orow, const float (&wv)[E], int cols, float eps,
-                             float* scratch, float (&ov)[E]) {
-    float xv[E], ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        xv[i] = c < cols ? xr[c] : 0.0f;
-        ov[i] = c < cols ? orow[c] : 0.0f;
-        ss = fmaf(xv[i], xv[i], ss);
-    }
-    const float inv = inv_rms(ss, cols, eps, scratch);
-#pragma unroll
-    for (int i = 0; i < E; ++i) ov[i] += (xv[i] * inv) * wv[i];  // columns past the row: 0 + 0
-}
-
 template <int E>
 EMBER_DEV void rms_norm_add_row(const float* __restrict__ x, const float* __restrict__ w, float* out, int n_rows,
                                 int cols, float eps) {
@@ -97,7 +66,7 @@ template <int E>
 EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* __restrict__ w1, float* out,
                                      const float* __restrict__ w2, float* __restrict__ h, int n_rows, int cols,
                                      float eps) {
-    float w1v[E], w2v[E], ov[E];
+    float w1v[E], w2v[E], ov[E], hv[E];
     load_weights(w1, cols, w1v);
     load_weights(w2, cols, w2v);
     grid_dependency_sync();
@@ -105,17 +74,13 @@ EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* _
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     float* orow = out + (i64)r * cols;
-    post_norm_add(x + (i64)r * cols, orow, w1v, cols, eps, scratch, ov);
-    float ss2 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) ss2 = fmaf(ov[i], ov[i], ss2);
-    const float inv2 = inv_rms(ss2, cols, eps, scratch);
+    post_norm_add_norm(x + (i64)r * cols, orow, w1v, w2v, cols, eps, scratch, ov, hv);
 #pragma unroll
     for (int i = 0; i < E; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < cols) {
             orow[c] = ov[i];
-            h[(i64)r * cols + c] = (ov[i] * inv2) * w2v[i];
+            h[(i64)r * cols + c] = hv[i];
         }
     }
 }
