@@ -548,7 +548,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
               scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
               ldq: int | None = None, prologue: DecodePrologue | None = None, kernel: str = "auto",
-              stream=None) -> None:
+              merge: bool = True, stream=None) -> "AttnParts | None":
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
@@ -559,7 +559,9 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row). prologue:
     decode rows with qk_rope_kv fused in (twin: qk_rope_kv's, then attention). kernel: with a
     prologue, "warp" (attn_warp: splits of at most ATTW_SPLIT_MAX keys, no shared-memory phases; the
-    default up to ATTW_MAX_KEYS keys) or "block" (attn_decode)."""
+    default up to ATTW_MAX_KEYS keys) or "block" (attn_decode). merge=False: split-K parts are left
+    for the caller (returned; matvec_merged merges them as its input) instead of attn_combine writing
+    out; None when there was one part (out written)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None or v_cache.dtype != k_cache.dtype:
         raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
@@ -605,16 +607,51 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
 
     if S == 1:
         launch(out, None, None)
-        return
+        return None
     if partials is not None:
         acc, ml = partials
         _need(acc, np.float32, rows * heads * S * head_dim, "partials[0]")
         _need(ml, np.float32, rows * heads * S * 2, "partials[1]")
     else:
-        acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4)
-        ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4)
+        acc = dev.scratch("attn_acc", rows * heads * S * head_dim * 4).view_bytes(0, rows * heads * S * head_dim,
+                                                                                 np.float32)
+        ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4).view_bytes(0, rows * heads * S * 2, np.float32)
     launch(None, acc, ml)
+    if not merge:
+        return AttnParts(acc, ml, S, head_dim)
     dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
+    return None
+
+
+@dataclass
+class AttnParts:
+    """Decode attention's split-K parts of one row, not yet merged: acc [heads, S, D] (sum p v) and
+    ml [heads, S, 2] (max, sum p), as attention(merge=False) leaves them."""
+
+    acc: DeviceArray
+    ml: DeviceArray
+    S: int
+    D: int
+
+
+def matvec_merged(dev: Device, w: QuantMatrix, parts: AttnParts, y: DeviceArray, *, res: DeviceArray | None = None,
+                  rows_per_warp: int | None = None, stream=None) -> None:
+    """One row: y = x @ W.T (+ res) with x the merge of the attention parts (the output projection),
+    made in every block: saves the attn_combine launch. Twin: attn_combine's merge, then matvec."""
+    if not post_norm_supported(w) or w.cols % parts.D:
+        raise ValueError(f"the merging matvec takes 16-byte aligned rows of at most {XPRO_COLS} columns")
+    heads = w.cols // parts.D
+    _need(parts.acc, np.float32, heads * parts.S * parts.D, "acc")
+    _need(parts.ml, np.float32, heads * parts.S * 2, "ml")
+    _need(y, np.float32, w.rows, "y")
+    if res is not None:
+        _need(res, np.float32, w.rows, "res")
+    r = rows_per_warp or _pick_rows_per_warp(dev, w.rows)
+    if r not in (1, 2, 4):
+        raise ValueError("rows_per_warp must be 1, 2 or 4")
+    dev.kernel(f"matvec_{w.type}", f"qmvm_b1_r{r}").launch(
+        (-(-w.rows // (MATVEC_WARPS * r)),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, parts.acc,
+        parts.ml, parts.S, parts.D, res, y, stream=stream)
 
 
 FLASH_ROWS = 64  # query rows per tile (flash.cu FA_ROWS)
@@ -860,5 +897,5 @@ def fault_illegal_address(dev: Device) -> None:
 __all__ = [
     "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "QuantMatrix", "SampleParams", "add", "add_bias",
     "argmax", "attention", "attention_parts", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
-    "kv_write", "linear_tc", "matvec", "matvec_post_norm", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
+    "kv_write", "linear_tc", "matvec", "matvec_merged", "matvec_post_norm", "AttnParts", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
 ]

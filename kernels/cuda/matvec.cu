@@ -17,12 +17,18 @@
 #endif
 
 #define MV_WARPS 4
-#define XPRO_COLS (8 * MV_WARPS * 32)  // rows a block normalises itself (XPRO): 8 columns a thread
+#define XPRO_COLS (8 * MV_WARPS * 32)  // columns of an x a block makes itself (XK): 8 a thread
 
-// XPRO: the input x = rms_norm(res + rms_norm(o) * w1) * w2 is computed by every block from o and the
-// residual res (Gemma's post-norm, residual add and next pre-norm: rms_norm_add_norm's math), held in
-// shared memory; block 0 stores the new residual to res_out (another buffer: the other blocks still read
-// res). Batch 1, rows of at most XPRO_COLS columns.
+// Batch-1 matvecs whose every block makes its input x itself, into shared memory, saving the launch
+// of the kernel that would have made it (rows of at most XPRO_COLS columns):
+//   XK_POST_NORM: x = rms_norm(res + rms_norm(o) * w1) * w2 from o and the residual res (Gemma's
+//     post-norm, residual add and next pre-norm: rms_norm_add_norm's math); block 0 stores the new
+//     residual to res_out (another buffer: the other blocks still read res).
+//   XK_MERGE: x = the merge of decode attention's S split-K parts (acc, ml; heads of D), attn_combine's
+//     math.
+#define XK_NONE 0
+#define XK_POST_NORM 1
+#define XK_MERGE 2
 struct XPro {
     const float* o;
     const float* res;
@@ -30,6 +36,10 @@ struct XPro {
     const float* w1;
     const float* w2;
     float eps;
+    const float* acc;
+    const float* ml;
+    int S;
+    int D;
 };
 
 template <int VEC> struct VecT;
@@ -39,12 +49,13 @@ template <> struct VecT<2> { typedef u16 T; };
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
 // row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
 // MLP's activation is computed once per column instead of in every block of the down projection.
-template <int B, int R, int VEC, bool GATED = false, bool XP = false>
+template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
                    const float* __restrict__ x, int nb, const float* res, float* y, int act = 0,
                    const XPro& xp = XPro{}) {
     static_assert(!GATED || R == 2, "a gated warp owns one gate row and its up row");
-    static_assert(!XP || B == 1, "a block normalises one row of x");
+    constexpr bool XP = XK != XK_NONE;
+    static_assert(!XP || B == 1, "a block makes one row of x");
     typedef QT<QTYPE> Q;
     typedef typename VecT<VEC>::T V;
     constexpr int CHUNK = Q::CB * Q::BYTES;
@@ -58,10 +69,10 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     const int row0 = (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: the gate row
     const bool idle = row0 >= (GATED ? half : rows);
     float w1v[XP ? 8 : 1], w2v[XP ? 8 : 1];
-    if constexpr (XP) {
+    if constexpr (XK == XK_POST_NORM) {
         load_weights(xp.w1, cols, w1v);
         load_weights(xp.w2, cols, w2v);
-    } else if (idle) {  // the whole warp leaves; only __syncwarp is used below
+    } else if (!XP && idle) {  // the whole warp leaves; only __syncwarp is used below (XP: after the prologue)
         grid_dependency_sync();
         return;
     }
@@ -96,7 +107,28 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     // dependent launch; a small matrix's whole row is one chunk), x read after the wait
     if (!idle) load(0);
     grid_dependency_sync();
-    if constexpr (XP) {  // every warp takes part in the block's reductions, idle or not
+    if constexpr (XK == XK_MERGE) {  // attn_combine for the columns this thread makes
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < cols) {
+                const int h = c / xp.D, d = c % xp.D;
+                const float* ml = xp.ml + (i64)h * xp.S * 2;
+                float M = -__int_as_float(0x7f800000), num = 0.0f, den = 0.0f;
+                for (int s2 = 0; s2 < xp.S; ++s2) M = fmaxf(M, ml[2 * s2]);
+                for (int s2 = 0; s2 < xp.S; ++s2) {
+                    const float l = ml[2 * s2 + 1];
+                    const float f = l > 0.0f ? expf(ml[2 * s2] - M) : 0.0f;  // an empty split weighs nothing
+                    num = fmaf(f, xp.acc[((i64)h * xp.S + s2) * xp.D + d], num);
+                    den = fmaf(f, l, den);
+                }
+                xnorm[c] = num / den;
+            }
+        }
+        __syncthreads();
+        if (idle) return;
+    }
+    if constexpr (XK == XK_POST_NORM) {  // every warp takes part in the block's reductions, idle or not
         float ov[8], hv[8];
         post_norm_add_norm(xp.o, xp.res, w1v, w2v, cols, xp.eps, scratch, ov, hv);
 #pragma unroll
@@ -222,13 +254,22 @@ QMVG(1) QMVG(2) QMVG(4) QMVG(8)
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvx_b1_r##R(                           \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res,  \
         float* res_out, const float* w1, const float* w2, float eps, float* y) {                        \
-        const XPro xp{o, res, res_out, w1, w2, eps};                                                    \
-        qmv<1, R, 16, false, true>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, 0, xp);            \
+        const XPro xp{o, res, res_out, w1, w2, eps, nullptr, nullptr, 0, 0};                            \
+        qmv<1, R, 16, false, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, 0, xp);    \
     }
 QMVX(1) QMVX(2) QMVX(4)
 extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvgx_b1(
     const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res, float* res_out,
     const float* w1, const float* w2, float eps, float* y, int act) {
-    const XPro xp{o, res, res_out, w1, w2, eps};
-    qmv<1, 2, 16, true, true>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, act, xp);
+    const XPro xp{o, res, res_out, w1, w2, eps, nullptr, nullptr, 0, 0};
+    qmv<1, 2, 16, true, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, act, xp);
 }
+// batch 1 with x merged from decode attention's split-K parts (the output projection), + res
+#define QMVM(R)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvm_b1_r##R(                           \
+        const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* acc, const float* ml, \
+        int S, int D, const float* res, float* y) {                                                     \
+        const XPro xp{nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f, acc, ml, S, D};                \
+        qmv<1, R, 16, false, XK_MERGE>(W, row_bytes, rows, cols, nullptr, 1, res, y, 0, xp);             \
+    }
+QMVM(1) QMVM(2) QMVM(4)

@@ -559,10 +559,17 @@ class CudaBackend:
             return not self._int8(w, n, tc) and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w)
         return self._staged(w, n, tc)
 
+    def _merges(self, w: ops.QuantMatrix, n: int, tc: bool) -> bool:
+        """Whether the output projection w can merge decode attention's split-K parts itself
+        (ops.matvec_merged), saving the attn_combine launch."""
+        return n == 1 and ops.post_norm_supported(w) and w.cols % self.config.head_dim == 0 and self._staged(w, n, tc)
+
     def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True) -> None:
         out = w is self.output
         if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (_PostNorms)
             ops.matvec_post_norm(self.dev, w, x, y, stream=self.stream)
+        elif isinstance(x, ops.AttnParts):  # one row: the attention's parts, merged by the matvec itself
+            ops.matvec_merged(self.dev, w, x, y, res=res, stream=self.stream)
         elif tc and self.tensor_cores and n >= TC_MIN_ROWS:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
             ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
@@ -660,13 +667,14 @@ class CudaBackend:
             vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
             window = cfg.sliding_window if local else 0
             keys = min(max_keys, window) if window else max_keys
+            o_in = att  # what the output projection reads: att, or the split-K parts it merges itself
             if self._device_attention and decode:  # the prologue fused into decode attention: one launch
                 pro = ops.DecodePrologue(k_, v_, self.d_slots, inv, cfg.rope_neox, ldk, ldv, lw.get("q_norm"),
                                          lw.get("k_norm"), cfg.norm_eps)
-                ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
-                              kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride, max_keys=keys,
-                              window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq, prologue=pro,
-                              stream=st)
+                o_in = ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                                     kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
+                                     max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
+                                     prologue=pro, merge=not self._merges(lw["wo"], n, tc), stream=st) or att
             elif self._device_attention:  # q/k norms, RoPE and the KV write in one launch
                 ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, self.d_slots, self.d_pos, inv, n=n, heads=H, kv_heads=Hk,
                                head_dim=D, neox=cfg.rope_neox, q_norm=lw.get("q_norm"), k_norm=lw.get("k_norm"),
@@ -693,11 +701,11 @@ class CudaBackend:
                              stream=st)
                 self._host_attention(li, chunks, spans, positions, q, att, window)
             if cfg.post_norms:  # Gemma: post-norm into the residual and the MLP's pre-norm (one launch, or none)
-                self._linear(lw["wo"], att, o2, n, tc=tc)
+                self._linear(lw["wo"], o_in, o2, n, tc=tc)
                 post.defer(o2, lw["post_attn_norm"], lw["ffn_norm"])
                 (h_mlp,) = post.inputs([lw["w_gu"]] if "w_gu" in lw else [], gated=True) or [h]
             else:
-                self._linear(lw["wo"], att, x, n, res=x, tc=tc)
+                self._linear(lw["wo"], o_in, x, n, res=x, tc=tc)
                 ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
                 h_mlp = h
             gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
