@@ -517,15 +517,18 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         }
     }
 }
-#define ATTN_WARP(D, G, KVN, KVT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_warp_d##D##_g##G##_##KVN(           \
-        const float* __restrict__ q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv,        \
-        const float* qw, const float* kw, float eps, const float* inv_freq, int neox, const int* slots, \
-        KVT* kc, KVT* vc, const int* __restrict__ block_tables, int max_blocks,                        \
-        const int* __restrict__ row_seq, const int* __restrict__ row_pos, int Hq, int Hk, int BS,      \
-        int window, float scale, int split, float* __restrict__ out, float* __restrict__ part_acc,     \
-        float* __restrict__ part_ml) {                                                                 \
-        const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots};                  \
+// The parameters of the decode kernels with the prologue fused (attn_warp, attn_decode), and their prologue.
+#define DECODE_PARAMS(KVT)                                                                          \
+    const float *__restrict__ q, i64 ldq, const float *k, i64 ldk, const float *v, i64 ldv,         \
+        const float *qw, const float *kw, float eps, const float *inv_freq, int neox, const int *slots, \
+        KVT *kc, KVT *vc, const int *__restrict__ block_tables, int max_blocks,                     \
+        const int *__restrict__ row_seq, const int *__restrict__ row_pos, int Hq, int Hk, int BS,   \
+        int window, float scale, int split, float *__restrict__ out, float *__restrict__ part_acc,  \
+        float *__restrict__ part_ml
+#define DECODE_PROLOGUE const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots}
+#define ATTN_WARP(D, G, KVN, KVT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
+        DECODE_PROLOGUE;                                                                               \
         attn_warp<D, G, KVT>(q, ldq, pro, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk,  \
                              BS, window, scale, split, out, part_acc, part_ml);                        \
     }
@@ -570,15 +573,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
     }
 // attn_decode: one decode row per sequence, with qk_rope_kv's work for it fused in front (the new k
 // and v stored by the split that holds position pos, and used from shared memory, not read back)
-#define ATTN_DECODE(D, G, KVN, KVT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_d##D##_g##G##_##KVN(           \
-        const float* __restrict__ q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv,          \
-        const float* qw, const float* kw, float eps, const float* inv_freq, int neox, const int* slots,  \
-        KVT* kc, KVT* vc, const int* __restrict__ block_tables, int max_blocks,                          \
-        const int* __restrict__ row_seq, const int* __restrict__ row_pos, int Hq, int Hk, int BS,        \
-        int window, float scale, int split, float* __restrict__ out, float* __restrict__ part_acc,       \
-        float* __restrict__ part_ml) {                                                                   \
-        const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots};                    \
+#define ATTN_DECODE(D, G, KVN, KVT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
+        DECODE_PROLOGUE;                                                                                 \
         attn<D, G, KVT, true>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window, \
                               scale, split, out, part_acc, part_ml, ldq, pro, kc, vc);                   \
     }
