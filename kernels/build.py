@@ -64,6 +64,7 @@ def _modules() -> dict[str, ModuleSpec]:
             "matvec_k.cu", (f"-DQTYPE={GGML_TYPE_IDS[name]}",), f"column-resident matrix-vector product, {name}"
         )
     mods.update(
+        stream_q8_0=ModuleSpec("stream_q8_0.cu", (), "streaming Q8_0 matrix-vector product, int8 x (dp4a)"),
         dequant=ModuleSpec("dequant.cu", (), "dequantize rows / embedding lookup, every type"),
         norm=ModuleSpec("norm.cu", (), "fused residual add + RMSNorm"),
         rope=ModuleSpec("rope.cu", (), "rotary embedding, neox and normal"),
@@ -156,9 +157,14 @@ def _headers() -> list[tuple[str, bytes]]:
     return [(p.name, p.read_bytes()) for p in sorted(SOURCE_DIR.glob("*.cuh"))]
 
 
+def tracing() -> bool:
+    """EMBER_TRACE=1: build (and load) the profiling variant of every kernel (common.cuh EMBER_TRACE)."""
+    return os.environ.get("EMBER_TRACE") == "1"
+
+
 def module_options(name: str, arch: str) -> list[str]:
     spec = MODULES[name]
-    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *spec.options]
+    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *spec.options, *(("-DEMBER_TRACE",) if tracing() else ())]
 
 
 def cache_key(name: str, arch: str) -> str:

@@ -94,6 +94,9 @@ def check(result: Any, call: str = "") -> Any:
 _NOT_AVAILABLE_CODES = {3, 34, 35, 100, 101, 804}  # not initialised, stub library, old driver, no device, ...
 
 
+TRACE_WORDS = 8192  # common.cuh EMBER_TRACE: the count, then (start, release) pairs
+
+
 class Device:
     """One GPU's primary context. Create it once per process; call ``make_current`` in every other
     thread that launches work (the engine loop's thread)."""
@@ -128,8 +131,15 @@ class Device:
         self.l2_bytes = self.attribute(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         self.total_memory = int(check(drv.cuDeviceTotalMem(self.handle), "cuDeviceTotalMem"))
         self._modules: dict[str, Module] = {}
+        # `ember bench trace` (worker/bench/trace.py): with EMBER_TRACE=1 the kernels time-stamp their
+        # launches into this buffer, and launch_names lists what was launched, in order
+        self.trace = None
+        self.launch_names: list[str] = []
         self._scratch: dict[str, DeviceArray] = {}
         self._released = False
+        if build.tracing():
+            self.trace = DeviceArray(self, (TRACE_WORDS,), np.uint64)
+            self.trace.zero()
 
     def attribute(self, attr) -> int:
         return int(check(_driver().cuDeviceGetAttribute(attr, self.handle), "cuDeviceGetAttribute"))
@@ -209,6 +219,11 @@ class Module:
         self._image = image  # keep alive during the call
         self.handle = check(_driver().cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({name})")
         self._functions: dict[str, Kernel] = {}
+        if device.trace is not None:  # a profiling build: point the module's kernels at the trace buffer
+            err, ptr, _ = _driver().cuModuleGetGlobal(self.handle, b"ember_trace_buf")
+            if int(err) == 0:  # (a module whose kernels never wait has none)
+                value = np.array([device.trace.ptr], np.uint64)
+                check(_driver().cuMemcpyHtoD(ptr, value.ctypes.data, 8), "cuMemcpyHtoD")
 
     def function(self, name: str) -> "Kernel":
         k = self._functions.get(name)
@@ -294,6 +309,8 @@ class Kernel:
         b = tuple(int(v) for v in block) + (1, 1)
         if min(g[:3]) <= 0:
             return  # empty launch
+        if self.module.device.trace is not None:
+            self.module.device.launch_names.append(self.name)
         values = [_ctype(a) for a in args]
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         drv = _driver()

@@ -326,6 +326,37 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
             _ptr(res, b0 * w.rows * 4) if res is not None else None, _ptr(y, b0 * out_rows * 4), rpb, stream=stream)
 
 
+SQ_WARPS, SQ_ROWS, SQ_MAX_ROW_BYTES = 8, 8, 768  # stream_q8_0.cu: warps a block, rows a warp stage, row size
+
+
+def stream_q8_0_supported(w: QuantMatrix) -> bool:
+    return (w.type == "q8_0" and w.cols % 64 == 0 and w.row_bytes % 16 == 0 and w.row_bytes <= SQ_MAX_ROW_BYTES
+            and w.data.ptr % 16 == 0)
+
+
+def stream_q8_0_smem(w: QuantMatrix) -> int:
+    return -(-(w.cols + w.cols // 8) // 16) * 16 + SQ_WARPS * SQ_ROWS * w.row_bytes
+
+
+def matvec_stream_q8_0(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *,
+                       res: DeviceArray | None = None, blocks: int | None = None, stream=None) -> None:
+    """One row: y = q8(x) @ W.T (+ res) for a tall Q8_0 matrix of short rows (stream_q8_0.cu: the tied
+    output projection of Gemma 3 270M), x quantized to int8 per 32 columns in every block and
+    multiplied with dp4a; a persistent grid (default two blocks per SM) streams the rows. Twin:
+    reference.linear_q8(x, quants.dequantize(W))."""
+    if not stream_q8_0_supported(w):
+        raise ValueError(f"the streaming Q8_0 matvec takes 16-byte aligned Q8_0 rows of at most {SQ_MAX_ROW_BYTES} "
+                         "bytes and a multiple of 64 columns")
+    _need(x, np.float32, w.cols, "x")
+    _need(y, np.float32, w.rows, "y")
+    if res is not None:
+        _need(res, np.float32, w.rows, "res")
+    groups = -(-w.rows // SQ_ROWS)
+    grid = max(1, min(blocks or 2 * dev.sm_count, -(-groups // SQ_WARPS)))
+    dev.kernel("stream_q8_0", "sq8_b1").launch((grid,), (32 * SQ_WARPS,), w.data, I64(w.row_bytes), w.rows, w.cols,
+                                               x, res, y, smem=stream_q8_0_smem(w), stream=stream)
+
+
 # -- dequantization / embedding lookup ----------------------------------------------------------------
 
 
@@ -491,30 +522,46 @@ ATT_SPLIT_MAX = 512
 ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one CTA per kv head is latency)
 
 
-ATTW_SPLIT_MAX = 64  # attention.cu: keys a CTA of attn_warp takes at most
-ATTW_KEYS_PER_WARP = 8  # a warp's share of a split, at the finest
+ATTW_SPLIT_MAX = 256  # attention.cu: keys a CTA of attn_warp takes at most
+ATTW_WARPS = 16  # attention.cu: warps of an attn_warp CTA
+ATTW_STAGE_BYTES = 128 << 10  # the K and V rows an attn_warp CTA stages in shared memory, at most
 ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
+ATTW_MAX_ROW_HEADS = 64  # and beyond this many (row, kv head) pairs
 
 
-def attention_split_warp(dev: Device, rows: int, kv_heads: int, group: int, max_keys: int) -> int:
-    """Keys per CTA for attn_warp: ATTW_KEYS_PER_WARP for each warp that shares a head (4 / group of
-    them when group < 4), doubled while that would make more than four CTAs per SM."""
-    split = ATTW_KEYS_PER_WARP * max(1, 4 // group)
-    while split < ATTW_SPLIT_MAX and rows * kv_heads * -(-max_keys // split) > 4 * dev.sm_count:
-        split *= 2
-    return split
+def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int) -> int:
+    """Keys per CTA for attn_warp: as many as fit its shared memory (ATTW_STAGE_BYTES of K and V rows:
+    128 keys at D 256 in float16), so a short decode context is one CTA per kv head and needs no
+    attn_combine (measured on the H200, Gemma 3 270M at 40 keys: attn_combine took 3.3 us of a
+    layer's 22)."""
+    cap = min(ATTW_SPLIT_MAX, ATTW_STAGE_BYTES // (2 * head_dim * kv_bytes))
+    return max(1, min(cap, int(max_keys)))
 
 
-def _split(dev: Device, rows: int, group: int, kv_heads: int, max_keys: int, warp: bool) -> int:
-    return attention_split_warp(dev, rows, kv_heads, group, max_keys) if warp else attention_split(
-        dev, rows, kv_heads, max_keys)
+def attention_warp_smem(head_dim: int, kv_bytes: int, split: int) -> int:
+    return 2 * split * head_dim * kv_bytes
 
 
-def attention_parts(dev: Device, rows: int, heads: int, kv_heads: int, max_keys: int, decode: bool) -> int:
-    """How many split-K parts attention() makes by default (decode: with a prologue), which sizes the
-    partials buffers a captured graph owns."""
+def _split(dev: Device, rows: int, kv_heads: int, max_keys: int, warp: bool, head_dim: int, kv_bytes: int) -> int:
+    return attention_split_warp(head_dim, kv_bytes, max_keys) if warp else attention_split(dev, rows, kv_heads,
+                                                                                          max_keys)
+
+
+def decode_kernel(rows: int, kv_heads: int, max_keys: int) -> str:
+    """The decode attention kernel attention(kernel="auto") runs with a prologue: attn_warp for contexts
+    of up to ATTW_MAX_KEYS keys and at most 64 (row, kv head) pairs; beyond, attn_decode, whose CTAs
+    walk longer runs of keys (measured on the H200: 8B at 64 streams, 5,143 tok/s with attn_warp
+    against 5,903 before it)."""
+    return "warp" if max_keys <= ATTW_MAX_KEYS and rows * kv_heads <= ATTW_MAX_ROW_HEADS else "block"
+
+
+def attention_parts(dev: Device, rows: int, heads: int, kv_heads: int, max_keys: int, head_dim: int,
+                    decode: bool, kv_bytes: int = 2) -> int:
+    """How many split-K parts attention() makes by default (decode: with a prologue; kv_bytes: the KV
+    cache's element size), which sizes the partials buffers a captured graph owns."""
     max_keys = max(1, int(max_keys))
-    return -(-max_keys // _split(dev, rows, heads // kv_heads, kv_heads, max_keys, decode and max_keys <= ATTW_MAX_KEYS))
+    warp = decode and decode_kernel(rows, kv_heads, max_keys) == "warp"
+    return -(-max_keys // _split(dev, rows, kv_heads, max_keys, warp, head_dim, kv_bytes))
 
 
 def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
@@ -548,7 +595,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
               scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
               ldq: int | None = None, prologue: DecodePrologue | None = None, kernel: str = "auto",
-              merge: bool = True, stream=None) -> "AttnParts | None":
+              stream=None) -> None:
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
     block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
@@ -558,10 +605,8 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     partial results (default: the device's scratch; a captured graph passes its own, which never move).
     ldq: q's row stride (default heads * head_dim; larger when q sits in a fused qkv row). prologue:
     decode rows with qk_rope_kv fused in (twin: qk_rope_kv's, then attention). kernel: with a
-    prologue, "warp" (attn_warp: splits of at most ATTW_SPLIT_MAX keys, no shared-memory phases; the
-    default up to ATTW_MAX_KEYS keys) or "block" (attn_decode). merge=False: split-K parts are left
-    for the caller (returned; matvec_merged merges them as its input) instead of attn_combine writing
-    out; None when there was one part (out written)."""
+    prologue, "warp" (attn_warp: its split's K and V rows staged in shared memory; the default up to
+    ATTW_MAX_KEYS keys, see decode_kernel) or "block" (attn_decode)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None or v_cache.dtype != k_cache.dtype:
         raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
@@ -578,10 +623,12 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     max_keys = max(1, int(max_keys))
     if kernel not in ("auto", "warp", "block") or (kernel == "warp" and prologue is None):
         raise ValueError("kernel is auto, block, or (with a prologue) warp")
-    warp = prologue is not None and (max_keys <= ATTW_MAX_KEYS if kernel == "auto" else kernel == "warp")
+    warp = prologue is not None and (decode_kernel(rows, kv_heads, max_keys) == "warp" if kernel == "auto"
+                                     else kernel == "warp")
     if split is None:
-        split = _split(dev, rows, g, kv_heads, max_keys, warp)
-    split = max(1, min(int(split), ATTW_SPLIT_MAX if warp else ATT_SPLIT_MAX))
+        split = _split(dev, rows, kv_heads, max_keys, warp, head_dim, k_cache.dtype.itemsize)
+    split = max(1, min(int(split), attention_split_warp(head_dim, k_cache.dtype.itemsize, ATTW_SPLIT_MAX) if warp
+                       else ATT_SPLIT_MAX))
     S = -(-max_keys // split)
     ldq = ldq or heads * head_dim
 
@@ -590,9 +637,10 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
         if warp:
             p = prologue
             dev.kernel("attention", f"attn_warp_d{head_dim}_g{g}_{kvn}").launch(
-                grid, (128,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm, F32(p.eps),
-                p.inv_freq, 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos,
-                heads, kv_heads, block_size, window, F32(scale), split, out_, acc, ml, stream=stream)
+                grid, (32 * ATTW_WARPS,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm,
+                F32(p.eps), p.inv_freq, 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks,
+                row_seq, row_pos, heads, kv_heads, block_size, window, F32(scale), split, out_, acc, ml,
+                smem=attention_warp_smem(head_dim, k_cache.dtype.itemsize, split), stream=stream)
             return
         if prologue is None:
             dev.kernel("attention", f"attn_d{head_dim}_g{g}_{kvn}").launch(
@@ -607,7 +655,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
 
     if S == 1:
         launch(out, None, None)
-        return None
+        return
     if partials is not None:
         acc, ml = partials
         _need(acc, np.float32, rows * heads * S * head_dim, "partials[0]")
@@ -617,41 +665,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
                                                                                  np.float32)
         ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4).view_bytes(0, rows * heads * S * 2, np.float32)
     launch(None, acc, ml)
-    if not merge:
-        return AttnParts(acc, ml, S, head_dim)
     dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out, stream=stream)
-    return None
-
-
-@dataclass
-class AttnParts:
-    """Decode attention's split-K parts of one row, not yet merged: acc [heads, S, D] (sum p v) and
-    ml [heads, S, 2] (max, sum p), as attention(merge=False) leaves them."""
-
-    acc: DeviceArray
-    ml: DeviceArray
-    S: int
-    D: int
-
-
-def matvec_merged(dev: Device, w: QuantMatrix, parts: AttnParts, y: DeviceArray, *, res: DeviceArray | None = None,
-                  rows_per_warp: int | None = None, stream=None) -> None:
-    """One row: y = x @ W.T (+ res) with x the merge of the attention parts (the output projection),
-    made in every block: saves the attn_combine launch. Twin: attn_combine's merge, then matvec."""
-    if not post_norm_supported(w) or w.cols % parts.D:
-        raise ValueError(f"the merging matvec takes 16-byte aligned rows of at most {XPRO_COLS} columns")
-    heads = w.cols // parts.D
-    _need(parts.acc, np.float32, heads * parts.S * parts.D, "acc")
-    _need(parts.ml, np.float32, heads * parts.S * 2, "ml")
-    _need(y, np.float32, w.rows, "y")
-    if res is not None:
-        _need(res, np.float32, w.rows, "res")
-    r = rows_per_warp or _pick_rows_per_warp(dev, w.rows)
-    if r not in (1, 2, 4):
-        raise ValueError("rows_per_warp must be 1, 2 or 4")
-    dev.kernel(f"matvec_{w.type}", f"qmvm_b1_r{r}").launch(
-        (-(-w.rows // (MATVEC_WARPS * r)),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, parts.acc,
-        parts.ml, parts.S, parts.D, res, y, stream=stream)
 
 
 FLASH_ROWS = 64  # query rows per tile (flash.cu FA_ROWS)
@@ -897,5 +911,5 @@ def fault_illegal_address(dev: Device) -> None:
 __all__ = [
     "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "QuantMatrix", "SampleParams", "add", "add_bias",
     "argmax", "attention", "attention_parts", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
-    "kv_write", "linear_tc", "matvec", "matvec_merged", "matvec_post_norm", "AttnParts", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
+    "kv_write", "linear_tc", "matvec", "matvec_post_norm", "matvec_stream_q8_0", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
 ]

@@ -159,6 +159,26 @@ def test_matvec_q8_matches_twin(dev, rng, tname, n, unroll, prefetch, rows, cols
         assert rel_err(y11.to_host(), reference.linear_q8(x11, wf)) < FP32_BAR
 
 
+@pytest.mark.parametrize("rows,cols", [(1003, 640), (4096, 576), (70, 64)])
+def test_stream_q8_0_matches_twin(dev, rng, rows, cols):
+    """The streaming Q8_0 matvec (int8 x, persistent grid) against its twin: a last group of fewer than
+    eight rows, grids of one block (every warp walks many groups), of three, and the default; + res."""
+    w, raw, wf = upload_matrix(dev, rng, "q8_0", rows, cols)
+    assert ops.stream_q8_0_supported(w)
+    x = (rng.normal(0, 1, cols) * rng.choice([1, 1, 10], cols)).astype(np.float32)
+    ref = reference.linear_q8(x[None], wf)[0]
+    y = dev.empty(rows)
+    for blocks in (1, 3, None):
+        y.poison()
+        ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, blocks=blocks)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, blocks
+    res = rng.normal(0, 1, rows).astype(np.float32)
+    y.poison()
+    ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, res=dev.to_device(res))
+    assert rel_err(y.to_host(), ref + res) < FP32_BAR
+    assert rel_err(y.to_host() - res, x.astype(np.float64) @ wf.T.astype(np.float64)) < 5e-2
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_matvec_q8_fused_activation(dev, rng, act, n):
@@ -618,38 +638,6 @@ def test_decode_attention_with_fused_prologue(dev, rng, kv_dtype, neox, qk_norm,
     assert rel_err(kc.to_host()[slots].astype(np.float32), k_new) < bar
     np.testing.assert_array_equal(vc.to_host()[slots], v.astype(kv_dtype))
     np.testing.assert_array_equal(buf.to_host(), qkv)  # the q|k|v rows are only read
-
-
-@pytest.mark.parametrize("d,hq,hk,tname", [(256, 4, 1, "q4_k"), (128, 8, 2, "q8_0"), (64, 16, 4, "q5_0")])
-def test_output_projection_merges_attention_parts(dev, rng, d, hq, hk, tname):
-    """attention(merge=False) leaves the split-K parts of one decode row; matvec_merged merges them
-    (attn_combine's math) in every block as its input, + the residual."""
-    lens, bs, eps = [300], 16, 1e-6
-    kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, np.float16)
-    pos = np.array([lens[0] - 1], np.int32)
-    slots = (tables.to_host()[0, pos // bs] * bs + pos % bs).astype(np.int32)
-    width = (hq + 2 * hk) * d
-    qkv = rng.normal(0, 1, (1, width)).astype(np.float32)
-    inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
-    buf = dev.to_device(qkv)
-    pro = ops.DecodePrologue(buf.view(hq * d, width - hq * d), buf.view((hq + hk) * d, width - (hq + hk) * d),
-                             dev.to_device(slots), dev.to_device(inv_freq), True, width, width, None, None, eps)
-    att = dev.empty((1, hq, d))
-    args = dict(rows=1, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks, max_keys=lens[0],
-                scale=1.0 / np.sqrt(d), split=16, ldq=width, prologue=pro)
-    seq, posd = dev.to_device(np.zeros(1, np.int32)), dev.to_device(pos)
-    assert ops.attention(dev, buf, kc, vc, tables, seq, posd, att, **args) is None  # merged into att
-    merged = att.to_host().reshape(-1).astype(np.float64)
-    parts = ops.attention(dev, buf, kc, vc, tables, seq, posd, att, merge=False, **args)
-    assert parts is not None and parts.S == -(-lens[0] // 16)
-    rows = 130
-    w, raw, wf = upload_matrix(dev, rng, tname, rows, hq * d)
-    res = rng.normal(0, 1, rows).astype(np.float32)
-    y = dev.empty(rows)
-    for r in (1, 2, 4):
-        y.poison()
-        ops.matvec_merged(dev, w, parts, y, res=dev.to_device(res), rows_per_warp=r)
-        assert rel_err(y.to_host(), merged @ wf.T.astype(np.float64) + res) < FP32_BAR, r
 
 
 @pytest.mark.parametrize("window", [0, 64])

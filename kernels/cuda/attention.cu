@@ -18,6 +18,7 @@
 // kernel before it (the q|k|v matvec) a CTA reads its keys' slots and fetches their K and V rows into
 // L2 -- every key but the new one was written by an earlier step.
 #include "common.cuh"
+#include "mma.cuh"
 
 #define ATT_THREADS 128
 #define ATT_SPLIT_MAX 512
@@ -316,24 +317,66 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     }
 }
 
-// attn_warp_d<D>_g<G>_<kv>: attn_decode's work for short splits (at most ATTW_SPLIT_MAX keys a CTA)
-// with no shared-memory phases: a warp owns one query head (G >= 4: G / 4 heads) and a strided share of
+// attn_warp_d<D>_g<G>_<kv>: attn_decode's work for short splits with no shared-memory phases in the
+// softmax: a warp owns one query head (G >= ATTW_WARPS: G / ATTW_WARPS heads) and a strided share of
 // the split's keys; lane l holds elements [l E, l E + E) of every vector (E = D / 32), so a score is a
 // warp sum, the softmax runs online in registers and V is summed where it is loaded. The prologue is
-// done per warp (its heads and the key head; the neox RoPE partner of a lane's element is in lane l ^ 16).
-// With G < 4, 4 / G warps share a head and merge through shared memory at the end. Keys are read KC at
-// a time (their loads in flight together); the split's K and V rows were fetched into L2 before the wait.
-#define ATTW_SPLIT_MAX 64
+// done per warp (its heads and the key head; the neox RoPE partner of a lane's element is in lane
+// l ^ 16). With G < ATTW_WARPS, ATTW_WARPS / G warps share a head and merge through shared memory at
+// the end. Before the wait for the q|k|v matvec (every key but the new one was written by an earlier
+// step) the CTA copies its split's K and V rows into shared memory with cp.async (dynamic shared
+// memory: 2 * split * D elements as stored), so after the wait no key is read from global memory; a
+// split of up to ops.attention_split_warp's 128 KiB of rows (128 keys at D 256, f16) is the whole
+// context of a short decode, which then needs no attn_combine. Keys are taken KC at a time.
+#define ATTW_SPLIT_MAX 256
+#define ATTW_WARPS 16
+
+// E elements of a K or V row as stored (f16 or float), held raw in 32-bit words until used
+template <int E, typename KV> struct KVRaw { u32 w[E * (int)sizeof(KV) / 4]; };
+
+template <int E, typename KV>
+EMBER_DEV void load_raw(const KV* p, KVRaw<E, KV>& r) {
+    constexpr int NB = E * (int)sizeof(KV);
+    if constexpr (NB % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < NB / 16; ++i) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+            r.w[4 * i] = v.x; r.w[4 * i + 1] = v.y; r.w[4 * i + 2] = v.z; r.w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (NB == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        r.w[0] = v.x; r.w[1] = v.y;
+    } else {
+        r.w[0] = *reinterpret_cast<const u32*>(p);
+    }
+}
+
+template <int E>
+EMBER_DEV void raw_vals(const KVRaw<E, f16_t>& r, float* out) {
+#pragma unroll
+    for (int k = 0; k < E / 2; ++k) {
+        out[2 * k] = h2f((u16)(r.w[k] & 0xffffu));
+        out[2 * k + 1] = h2f((u16)(r.w[k] >> 16));
+    }
+}
+
+template <int E>
+EMBER_DEV void raw_vals(const KVRaw<E, float>& r, float* out) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) out[k] = __uint_as_float(r.w[k]);
+}
+
 template <int D, int G, typename KV>
 EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodePrologue& pro, KV* kc, KV* vc,
                          const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                          const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
                          int split, float* __restrict__ out, float* __restrict__ part_acc,
                          float* __restrict__ part_ml) {
-    constexpr int E = D / 32, NW = ATT_THREADS / 32;
+    constexpr int E = D / 32, NW = ATTW_WARPS;
     constexpr int WPH = G >= NW ? 1 : NW / G;  // warps per head
     constexpr int HPW = G >= NW ? G / NW : 1;  // heads per warp
-    constexpr int KC = 32 / E;                 // keys per chunk: 32 floats of K and of V per lane
+    constexpr int KC = 32 / E;                 // keys per chunk: 32 elements of K and of V per lane
+    typedef KVRaw<E, KV> Raw;
     __shared__ float cs[D / 2], sn[D / 2];
     __shared__ int slot_s[ATTW_SPLIT_MAX];
     __shared__ float mrg[WPH > 1 ? NW : 1][2 + D];
@@ -346,16 +389,16 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
     const int t0 = lo + z * split;
     const int nt = min(L, t0 + split) - t0;
     const i64 slot_stride = (i64)Hk * D;
-    // before the wait: angles, slots, the older keys' K and V into L2, the norm weights
+    const int h0 = WPH > 1 ? warp % G : warp;  // this warp's first head (of HPW, NW apart)
+    const int kset = WPH > 1 ? warp / G : 0;   // and its share of the keys: t = kset (mod WPH)
+    // before the wait: angles, slots, the older keys' K and V rows into shared memory, the norm weights
+    extern __shared__ __align__(16) u8 kv_rows[];  // [split][D] K, then [split][D] V
+    KV* Ks = reinterpret_cast<KV*>(kv_rows);
+    KV* Vs = Ks + (i64)split * D;
     rope_table(cs, sn, pos, pro.inv_freq, D / 2);
-    for (int t = tid; t < nt; t += ATT_THREADS) {
+    for (int t = tid; t < nt; t += NW * 32) {
         const int p = t0 + t;
-        const int sl = bt[p / BS] * BS + p % BS;
-        slot_s[t] = sl;
-        if (p != pos) {
-            l2_prefetch(kc + (i64)sl * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
-            l2_prefetch(vc + (i64)sl * slot_stride + (i64)kh * D, D * (int)sizeof(KV));
-        }
+        slot_s[t] = bt[p / BS] * BS + p % BS;
     }
     float qwr[E], kwr[E];
 #pragma unroll
@@ -363,11 +406,34 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         qwr[e] = pro.qw ? pro.qw[lane * E + e] : 1.0f;
         kwr[e] = pro.kw ? pro.kw[lane * E + e] : 1.0f;
     }
-    grid_dependency_sync();
     __syncthreads();
+    constexpr int PIECES = D * (int)sizeof(KV) / 16;  // 16-byte pieces of a row
+    for (int i = tid; i < nt * PIECES; i += NW * 32) {
+        const int t = i / PIECES, c = i % PIECES;
+        if (t0 + t == pos) continue;  // the new key: not written yet, taken from registers
+        const i64 at = (i64)slot_s[t] * slot_stride + (i64)kh * D;
+        cp_async16(smem_addr(reinterpret_cast<const u8*>(Ks + (i64)t * D) + 16 * c),
+                   reinterpret_cast<const u8*>(kc + at) + 16 * c, true);
+        cp_async16(smem_addr(reinterpret_cast<const u8*>(Vs + (i64)t * D) + 16 * c),
+                   reinterpret_cast<const u8*>(vc + at) + 16 * c, true);
+    }
+    cp_async_commit();
+    Raw kr[KC], vr[KC];
+    auto load_chunk = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < KC; ++u) {
+            const int t = c0 + u * WPH;
+            if (t < nt && t0 + t != pos) {
+                load_raw<E>(Ks + (i64)t * D + lane * E, kr[u]);
+                load_raw<E>(Vs + (i64)t * D + lane * E, vr[u]);
+            } else {  // the new key (taken from registers) or none: zeros, never NaN
+#pragma unroll
+                for (int i = 0; i < (int)(sizeof(Raw) / 4); ++i) kr[u].w[i] = vr[u].w[i] = 0u;
+            }
+        }
+    };
+    grid_dependency_sync();
 
-    const int h0 = WPH > 1 ? warp % G : warp;  // this warp's first head (of HPW, NW apart)
-    const int kset = WPH > 1 ? warp / G : 0;   // and its share of the keys: t = kset (mod WPH)
     // RMSNorm (optional) and RoPE of one head vector held E elements per lane
     auto norm_rope = [&](float (&x)[E], const float (&w)[E], bool normed) {
         if (normed) {
@@ -411,6 +477,8 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
 #pragma unroll
         for (int e = 0; e < E; ++e) qh[j][e] *= scale;
     }
+    cp_async_wait<0>();  // this thread's copies have landed, and after the barrier everyone's
+    __syncthreads();
     norm_rope(kn, kwr, pro.kw != nullptr);
     const bool owner = pos >= t0 && pos < t0 + nt;  // this split holds the new key: it stores it
     const i64 at_new = ((i64)pro.slots[row] * Hk + kh) * D + lane * E;
@@ -434,45 +502,44 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         for (int e = 0; e < E; ++e) acc[j][e] = 0.0f;
     }
     for (int c0 = kset; c0 < nt; c0 += KC * WPH) {  // warp-uniform
-        float kk[KC][E], vv[KC][E];
-#pragma unroll
-        for (int u = 0; u < KC; ++u) {
-            const int t = c0 + u * WPH;
-            if (t < nt && t0 + t != pos) {
-                const i64 at = (i64)slot_s[t] * slot_stride + (i64)kh * D + lane * E;
-                load_vals<E>(kc + at, kk[u]);
-                load_vals<E>(vc + at, vv[u]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    kk[u][e] = kn[e];  // the new key (its score is masked below when t >= nt)
-                    vv[u][e] = vn[e];
-                }
-            }
-        }
+        load_chunk(c0);
 #pragma unroll
         for (int j = 0; j < HPW; ++j) {
             float sc[KC], cmax = -__int_as_float(0x7f800000);
 #pragma unroll
             for (int u = 0; u < KC; ++u) {
+                float kk[E];
+                if (t0 + c0 + u * WPH == pos) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) kk[e] = kn[e];
+                } else {
+                    raw_vals<E>(kr[u], kk);
+                }
                 float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) d = fmaf(qh[j][e], kk[u][e], d);
+                for (int e = 0; e < E; ++e) d = fmaf(qh[j][e], kk[e], d);
                 sc[u] = warp_sum(d);
                 if (c0 + u * WPH >= nt) sc[u] = -__int_as_float(0x7f800000);
                 cmax = fmaxf(cmax, sc[u]);
             }
-            const float mn = fmaxf(m[j], cmax);
-            const float r = expf(m[j] - mn);  // 0 while m was -inf
+            const float mn = fmaxf(m[j], cmax);  // finite: key c0 is in the split
+            const float r = expf(m[j] - mn);     // 0 while m was -inf
             l[j] *= r;
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[j][e] *= r;
 #pragma unroll
             for (int u = 0; u < KC; ++u) {
                 const float pu = expf(sc[u] - mn);
+                float vv[E];
+                if (t0 + c0 + u * WPH == pos) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) vv[e] = vn[e];
+                } else {
+                    raw_vals<E>(vr[u], vv);
+                }
                 l[j] += pu;
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pu, vv[u][e], acc[j][e]);
+                for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pu, vv[e], acc[j][e]);
             }
             m[j] = mn;
         }
@@ -480,10 +547,10 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
     if constexpr (WPH > 1) {  // merge the warps that share a head into the first of them
 #pragma unroll
         for (int e = 0; e < E; ++e) mrg[warp][2 + lane * E + e] = acc[0][e];
-        if (lane == 0) { mrg[warp][0] = m[0]; mrg[warp][1] = l[0]; }
+        if (lane == 0) { mrg[warp][0] = l[0] > 0.0f ? m[0] : -__int_as_float(0x7f800000); mrg[warp][1] = l[0]; }
         __syncthreads();
         if (kset != 0) return;
-        float M = m[0];
+        float M = l[0] > 0.0f ? m[0] : -__int_as_float(0x7f800000);
 #pragma unroll
         for (int k = 1; k < WPH; ++k) M = fmaxf(M, mrg[warp + k * G][0]);
         const float f0 = l[0] > 0.0f ? expf(m[0] - M) : 0.0f;
@@ -527,7 +594,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         float *__restrict__ part_ml
 #define DECODE_PROLOGUE const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots}
 #define ATTN_WARP(D, G, KVN, KVT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
+    extern "C" __global__ void __launch_bounds__(ATTW_WARPS * 32) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
         DECODE_PROLOGUE;                                                                               \
         attn_warp<D, G, KVT>(q, ldq, pro, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk,  \
                              BS, window, scale, split, out, part_acc, part_ml);                        \

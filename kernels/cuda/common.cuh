@@ -22,10 +22,38 @@ typedef unsigned long long u64;
 // tables: qk_rope_kv computes its angles, attention finds its row) and, in a decode step, the KV
 // cache rows of earlier positions (written by earlier steps: attn_decode fetches them into L2).
 // Launched without the attribute, both instructions return at once.
+//
+// Built with EMBER_TRACE (the EMBER_TRACE=1 environment of kernels/build.py: a profiling build, never the
+// default), block 0 of every kernel appends (its start, the moment its wait returned) in %globaltimer
+// nanoseconds to the buffer ember_trace_buf points at (word 0 counts the words written; the host sets
+// the pointer in every module it loads): in a PDL chain the wait of kernel k + 1 returns when kernel k
+// is done, so the differences time each kernel where it runs (`ember bench trace`). The buffer holds
+// 8192 words (cuda_runtime.TRACE_WORDS).
+#ifdef EMBER_TRACE
+__device__ unsigned long long* ember_trace_buf;
+EMBER_DEV unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
 EMBER_DEV void grid_dependency_sync() {
+#ifdef EMBER_TRACE
+    const unsigned long long t0 = global_ns();
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#ifdef EMBER_TRACE
+    if (threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && ember_trace_buf) {
+        const unsigned long long t1 = global_ns();
+        const unsigned long long i = atomicAdd(ember_trace_buf, 2ull);
+        if (i < 8190) {
+            ember_trace_buf[1 + i] = t0;
+            ember_trace_buf[2 + i] = t1;
+        }
+    }
 #endif
 }
 

@@ -18,17 +18,15 @@
 
 #define MV_WARPS 4
 #define XPRO_COLS (8 * MV_WARPS * 32)  // columns of an x a block makes itself (XK): 8 a thread
+#define XSTAGE_COLS 2048               // batch 1 without XK: x staged in shared memory up to this many columns
 
 // Batch-1 matvecs whose every block makes its input x itself, into shared memory, saving the launch
 // of the kernel that would have made it (rows of at most XPRO_COLS columns):
 //   XK_POST_NORM: x = rms_norm(res + rms_norm(o) * w1) * w2 from o and the residual res (Gemma's
 //     post-norm, residual add and next pre-norm: rms_norm_add_norm's math); block 0 stores the new
 //     residual to res_out (another buffer: the other blocks still read res).
-//   XK_MERGE: x = the merge of decode attention's S split-K parts (acc, ml; heads of D), attn_combine's
-//     math.
 #define XK_NONE 0
 #define XK_POST_NORM 1
-#define XK_MERGE 2
 struct XPro {
     const float* o;
     const float* res;
@@ -36,10 +34,6 @@ struct XPro {
     const float* w1;
     const float* w2;
     float eps;
-    const float* acc;
-    const float* ml;
-    int S;
-    int D;
 };
 
 template <int VEC> struct VecT;
@@ -61,7 +55,10 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     constexpr int CHUNK = Q::CB * Q::BYTES;
     constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
     __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
-    __shared__ __align__(16) float xnorm[XP ? XPRO_COLS : 4];  // XP: this block's x
+    // XP: this block's x; XSTAGE (batch 1): x copied in once (a row of at most XSTAGE_COLS), so the
+    // decode loop below does not wait on a global load of x every unit
+    constexpr bool XSTAGE = !XP && B == 1;
+    __shared__ __align__(16) float xnorm[XP ? XPRO_COLS : XSTAGE ? XSTAGE_COLS : 4];
     __shared__ float scratch[XP ? 33 : 1];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -72,7 +69,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     if constexpr (XK == XK_POST_NORM) {
         load_weights(xp.w1, cols, w1v);
         load_weights(xp.w2, cols, w2v);
-    } else if (!XP && idle) {  // the whole warp leaves; only __syncwarp is used below (XP: after the prologue)
+    } else if (!XP && !XSTAGE && idle) {  // the whole warp leaves; only __syncwarp is used below (else: later)
         grid_dependency_sync();
         return;
     }
@@ -107,25 +104,18 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     // dependent launch; a small matrix's whole row is one chunk), x read after the wait
     if (!idle) load(0);
     grid_dependency_sync();
-    if constexpr (XK == XK_MERGE) {  // attn_combine for the columns this thread makes
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int c = threadIdx.x + i * blockDim.x;
-            if (c < cols) {
-                const int h = c / xp.D, d = c % xp.D;
-                const float* ml = xp.ml + (i64)h * xp.S * 2;
-                float M = -__int_as_float(0x7f800000), num = 0.0f, den = 0.0f;
-                for (int s2 = 0; s2 < xp.S; ++s2) M = fmaxf(M, ml[2 * s2]);
-                for (int s2 = 0; s2 < xp.S; ++s2) {
-                    const float l = ml[2 * s2 + 1];
-                    const float f = l > 0.0f ? expf(ml[2 * s2] - M) : 0.0f;  // an empty split weighs nothing
-                    num = fmaf(f, xp.acc[((i64)h * xp.S + s2) * xp.D + d], num);
-                    den = fmaf(f, l, den);
-                }
-                xnorm[c] = num / den;
+    bool x_staged = XP;
+    if constexpr (XSTAGE) {  // every warp takes part, idle or not
+        if (cols <= XSTAGE_COLS) {  // block-uniform
+            if ((cols & 3) == 0 && (reinterpret_cast<u64>(x) & 15) == 0) {
+                for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x)
+                    *reinterpret_cast<float4*>(xnorm + c) = __ldg(reinterpret_cast<const float4*>(x + c));
+            } else {
+                for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm[c] = x[c];
             }
+            __syncthreads();
+            x_staged = true;
         }
-        __syncthreads();
         if (idle) return;
     }
     if constexpr (XK == XK_POST_NORM) {  // every warp takes part in the block's reductions, idle or not
@@ -166,7 +156,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
             float xv[B][8], xs[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                if (XP) {
+                if (x_staged) {
                     const float4 lo = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e);
                     const float4 hi = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e + 4);
                     xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
@@ -254,22 +244,13 @@ QMVG(1) QMVG(2) QMVG(4) QMVG(8)
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvx_b1_r##R(                           \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res,  \
         float* res_out, const float* w1, const float* w2, float eps, float* y) {                        \
-        const XPro xp{o, res, res_out, w1, w2, eps, nullptr, nullptr, 0, 0};                            \
+        const XPro xp{o, res, res_out, w1, w2, eps};                            \
         qmv<1, R, 16, false, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, 0, xp);    \
     }
 QMVX(1) QMVX(2) QMVX(4)
 extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvgx_b1(
     const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res, float* res_out,
     const float* w1, const float* w2, float eps, float* y, int act) {
-    const XPro xp{o, res, res_out, w1, w2, eps, nullptr, nullptr, 0, 0};
+    const XPro xp{o, res, res_out, w1, w2, eps};
     qmv<1, 2, 16, true, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, act, xp);
 }
-// batch 1 with x merged from decode attention's split-K parts (the output projection), + res
-#define QMVM(R)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvm_b1_r##R(                           \
-        const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* acc, const float* ml, \
-        int S, int D, const float* res, float* y) {                                                     \
-        const XPro xp{nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f, acc, ml, S, D};                \
-        qmv<1, R, 16, false, XK_MERGE>(W, row_bytes, rows, cols, nullptr, 1, res, y, 0, xp);             \
-    }
-QMVM(1) QMVM(2) QMVM(4)

@@ -42,12 +42,14 @@ def add_bench_parser(sub) -> None:
     from .resume import add_resume_parser
     from .serve_load import add_serve_parser
     from .synth import add_make_model_parser
+    from .trace import add_trace_parser
 
     add_serve_parser(bsub)
     add_resume_parser(bsub)
     add_replay_parser(bsub)
     add_make_model_parser(bsub)
     add_grammar_parser(bsub)
+    add_trace_parser(bsub)
 
 
 def cmd_speed(args: argparse.Namespace) -> int:

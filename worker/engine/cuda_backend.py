@@ -64,6 +64,10 @@ TC_MIN_ROWS = 16
 # does not pay off on so few rows. Measured on the H200 in PDL graphs (2026-12-03), Gemma 3 270M:
 # Q4_K 640 x 1024 staged 2.28 us against int8 4.07-5.73 us; Q4_K / Q6_K 640 x 2048 3.20 against 3.64-5.38.
 INT8_MIN_ROWS = 1024
+# A single row through a Q8_0 matrix of at least this many rows (a tied output projection) streams it
+# with int8 x (ops.matvec_stream_q8_0): the staged matvec is bound by instructions there (2.28 TB/s
+# on the H200 for Gemma 3 270M's 262144 x 640).
+STREAM_MIN_ROWS = 32768
 # A stack of mixed legacy types is upcast to Q8_0 when that adds at most this many bytes to a step
 # (about a quarter of a microsecond of the H200's bandwidth, against a launch of 2-4 us it saves).
 STACK_UPCAST_MAX_BYTES = 1 << 20
@@ -385,6 +389,12 @@ class CudaBackend:
         tok[:n] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
         if sources is not None:
             tok[:n][sources >= 0] = 0
+        if graph_rows:  # a captured step feeds its own tokens (its first kernel): -1 keeps the host's
+            fed = _host(hb, lay.feed, rows, np.int32)
+            fed[:] = -1
+            if sources is not None:
+                fed[:n] = sources
+        elif sources is not None:
             _host(hb, lay.feed, n, np.int32)[:] = sources
         if tok[:n].size and (tok[:n].min() < 0 or tok[:n].max() >= cfg.vocab_size):
             raise ValueError("token id out of range")
@@ -428,7 +438,7 @@ class CudaBackend:
                 _host(hb, lay.tiles, 2 * n_tiles, np.int32)[:] = tiles.reshape(-1)
         end = lay.tables + tables.nbytes
         self._d_in.view(0, end).upload_from(self._h_in[slot], end, self.stream)
-        if sources is not None:  # the previous step's draws, still on the device, become tokens
+        if sources is not None and not graph_rows:  # the previous step's draws, still on the device, become tokens
             ops.feed_tokens(dev, self.d_tokens_out, self.d_feed, self.d_tok, n=n, stream=self.stream)
 
         max_keys = stride * bs if graph_rows else max_len
@@ -442,7 +452,7 @@ class CudaBackend:
                 self._graphs[key][0].launch()
             else:  # the first time: run eagerly (loads modules, warms up), capture next time
                 self._seen.add(key)
-                self._launch(rows, stride, max_keys, n_out, chunks, spans, pos)
+                self._launch(rows, stride, max_keys, n_out, chunks, spans, pos, feed=True)
         else:
             self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles)
         pending = _Pending(self, slot, chunks, want, sampled, n_out)
@@ -532,11 +542,12 @@ class CudaBackend:
         for li in range(cfg.n_layers):
             window = cfg.sliding_window if cfg.is_local_layer(li) else 0
             keys = min(max_keys, window) if window else max_keys
-            S = max(S, ops.attention_parts(self.dev, rows, cfg.n_heads, cfg.n_kv_heads, keys, decode=True))
+            S = max(S, ops.attention_parts(self.dev, rows, cfg.n_heads, cfg.n_kv_heads, keys, cfg.head_dim,
+                                           decode=True, kv_bytes=self.kv_dtype().itemsize))
         bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
         self.stream.synchronize()
         with Graph.capture(self.stream) as g, pdl_launches(self.pdl):
-            self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs)
+            self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs, feed=True)
         return g, bufs
 
     def _int8(self, w: ops.QuantMatrix, n: int, tc: bool = True) -> bool:
@@ -559,17 +570,12 @@ class CudaBackend:
             return not self._int8(w, n, tc) and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w)
         return self._staged(w, n, tc)
 
-    def _merges(self, w: ops.QuantMatrix, n: int, tc: bool) -> bool:
-        """Whether the output projection w can merge decode attention's split-K parts itself
-        (ops.matvec_merged), saving the attn_combine launch."""
-        return n == 1 and ops.post_norm_supported(w) and w.cols % self.config.head_dim == 0 and self._staged(w, n, tc)
-
     def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True) -> None:
         out = w is self.output
         if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (_PostNorms)
             ops.matvec_post_norm(self.dev, w, x, y, stream=self.stream)
-        elif isinstance(x, ops.AttnParts):  # one row: the attention's parts, merged by the matvec itself
-            ops.matvec_merged(self.dev, w, x, y, res=res, stream=self.stream)
+        elif n == 1 and self.int8_activations and w.rows >= STREAM_MIN_ROWS and ops.stream_q8_0_supported(w):
+            ops.matvec_stream_q8_0(self.dev, w, x, y, res=res, stream=self.stream)
         elif tc and self.tensor_cores and n >= TC_MIN_ROWS:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
             ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
@@ -622,7 +628,7 @@ class CudaBackend:
         self._linear(w, self.g, y, n, res=res, tc=tc)
 
     def _launch(self, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
-                tc=True, n_tiles=0) -> None:
+                tc=True, n_tiles=0, feed=False) -> None:
         """Every kernel of one step, on self.stream, reading only device buffers (so it can be
         captured: the tensor-core path's scratch is sized at start for every layer matrix and never
         moves); chunks/spans/positions are needed only by the host attention fallback."""
@@ -630,13 +636,22 @@ class CudaBackend:
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
         x, h, o2, q, k, v, att = self.x, self.h, self.o2, self.q, self.k, self.v, self.att
-        with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
+        def embed():
             ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
                              stream=st)
+
+        with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
+            if feed:  # the rows fed from the previous step's draws (d_feed: -1 for the others)
+                ops.feed_tokens(dev, self.d_tokens_out, self.d_feed, self.d_tok, n=n, stream=st)
+            else:
+                embed()
+        if feed:
+            embed()
         h_ready = False  # h (or post.pending) holds this layer's attn_norm (the previous layer's end did it)
         # one row per sequence (a captured step's padded rows too): attention takes the prologue in
         decode = not n_tiles and (chunks is None or all(len(c.tokens) == 1 for c in chunks))
         post = _PostNorms(self, n, tc)  # Gemma's post-norms; post.x is the residual (x until one is fused)
+        final = None  # the output rows' final-normed hidden state, once a fused norm has made it
         for li, lw in enumerate(self.layers):
             local = cfg.is_local_layer(li)
             if not h_ready:
@@ -667,14 +682,13 @@ class CudaBackend:
             vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
             window = cfg.sliding_window if local else 0
             keys = min(max_keys, window) if window else max_keys
-            o_in = att  # what the output projection reads: att, or the split-K parts it merges itself
             if self._device_attention and decode:  # the prologue fused into decode attention: one launch
                 pro = ops.DecodePrologue(k_, v_, self.d_slots, inv, cfg.rope_neox, ldk, ldv, lw.get("q_norm"),
                                          lw.get("k_norm"), cfg.norm_eps)
-                o_in = ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
-                                     kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
-                                     max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                                     prologue=pro, merge=not self._merges(lw["wo"], n, tc), stream=st) or att
+                ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                              kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
+                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
+                              prologue=pro, stream=st)
             elif self._device_attention:  # q/k norms, RoPE and the KV write in one launch
                 ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, self.d_slots, self.d_pos, inv, n=n, heads=H, kv_heads=Hk,
                                head_dim=D, neox=cfg.rope_neox, q_norm=lw.get("q_norm"), k_norm=lw.get("k_norm"),
@@ -701,11 +715,11 @@ class CudaBackend:
                              stream=st)
                 self._host_attention(li, chunks, spans, positions, q, att, window)
             if cfg.post_norms:  # Gemma: post-norm into the residual and the MLP's pre-norm (one launch, or none)
-                self._linear(lw["wo"], o_in, o2, n, tc=tc)
+                self._linear(lw["wo"], att, o2, n, tc=tc)
                 post.defer(o2, lw["post_attn_norm"], lw["ffn_norm"])
                 (h_mlp,) = post.inputs([lw["w_gu"]] if "w_gu" in lw else [], gated=True) or [h]
             else:
-                self._linear(lw["wo"], o_in, x, n, res=x, tc=tc)
+                self._linear(lw["wo"], att, x, n, res=x, tc=tc)
                 ops.rms_norm(dev, x, lw["ffn_norm"], h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
                 h_mlp = h
             gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
@@ -715,15 +729,24 @@ class CudaBackend:
                 if li + 1 < len(self.layers):  # and the next layer's attention pre-norm
                     post.defer(o2, lw["post_ffn_norm"], self.layers[li + 1]["attn_norm"])
                     h_ready = True
+                elif n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
+                    post.defer(o2, lw["post_ffn_norm"], self.output_norm)
+                    post.inputs([])
+                    final = h
                 else:
                     ops.rms_norm_add(dev, o2, lw["post_ffn_norm"], post.x, eps=cfg.norm_eps, rows=n, cols=hid,
                                      stream=st)
             else:
                 self._down(lw, x, n, res=x, tc=tc, gated=gated)
         if n_out:
-            ops.gather_rows(dev, post.x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
-            ops.rms_norm(dev, o2, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
-            self._linear(self.output, self.hn, self.logits, n_out, tc=tc)
+            if final is None:
+                src = post.x
+                if n_out != n:  # the output rows are a subset (out_rows lists them in order)
+                    ops.gather_rows(dev, post.x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
+                    src = o2
+                ops.rms_norm(dev, src, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
+                final = self.hn
+            self._linear(self.output, final, self.logits, n_out, tc=tc)
             if sample:
                 params = self.d_sample.view(0, ops.SampleParams.nbytes(n_out))
                 ops.sample(dev, self.logits, params, self.d_tokens_out, rows=n_out, vocab=cfg.vocab_size,

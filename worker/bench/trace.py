@@ -1,0 +1,106 @@
+"""`ember bench trace`: where a captured decode step's time goes, kernel by kernel, on the GPU.
+
+A decode step is one CUDA graph of PDL-chained kernels, so a profiler that serializes kernels (ncu)
+times each one alone, not what it adds to the chain. Here the kernels are built in their profiling
+variant (EMBER_TRACE=1, common.cuh): block 0 of every kernel stamps %globaltimer when its wait for the
+kernel before it returns. In a chain that wait returns when the kernel before is done, so the gap
+between consecutive stamps is what each kernel costs the step (its work after the wait, and the hand
+over to the next; the last kernel, the draw, has no next and is left out). The step is replayed
+--replays times after warm-up; figures are means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+
+def add_trace_parser(bsub) -> None:
+    t = bsub.add_parser("trace", help="cuda: each kernel's share of one captured decode step (profiling build)")
+    t.add_argument("--model", metavar="PATH", required=True, help="GGUF model file")
+    t.add_argument("--keys", type=int, default=40, metavar="N",
+                   help="context length of the traced step, at least 3 (default 40)")
+    t.add_argument("--rows", type=int, default=1, metavar="N", help="sequences decoding together (default 1)")
+    t.add_argument("--replays", type=int, default=100, metavar="N", help="timed replays (default 100)")
+    t.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    t.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    for name, least in (("keys", 3), ("rows", 1), ("replays", 1)):
+        if getattr(args, name) < least:
+            print(f"ember bench trace: --{name} must be at least {least}", file=sys.stderr)
+            return 2
+    os.environ["EMBER_TRACE"] = "1"  # before any module is built or loaded
+    from ember.kernels.errors import CudaUnavailable
+
+    try:
+        result = trace_step(args.model, keys=args.keys, rows=args.rows, replays=args.replays)
+    except CudaUnavailable as e:
+        print(f"ember bench trace: no usable CUDA device ({e})", file=sys.stderr)
+        return 78
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}: {result['kernels']} kernels, rows {args.rows}, {args.keys} keys; "
+          f"first wait to last: {result['span_us']} us")
+    for k in result["by_kernel"]:
+        print(f"  {k['kernel']:<34} x{k['launches']:<4} {k['total_us']:>8.1f} us  ({k['mean_us']:.2f} us each)")
+    return 0
+
+
+def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
+    """Capture the decode step of `rows` sequences at `keys` keys and time its kernels (see module doc)."""
+    import numpy as np
+
+    from ember.kernels.cuda_runtime import Device
+
+    from ..engine.backend import SeqChunk
+    from ..engine.cuda_backend import CudaBackend
+    from ..model.loader import open_model
+    from .gpu_speed import GREEDY
+
+    model = open_model(model_path)
+    bs = 16
+    per_seq = -(-(keys + 2) // bs)
+    backend = CudaBackend(model.config, model.gguf, n_blocks=rows * per_seq + 2, block_size=bs,
+                          max_rows=max(64, keys), max_seqs=max(rows, 1), device=Device())
+    dev = backend.dev
+    if dev.trace is None:
+        raise RuntimeError("the kernels were not built for tracing (EMBER_TRACE=1)")
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(rows)]
+
+    def step(pos: int) -> None:
+        backend.forward([SeqChunk(np.array([7], np.int32), pos, t, "last", sample=GREEDY) for t in tables])
+
+    for t in tables:
+        backend.forward([SeqChunk(np.arange(1, keys - 1, dtype=np.int32), 0, t, "last", sample=GREEDY)])
+    step(keys - 2)  # run eagerly: modules loaded, the step's shape seen
+    dev.launch_names.clear()
+    step(keys - 1)  # captured now (and replayed): its launches, in order
+    names = list(dev.launch_names)
+    graph = next(iter(backend._graphs.values()))[0]
+    stamps = []
+    for r in range(replays + 10):
+        dev.trace.zero()
+        graph.launch()
+        backend.stream.synchronize()
+        buf = dev.trace.to_host()
+        n = int(buf[0]) // 2
+        if n != len(names):
+            raise RuntimeError(f"{n} kernels stamped, {len(names)} launched")
+        if r >= 10:
+            stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
+    released = np.array(stamps)
+    cost = np.diff(released, axis=1).mean(axis=0) / 1000.0  # kernel i: from its release to the next's
+    by: dict[str, list[float]] = defaultdict(list)
+    for name, c in zip(names, cost):
+        by[name].append(float(c))
+    table = sorted(({"kernel": k, "launches": len(v), "total_us": round(sum(v), 2), "mean_us": round(sum(v) / len(v), 2)}
+                    for k, v in by.items()), key=lambda d: -d["total_us"])
+    return {"model": model.path.name, "device": dev.name, "kernels": len(names), "rows": rows, "keys": keys,
+            "span_us": round(float((released[:, -1] - released[:, 0]).mean()) / 1000.0, 1),
+            "by_kernel": table, "sequence": [{"kernel": n, "us": round(float(c), 2)} for n, c in zip(names, cost)]}
