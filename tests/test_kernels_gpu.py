@@ -449,6 +449,19 @@ def test_rms_norm_add_norm(dev, rng, cols):
     assert rel_err(h.to_host(), reference.rms_norm(ref, w2.astype(np.float64), eps)) < FP32_BAR
 
 
+def _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, norms, eps):
+    """The decode prologue's twin for q|k|v rows [n, (hq + 2 hk) d]: q and k per-head RMSNorm (norms:
+    (qw, kw) or None) and RoPE at pos; v as it is. Returns q [n, hq, d], k and v [n, hk, d]."""
+    n = len(qkv)
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
+    if norms is not None:
+        q, k = reference.rms_norm(q, norms[0], eps), reference.rms_norm(k, norms[1], eps)
+    cos, sin = reference.rope_tables(pos, inv_freq)
+    return reference.rope(q, cos, sin, neox=neox), reference.rope(k, cos, sin, neox=neox), v
+
+
 @pytest.mark.parametrize("kv", [np.float16, np.float32])
 @pytest.mark.parametrize("neox,qk_norm", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("d,hq,hk", [(64, 4, 1), (128, 32, 8), (256, 8, 4)])
@@ -469,16 +482,10 @@ def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, d, hq
                    kc, vc, dev.to_device(slots), dev.to_device(pos), dev.to_device(inv_freq), n=n, heads=hq,
                    kv_heads=hk, head_dim=d, neox=neox, q_norm=dev.to_device(qw) if qk_norm else None,
                    k_norm=dev.to_device(kw) if qk_norm else None, eps=eps, ldq=width, ldk=width, ldv=width)
-    q = qkv[:, : hq * d].reshape(n, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
-    v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
-    if qk_norm:
-        q, k = reference.rms_norm(q, qw, eps), reference.rms_norm(k, kw, eps)
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    qref, kref, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps)
     got = buf.to_host()
-    assert rel_err(got[:, : hq * d].reshape(n, hq, d), reference.rope(q, cos, sin, neox=neox)) < FP32_BAR
+    assert rel_err(got[:, : hq * d].reshape(n, hq, d), qref) < FP32_BAR
     np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v rows are only read
-    kref = reference.rope(k, cos, sin, neox=neox)
     # float16 slots: the kernel's and the twin's float32 may round to neighbouring halves
     bar = FP32_BAR if kv == np.float32 else 1e-3
     assert rel_err(kc.to_host()[slots].astype(np.float32), kref) < bar
@@ -607,13 +614,7 @@ def test_decode_attention_with_fused_prologue(dev, rng, kv_dtype, neox, qk_norm,
     qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
     inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
     qw, kw = (rng.normal(1, 0.1, d).astype(np.float32) for _ in range(2))
-    q = qkv[:, : hq * d].reshape(n, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
-    v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
-    if qk_norm:
-        q, k = reference.rms_norm(q, qw, eps), reference.rms_norm(k, kw, eps)
-    cos, sin = reference.rope_tables(pos, inv_freq)
-    q, k = reference.rope(q, cos, sin, neox=neox), reference.rope(k, cos, sin, neox=neox)
+    q, k, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps)
     k_new, v_new = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
     scale = 1.0 / np.sqrt(d)
     refs = []
