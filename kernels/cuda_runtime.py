@@ -291,10 +291,16 @@ class Pointer:
 class Kernel:
     def __init__(self, module: Module, name: str, handle):
         self.module, self.name, self.handle = module, name, handle
-        self._smem_limit = 48 << 10  # dynamic shared memory allowed without opting in
+        self._smem_limit: int | None = None  # dynamic shared memory allowed now (None: not read yet)
 
     def _allow_smem(self, nbytes: int) -> None:
-        """Opt in to more than 48 KiB of dynamic shared memory (once per size increase)."""
+        """Opt in to more dynamic shared memory than the 48 KiB a block gets by default, static included
+        (once per size increase)."""
+        if nbytes <= 0:
+            return
+        if self._smem_limit is None:
+            static = self.attribute(_driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            self._smem_limit = max(0, (48 << 10) - static)
         if nbytes > self._smem_limit:
             drv = _driver()
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -304,7 +310,9 @@ class Kernel:
     def attribute(self, attr) -> int:
         return int(check(_driver().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))
 
-    def launch(self, grid: Iterable[int], block: Iterable[int], *args: Any, smem: int = 0, stream: Any = 0) -> None:
+    def launch(self, grid: Iterable[int], block: Iterable[int], *args: Any, smem: int = 0, stream: Any = 0,
+               cluster: tuple[int, int, int] | None = None) -> None:
+        """cluster: the CTAs per thread block cluster in x, y, z (sm_90; grid a multiple of it)."""
         g = tuple(int(v) for v in grid) + (1, 1)
         b = tuple(int(v) for v in block) + (1, 1)
         if min(g[:3]) <= 0:
@@ -315,15 +323,15 @@ class Kernel:
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         drv = _driver()
         self._allow_smem(int(smem))
-        if _pdl.active:
+        if _pdl.active or cluster:
             cfg = drv.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g[:3]
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b[:3]
             cfg.sharedMemBytes = int(smem)
             h = _stream_handle(stream)
             cfg.hStream = drv.CUstream(h) if isinstance(h, int) else h
-            cfg.attrs = [_pdl_attribute()]
-            cfg.numAttrs = 1
+            cfg.attrs = ([_pdl_attribute()] if _pdl.active else []) + ([_cluster_attribute(*cluster)] if cluster else [])
+            cfg.numAttrs = len(cfg.attrs)
             check(drv.cuLaunchKernelEx(cfg, self.handle, ctypes.addressof(ptrs), 0),
                   f"cuLaunchKernelEx({self.module.name}.{self.name})")
             return
@@ -349,6 +357,15 @@ def _pdl_attribute():
     attr = drv.CUlaunchAttribute()
     attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
+
+
+@functools.cache
+def _cluster_attribute(x: int, y: int, z: int):
+    drv = _driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = int(x), int(y), int(z)
     return attr
 
 

@@ -376,6 +376,30 @@ def dequant_rows(dev: Device, w: QuantMatrix, out: DeviceArray, ids: DeviceArray
     k.launch((n,), (threads,), w.data, I64(w.row_bytes), w.rows, w.cols, ids, n, out, F32(scale), stream=stream)
 
 
+def embed(dev: Device, w: QuantMatrix, out: DeviceArray, ids: DeviceArray, *, n: int, scale: float = 1.0,
+          feed: tuple[DeviceArray, DeviceArray] | None = None,
+          norm: tuple[DeviceArray, float, DeviceArray] | None = None, stream=None) -> None:
+    """A step's first kernel: out[i] = dequantize(W[ids[i]]) * scale (dequant_rows), with feed = (drawn,
+    source): first ids[i] = drawn[source[i]] where source[i] >= 0 (run-ahead decoding), and norm = (weight, eps,
+    h): then h = rms_norm(out, weight, eps) (rms_norm). Twin: those three in order."""
+    _need(ids, np.int32, n, "ids")
+    _need(out, np.float32, n * w.cols, "out")
+    if w.cols % 8:
+        raise ValueError("embed needs rows of a multiple of 8 columns")
+    if feed is not None:
+        _need(feed[1], np.int32, n, "source")
+    if norm is not None:
+        _need(norm[0], np.float32, w.cols, "norm weight")
+        _need(norm[2], np.float32, n * w.cols, "h")
+    a8 = w.row_bytes % 8 == 0 and w.data.ptr % 8 == 0
+    k = dev.kernel("dequant", f"embed_{w.type}_{'a8' if a8 else 'a2'}")
+    threads = min(256, max(32, -(-(w.cols // 8) // 32) * 32))
+    drawn, source = feed if feed is not None else (None, None)
+    nw, eps, h = norm if norm is not None else (None, 0.0, None)
+    k.launch((n,), (threads,), w.data, I64(w.row_bytes), w.rows, w.cols, drawn, source, ids, n, out, F32(scale), nw,
+             F32(eps), h, stream=stream)
+
+
 # -- norms, residuals, rope, activations ----------------------------------------------------------------
 
 
@@ -525,17 +549,36 @@ ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one 
 ATTW_SPLIT_MAX = 256  # attention.cu: keys a CTA of attn_warp takes at most
 ATTW_WARPS = 16  # attention.cu: warps of an attn_warp CTA
 ATTW_STAGE_BYTES = 128 << 10  # the K and V rows an attn_warp CTA stages in shared memory, at most
+ATTW_CLUSTER_MAX = 8  # attention.cu: attn_warp splits merged inside one cluster, at most
+ATTW_CLUSTER_MIN_SPLIT = 16  # keys per clustered CTA, at least (a warp's chunk at D 256, G 4)
+ATTW_SPREAD_CTAS = 128  # attn_warp spreads short contexts over more CTAs up to a grid of about this many
 ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
 ATTW_MAX_ROW_HEADS = 64  # and beyond this many (row, kv head) pairs
 
 
-def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int) -> int:
-    """Keys per CTA for attn_warp: as many as fit its shared memory (ATTW_STAGE_BYTES of K and V rows:
-    128 keys at D 256 in float16), so a short decode context is one CTA per kv head and needs no
-    attn_combine (measured on the H200, Gemma 3 270M at 40 keys: attn_combine took 3.3 us of a
-    layer's 22)."""
-    cap = min(ATTW_SPLIT_MAX, ATTW_STAGE_BYTES // (2 * head_dim * kv_bytes))
-    return max(1, min(cap, int(max_keys)))
+def attention_warp_cap(head_dim: int, kv_bytes: int) -> int:
+    """Keys an attn_warp CTA takes at most: the K and V rows it stages in shared memory."""
+    return min(ATTW_SPLIT_MAX, ATTW_STAGE_BYTES // (2 * head_dim * kv_bytes))
+
+
+def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int = 1) -> int:
+    """Keys per CTA for attn_warp: the context of each of the `pairs` (row, kv head) pairs spread over
+    at most ATTW_CLUSTER_MAX CTAs (fewer once the grid passes ATTW_SPREAD_CTAS), which run as one
+    thread block cluster and merge their parts in distributed shared memory (no attn_combine:
+    measured on the H200, Gemma 3 270M at 40 keys, it took 3.3 us of a layer's 22), at least
+    ATTW_CLUSTER_MIN_SPLIT keys each and at most what one CTA stages in shared memory
+    (ATTW_STAGE_BYTES of K and V rows: 128 keys at D 256 in float16). A single CTA over the whole
+    context was measured slower as it grew (11.0 us at 120 keys against 6.6 at 40; spread: 6.0 and
+    7.1); spreading each of 64 streams over 8 CTAs too dropped them from 40,567 tok/s to 29,540."""
+    cap = attention_warp_cap(head_dim, kv_bytes)
+    ctas = max(1, min(ATTW_CLUSTER_MAX, ATTW_SPREAD_CTAS // max(1, int(pairs))))
+    spread = max(ATTW_CLUSTER_MIN_SPLIT, -(-int(max_keys) // ctas))
+    return max(1, min(cap, spread, int(max_keys)))
+
+
+def attention_clustered(warp: bool, parts: int) -> bool:
+    """attn_warp's split-K parts of one (kv head, row) run as one cluster and merge themselves."""
+    return warp and 1 < parts <= ATTW_CLUSTER_MAX
 
 
 def attention_warp_smem(head_dim: int, kv_bytes: int, split: int) -> int:
@@ -543,8 +586,9 @@ def attention_warp_smem(head_dim: int, kv_bytes: int, split: int) -> int:
 
 
 def _split(dev: Device, rows: int, kv_heads: int, max_keys: int, warp: bool, head_dim: int, kv_bytes: int) -> int:
-    return attention_split_warp(head_dim, kv_bytes, max_keys) if warp else attention_split(dev, rows, kv_heads,
-                                                                                          max_keys)
+    if warp:
+        return attention_split_warp(head_dim, kv_bytes, max_keys, rows * kv_heads)
+    return attention_split(dev, rows, kv_heads, max_keys)
 
 
 def decode_kernel(rows: int, kv_heads: int, max_keys: int) -> str:
@@ -561,7 +605,8 @@ def attention_parts(dev: Device, rows: int, heads: int, kv_heads: int, max_keys:
     cache's element size), which sizes the partials buffers a captured graph owns."""
     max_keys = max(1, int(max_keys))
     warp = decode and decode_kernel(rows, kv_heads, max_keys) == "warp"
-    return -(-max_keys // _split(dev, rows, kv_heads, max_keys, warp, head_dim, kv_bytes))
+    parts = -(-max_keys // _split(dev, rows, kv_heads, max_keys, warp, head_dim, kv_bytes))
+    return 1 if attention_clustered(warp, parts) else parts
 
 
 def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
@@ -627,10 +672,11 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
                                      else kernel == "warp")
     if split is None:
         split = _split(dev, rows, kv_heads, max_keys, warp, head_dim, k_cache.dtype.itemsize)
-    split = max(1, min(int(split), attention_split_warp(head_dim, k_cache.dtype.itemsize, ATTW_SPLIT_MAX) if warp
-                       else ATT_SPLIT_MAX))
+    split = max(1, min(int(split), attention_warp_cap(head_dim, k_cache.dtype.itemsize) if warp else ATT_SPLIT_MAX))
     S = -(-max_keys // split)
     ldq = ldq or heads * head_dim
+
+    clustered = attention_clustered(warp, S)
 
     def launch(out_, acc, ml):
         grid = (kv_heads, rows, S)
@@ -640,7 +686,8 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
                 grid, (32 * ATTW_WARPS,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm,
                 F32(p.eps), p.inv_freq, 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks,
                 row_seq, row_pos, heads, kv_heads, block_size, window, F32(scale), split, out_, acc, ml,
-                smem=attention_warp_smem(head_dim, k_cache.dtype.itemsize, split), stream=stream)
+                smem=attention_warp_smem(head_dim, k_cache.dtype.itemsize, split), stream=stream,
+                cluster=(1, 1, S) if clustered else None)
             return
         if prologue is None:
             dev.kernel("attention", f"attn_d{head_dim}_g{g}_{kvn}").launch(
@@ -653,7 +700,7 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
             1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
             kv_heads, block_size, window, F32(scale), split, out_, acc, ml, stream=stream)
 
-    if S == 1:
+    if S == 1 or clustered:
         launch(out, None, None)
         return
     if partials is not None:
@@ -764,15 +811,6 @@ def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArr
         Pointer(base + off["top_k"]), Pointer(base + off["top_p"]), Pointer(base + off["min_p"]),
         Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, Pointer(partials.ptr),
         Pointer(partials.ptr + 4 * rows * parts), Pointer(counters.ptr), stream=stream)
-
-
-def feed_tokens(dev: Device, drawn: DeviceArray, source: DeviceArray, tokens: DeviceArray, *, n: int,
-                stream=None) -> None:
-    """tokens[i] = drawn[source[i]] where source[i] >= 0 (int32 arrays): a step's inputs taken from the
-    previous step's draws on the device (run-ahead decoding). Twin: numpy indexing."""
-    _need(source, np.int32, n, "source")
-    _need(tokens, np.int32, n, "tokens")
-    dev.kernel("sampling", "feed_tokens").launch((-(-n // 256),), (256,), drawn, source, tokens, n, stream=stream)
 
 
 class SampleParams:

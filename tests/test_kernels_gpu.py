@@ -394,13 +394,30 @@ def test_norm_rows_wider_than_the_kernels_are_refused(dev):
         ops.rms_norm(dev, x, x, x, eps=1e-6, rows=1, cols=8193)
 
 
-def test_feed_tokens_takes_the_previous_draws(dev, rng):
-    drawn = rng.integers(0, 50000, 64).astype(np.int32)
-    source = rng.integers(-1, 64, 37).astype(np.int32)
-    tokens = rng.integers(0, 50000, 37).astype(np.int32)
-    td = dev.to_device(tokens)
-    ops.feed_tokens(dev, dev.to_device(drawn), dev.to_device(source), td, n=37)
-    np.testing.assert_array_equal(td.to_host(), np.where(source >= 0, drawn[np.maximum(source, 0)], tokens))
+@pytest.mark.parametrize("tname", ["q8_0", "q6_k", "f16"])
+@pytest.mark.parametrize("fed,normed", [(True, True), (False, True), (True, False), (False, False)])
+def test_embed_feeds_looks_up_and_norms(dev, rng, tname, fed, normed):
+    """A step's first kernel: ids[i] = drawn[source[i]] where source[i] >= 0 (run-ahead), then the
+    scaled embedding rows, then the first layer's RMSNorm of them. Twin: indexing, the dequantized
+    rows, reference.rms_norm."""
+    vocab, cols, n = 3000, 768, 37
+    w, _, wd = upload_matrix(dev, rng, tname, vocab, cols)
+    drawn = rng.integers(0, vocab, 64).astype(np.int32)
+    source = rng.integers(-1, 64, n).astype(np.int32) if fed else np.full(n, -1, np.int32)
+    tokens = rng.integers(0, vocab, n).astype(np.int32)
+    nw = rng.normal(1, 0.1, cols).astype(np.float32)
+    td, x, h = dev.to_device(tokens), dev.empty((n, cols)), dev.empty((n, cols))
+    x.poison(); h.poison()
+    ops.embed(dev, w, x, td, n=n, scale=25.3, feed=(dev.to_device(drawn), dev.to_device(source)) if fed else None,
+              norm=(dev.to_device(nw), 1e-6, h) if normed else None)
+    ids = np.where(source >= 0, drawn[np.maximum(source, 0)], tokens)
+    np.testing.assert_array_equal(td.to_host(), ids)
+    ref_x = wd[ids] * np.float32(25.3)
+    np.testing.assert_array_equal(x.to_host(), ref_x)
+    if normed:
+        assert rel_err(h.to_host(), reference.rms_norm(ref_x, nw, 1e-6)) < FP32_BAR
+    else:
+        assert np.isnan(h.to_host()).all()
 
 
 def test_add(dev, rng):
@@ -602,7 +619,24 @@ def test_decode_attention_with_fused_prologue(dev, rng, kv_dtype, neox, qk_norm,
     """attn_warp and attn_decode: raw q/k/v rows in, the prologue (norms, RoPE, the new K/V into their
     slots) done by the attention kernel itself. The new key's slot is poisoned first: the kernel must
     store it and must not read it back."""
-    lens, bs, eps = [1, 37, 1500, 700], 16, 1e-6
+    splits = (None, 8, 16, 64) if kernel == "warp" else (None, 16, 512)
+    _check_fused_decode(dev, rng, [1, 37, 1500, 700], kv_dtype, neox, qk_norm, d, hq, hk, window, kernel, splits)
+
+
+@pytest.mark.parametrize("d,hq,hk", [(256, 4, 1), (128, 32, 8), (64, 8, 8)])
+@pytest.mark.parametrize("lens", [[1], [17], [40], [128], [1, 64, 128, 9]])
+def test_decode_attention_cluster_merge(dev, rng, d, hq, hk, lens):
+    """Short decode contexts: attn_warp's splits (1 to 8 of them) run as one thread block cluster and
+    merge in distributed shared memory; splits past the context hold no keys."""
+    assert ops.attention_clustered(True, -(-128 // ops.attention_split_warp(d, 2, 128)))
+    _check_fused_decode(dev, rng, lens, np.float16, True, True, d, hq, hk, 0, "warp", (None, 16, 32, 17),
+                        max_keys=128)
+
+
+def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, window, kernel, splits, max_keys=None):
+    """Decode attention with the prologue fused over random paged K/V of the given lengths against the
+    twin, for each split."""
+    bs, eps = 16, 1e-6
     kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype)
     n = len(lens)
     pos = np.array([L - 1 for L in lens], np.int32)
@@ -628,11 +662,12 @@ def test_decode_attention_with_fused_prologue(dev, rng, kv_dtype, neox, qk_norm,
     out = dev.empty((n, hq, d))
     # float16 slots: the kernel's and the twin's float32 k may round to neighbouring halves
     bar = FP32_BAR if kv_dtype == np.float32 else 1e-3
-    for split in (None, 8, 16, 64) if kernel == "warp" else (None, 16, 512):
+    max_keys = max_keys or (max(lens) if not window else min(window, max(lens)))
+    for split in splits:
         out.poison()
         ops.attention(dev, buf, kc, vc, tables, dev.to_device(np.arange(n, dtype=np.int32)), dev.to_device(pos), out,
                       rows=n, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
-                      max_keys=max(lens) if not window else min(window, max(lens)), window=window, scale=scale,
+                      max_keys=max_keys, window=window, scale=scale,
                       split=split, ldq=width, prologue=pro, kernel=kernel)
         err = rel_err(out.to_host(), np.stack(refs))
         assert err < bar, (split, err)

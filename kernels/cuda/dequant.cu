@@ -53,6 +53,33 @@ EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows,
     }
 }
 
+// A decode/prefill step's first kernel: the token embedding with, optionally, run-ahead's feed in front
+// (source[i] >= 0: row i's token is drawn[source[i]], from the previous step's draws, and is stored to
+// ids[i]: run-ahead decoding, the step launched before the host has read the draws) and the first layer's RMSNorm behind (h = rms_norm(out) * norm_w, the
+// math of rms_norm_f32: 1 / sqrt(mean(x^2) + eps), then (x * inv) * w). Two launches fewer a step.
+template <int T, bool A8>
+EMBER_DEV void embed(const u8* __restrict__ W, i64 row_bytes, int n_rows, int cols, const int* drawn,
+                     const int* __restrict__ source, int* ids, int n, float* __restrict__ out, float scale,
+                     const float* __restrict__ norm_w, float eps, float* __restrict__ h) {
+    __shared__ float scratch[33];
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    if (source && source[i] >= 0) {  // block-uniform
+        if (threadIdx.x == 0) ids[i] = drawn[source[i]];
+        __syncthreads();
+    }
+    dequant_rows<T, A8, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);
+    if (!norm_w) return;
+    float ss = 0.0f;  // each thread reads back only what it stored itself
+    for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss = fmaf(out[(i64)i * cols + c + k], out[(i64)i * cols + c + k], ss);
+    const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+    for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[(i64)i * cols + c + k] = (out[(i64)i * cols + c + k] * inv) * norm_w[c + k];
+}
+
 #define DQ(NAME, T)                                                                                  \
     extern "C" __global__ void dequant_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
@@ -65,6 +92,20 @@ EMBER_DEV void dequant_rows(const u8* __restrict__ W, i64 row_bytes, int n_rows,
                                                    float* __restrict__ out, float scale) {            \
         grid_dependency_sync();                                                                       \
         dequant_rows<T, true, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                   \
+    }                                                                                                \
+    extern "C" __global__ void embed_##NAME##_a8(const u8* __restrict__ W, i64 row_bytes, int n_rows,     \
+                                                 int cols, const int* drawn, const int* source, int* ids, \
+                                                 int n, float* __restrict__ out, float scale,           \
+                                                 const float* norm_w, float eps, float* h) {            \
+        grid_dependency_sync();                                                                       \
+        embed<T, true>(W, row_bytes, n_rows, cols, drawn, source, ids, n, out, scale, norm_w, eps, h);  \
+    }                                                                                                \
+    extern "C" __global__ void embed_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows,     \
+                                                 int cols, const int* drawn, const int* source, int* ids, \
+                                                 int n, float* __restrict__ out, float scale,           \
+                                                 const float* norm_w, float eps, float* h) {            \
+        grid_dependency_sync();                                                                       \
+        embed<T, false>(W, row_bytes, n_rows, cols, drawn, source, ids, n, out, scale, norm_w, eps, h); \
     }                                                                                                \
     extern "C" __global__ void dequant_##NAME##_h16(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                     int cols, int n, u16* __restrict__ out) {         \

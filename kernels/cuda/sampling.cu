@@ -346,13 +346,3 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
         if (out_floor) out_floor[row] = key_value(floor_key);
     }
 }
-
-// Run-ahead decoding: a step's input tokens taken from the previous step's draws on the device, so
-// the step can be launched before the host has read them. tok[i] = drawn[from[i]] where from[i] >= 0;
-// rows with from[i] < 0 keep the token the host sent. Twin: numpy indexing.
-extern "C" __global__ void feed_tokens(const int* __restrict__ drawn, const int* __restrict__ from,
-                                       int* __restrict__ tok, int n) {
-    grid_dependency_sync();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && from[i] >= 0) tok[i] = drawn[from[i]];
-}

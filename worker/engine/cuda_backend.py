@@ -438,8 +438,6 @@ class CudaBackend:
                 _host(hb, lay.tiles, 2 * n_tiles, np.int32)[:] = tiles.reshape(-1)
         end = lay.tables + tables.nbytes
         self._d_in.view(0, end).upload_from(self._h_in[slot], end, self.stream)
-        if sources is not None and not graph_rows:  # the previous step's draws, still on the device, become tokens
-            ops.feed_tokens(dev, self.d_tokens_out, self.d_feed, self.d_tok, n=n, stream=self.stream)
 
         max_keys = stride * bs if graph_rows else max_len
         if graph_rows:
@@ -454,7 +452,9 @@ class CudaBackend:
                 self._seen.add(key)
                 self._launch(rows, stride, max_keys, n_out, chunks, spans, pos, feed=True)
         else:
-            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles)
+            # feed: the previous step's draws, still on the device, become tokens
+            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles,
+                         feed=sources is not None)
         pending = _Pending(self, slot, chunks, want, sampled, n_out)
         self._copy_back(pending)
         self._inflight[slot] = self._last = pending
@@ -636,18 +636,13 @@ class CudaBackend:
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
         x, h, o2, q, k, v, att = self.x, self.h, self.o2, self.q, self.k, self.v, self.att
-        def embed():
-            ops.dequant_rows(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
-                             stream=st)
-
         with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
-            if feed:  # the rows fed from the previous step's draws (d_feed: -1 for the others)
-                ops.feed_tokens(dev, self.d_tokens_out, self.d_feed, self.d_tok, n=n, stream=st)
-            else:
-                embed()
-        if feed:
-            embed()
-        h_ready = False  # h (or post.pending) holds this layer's attn_norm (the previous layer's end did it)
+            # feed: the rows fed from the previous step's draws (d_feed: -1 for the others); the first
+            # layer's attn_norm into h
+            ops.embed(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
+                      feed=(self.d_tokens_out, self.d_feed) if feed else None,
+                      norm=(self.layers[0]["attn_norm"], cfg.norm_eps, h), stream=st)
+        h_ready = True  # h (or post.pending) holds this layer's attn_norm (embed, or the previous layer's end)
         # one row per sequence (a captured step's padded rows too): attention takes the prologue in
         decode = not n_tiles and (chunks is None or all(len(c.tokens) == 1 for c in chunks))
         post = _PostNorms(self, n, tc)  # Gemma's post-norms; post.x is the residual (x until one is fused)
