@@ -550,7 +550,7 @@ ATTW_SPLIT_MAX = 256  # attention.cu: keys a CTA of attn_warp takes at most
 ATTW_WARPS = 16  # attention.cu: warps of an attn_warp CTA
 ATTW_STAGE_BYTES = 128 << 10  # the K and V rows an attn_warp CTA stages in shared memory, at most
 ATTW_CLUSTER_MAX = 8  # attention.cu: attn_warp splits merged inside one cluster, at most
-ATTW_CLUSTER_MIN_SPLIT = 16  # keys per clustered CTA, at least (a warp's chunk at D 256, G 4)
+ATTW_CLUSTER_MIN_SPLIT = 32  # keys per clustered CTA, at least (270M tg128 on the H200: 16 and 32 tie, 64 loses 3%)
 ATTW_SPREAD_CTAS = 128  # attn_warp spreads short contexts over more CTAs up to a grid of about this many
 ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
 ATTW_MAX_ROW_HEADS = 64  # and beyond this many (row, kv head) pairs
@@ -568,8 +568,8 @@ def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int
     measured on the H200, Gemma 3 270M at 40 keys, it took 3.3 us of a layer's 22), at least
     ATTW_CLUSTER_MIN_SPLIT keys each and at most what one CTA stages in shared memory
     (ATTW_STAGE_BYTES of K and V rows: 128 keys at D 256 in float16). A single CTA over the whole
-    context was measured slower as it grew (11.0 us at 120 keys against 6.6 at 40; spread: 6.0 and
-    7.1); spreading each of 64 streams over 8 CTAs too dropped them from 40,567 tok/s to 29,540."""
+    context was measured slower as it grew (11.0 us at 120 keys against 6.6 at 40; spread: 6.5 and
+    7.0); spreading each of 64 streams over 8 CTAs too dropped them from 40,567 tok/s to 29,540."""
     cap = attention_warp_cap(head_dim, kv_bytes)
     ctas = max(1, min(ATTW_CLUSTER_MAX, ATTW_SPREAD_CTAS // max(1, int(pairs))))
     spread = max(ATTW_CLUSTER_MIN_SPLIT, -(-int(max_keys) // ctas))

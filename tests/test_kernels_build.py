@@ -280,7 +280,7 @@ def test_upload_pads_rows_to_16_bytes_and_keeps_the_bytes():
 
 def test_decode_attention_spreads_short_contexts_over_one_cluster():
     """attn_warp's split policy (no GPU needed): a few (row, kv head) pairs spread their keys over up to
-    8 CTAs of at least 16 keys, which merge in their cluster (no partials to keep); many pairs take
+    8 CTAs of at least 32 keys, which merge in their cluster (no partials to keep); many pairs take
     fewer splits; past 8 splits attn_combine merges them."""
     from ember.kernels import ops
 
@@ -288,9 +288,9 @@ def test_decode_attention_spreads_short_contexts_over_one_cluster():
         split = ops.attention_split_warp(d, 2, keys, pairs)
         return split, -(-keys // split)
 
-    assert parts(16) == (16, 1)
-    assert parts(40) == (16, 3) and ops.attention_clustered(True, 3)
-    assert parts(128) == (16, 8) and parts(1024) == (128, 8)
+    assert parts(16) == (16, 1) and parts(32) == (32, 1)
+    assert parts(40) == (32, 2) and ops.attention_clustered(True, 2)
+    assert parts(128) == (32, 4) and parts(256) == (32, 8) and parts(1024) == (128, 8)
     assert parts(256, pairs=64) == (128, 2)  # 64 streams: two CTAs each, not eight
     assert parts(1500)[1] == 12 and not ops.attention_clustered(True, 12)
     assert not ops.attention_clustered(False, 4)  # attn_decode merges through attn_combine
