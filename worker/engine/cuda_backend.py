@@ -401,7 +401,7 @@ class CudaBackend:
         pos[:n] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         slots[:n] = kv_slots(chunks, bs, self.n_blocks)
         spans, at = [], 0
-        tables.shape = (-1, stride)
+        tables = tables.reshape(-1, stride)  # a view: writes land in the host buffer
         tables[:] = self.trash_block
         for si, c in enumerate(chunks):
             m = len(c.tokens)
