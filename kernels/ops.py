@@ -946,8 +946,15 @@ def fault_illegal_address(dev: Device) -> None:
     dev.synchronize()
 
 
+# the public ops: every launcher, its support checks and sizes, and the types they take
 __all__ = [
-    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "QuantMatrix", "SampleParams", "add", "add_bias",
-    "argmax", "attention", "attention_parts", "attention_split", "dequant_half", "gemm_splits", "gemm_splitk_bytes", "dequant_rows", "fault_illegal_address", "gated_act", "gather_rows", "gemm",
-    "kv_write", "linear_tc", "matvec", "matvec_post_norm", "matvec_stream_q8_0", "PostNorm", "rms_norm", "rms_norm_add", "rope", "row_nbytes", "sample", "sample_parts", "softmax", "to_half",
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "PostNorm", "QuantMatrix", "SampleParams",
+    "add", "add_bias", "argmax", "attention", "attention_clustered", "attention_parts", "attention_split",
+    "attention_split_warp", "attention_warp_cap", "attention_warp_smem", "decode_kernel", "dequant_half",
+    "dequant_rows", "embed", "fault_illegal_address", "flash_attention", "flash_smem_bytes", "flash_tiles",
+    "gated_act", "gather_rows", "gemm", "gemm_splitk_bytes", "gemm_splits", "kq8_supported", "kv2_supported",
+    "kv_write", "linear_tc", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_post_norm",
+    "matvec_q8", "matvec_stream_q8_0", "norm_shape", "post_norm_supported", "qk_rope_kv", "repack_q6_k",
+    "rms_norm", "rms_norm_add", "rms_norm_add_norm", "rope", "row_nbytes", "sample", "sample_parts", "softmax",
+    "stream_q8_0_smem", "stream_q8_0_supported", "to_half",
 ]
