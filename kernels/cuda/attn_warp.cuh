@@ -231,10 +231,13 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
             m[j] = mn;
         }
     }
-    if constexpr (WPH > 1) {  // merge the warps that share a head into the first of them
+    auto share = [&]() {  // this warp's (max, sum p, sum p*v) of its first head into mrg[warp]
 #pragma unroll
         for (int e = 0; e < E; ++e) mrg[warp][2 + lane * E + e] = acc[0][e];
         if (lane == 0) { mrg[warp][0] = l[0] > 0.0f ? m[0] : -__int_as_float(0x7f800000); mrg[warp][1] = l[0]; }
+    };
+    if constexpr (WPH > 1) {  // merge the warps that share a head into the first of them
+        share();
         __syncthreads();
     }
     // the splits of this (kv head, row) launched as one cluster (ops.attention): merged right here
@@ -259,11 +262,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         m[0] = M;
     }
     if (clustered) {  // (sum p*v, max, sum p) of head h0 in mrg[h0], then rank z merges its slice of G*D
-        if (kset == 0) {
-#pragma unroll
-            for (int e = 0; e < E; ++e) mrg[warp][2 + lane * E + e] = acc[0][e];
-            if (lane == 0) { mrg[warp][0] = l[0] > 0.0f ? m[0] : -__int_as_float(0x7f800000); mrg[warp][1] = l[0]; }
-        }
+        if (kset == 0) share();  // the head's merged part: rows h0 < G, which no other warp reads now
         cluster_sync();
         const int per = (G * D + S - 1) / S;
         for (int i = z * per + tid; i < min(G * D, (z + 1) * per); i += NW * 32) {

@@ -80,6 +80,15 @@ EMBER_DEV void embed(const u8* __restrict__ W, i64 row_bytes, int n_rows, int co
         for (int k = 0; k < 8; ++k) h[(i64)i * cols + c + k] = (out[(i64)i * cols + c + k] * inv) * norm_w[c + k];
 }
 
+#define EMBED(NAME, T, SUF, A8)                                                                             \
+    extern "C" __global__ void embed_##NAME##_##SUF(const u8* __restrict__ W, i64 row_bytes, int n_rows,        \
+                                                    int cols, const int* drawn, const int* source, int* ids,    \
+                                                    int n, float* __restrict__ out, float scale,              \
+                                                    const float* norm_w, float eps, float* h) {               \
+        grid_dependency_sync();                                                                              \
+        embed<T, A8>(W, row_bytes, n_rows, cols, drawn, source, ids, n, out, scale, norm_w, eps, h);        \
+    }
+
 #define DQ(NAME, T)                                                                                  \
     extern "C" __global__ void dequant_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                    int cols, const int* __restrict__ ids, int n,      \
@@ -93,20 +102,8 @@ EMBER_DEV void embed(const u8* __restrict__ W, i64 row_bytes, int n_rows, int co
         grid_dependency_sync();                                                                       \
         dequant_rows<T, true, 0>(W, row_bytes, n_rows, cols, ids, n, out, scale);                   \
     }                                                                                                \
-    extern "C" __global__ void embed_##NAME##_a8(const u8* __restrict__ W, i64 row_bytes, int n_rows,     \
-                                                 int cols, const int* drawn, const int* source, int* ids, \
-                                                 int n, float* __restrict__ out, float scale,           \
-                                                 const float* norm_w, float eps, float* h) {            \
-        grid_dependency_sync();                                                                       \
-        embed<T, true>(W, row_bytes, n_rows, cols, drawn, source, ids, n, out, scale, norm_w, eps, h);  \
-    }                                                                                                \
-    extern "C" __global__ void embed_##NAME##_a2(const u8* __restrict__ W, i64 row_bytes, int n_rows,     \
-                                                 int cols, const int* drawn, const int* source, int* ids, \
-                                                 int n, float* __restrict__ out, float scale,           \
-                                                 const float* norm_w, float eps, float* h) {            \
-        grid_dependency_sync();                                                                       \
-        embed<T, false>(W, row_bytes, n_rows, cols, drawn, source, ids, n, out, scale, norm_w, eps, h); \
-    }                                                                                                \
+    EMBED(NAME, T, a8, true)                                                                          \
+    EMBED(NAME, T, a2, false)                                                                         \
     extern "C" __global__ void dequant_##NAME##_h16(const u8* __restrict__ W, i64 row_bytes, int n_rows, \
                                                     int cols, int n, u16* __restrict__ out) {         \
         grid_dependency_sync();                                                                       \
