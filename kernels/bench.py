@@ -111,7 +111,7 @@ LLAMA8B = [
 # the 8B's prefill matmuls (n x k of the weight): q|k|v, o, gate|up, down
 GEMM_SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
 
-SECTIONS = ("types", "kv2", "kq8", "batch", "step", "attention", "small", "gemm")
+SECTIONS = ("types", "kv2", "kq8", "batch", "step", "attention", "small", "gemm", "launch")
 
 
 def cublas_seconds(m: int, n: int, k: int, reps: int = 10) -> float | None:
@@ -295,11 +295,65 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
                     rec("gemm", f"cublas {name} {m}x{n}x{k}", tc, nbytes, TFLOPS=round(2 * m * n * k / tc / 1e12, 1))
                 a.free(); b.free(); c.free()
 
+    if "launch" in sections:
+        res["launch"] = launch_probes(dev, stream)
+
     res["rows"] = rows_out
     if out_path:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+def launch_probes(dev: Device, stream: Stream, links: int = 200, iters: int = 2000) -> dict:
+    """Microseconds per dependent step (probe.cu): a graph of `links` kernels, with and without
+    programmatic dependent launch, empty or passing a 640-float vector on; the same vector passed
+    between the phases of one persistent grid through a barrier on a global counter; a cluster
+    barrier followed by a read of another CTA's shared memory."""
+    from .cuda_runtime import I32
+
+    out: dict[str, float] = {}
+    n = 640
+    x, y = dev.empty((2 * n,)), dev.empty((2 * n,))
+    x.zero(); y.zero()
+    empty, chain = dev.kernel("probe", "probe_empty"), dev.kernel("probe", "probe_chain")
+    timer = Timer()
+    for pdl in (False, True):
+        for grid in (1, 40, 132, 264):
+            def body():
+                for _ in range(links):
+                    empty.launch((grid,), (128,), 0, stream=stream)
+            PDL[0], was = pdl, PDL[0]
+            out[f"empty kernel, grid {grid}, pdl {pdl}"] = _time_graph(dev, stream, body, links) * 1e6
+            PDL[0] = was
+        for grid in (40, 160):
+            def body():
+                for i in range(links):
+                    a, b = (x, y) if i % 2 == 0 else (y, x)
+                    chain.launch((grid,), (128,), a, b, n, stream=stream)
+            PDL[0], was = pdl, PDL[0]
+            out[f"dependent kernel (640 floats), grid {grid}, pdl {pdl}"] = _time_graph(dev, stream, body, links) * 1e6
+            PDL[0] = was
+    barrier = dev.kernel("probe", "probe_grid_barrier")
+    count = dev.empty((1,), np.uint32)
+    for grid in (16, 66, dev.sm_count):
+        count.zero()
+        stream.synchronize()
+        timer.start(stream)
+        barrier.launch((grid,), (256,), count, x, I32(iters), I32(n), stream=stream)
+        out[f"grid barrier (640 floats), {grid} blocks"] = timer.stop(stream) * 1e3 / iters
+    cbar = dev.kernel("probe", "probe_cluster_barrier")
+    drv = _driver()
+    check(drv.cuFuncSetAttribute(cbar.handle, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                                 1), "cuFuncSetAttribute")
+    for ctas in (2, 8, 16):
+        stream.synchronize()
+        timer.start(stream)
+        cbar.launch((ctas,), (256,), y, I32(iters), stream=stream, cluster=(ctas, 1, 1))
+        out[f"cluster barrier + DSMEM read, {ctas} CTAs"] = timer.stop(stream) * 1e3 / iters
+    for k, v in out.items():
+        print(f"  launch     {k:<52} {v:7.3f} us")
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

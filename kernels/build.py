@@ -73,6 +73,7 @@ def _modules() -> dict[str, ModuleSpec]:
         flash=ModuleSpec("flash.cu", (), "flash attention for prefill on the tensor cores (f16 KV)"),
         sampling=ModuleSpec("sampling.cu", (), "argmax, softmax, top-k/top-p/min-p/temperature sampling"),
         gemm=ModuleSpec("gemm.cu", (), "tensor-core matmul for prefill (f16/bf16 in, f32 out)"),
+        probe=ModuleSpec("probe.cu", (), "launch-latency probes for the micro-benchmark"),
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),
     )
     return mods

@@ -940,3 +940,20 @@ def test_illegal_address_poisons_the_context(dev):
     assert p.returncode == 75, p.stdout + p.stderr
     assert "STICKY 700 CUDA_ERROR_ILLEGAL_ADDRESS" in p.stdout
     assert "AGAIN 700" in p.stdout and "POISONED True" in p.stdout
+
+
+def test_launch_probes_measure_and_compute(dev, rng):
+    """bench.py's launch probes (probe.cu) run and time every configuration; the dependent kernel's
+    link computes what it claims (warp w of a 128-thread block: the sum of its threads' strided share
+    of x, scaled, plus one)."""
+    from ember.kernels import bench
+    from ember.kernels.cuda_runtime import Stream
+
+    r = bench.launch_probes(dev, Stream(), links=4, iters=10)
+    assert len(r) == 12 + 3 + 3 and all(np.isfinite(v) and v > 0 for v in r.values()), r
+    x = rng.normal(0, 1, 640).astype(np.float32)
+    y = dev.empty((640,))
+    y.poison()
+    dev.kernel("probe", "probe_chain").launch((40,), (128,), dev.to_device(x), y, 640)
+    share = np.array([x.astype(np.float64)[(np.arange(640) % 128) // 32 == w].sum() for w in range(4)])
+    np.testing.assert_allclose(y.to_host()[:160], np.tile(share * 1e-3 + 1.0, 40), rtol=1e-5)

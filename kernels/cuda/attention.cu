@@ -260,8 +260,12 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     }
 }
 
+// At most 64 registers a thread (two CTAs of 512 threads an SM fit): at 96 (what ptxas took
+// unbounded) a CTA needed three quarters of an SM's registers, so under programmatic dependent
+// launch it found no SM beside the q|k|v matvec's CTAs and started only as that kernel ended (by
+// `ember bench trace` on the H200: that matvec's share of the 270M's step 5.15 -> 3.96 us a layer).
 #define ATTN_WARP(D, G, KVN, KVT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTW_WARPS * 32) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
+    extern "C" __global__ void __launch_bounds__(ATTW_WARPS * 32, 2) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
         DECODE_PROLOGUE;                                                                               \
         attn_warp<D, G, KVT>(q, ldq, pro, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk,  \
                              BS, window, scale, split, out, part_acc, part_ml);                        \
