@@ -318,22 +318,23 @@ def launch_probes(dev: Device, stream: Stream, links: int = 200, iters: int = 20
     x.zero(); y.zero()
     empty, chain = dev.kernel("probe", "probe_empty"), dev.kernel("probe", "probe_chain")
     timer = Timer()
+
+    def chain_us(kernel, grid: int, args, pdl: bool) -> float:  # per link of `links` launches, a graph
+        def body():
+            for i in range(links):
+                kernel.launch((grid,), (128,), *args(i), stream=stream)
+        was, PDL[0] = PDL[0], pdl
+        try:
+            return _time_graph(dev, stream, body, links) * 1e6
+        finally:
+            PDL[0] = was
+
     for pdl in (False, True):
         for grid in (1, 40, 132, 264):
-            def body():
-                for _ in range(links):
-                    empty.launch((grid,), (128,), 0, stream=stream)
-            PDL[0], was = pdl, PDL[0]
-            out[f"empty kernel, grid {grid}, pdl {pdl}"] = _time_graph(dev, stream, body, links) * 1e6
-            PDL[0] = was
+            out[f"empty kernel, grid {grid}, pdl {pdl}"] = chain_us(empty, grid, lambda i: (0,), pdl)
         for grid in (40, 160):
-            def body():
-                for i in range(links):
-                    a, b = (x, y) if i % 2 == 0 else (y, x)
-                    chain.launch((grid,), (128,), a, b, n, stream=stream)
-            PDL[0], was = pdl, PDL[0]
-            out[f"dependent kernel (640 floats), grid {grid}, pdl {pdl}"] = _time_graph(dev, stream, body, links) * 1e6
-            PDL[0] = was
+            out[f"dependent kernel (640 floats), grid {grid}, pdl {pdl}"] = chain_us(
+                chain, grid, lambda i: ((x, y, n) if i % 2 == 0 else (y, x, n)), pdl)
     barrier = dev.kernel("probe", "probe_grid_barrier")
     count = dev.empty((1,), np.uint32)
     for grid in (16, 66, dev.sm_count):

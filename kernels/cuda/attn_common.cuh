@@ -1,4 +1,4 @@
-// What the decode attention kernels share (attention.cu, attn_wo.cu): loading a head vector as
+// What the decode attention kernels share (attention.cu, attn_warp.cuh): loading a head vector as
 // floats, the fused decode prologue and the decode kernels' parameter list.
 #pragma once
 #include "common.cuh"
