@@ -163,9 +163,20 @@ def tracing() -> bool:
     return os.environ.get("EMBER_TRACE") == "1"
 
 
+def sweep_defines() -> list[str]:
+    """EMBER_KERNEL_DEFINES="-DNAME=V ...": extra macros for every module, for measuring a kernel variant
+    beside the default on one machine (part of the cache key, like every option; never set in service)."""
+    opts = os.environ.get("EMBER_KERNEL_DEFINES", "").split()
+    bad = [o for o in opts if not re.fullmatch(r"-D[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?", o)]
+    if bad:
+        raise ValueError(f"EMBER_KERNEL_DEFINES takes -DNAME or -DNAME=VALUE options, not {' '.join(bad)}")
+    return opts
+
+
 def module_options(name: str, arch: str) -> list[str]:
     spec = MODULES[name]
-    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *spec.options, *(("-DEMBER_TRACE",) if tracing() else ())]
+    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *spec.options,
+            *(("-DEMBER_TRACE",) if tracing() else ()), *sweep_defines()]
 
 
 def cache_key(name: str, arch: str) -> str:

@@ -95,6 +95,7 @@ _NOT_AVAILABLE_CODES = {3, 34, 35, 100, 101, 804}  # not initialised, stub libra
 
 
 TRACE_WORDS = 8192  # common.cuh EMBER_TRACE: the count, then (start, release) pairs
+TRACE_MARKS = 8064  # common.cuh TRACE_MARK: (clock64, globaltimer) of mark k at TRACE_MARKS + 2k
 
 
 class Device:
@@ -563,6 +564,10 @@ class Stream:
 
     def synchronize(self) -> None:
         check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def wait(self, event: "Event") -> None:
+        """Work queued on this stream from now on starts after `event` (recorded on another stream)."""
+        check(_driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
 
     def destroy(self) -> None:
         if self.handle is not None and _poisoned is None:

@@ -148,12 +148,15 @@ def _kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
 def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int | None = None,
            res: DeviceArray | None = None, rows_per_warp: int | None = None, variant: str = "auto",
            unroll: int | None = None, rows_per_block: int | None = None, prefetch: bool | None = None,
-           stream=None) -> None:
+           split: bool = False, stream=None) -> None:
     """y[n, rows] = x[n, cols] @ W.T (+ res[n, rows]); twin: reference.linear(x, quants.dequantize(W)).
 
     Batches of any n run in launches of up to 8 rows of x (each launch reads W once). variant:
     "staged" (matvec.cu, every type and batch), "kv2" (matvec_k.cu: Q4_K/Q5_K, batch 1-2, the faster
-    decode path) or "auto" (kv2 for Q4_K/Q5_K at batch 1, and batch 2 below 8192 columns; else staged)."""
+    decode path) or "auto" (kv2 for Q4_K/Q5_K at batch 1, and batch 2 below 8192 columns; else staged).
+    split (staged, batch 1, 16-byte rows): 1-4 rows a block (rows_per_warp), their chunks shared by the
+    block's warps (matvec.cu qmvs): for wide rows of small matrices, whose one-warp decode chain is the
+    latency."""
     n = x.shape[0] if n is None else n
     _need(x, np.float32, n * w.cols, "x")
     _need(y, np.float32, n * w.rows, "y")
@@ -184,6 +187,16 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
         return
     rb = w.row_bytes
     vec = 16 if rb % 16 == 0 and w.data.ptr % 16 == 0 else 2
+    if split:
+        if n != 1 or vec != 16:
+            raise ValueError("the split matvec takes one row of x and 16-byte aligned rows")
+        # rows a block: as many as still leave a block per SM (the grid of the unsplit kernel)
+        r = rows_per_warp or next(r for r in (4, 2, 1) if w.rows // r >= dev.sm_count or r == 1)
+        if r not in (1, 2, 4):
+            raise ValueError("rows_per_warp must be 1, 2 or 4")
+        dev.kernel(f"matvec_{w.type}", f"qmvs_b1_r{r}").launch((-(-w.rows // r),), (MATVEC_WARPS * 32,), w.data, I64(rb),
+                                                               w.rows, w.cols, x, res, y, stream=stream)
+        return
     r = 1 if vec == 2 else (rows_per_warp or _pick_rows_per_warp(dev, w.rows))
     if r not in (1, 2, 4):
         raise ValueError("rows_per_warp must be 1, 2 or 4")
@@ -338,12 +351,35 @@ def stream_q8_0_smem(w: QuantMatrix) -> int:
     return -(-(w.cols + w.cols // 8) // 16) * 16 + SQ_WARPS * SQ_ROWS * w.row_bytes
 
 
+@dataclass
+class RowArgmax:
+    """Where matvec_stream_q8_0 leaves its row's greedy token -- best_i[0] the first index of the
+    largest output, best_v[0] that value -- and the work it needs: a (value, index) per block and a
+    counter (zeroed here; the kernel leaves it at zero)."""
+
+    part_v: DeviceArray
+    part_i: DeviceArray
+    counter: DeviceArray
+    best_v: DeviceArray
+    best_i: DeviceArray
+
+    @classmethod
+    def alloc(cls, dev: Device) -> "RowArgmax":
+        blocks = 2 * dev.sm_count  # matvec_stream_q8_0's largest grid
+        counter = dev.empty((1,), np.uint32)
+        counter.zero()
+        return cls(dev.empty((blocks,)), dev.empty((blocks,), np.int32), counter, dev.empty((1,)),
+                   dev.empty((1,), np.int32))
+
+
 def matvec_stream_q8_0(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *,
-                       res: DeviceArray | None = None, blocks: int | None = None, stream=None) -> None:
+                       res: DeviceArray | None = None, blocks: int | None = None, argmax: RowArgmax | None = None,
+                       stream=None) -> None:
     """One row: y = q8(x) @ W.T (+ res) for a tall Q8_0 matrix of short rows (stream_q8_0.cu: the tied
     output projection of Gemma 3 270M), x quantized to int8 per 32 columns in every block and
-    multiplied with dp4a; a persistent grid (default two blocks per SM) streams the rows. Twin:
-    reference.linear_q8(x, quants.dequantize(W))."""
+    multiplied with dp4a; a persistent grid (default two blocks per SM) streams the rows. argmax: also
+    y's greedy token (sample() then takes it instead of a pass over y). Twin:
+    reference.linear_q8(x, quants.dequantize(W)); the argmax: numpy.argmax of y."""
     if not stream_q8_0_supported(w):
         raise ValueError(f"the streaming Q8_0 matvec takes 16-byte aligned Q8_0 rows of at most {SQ_MAX_ROW_BYTES} "
                          "bytes and a multiple of 64 columns")
@@ -353,8 +389,13 @@ def matvec_stream_q8_0(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArr
         _need(res, np.float32, w.rows, "res")
     groups = -(-w.rows // SQ_ROWS)
     grid = max(1, min(blocks or 2 * dev.sm_count, -(-groups // SQ_WARPS)))
-    dev.kernel("stream_q8_0", "sq8_b1").launch((grid,), (32 * SQ_WARPS,), w.data, I64(w.row_bytes), w.rows, w.cols,
-                                               x, res, y, smem=stream_q8_0_smem(w), stream=stream)
+    a = argmax
+    if a is not None and a.part_v.size < grid:
+        raise ValueError(f"the argmax's parts hold {a.part_v.size} blocks; the grid has {grid}")
+    dev.kernel("stream_q8_0", "sq8_b1").launch(
+        (grid,), (32 * SQ_WARPS,), w.data, I64(w.row_bytes), w.rows, w.cols, x, res, y,
+        *((a.part_v, a.part_i, a.counter, a.best_v, a.best_i) if a is not None else (None,) * 5),
+        smem=stream_q8_0_smem(w), stream=stream)
 
 
 # -- dequantization / embedding lookup ----------------------------------------------------------------
@@ -790,15 +831,19 @@ def sample_parts(vocab: int) -> int:
 
 def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArray, *, rows: int, vocab: int,
            ld: int | None = None, out_floor: DeviceArray | None = None,
-           work: tuple[DeviceArray, DeviceArray] | None = None, stream=None) -> None:
+           work: tuple[DeviceArray, DeviceArray] | None = None, greedy: RowArgmax | None = None,
+           stream=None) -> None:
     """out[r] = a token drawn from row r with its own temperature / top-k / top-p / min-p / seed / step.
 
     params: a SampleParams block on the device (see `sample_params`). work: (counters, partials), int32
     of at least rows (zeroed once: the kernel leaves them at zero) and 2 * rows * sample_parts(vocab)
-    elements; default: the device's own (a captured graph must bring its own: those may move). Twin:
-    reference.sample_rows."""
+    elements; default: the device's own (a captured graph must bring its own: those may move). greedy:
+    one row's argmax found already (matvec_stream_q8_0's), taken if the row is greedy; the kernel then
+    runs one block. Twin: reference.sample_rows."""
     _need(out, np.int32, rows, "out")
-    parts = sample_parts(vocab)
+    if greedy is not None and rows != 1:
+        raise ValueError("a precomputed greedy token is one row's")
+    parts = 1 if greedy is not None else sample_parts(vocab)
     if work is None:
         work = (dev.scratch("sample_counters", 4 * rows, zero=True), dev.scratch("sample_parts", 8 * rows * parts))
     counters, partials = work
@@ -810,7 +855,8 @@ def sample(dev: Device, logits: DeviceArray, params: DeviceArray, out: DeviceArr
         (rows, parts), (1024,), logits, I64(vocab if ld is None else ld), vocab, Pointer(base + off["temperature"]),
         Pointer(base + off["top_k"]), Pointer(base + off["top_p"]), Pointer(base + off["min_p"]),
         Pointer(base + off["seed"]), Pointer(base + off["step"]), out, out_floor, Pointer(partials.ptr),
-        Pointer(partials.ptr + 4 * rows * parts), Pointer(counters.ptr), stream=stream)
+        Pointer(partials.ptr + 4 * rows * parts), Pointer(counters.ptr), greedy.best_v if greedy else None,
+        greedy.best_i if greedy else None, stream=stream)
 
 
 class SampleParams:
@@ -948,7 +994,8 @@ def fault_illegal_address(dev: Device) -> None:
 
 # the public ops: every launcher, its support checks and sizes, and the types they take
 __all__ = [
-    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "PostNorm", "QuantMatrix", "SampleParams",
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "DecodePrologue", "PostNorm", "QuantMatrix", "RowArgmax",
+    "SampleParams",
     "add", "add_bias", "argmax", "attention", "attention_clustered", "attention_parts", "attention_split",
     "attention_split_warp", "attention_warp_cap", "attention_warp_smem", "decode_kernel", "dequant_half",
     "dequant_rows", "embed", "fault_illegal_address", "flash_attention", "flash_smem_bytes", "flash_tiles",

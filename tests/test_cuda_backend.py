@@ -327,3 +327,8 @@ def test_bench_trace_times_every_kernel_of_a_decode_step(dev, model_dir):
     total = sum(k["total_us"] for k in r["by_kernel"])
     assert total == pytest.approx(r["span_us"], rel=0.02)
     assert all(k["mean_us"] > 0 for k in r["by_kernel"])
+    # the marked phases: attention at 20 keys is one CTA (no cluster marks), in order after its wait
+    att = [p["cycles"] for p in r["phases"]["decode attention (attn_warp)"]]
+    assert len(att) == 4 and 0 < att[0] < att[1] < att[2] < att[3]
+    mv = [p["cycles"] for p in r["phases"]["staged batch-1 matvec (qmv, qmvs)"]]
+    assert len(mv) == 2 and 0 < mv[0] < mv[1]

@@ -86,6 +86,20 @@ def test_cache_key_covers_arch_options_and_compiler(tmp_path, monkeypatch):
     assert build.cache_key("norm", "sm_90") != k90
 
 
+def test_sweep_defines_join_the_options_and_the_key(monkeypatch):
+    """EMBER_KERNEL_DEFINES (measuring a variant beside the default): its -D options reach NVRTC and the
+    cache key; anything else is refused before a compile."""
+    _nvrtc_or_skip()
+    monkeypatch.delenv("EMBER_KERNEL_DEFINES", raising=False)
+    plain = build.cache_key("norm", "sm_90")
+    monkeypatch.setenv("EMBER_KERNEL_DEFINES", "-DEMBER_X=2 -DEMBER_Y")
+    assert build.module_options("norm", "sm_90")[-2:] == ["-DEMBER_X=2", "-DEMBER_Y"]
+    assert build.cache_key("norm", "sm_90") != plain
+    monkeypatch.setenv("EMBER_KERNEL_DEFINES", "-DX=1 --use_fast_math")
+    with pytest.raises(ValueError, match="--use_fast_math"):
+        build.module_options("norm", "sm_90")
+
+
 def test_changed_header_compiles_anew(tmp_path, monkeypatch):
     _nvrtc_or_skip()
     src = tmp_path / "src"

@@ -97,6 +97,17 @@ def test_matvec_matches_linear(dev, rng, tname, n):
         err = rel_err(out, ref)
         assert err < FP32_BAR, (tname, n, r, err)
         assert rel_err(out, reference.linear(x, wf)) < FP32_BAR  # the float32 twin itself
+    if n == 1:  # one row a block, its chunks split over the block's warps (+ res)
+        for c in (cols, 1024):
+            w, raw, wf = upload_matrix(dev, rng, tname, rows, c) if c != cols else (w, raw, wf)
+            xs = x[:, :c].copy()
+            res = rng.normal(0, 1, (1, rows)).astype(np.float32)
+            for r in (1, 2, 4):
+                y.poison()
+                ops.matvec(dev, w, dev.to_device(xs), y, res=dev.to_device(res), variant="staged", split=True,
+                           rows_per_warp=r)
+                ref = xs.astype(np.float64) @ wf.T.astype(np.float64) + res
+                assert rel_err(y.to_host(), ref) < FP32_BAR, (tname, c, r)
 
 
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
@@ -177,6 +188,49 @@ def test_stream_q8_0_matches_twin(dev, rng, rows, cols):
     ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, res=dev.to_device(res))
     assert rel_err(y.to_host(), ref + res) < FP32_BAR
     assert rel_err(y.to_host() - res, x.astype(np.float64) @ wf.T.astype(np.float64)) < 5e-2
+
+
+@pytest.mark.parametrize("rows,blocks", [(262144, None), (1003, 3), (70, 1)])
+def test_stream_q8_0_argmax(dev, rng, rows, blocks):
+    """The streaming matvec's greedy token: numpy's argmax of the y it wrote (first index on ties, one
+    planted across blocks), twice in a row (the counter is left at zero), and sample() taking it for a
+    greedy row (one block) while a sampled row still draws from y."""
+    cols = 64
+    raw = random_tensor(rng, QTYPES["q8_0"], rows, cols)
+    tied = [0, rows // 2, rows - 1]
+    by_row = raw.reshape(rows, -1)
+    by_row[tied[1:]] = by_row[0]  # three equal rows: with the same res, an exact tie; the first index wins
+    w = ops.QuantMatrix.upload(dev, raw, QTYPES["q8_0"], rows, cols)
+    x = rng.normal(0, 1, cols).astype(np.float32)
+    res = np.zeros(rows, np.float32)
+    res[tied] = 1e4
+    a = ops.RowArgmax.alloc(dev)
+    y = dev.empty(rows)
+    for _ in range(2):
+        y.poison()
+        a.best_i.poison()
+        ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, res=dev.to_device(res), blocks=blocks, argmax=a)
+        yh = y.to_host()
+        assert int(a.best_i.to_host()[0]) == int(np.argmax(yh)) == 0
+        assert a.best_v.to_host()[0] == yh.max()
+        ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, blocks=blocks, argmax=a)
+        assert int(a.best_i.to_host()[0]) == int(np.argmax(y.to_host()))
+    assert int(a.counter.to_host()[0]) == 0
+    for temp, expect in ((0.0, int(np.argmax(y.to_host()))), (1.0, None)):
+        buf = np.zeros(ops.SampleParams.nbytes(1), np.uint8)
+        ops.SampleParams.pack(buf, 1, temperature=[temp], top_k=[0], top_p=[1.0], min_p=[0.0], seed=[3], step=[1])
+        out = dev.empty(1, np.int32)
+        out.poison()
+        ops.sample(dev, y, dev.to_device(buf), out, rows=1, vocab=rows, greedy=a)
+        tok = int(out.to_host()[0])
+        if expect is not None:
+            assert tok == expect
+        else:
+            ref, _ = reference.sample_rows(y.to_host()[None], temperature=np.array([temp], np.float32),
+                                           top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
+                                           min_p=np.zeros(1, np.float32), seed=np.array([3], np.uint64),
+                                           step=np.array([1], np.uint32))
+            assert tok == int(ref[0])
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

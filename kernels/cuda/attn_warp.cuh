@@ -97,7 +97,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
     constexpr int PIECES = D * (int)sizeof(KV) / 16;  // 16-byte pieces of a row
     for (int i = tid; i < nt * PIECES; i += NW * 32) {
         const int t = i / PIECES, c = i % PIECES;
-        if (t0 + t == pos) continue;  // the new key: not written yet, taken from registers
+        if (t0 + t == pos) continue;  // the new key: not written yet; warp 0 puts it here after the wait
         const i64 at = (i64)slot_s[t] * slot_stride + (i64)kh * D;
         cp_async16(smem_addr(reinterpret_cast<const u8*>(Ks + (i64)t * D) + 16 * c),
                    reinterpret_cast<const u8*>(kc + at) + 16 * c, true);
@@ -110,16 +110,17 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
 #pragma unroll
         for (int u = 0; u < KC; ++u) {
             const int t = c0 + u * WPH;
-            if (t < nt && t0 + t != pos) {
+            if (t < nt) {
                 load_raw<E>(Ks + (i64)t * D + lane * E, kr[u]);
                 load_raw<E>(Vs + (i64)t * D + lane * E, vr[u]);
-            } else {  // the new key (taken from registers) or none: zeros, never NaN
+            } else {  // none: zeros, never NaN
 #pragma unroll
                 for (int i = 0; i < (int)(sizeof(Raw) / 4); ++i) kr[u].w[i] = vr[u].w[i] = 0u;
             }
         }
     };
     grid_dependency_sync();
+    TRACE_MARK(0);
 
     // RMSNorm (optional) and RoPE of one head vector held E elements per lane
     auto norm_rope = [&](float (&x)[E], const float (&w)[E], bool normed) {
@@ -152,33 +153,40 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
             }
         }
     };
-    float qh[HPW][E], kn[E], vn[E];
+    float qh[HPW][E];
 #pragma unroll
     for (int j = 0; j < HPW; ++j)
         load_vals<E>(q + (i64)row * ldq + (i64)(kh * G + h0 + j * NW) * D + lane * E, qh[j]);
-    load_vals<E>(pro.k + (i64)row * pro.ldk + (i64)kh * D + lane * E, kn);
-    load_vals<E>(pro.v + (i64)row * pro.ldv + (i64)kh * D + lane * E, vn);
+    // the new key and value: warp 0 of the split that holds position pos norms and rotates the key
+    // and stores both to their cache slot and, as the cache holds them, into the split's shared rows,
+    // so the loop below reads every key alike (the other warps neither wait for it nor repeat it)
+    if (warp == 0 && pos >= t0 && pos < t0 + nt) {
+        float kn[E], vn[E];
+        load_vals<E>(pro.k + (i64)row * pro.ldk + (i64)kh * D + lane * E, kn);
+        load_vals<E>(pro.v + (i64)row * pro.ldv + (i64)kh * D + lane * E, vn);
+        norm_rope(kn, kwr, pro.kw != nullptr);
+        const i64 at_new = ((i64)pro.slots[row] * Hk + kh) * D + lane * E;
+        KV* ks_new = Ks + (i64)(pos - t0) * D + lane * E;
+        KV* vs_new = Vs + (i64)(pos - t0) * D + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const KV kq = from_f32<KV>(kn[e]), vq = from_f32<KV>(vn[e]);
+            kc[at_new + e] = kq;
+            vc[at_new + e] = vq;
+            ks_new[e] = kq;
+            vs_new[e] = vq;
+        }
+    }
 #pragma unroll
     for (int j = 0; j < HPW; ++j) {
         norm_rope(qh[j], qwr, pro.qw != nullptr);
 #pragma unroll
         for (int e = 0; e < E; ++e) qh[j][e] *= scale;
     }
+    TRACE_MARK(1);
     cp_async_wait<0>();  // this thread's copies have landed, and after the barrier everyone's
     __syncthreads();
-    norm_rope(kn, kwr, pro.kw != nullptr);
-    const bool owner = pos >= t0 && pos < t0 + nt;  // this split holds the new key: it stores it
-    const i64 at_new = ((i64)pro.slots[row] * Hk + kh) * D + lane * E;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {  // the new key and value as the cache holds them
-        const KV kq = from_f32<KV>(kn[e]), vq = from_f32<KV>(vn[e]);
-        if (owner && warp == 0) {
-            kc[at_new + e] = kq;
-            vc[at_new + e] = vq;
-        }
-        kn[e] = to_f32(kq);
-        vn[e] = to_f32(vq);
-    }
+    TRACE_MARK(2);
 
     float m[HPW], l[HPW], acc[HPW][E];
 #pragma unroll
@@ -196,12 +204,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
 #pragma unroll
             for (int u = 0; u < KC; ++u) {
                 float kk[E];
-                if (t0 + c0 + u * WPH == pos) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) kk[e] = kn[e];
-                } else {
-                    raw_vals<E>(kr[u], kk);
-                }
+                raw_vals<E>(kr[u], kk);
                 float d = 0.0f;
 #pragma unroll
                 for (int e = 0; e < E; ++e) d = fmaf(qh[j][e], kk[e], d);
@@ -218,12 +221,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
             for (int u = 0; u < KC; ++u) {
                 const float pu = expf(sc[u] - mn);
                 float vv[E];
-                if (t0 + c0 + u * WPH == pos) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) vv[e] = vn[e];
-                } else {
-                    raw_vals<E>(vr[u], vv);
-                }
+                raw_vals<E>(vr[u], vv);
                 l[j] += pu;
 #pragma unroll
                 for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pu, vv[e], acc[j][e]);
@@ -231,6 +229,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
             m[j] = mn;
         }
     }
+    TRACE_MARK(3);
     auto share = [&]() {  // this warp's (max, sum p, sum p*v) of its first head into mrg[warp]
 #pragma unroll
         for (int e = 0; e < E; ++e) mrg[warp][2 + lane * E + e] = acc[0][e];
@@ -240,6 +239,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
         share();
         __syncthreads();
     }
+    TRACE_MARK(4);
     // the splits of this (kv head, row) launched as one cluster (ops.attention): merged right here
     const bool clustered = HPW == 1 && S > 1 && cluster_ctas() == (u32)S;
     if (kset != 0 && !clustered) return;
@@ -264,15 +264,22 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
     if (clustered) {  // (sum p*v, max, sum p) of head h0 in mrg[h0], then rank z merges its slice of G*D
         if (kset == 0) share();  // the head's merged part: rows h0 < G, which no other warp reads now
         cluster_sync();
+        TRACE_MARK(5);
         const int per = (G * D + S - 1) / S;
         for (int i = z * per + tid; i < min(G * D, (z + 1) * per); i += NW * 32) {
             const int hh = i / D, d = i % D;
-            float ms[ATTW_CLUSTER_MAX], ls[ATTW_CLUSTER_MAX], M = -__int_as_float(0x7f800000);
+            // every rank's (max, sum p, sum p*v) loaded at once: one round trip, not one per use
+            float ms[ATTW_CLUSTER_MAX], ls[ATTW_CLUSTER_MAX], ns[ATTW_CLUSTER_MAX], M = -__int_as_float(0x7f800000);
 #pragma unroll
             for (int s = 0; s < ATTW_CLUSTER_MAX; ++s) {
                 if (s >= S) break;
                 ms[s] = cluster_load(&mrg[hh][0], s);
                 ls[s] = cluster_load(&mrg[hh][1], s);
+                ns[s] = cluster_load(&mrg[hh][2 + d], s);  // written by every rank (0 where it saw no key)
+            }
+#pragma unroll
+            for (int s = 0; s < ATTW_CLUSTER_MAX; ++s) {
+                if (s >= S) break;
                 if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
             }
             float num = 0.0f, den = 0.0f;
@@ -282,12 +289,14 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
                 if (ls[s] > 0.0f) {
                     const float f = expf(ms[s] - M);
                     den = fmaf(f, ls[s], den);
-                    num = fmaf(f, cluster_load(&mrg[hh][2 + d], s), num);
+                    num = fmaf(f, ns[s], num);
                 }
             }
             out[((i64)row * Hq + kh * G + hh) * D + d] = num / den;
         }
+        TRACE_MARK(6);
         cluster_sync();  // no CTA leaves while another still reads its shared memory
+        TRACE_MARK(7);
         return;
     }
 #pragma unroll

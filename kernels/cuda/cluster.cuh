@@ -22,13 +22,14 @@ EMBER_DEV void cluster_sync() {
 #endif
 }
 
-// The float at p (this CTA's shared memory) in the CTA of cluster rank `rank`.
+// The float at p (this CTA's shared memory) in the CTA of cluster rank `rank`. Volatile (kept in order
+// with the barriers), with no memory clobber, so several loads can be in flight at once.
 EMBER_DEV float cluster_load(const float* p, u32 rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     u32 remote;
     float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote));
     return v;
 #else
     return *p;

@@ -29,6 +29,12 @@ typedef unsigned long long u64;
 // the pointer in every module it loads): in a PDL chain the wait of kernel k + 1 returns when kernel k
 // is done, so the differences time each kernel where it runs (`ember bench trace`). The buffer holds
 // 8192 words (cuda_runtime.TRACE_WORDS).
+//
+// TRACE_MARK(k) (k < 64), in the same build: block 0's thread 0 stores (clock64, %globaltimer) at
+// words TRACE_MARKS + 2k, 2k + 1 where a phase of its kernel ends; the step's last launch to pass a
+// mark keeps it. Marks 0-7: decode attention (attn_warp.cuh); 8-10: the staged batch-1 matvec
+// (matvec.cu). `ember bench trace` prints the cycles between them (worker/bench/trace.py PHASES).
+#define TRACE_MARKS 8064
 #ifdef EMBER_TRACE
 __device__ unsigned long long* ember_trace_buf;
 EMBER_DEV unsigned long long global_ns() {
@@ -36,6 +42,17 @@ EMBER_DEV unsigned long long global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+#define TRACE_MARK(k)                                                                                    \
+    do {                                                                                                  \
+        if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && ember_trace_buf) { \
+            ember_trace_buf[TRACE_MARKS + 2 * (k)] = (unsigned long long)clock64();                     \
+            ember_trace_buf[TRACE_MARKS + 2 * (k) + 1] = global_ns();                                    \
+        }                                                                                                 \
+    } while (0)
+#else
+#define TRACE_MARK(k) \
+    do {              \
+    } while (0)
 #endif
 EMBER_DEV void grid_dependency_sync() {
 #ifdef EMBER_TRACE
@@ -49,7 +66,7 @@ EMBER_DEV void grid_dependency_sync() {
     if (threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && ember_trace_buf) {
         const unsigned long long t1 = global_ns();
         const unsigned long long i = atomicAdd(ember_trace_buf, 2ull);
-        if (i < 8190) {
+        if (i < TRACE_MARKS - 2) {
             ember_trace_buf[1 + i] = t0;
             ember_trace_buf[2 + i] = t1;
         }

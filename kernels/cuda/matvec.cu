@@ -43,27 +43,36 @@ template <> struct VecT<2> { typedef u16 T; };
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
 // row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
 // MLP's activation is computed once per column instead of in every block of the down projection.
-template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE>
+// SPLIT (batch 1, R rows a block): the block's warps share its rows, each taking every MV_WARPS-th
+// chunk of Q::CB / MV_WARPS blocks of all R, and add their sums through shared memory: a wide row's
+// decode (a chain of units per lane, latency-bound at one row a warp) is then a quarter as long, its
+// R rows side by side.
+template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE, bool SPLIT = false>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
                    const float* __restrict__ x, int nb, const float* res, float* y, int act = 0,
                    const XPro& xp = XPro{}) {
     static_assert(!GATED || R == 2, "a gated warp owns one gate row and its up row");
     constexpr bool XP = XK != XK_NONE;
     static_assert(!XP || B == 1, "a block makes one row of x");
+    static_assert(!SPLIT || (B == 1 && !GATED && XK == XK_NONE), "split rows: batch 1");
+    static_assert(!SPLIT || QT<QTYPE>::CB % MV_WARPS == 0, "a chunk splits into MV_WARPS");
     typedef QT<QTYPE> Q;
     typedef typename VecT<VEC>::T V;
-    constexpr int CHUNK = Q::CB * Q::BYTES;
+    constexpr int WS = SPLIT ? MV_WARPS : 1;  // warps a row
+    constexpr int CB = Q::CB / WS;            // blocks a chunk
+    constexpr int CHUNK = CB * Q::BYTES;
     constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
     __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
     // XP: this block's x; XSTAGE (batch 1): x copied in once (a row of at most XSTAGE_COLS), so the
     // decode loop below does not wait on a global load of x every unit
     constexpr bool XSTAGE = !XP && B == 1;
     __shared__ __align__(16) float xnorm[XP ? XPRO_COLS : XSTAGE ? XSTAGE_COLS : 4];
-    __shared__ float scratch[XP ? 33 : 1];
+    __shared__ float scratch[XP ? 33 : SPLIT ? MV_WARPS * R : 1];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int half = rows / 2;
-    const int row0 = (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: the gate row
+    const int part = SPLIT ? warp : 0;  // SPLIT: this warp's chunks are part, part + WS, ...
+    const int row0 = SPLIT ? blockIdx.x * R : (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: gate row
     const bool idle = row0 >= (GATED ? half : rows);
     float w1v[XP ? 8 : 1], w2v[XP ? 8 : 1];
     if constexpr (XK == XK_POST_NORM) {
@@ -74,7 +83,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
         return;
     }
     const int nblk = cols / Q::ELEMS;
-    const int nchunks = (nblk + Q::CB - 1) / Q::CB;
+    const int nchunks = (nblk + CB - 1) / CB;
 
     const u8* rowp[R];
 #pragma unroll
@@ -82,7 +91,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
 
     V buf[R][NVR];
     auto load = [&](int ch) {
-        const int bytes = min(Q::CB, nblk - ch * Q::CB) * Q::BYTES;
+        const int bytes = min(CB, nblk - ch * CB) * Q::BYTES;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const V* src = reinterpret_cast<const V*>(rowp[r] + (i64)ch * CHUNK);
@@ -102,20 +111,32 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
 
     // the first chunk's weights depend on no earlier kernel: loaded while it finishes (programmatic
     // dependent launch; a small matrix's whole row is one chunk), x read after the wait
-    if (!idle) load(0);
+    if (!idle && part < nchunks) load(part);
     grid_dependency_sync();
+    if (XSTAGE) TRACE_MARK(8);
     bool x_staged = XP;
     if constexpr (XSTAGE) {  // every warp takes part, idle or not
         if (cols <= XSTAGE_COLS) {  // block-uniform
-            if ((cols & 3) == 0 && (reinterpret_cast<u64>(x) & 15) == 0) {
-                for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x)
-                    *reinterpret_cast<float4*>(xnorm + c) = __ldg(reinterpret_cast<const float4*>(x + c));
+            if ((cols & 3) == 0 && (reinterpret_cast<u64>(x) & 15) == 0) {  // every load issued, then stored
+                constexpr int XV = XSTAGE_COLS / (4 * MV_WARPS * 32);
+                float4 xv4[XV];
+#pragma unroll
+                for (int k = 0; k < XV; ++k) {
+                    const int c = 4 * (threadIdx.x + k * MV_WARPS * 32);
+                    if (c < cols) xv4[k] = __ldg(reinterpret_cast<const float4*>(x + c));
+                }
+#pragma unroll
+                for (int k = 0; k < XV; ++k) {
+                    const int c = 4 * (threadIdx.x + k * MV_WARPS * 32);
+                    if (c < cols) *reinterpret_cast<float4*>(xnorm + c) = xv4[k];
+                }
             } else {
                 for (int c = threadIdx.x; c < cols; c += blockDim.x) xnorm[c] = x[c];
             }
             __syncthreads();
             x_staged = true;
         }
+        TRACE_MARK(9);
         if (idle) return;
     }
     if constexpr (XK == XK_POST_NORM) {  // every warp takes part in the block's reductions, idle or not
@@ -132,8 +153,8 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
         __syncthreads();
         if (idle) return;
     }
-    for (int ch = 0; ch < nchunks; ++ch) {
-        const int nbc = min(Q::CB, nblk - ch * Q::CB);
+    for (int ch = part; ch < nchunks; ch += WS) {
+        const int nbc = min(CB, nblk - ch * CB);
         const int bytes = nbc * Q::BYTES;
         __syncwarp();
 #pragma unroll
@@ -146,9 +167,9 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
             }
         }
         __syncwarp();
-        if (ch + 1 < nchunks) load(ch + 1);
+        if (ch + WS < nchunks) load(ch + WS);
 
-        const float* xc = x + (i64)ch * Q::CB * Q::ELEMS;
+        const float* xc = x + (i64)ch * CB * Q::ELEMS;
         const int nunits = nbc * Q::UNITS;
         for (int u = lane; u < nunits; u += 32) {
             const int blk = u / Q::UNITS, uu = u % Q::UNITS;
@@ -157,8 +178,8 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 if (x_staged) {
-                    const float4 lo = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e);
-                    const float4 hi = *reinterpret_cast<const float4*>(xnorm + ch * Q::CB * Q::ELEMS + e + 4);
+                    const float4 lo = *reinterpret_cast<const float4*>(xnorm + ch * CB * Q::ELEMS + e);
+                    const float4 hi = *reinterpret_cast<const float4*>(xnorm + ch * CB * Q::ELEMS + e + 4);
                     xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
                     xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
                 } else if (b < nb) {
@@ -197,6 +218,20 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[b][r] = warp_sum(acc[b][r]);
+    if constexpr (SPLIT) {  // the rows' parts, summed in warp order; the block is idle or not as a whole
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < R; ++r) scratch[warp * R + r] = acc[0][r];
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            acc[0][r] = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MV_WARPS; ++w) acc[0][r] += scratch[w * R + r];
+        }
+    }
+    if (XSTAGE) TRACE_MARK(10);
     if (GATED && lane == 0) {
 #pragma unroll
         for (int b = 0; b < B; ++b)
@@ -229,6 +264,15 @@ QMV(2, 1, 16) QMV(2, 2, 16) QMV(2, 4, 16)
 QMV(4, 1, 16) QMV(4, 2, 16) QMV(4, 4, 16)
 QMV(8, 1, 16) QMV(8, 2, 16) QMV(8, 4, 16)
 QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
+
+// R wide rows a block, their chunks shared by the block's warps (16-byte rows)
+#define QMVS(R)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                          \
+        qmvs_b1_r##R(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, \
+                     const float* res, float* y) {                                                       \
+        qmv<1, R, 16, false, XK_NONE, true>(W, row_bytes, rows, cols, x, 1, res, y);                    \
+    }
+QMVS(1) QMVS(2) QMVS(4)
 
 // the gate|up projection with the activation in its epilogue (16-byte aligned rows only)
 #define QMVG(B)                                                                                     \

@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
     const float* __restrict__ x, i64 ld, int V, const float* __restrict__ temperature, const int* __restrict__ top_k,
     const float* __restrict__ top_p, const float* __restrict__ min_p, const u64* __restrict__ seed,
     const u32* __restrict__ step, int* __restrict__ out, float* __restrict__ out_floor, float* part_v, int* part_i,
-    u32* done) {
+    u32* done, const float* greedy_v, const int* greedy_i) {
     grid_dependency_sync();
     __shared__ float scratch[33];
     __shared__ float hist[256];
@@ -266,6 +266,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
     const float T = temperature[row];
     float bv = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
+    if (!(T > 0.0f) && greedy_i) {  // greedy, and the row's argmax already found (sq8_b1's best)
+        if (part == 0 && threadIdx.x == 0) {
+            out[row] = greedy_i[row];
+            if (out_floor) out_floor[row] = greedy_v[row];
+        }
+        return;
+    }
     if (!(T > 0.0f)) {  // greedy: one argmax pass (first index of the maximum), the row's parts in parallel
         const int per = ((V + parts - 1) / parts + 3) & ~3;
         const int c0 = min(V, part * per), n = min(V, c0 + per) - c0;

@@ -12,6 +12,10 @@
 // Q8_0 blocks is 68 bytes, 4-byte aligned in shared memory: read as 17 words, the even block's quants
 // are the words funnel-shifted by 16 bits, the odd block's are aligned. Lanes 4r..4r+3 take row r's
 // block pairs and a 4-lane sum ends the row.
+//
+// With `best` given, the grid also finds the row's greedy token (the first index of the largest y, as
+// sample_f32's greedy pass): each block publishes its best (value, index), and the block that finishes
+// last merges them into best_v[0], best_i[0], so the sampler needs no pass over the logits.
 #include "common.cuh"
 
 #define SQ_WARPS 8
@@ -33,11 +37,31 @@ EMBER_DEV uint4 ld_stream(const uint4* p, u64 pol) {
     return v;
 }
 
+#define NO_INDEX 0x7fffffff
+
+// (v, i) beats (bv, bi): larger, or as large and earlier; NO_INDEX is nothing
+EMBER_DEV bool beats(float v, int i, float bv, int bi) {
+    return i != NO_INDEX && (bi == NO_INDEX || v > bv || (v == bv && i < bi));
+}
+
+EMBER_DEV void warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+}
+
 // Shared memory: x as int8 [cols], its scales [cols / 32], then each warp's stage [SQ_ROWS * row_bytes].
 extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
     sq8_b1(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
-           const float* res, float* __restrict__ y) {
+           const float* res, float* __restrict__ y, float* part_v, int* part_i, u32* done, float* best_v,
+           int* best_i) {
     extern __shared__ __align__(16) u8 smem[];
+    __shared__ float wv[SQ_WARPS];
+    __shared__ int wi[SQ_WARPS];
+    __shared__ bool last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     i8* xq = reinterpret_cast<i8*>(smem);
     float* xd = reinterpret_cast<float*>(smem + cols);
@@ -72,6 +96,8 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
     __syncthreads();
 
     const int r = lane >> 2, sub = lane & 3;
+    float bv = 0.0f;
+    int bi = NO_INDEX;
     for (; g < groups; g += gstep) {
         const int r0 = g * SQ_ROWS;
         const int nvec = (int)((min(SQ_ROWS, rows - r0) * row_bytes) >> 4);
@@ -109,6 +135,38 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-        if (sub == 0 && r0 + r < rows) y[r0 + r] = acc + (res ? res[r0 + r] : 0.0f);
+        if (sub == 0 && r0 + r < rows) {
+            const float v = acc + (res ? res[r0 + r] : 0.0f);
+            y[r0 + r] = v;
+            if (beats(v, r0 + r, bv, bi)) { bv = v; bi = r0 + r; }
+        }
+    }
+    if (!best_i) return;
+    warp_best(bv, bi);
+    if (lane == 0) { wv[warp] = bv; wi[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < SQ_WARPS; ++w)
+            if (beats(wv[w], wi[w], bv, bi)) { bv = wv[w]; bi = wi[w]; }
+        part_v[blockIdx.x] = bv;
+        part_i[blockIdx.x] = bi;
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+    __threadfence();
+    bv = 0.0f;
+    bi = NO_INDEX;
+    for (int b = lane; b < (int)gridDim.x; b += 32) {
+        const float v = __ldcg(part_v + b);
+        const int i = __ldcg(part_i + b);
+        if (beats(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    warp_best(bv, bi);
+    if (lane == 0) {
+        best_v[0] = bv;
+        best_i[0] = bi == NO_INDEX ? 0 : bi;
+        *done = 0;  // ready for the next launch
     }
 }

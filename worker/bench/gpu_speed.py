@@ -166,7 +166,9 @@ def _graph_step_ms(backend, timer, replays: int = 50) -> dict:
     """Device time of each captured decode step, replayed back to back (no host work between):
     what a step costs on the GPU, against which the tok/s above shows the host's share."""
     out = {}
-    for (rows, stride), (graph, _) in sorted(backend._graphs.items()):
+    for (rows, stride, slot), (graph, _) in sorted(backend._graphs.items()):
+        if slot:  # the other slot's graph is the same step on the other inputs
+            continue
         timer.start(backend.stream)
         for _ in range(replays):
             graph.launch()

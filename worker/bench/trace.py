@@ -6,7 +6,9 @@ variant (EMBER_TRACE=1, common.cuh): block 0 of every kernel stamps %globaltimer
 kernel before it returns. In a chain that wait returns when the kernel before is done, so the gap
 between consecutive stamps is what each kernel costs the step (its work after the wait, and the hand
 over to the next; the last kernel, the draw, has no next and is left out). The step is replayed
---replays times after warm-up; figures are means.
+--replays times after warm-up; figures are means. Inside the kernels whose phases are marked
+(common.cuh TRACE_MARK), the SM cycles from the wait's return to the end of each phase are shown too,
+for the step's last launch of each.
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ import json
 import os
 import sys
 from collections import defaultdict
+
+# common.cuh TRACE_MARK: per marked kernel, its first mark (the wait returned) and what each next one ends
+PHASES = {
+    "decode attention (attn_warp)": (0, ["q ready, new key stored", "K/V rows landed", "keys scored and summed",
+                                         "warps merged", "cluster parts shared", "cluster merge stored",
+                                         "cluster left"]),
+    "staged batch-1 matvec (qmv, qmvs)": (8, ["x staged", "rows decoded"]),
+}
 
 
 def add_trace_parser(bsub) -> None:
@@ -49,6 +59,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
           f"first wait to last: {result['span_us']} us")
     for k in result["by_kernel"]:
         print(f"  {k['kernel']:<34} x{k['launches']:<4} {k['total_us']:>8.1f} us  ({k['mean_us']:.2f} us each)")
+    for name, phases in result["phases"].items():
+        print(f"  {name}, SM cycles after its wait: " + ", ".join(f"{p['phase']} {p['cycles']}" for p in phases))
     return 0
 
 
@@ -56,7 +68,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     """Capture the decode step of `rows` sequences at `keys` keys and time its kernels (see module doc)."""
     import numpy as np
 
-    from ember.kernels.cuda_runtime import Device
+    from ember.kernels.cuda_runtime import TRACE_MARKS, Device
 
     from ..engine.backend import SeqChunk
     from ..engine.cuda_backend import CudaBackend
@@ -83,7 +95,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     step(keys - 1)  # captured now (and replayed): its launches, in order
     names = list(dev.launch_names)
     graph = next(iter(backend._graphs.values()))[0]
-    stamps = []
+    stamps, marks = [], []
     for r in range(replays + 10):
         dev.trace.zero()
         graph.launch()
@@ -94,6 +106,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
             raise RuntimeError(f"{n} kernels stamped, {len(names)} launched")
         if r >= 10:
             stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
+            marks.append(buf[TRACE_MARKS:].reshape(-1, 2)[:, 0].astype(np.int64))
     released = np.array(stamps)
     cost = np.diff(released, axis=1).mean(axis=0) / 1000.0  # kernel i: from its release to the next's
     by: dict[str, list[float]] = defaultdict(list)
@@ -101,6 +114,14 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
         by[name].append(float(c))
     table = sorted(({"kernel": k, "launches": len(v), "total_us": round(sum(v), 2), "mean_us": round(sum(v) / len(v), 2)}
                     for k, v in by.items()), key=lambda d: -d["total_us"])
+    clocks = np.array(marks)
+    phases = {}
+    for name, (first, ends) in PHASES.items():
+        got = [{"phase": p, "cycles": round(float((clocks[:, first + 1 + i] - clocks[:, first]).mean()))}
+               for i, p in enumerate(ends) if (clocks[:, [first, first + 1 + i]] > 0).all()]
+        if got:
+            phases[name] = got
     return {"model": model.path.name, "device": dev.name, "kernels": len(names), "rows": rows, "keys": keys,
+            "phases": phases,
             "span_us": round(float((released[:, -1] - released[:, 0]).mean()) / 1000.0, 1),
             "by_kernel": table, "sequence": [{"kernel": n, "us": round(float(c), 2)} for n, c in zip(names, cost)]}

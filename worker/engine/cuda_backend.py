@@ -9,7 +9,10 @@ write_block copy one block to / from the host in the numpy layout [2, layers, bl
 head_dim] (float32), so the prefix cache and KV persistence work unchanged.
 
 Every buffer a step touches is allocated once, up front, and a step's inputs travel in one copy
-from pinned memory. A decode step (one token per sequence) is captured once per (batch bucket,
+from pinned memory. Steps alternate between two slots, each with its own input buffers (host and
+device) and drawn-token buffers; the copies run on two copy streams (inputs up, tokens down), so
+while step n runs, step n + 1's inputs are already on their way and step n - 1's tokens on theirs:
+the compute stream only waits for an event between two steps. A decode step (one token per sequence) is captured once per (batch bucket,
 context bucket) as a CUDA graph and then replayed with one launch, so the host does not bound small
 models. Chunks that ask for it (`SeqChunk.sample`) are sampled on the device and come back as
 `SampledToken`; the rest come back as logits. submit() launches a step and returns at once (two
@@ -64,6 +67,10 @@ TC_MIN_ROWS = 16
 # does not pay off on so few rows. Measured on the H200 in PDL graphs (2026-12-03), Gemma 3 270M:
 # Q4_K 640 x 1024 staged 2.28 us against int8 4.07-5.73 us; Q4_K / Q6_K 640 x 2048 3.20 against 3.64-5.38.
 INT8_MIN_ROWS = 1024
+# From this many columns such a row is shared by a block's warps (ops.matvec split): by `ember bench
+# trace` on the H200 (2026-12-03), one warp's decode of a 2048-column row took about 1.6 us of the
+# 270M's down projection after its input arrived.
+SPLIT_MIN_COLS = 1024
 # A single row through a Q8_0 matrix of at least this many rows (a tied output projection) streams it
 # with int8 x (ops.matvec_stream_q8_0): the staged matvec is bound by instructions there (2.28 TB/s
 # on the H200 for Gemma 3 270M's 262144 x 640).
@@ -111,6 +118,31 @@ class _Layout:
         self.tile_cap = r // ops.FLASH_ROWS + s + 1
         self.tables = self.tiles + 8 * self.tile_cap
         self.nbytes = self.tables + 4 * self.table_cap
+
+
+@dataclass
+class _StepInputs:
+    """One slot's step inputs on the device: views of its buffer at the layout's offsets."""
+
+    tok: object
+    pos: object
+    slots: object
+    seq: object
+    out_rows: object
+    feed: object
+    tiles: object
+    tables: object
+    sample: object
+
+    @classmethod
+    def of(cls, buf, lay: _Layout) -> "_StepInputs":
+        def ints(off: int, n: int):
+            return buf.view_bytes(off, n, np.int32)
+
+        r = lay.rows
+        return cls(ints(lay.tok, r), ints(lay.pos, r), ints(lay.slots, r), ints(lay.seq, r), ints(lay.out_rows, r),
+                   ints(lay.feed, r), ints(lay.tiles, 2 * lay.tile_cap), ints(lay.tables, lay.table_cap),
+                   buf.view_bytes(lay.sample, ops.SampleParams.nbytes(r), np.uint8))
 
 
 class CudaBackend:
@@ -161,10 +193,10 @@ class CudaBackend:
                 lw[w].cols % 32 == 0 for lw in self.layers for w in _ALL_MATRICES if w in lw)
             self._alloc_kv()
             self.f16_weights = self._keep_half_weights(f16_weights)
-            self._alloc_step_buffers(HostBuffer, Event)
+            self._alloc_step_buffers(HostBuffer, Event, Stream)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
-        self._graphs: dict[tuple[int, int], tuple[object, dict]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[object, dict]] = {}  # (rows, stride, slot)
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
 
@@ -277,26 +309,20 @@ class CudaBackend:
         self.stream.synchronize()
         return True
 
-    def _alloc_step_buffers(self, HostBuffer, Event) -> None:
+    def _alloc_step_buffers(self, HostBuffer, Event, Stream) -> None:
         cfg, R = self.config, self.max_rows
         blocks = -(-max(cfg.context_length, 1) // self.block_size)
         table_len = 1 << (blocks - 1).bit_length()  # decode steps bucket their table width to a power of 2
         self.layout = _Layout(R, self.max_seqs, (self.max_seqs + 1) * table_len)
-        # two of each host buffer: a step is packed and launched while the one before is still running
+        # two of each: a step is packed, its inputs sent and it is launched while the one before still runs
         self._h_in = [HostBuffer(self.layout.nbytes) for _ in range(2)]
-        self._d_in = self.dev.empty((self.layout.nbytes,), np.uint8)
-        lay = self.layout
-
-        def ints(off: int, n: int):
-            return self._d_in.view_bytes(off, n, np.int32)
-
-        self.d_tok, self.d_pos = ints(lay.tok, R), ints(lay.pos, R)
-        self.d_slots, self.d_seq = ints(lay.slots, R), ints(lay.seq, R)
-        self.d_out_rows = ints(lay.out_rows, R)
-        self.d_feed = ints(lay.feed, R)
-        self.d_tiles = ints(lay.tiles, 2 * lay.tile_cap)
-        self.d_tables = ints(lay.tables, lay.table_cap)
-        self.d_sample = self._d_in.view_bytes(lay.sample, ops.SampleParams.nbytes(R), np.uint8)
+        self._d_in = [self.dev.empty((self.layout.nbytes,), np.uint8) for _ in range(2)]
+        self.inputs = [_StepInputs.of(d, self.layout) for d in self._d_in]
+        # each slot's draws: step n + 1 may read step n's (run-ahead feed) while step n's go to the host
+        self.d_tokens_out = [self.dev.empty((R,), np.int32) for _ in range(2)]
+        self.up_stream, self.down_stream = Stream(), Stream()
+        self._uploaded = [Event(), Event()]  # a slot's inputs are on the device
+        self._ran = [Event(), Event()]  # a slot's step (and its logits copy) is done on the compute stream
         e = self.dev.empty
         hid, qd, kvd, ffn = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
         self.x, self.h, self.o2 = e((R * hid,)), e((R * hid,)), e((R * hid,))
@@ -309,13 +335,13 @@ class CudaBackend:
         # the residual's second buffer, for post-norms done inside the next matvec (_PostNorms)
         self.x_alt = e((hid,)) if cfg.post_norms and hid <= ops.XPRO_COLS else None
         self.logits = e((R * cfg.vocab_size,))
-        self.d_tokens_out = e((R,), np.int32)
         # the sampler's per-row counters (kept at zero by the kernel) and per-block partial results
         self.d_sample_work = (e((R,), np.int32), e((2 * R * ops.sample_parts(cfg.vocab_size),), np.int32))
         self.d_sample_work[0].zero()
+        self.d_argmax = ops.RowArgmax.alloc(self.dev)
         self._h_tokens = [HostBuffer(4 * R) for _ in range(2)]
         self._h_logits: list[HostBuffer | None] = [None, None]
-        self._done = [Event(), Event()]  # recorded after each slot's step and its copies back
+        self._done = [Event(), Event()]  # recorded after each slot's step and its tokens' copy back
         self._inflight: list[_Pending | None] = [None, None]
         self._slot = 0
         self._last: _Pending | None = None  # the step submitted last: the one a run-ahead step feeds on
@@ -437,24 +463,27 @@ class CudaBackend:
                 n_tiles = len(tiles)
                 _host(hb, lay.tiles, 2 * n_tiles, np.int32)[:] = tiles.reshape(-1)
         end = lay.tables + tables.nbytes
-        self._d_in.view(0, end).upload_from(self._h_in[slot], end, self.stream)
+        # the slot's device inputs are free: the step that last read them (two submits ago) was collected
+        self._d_in[slot].view(0, end).upload_from(self._h_in[slot], end, self.up_stream)
+        self._uploaded[slot].record(self.up_stream)
+        self.stream.wait(self._uploaded[slot])
 
         max_keys = stride * bs if graph_rows else max_len
         if graph_rows:
             key = (graph_rows, stride)
-            if key in self._graphs:
-                self._graphs[key][0].launch()
+            if key + (slot,) in self._graphs:
+                self._graphs[key + (slot,)][0].launch()
                 self.graph_replays += 1
             elif key in self._seen and self.graphs_enabled and self._device_attention:
-                self._graphs[key] = self._capture(rows, stride, max_keys, n_out)
-                self._graphs[key][0].launch()
+                self._graphs[key + (slot,)] = self._capture(rows, stride, max_keys, n_out, slot)
+                self._graphs[key + (slot,)][0].launch()
             else:  # the first time: run eagerly (loads modules, warms up), capture next time
                 self._seen.add(key)
-                self._launch(rows, stride, max_keys, n_out, chunks, spans, pos, feed=True)
+                self._launch(rows, stride, max_keys, n_out, slot, chunks, spans, pos, feed=True)
         else:
             # feed: the previous step's draws, still on the device, become tokens
-            self._launch(n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled), n_tiles=n_tiles,
-                         feed=sources is not None)
+            self._launch(n, stride, max_keys, n_out, slot, chunks, spans, pos, sample=bool(sampled),
+                         n_tiles=n_tiles, feed=sources is not None)
         pending = _Pending(self, slot, chunks, want, sampled, n_out)
         self._copy_back(pending)
         self._inflight[slot] = self._last = pending
@@ -497,11 +526,11 @@ class CudaBackend:
                               step=step)
 
     def _copy_back(self, p: "_Pending") -> None:
-        """Queue the copies of what the scheduler needs (drawn tokens, logits for the rest) into the
-        step's host buffers, and mark the stream there."""
+        """Queue the copies of what the scheduler needs into the step's host buffers: logits for the rows
+        not drawn on the device (the compute stream: the next step overwrites them), then the drawn
+        tokens (the download stream, off the compute stream's path: each slot has its own), and mark
+        where they are done."""
         st, V = self.stream, self.config.vocab_size
-        if p.sampled:
-            self.d_tokens_out.view(0, p.n_out).download_into(self._h_tokens[p.slot], 4 * p.n_out, st)
         if p.host_rows:
             total = sum(cnt for _, _, cnt in p.host_rows) * V * 4
             buf = self._h_logits[p.slot]
@@ -515,7 +544,12 @@ class CudaBackend:
             for _, r, cnt in p.host_rows:
                 self.logits.view(r * V, cnt * V).download_into(buf, cnt * V * 4, st, host_offset=at)
                 at += cnt * V * 4
-        self._done[p.slot].record(st)
+        self._ran[p.slot].record(st)
+        self.down_stream.wait(self._ran[p.slot])
+        if p.sampled:
+            self.d_tokens_out[p.slot].view(0, p.n_out).download_into(self._h_tokens[p.slot], 4 * p.n_out,
+                                                                     self.down_stream)
+        self._done[p.slot].record(self.down_stream)
 
     @_poison_guard
     def _collect(self, p: "_Pending") -> list:
@@ -532,9 +566,10 @@ class CudaBackend:
             at += cnt * V * 4
         return out
 
-    def _capture(self, rows, stride, max_keys, n_out):
-        """Record one decode step of `rows` sequences over at most `max_keys` keys as a CUDA graph,
-        with split-K buffers of its own (scratch that later grows must not move under a graph)."""
+    def _capture(self, rows, stride, max_keys, n_out, slot):
+        """Record one decode step of `rows` sequences over at most `max_keys` keys, reading the inputs of
+        `slot`, as a CUDA graph with split-K buffers of its own (scratch that later grows must not move
+        under a graph)."""
         from ember.kernels.cuda_runtime import Graph
 
         cfg = self.config
@@ -547,7 +582,7 @@ class CudaBackend:
         bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
         self.stream.synchronize()
         with Graph.capture(self.stream) as g, pdl_launches(self.pdl):
-            self._launch(rows, stride, max_keys, n_out, None, None, None, partials=bufs, feed=True)
+            self._launch(rows, stride, max_keys, n_out, slot, None, None, None, partials=bufs, feed=True)
         return g, bufs
 
     def _int8(self, w: ops.QuantMatrix, n: int, tc: bool = True) -> bool:
@@ -570,12 +605,16 @@ class CudaBackend:
             return not self._int8(w, n, tc) and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w)
         return self._staged(w, n, tc)
 
-    def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True) -> None:
+    def _streamed(self, w: ops.QuantMatrix, n: int) -> bool:
+        """Whether _linear streams one row through a tall Q8_0 matrix (ops.matvec_stream_q8_0)."""
+        return n == 1 and self.int8_activations and w.rows >= STREAM_MIN_ROWS and ops.stream_q8_0_supported(w)
+
+    def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True, argmax=None) -> None:
         out = w is self.output
         if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (_PostNorms)
             ops.matvec_post_norm(self.dev, w, x, y, stream=self.stream)
-        elif n == 1 and self.int8_activations and w.rows >= STREAM_MIN_ROWS and ops.stream_q8_0_supported(w):
-            ops.matvec_stream_q8_0(self.dev, w, x, y, res=res, stream=self.stream)
+        elif self._streamed(w, n):
+            ops.matvec_stream_q8_0(self.dev, w, x, y, res=res, argmax=argmax, stream=self.stream)
         elif tc and self.tensor_cores and n >= TC_MIN_ROWS:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
             ops.linear_tc(self.dev, w, x, y, n=n, res=res, kind=self.half_kind, scratch="gemm_out" if out else "gemm",
@@ -584,7 +623,9 @@ class CudaBackend:
             ops.matvec_q8(self.dev, w, x, y, n=n, res=res, stream=self.stream)
         else:
             small = n == 1 and w.rows < INT8_MIN_ROWS  # staged beats kv2 there too (Q4_K 640 x 1024: 2.28 vs 3.62 us)
-            ops.matvec(self.dev, w, x, y, n=n, res=res, variant="staged" if small else "auto", stream=self.stream)
+            split = small and w.cols >= SPLIT_MIN_COLS and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
+            ops.matvec(self.dev, w, x, y, n=n, res=res, variant="staged" if small else "auto", split=split,
+                       stream=self.stream)
 
     def _gate_up(self, lw: dict, h, n: int, tc: bool = True) -> bool:
         """The MLP's gate and up projections. True: a matvec took the stacked matrix and wrote
@@ -627,20 +668,22 @@ class CudaBackend:
             ops.gated_act(self.dev, self.g, self.u, self.g, n=n, ffn=cfg.ffn, act=cfg.act, stream=self.stream)
         self._linear(w, self.g, y, n, res=res, tc=tc)
 
-    def _launch(self, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
+    def _launch(self, n, stride, max_keys, n_out, slot, chunks, spans, positions, *, partials=None, sample=True,
                 tc=True, n_tiles=0, feed=False) -> None:
         """Every kernel of one step, on self.stream, reading only device buffers (so it can be
         captured: the tensor-core path's scratch is sized at start for every layer matrix and never
-        moves); chunks/spans/positions are needed only by the host attention fallback."""
+        moves): the inputs of `slot`, the draws of the other slot (the step before) when fed, its own
+        draws into its slot's; chunks/spans/positions are needed only by the host attention fallback."""
         dev, cfg, st = self.dev, self.config, self.stream
+        inp = self.inputs[slot]
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
         x, h, o2, q, k, v, att = self.x, self.h, self.o2, self.q, self.k, self.v, self.att
         with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
             # feed: the rows fed from the previous step's draws (d_feed: -1 for the others); the first
             # layer's attn_norm into h
-            ops.embed(dev, self.token_embd, x, self.d_tok, n=n, scale=float(np.float32(cfg.embed_scale)),
-                      feed=(self.d_tokens_out, self.d_feed) if feed else None,
+            ops.embed(dev, self.token_embd, x, inp.tok, n=n, scale=float(np.float32(cfg.embed_scale)),
+                      feed=(self.d_tokens_out[slot ^ 1], inp.feed) if feed else None,
                       norm=(self.layers[0]["attn_norm"], cfg.norm_eps, h), stream=st)
         h_ready = True  # h (or post.pending) holds this layer's attn_norm (embed, or the previous layer's end)
         # one row per sequence (a captured step's padded rows too): attention takes the prologue in
@@ -678,23 +721,23 @@ class CudaBackend:
             window = cfg.sliding_window if local else 0
             keys = min(max_keys, window) if window else max_keys
             if self._device_attention and decode:  # the prologue fused into decode attention: one launch
-                pro = ops.DecodePrologue(k_, v_, self.d_slots, inv, cfg.rope_neox, ldk, ldv, lw.get("q_norm"),
+                pro = ops.DecodePrologue(k_, v_, inp.slots, inv, cfg.rope_neox, ldk, ldv, lw.get("q_norm"),
                                          lw.get("k_norm"), cfg.norm_eps)
-                ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
                               kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
                               max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
                               prologue=pro, stream=st)
             elif self._device_attention:  # q/k norms, RoPE and the KV write in one launch
-                ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, self.d_slots, self.d_pos, inv, n=n, heads=H, kv_heads=Hk,
+                ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, inp.slots, inp.pos, inv, n=n, heads=H, kv_heads=Hk,
                                head_dim=D, neox=cfg.rope_neox, q_norm=lw.get("q_norm"), k_norm=lw.get("k_norm"),
                                eps=cfg.norm_eps, ldq=ldq, ldk=ldk, ldv=ldv, stream=st)
                 if n_tiles:  # prefill: tiles of query rows on the tensor cores
-                    ops.flash_attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, self.d_tiles, att,
+                    ops.flash_attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, inp.tiles, att,
                                         n_tiles=n_tiles, heads=H, kv_heads=Hk, head_dim=D,
                                         block_size=self.block_size, max_blocks=stride, window=window,
                                         scale=cfg.attn_scale, ldq=ldq, stream=st)
                 else:
-                    ops.attention(dev, q_, kc, vc, self.d_tables, self.d_seq, self.d_pos, att, rows=n, heads=H,
+                    ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
                                   kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
                                   max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
                                   stream=st)
@@ -704,9 +747,9 @@ class CudaBackend:
                                  ldy=ldq, stream=st)
                     ops.rms_norm(dev, k_, lw["k_norm"], k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
                                  ldx=ldk, ldy=ldk, stream=st)
-                ops.rope(dev, q_, k_, self.d_pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, ldq=ldq,
+                ops.rope(dev, q_, k_, inp.pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=cfg.rope_neox, ldq=ldq,
                          ldk=ldk, stream=st)
-                ops.kv_write(dev, k_, v_, kc, vc, self.d_slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv,
+                ops.kv_write(dev, k_, v_, kc, vc, inp.slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv,
                              stream=st)
                 self._host_attention(li, chunks, spans, positions, q, att, window)
             if cfg.post_norms:  # Gemma: post-norm into the residual and the MLP's pre-norm (one launch, or none)
@@ -737,15 +780,17 @@ class CudaBackend:
             if final is None:
                 src = post.x
                 if n_out != n:  # the output rows are a subset (out_rows lists them in order)
-                    ops.gather_rows(dev, post.x, self.d_out_rows, o2, n=n_out, cols=hid, stream=st)
+                    ops.gather_rows(dev, post.x, inp.out_rows, o2, n=n_out, cols=hid, stream=st)
                     src = o2
                 ops.rms_norm(dev, src, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
                 final = self.hn
-            self._linear(self.output, final, self.logits, n_out, tc=tc)
+            # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
+            argmax = self.d_argmax if sample and self._streamed(self.output, n_out) else None
+            self._linear(self.output, final, self.logits, n_out, tc=tc, argmax=argmax)
             if sample:
-                params = self.d_sample.view(0, ops.SampleParams.nbytes(n_out))
-                ops.sample(dev, self.logits, params, self.d_tokens_out, rows=n_out, vocab=cfg.vocab_size,
-                           work=self.d_sample_work, stream=st)
+                params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
+                ops.sample(dev, self.logits, params, self.d_tokens_out[slot], rows=n_out, vocab=cfg.vocab_size,
+                           work=self.d_sample_work, greedy=argmax, stream=st)
 
     def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
