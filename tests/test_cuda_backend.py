@@ -192,6 +192,15 @@ def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
         runs.append(decode(cud, [int(t) for t in firsts], 20, tables, 12, run_ahead))
     assert runs[0] == runs[1] == runs[2]
     assert cud.graph_replays > 0
+    # one stream: the one-row graphs, whose greedy token the tied Q8_0 output projection finds as it
+    # streams (so does the prefill step's), against numpy's argmax of the same step's logits
+    single = []
+    for run_ahead in (False, True, True):
+        first = cud.forward([SeqChunk(prompts[0], 0, tables[0], "last", sample=GREEDY)])[0]
+        single.append(decode(cud, [int(first)], 20, tables[:1], 12, run_ahead))
+    assert single[0] == single[1] == single[2]
+    (logits,) = cud.forward([SeqChunk(prompts[0], 0, tables[0], "last")])
+    assert int(first) == int(np.argmax(logits))
     # a prefill chunk (host tokens) in the same step as a fed decode row
     first = cud.forward([SeqChunk(prompts[0], 0, tables[0], "last", sample=GREEDY)])[0]
     pending = cud.submit([SeqChunk(np.zeros(1, np.int32), 20, tables[0], "last", sample=GREEDY),

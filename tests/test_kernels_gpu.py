@@ -97,17 +97,22 @@ def test_matvec_matches_linear(dev, rng, tname, n):
         err = rel_err(out, ref)
         assert err < FP32_BAR, (tname, n, r, err)
         assert rel_err(out, reference.linear(x, wf)) < FP32_BAR  # the float32 twin itself
-    if n == 1:  # one row a block, its chunks split over the block's warps (+ res)
-        for c in (cols, 1024):
-            w, raw, wf = upload_matrix(dev, rng, tname, rows, c) if c != cols else (w, raw, wf)
+    if n == 1:  # R rows a block, their chunks split over the block's warps (+ res); 1003: a last block
+        for c in (cols, 1024):  # partly past the rows; 1024 columns: x staged in shared memory
+            rows_s = 1003
+            w, raw, wf = upload_matrix(dev, rng, tname, rows_s, c)
             xs = x[:, :c].copy()
-            res = rng.normal(0, 1, (1, rows)).astype(np.float32)
+            res = rng.normal(0, 1, (1, rows_s)).astype(np.float32)
+            ref = xs.astype(np.float64) @ wf.T.astype(np.float64)
+            ys = dev.empty((1, rows_s))
             for r in (1, 2, 4):
-                y.poison()
-                ops.matvec(dev, w, dev.to_device(xs), y, res=dev.to_device(res), variant="staged", split=True,
+                ys.poison()
+                ops.matvec(dev, w, dev.to_device(xs), ys, res=dev.to_device(res), variant="staged", split=True,
                            rows_per_warp=r)
-                ref = xs.astype(np.float64) @ wf.T.astype(np.float64) + res
-                assert rel_err(y.to_host(), ref) < FP32_BAR, (tname, c, r)
+                assert rel_err(ys.to_host(), ref + res) < FP32_BAR, (tname, c, r)
+            ys.poison()
+            ops.matvec(dev, w, dev.to_device(xs), ys, variant="staged")  # unsplit, one row a warp
+            assert rel_err(ys.to_host(), ref) < FP32_BAR, (tname, c)
 
 
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
@@ -213,6 +218,7 @@ def test_stream_q8_0_argmax(dev, rng, rows, blocks):
         yh = y.to_host()
         assert int(a.best_i.to_host()[0]) == int(np.argmax(yh)) == 0
         assert a.best_v.to_host()[0] == yh.max()
+        a.best_i.poison()
         ops.matvec_stream_q8_0(dev, w, dev.to_device(x), y, blocks=blocks, argmax=a)
         assert int(a.best_i.to_host()[0]) == int(np.argmax(y.to_host()))
     assert int(a.counter.to_host()[0]) == 0

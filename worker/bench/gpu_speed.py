@@ -166,9 +166,10 @@ def _graph_step_ms(backend, timer, replays: int = 50) -> dict:
     """Device time of each captured decode step, replayed back to back (no host work between):
     what a step costs on the GPU, against which the tok/s above shows the host's share."""
     out = {}
-    for (rows, stride, slot), (graph, _) in sorted(backend._graphs.items()):
-        if slot:  # the other slot's graph is the same step on the other inputs
-            continue
+    shapes: dict = {}
+    for (rows, stride, slot), (graph, _) in sorted(backend._graphs.items(), reverse=True):
+        shapes[rows, stride] = graph  # either slot's graph: the same step on the other inputs (slot 0's kept)
+    for (rows, stride), graph in sorted(shapes.items()):
         timer.start(backend.stream)
         for _ in range(replays):
             graph.launch()

@@ -403,7 +403,6 @@ class CudaBackend:
                 raise
             except Exception:
                 pass
-        self._slot ^= 1
 
         # the step's inputs, packed into pinned memory and sent in one copy
         lay, hb = self.layout, self._h_in[slot].array
@@ -487,6 +486,7 @@ class CudaBackend:
         pending = _Pending(self, slot, chunks, want, sampled, n_out)
         self._copy_back(pending)
         self._inflight[slot] = self._last = pending
+        self._slot ^= 1  # only after a launch: a fed step's source is always the other slot's last step
         return pending
 
     def _feed_sources(self, chunks, feed) -> np.ndarray:
