@@ -95,7 +95,7 @@ _NOT_AVAILABLE_CODES = {3, 34, 35, 100, 101, 804}  # not initialised, stub libra
 
 
 TRACE_WORDS = 8192  # common.cuh EMBER_TRACE: the count, then (start, release) pairs
-TRACE_MARKS = 8064  # common.cuh TRACE_MARK: (clock64, globaltimer) of mark k at TRACE_MARKS + 2k
+TRACE_MARKS = 8064  # common.cuh TRACE_MARK: the SM clock at mark k in word TRACE_MARKS + k
 
 
 class Device:

@@ -30,8 +30,8 @@ typedef unsigned long long u64;
 // is done, so the differences time each kernel where it runs (`ember bench trace`). The buffer holds
 // 8192 words (cuda_runtime.TRACE_WORDS).
 //
-// TRACE_MARK(k) (k < 64), in the same build: block 0's thread 0 stores (clock64, %globaltimer) at
-// words TRACE_MARKS + 2k, 2k + 1 where a phase of its kernel ends; the step's last launch to pass a
+// TRACE_MARK(k) (k < 64), in the same build: block 0's thread 0 stores its SM's clock64 at word
+// TRACE_MARKS + k where a phase of its kernel ends; the step's last launch to pass a
 // mark keeps it. Marks 0-7: decode attention (attn_warp.cuh); 8-10: the staged batch-1 matvec
 // (matvec.cu). `ember bench trace` prints the cycles between them (worker/bench/trace.py PHASES).
 #define TRACE_MARKS 8064
@@ -45,8 +45,7 @@ EMBER_DEV unsigned long long global_ns() {
 #define TRACE_MARK(k)                                                                                    \
     do {                                                                                                  \
         if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && ember_trace_buf) { \
-            ember_trace_buf[TRACE_MARKS + 2 * (k)] = (unsigned long long)clock64();                     \
-            ember_trace_buf[TRACE_MARKS + 2 * (k) + 1] = global_ns();                                    \
+            ember_trace_buf[TRACE_MARKS + (k)] = (unsigned long long)clock64();                         \
         }                                                                                                 \
     } while (0)
 #else

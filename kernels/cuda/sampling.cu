@@ -1,5 +1,5 @@
 // Sampling helpers on the device: argmax (greedy decoding) and a row softmax with temperature.
-#include "common.cuh"
+#include "argmax.cuh"
 
 // out_idx[r] = first index of the largest value of row r (numpy.argmax's tie rule); one block per row.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V, int* __restrict__ out_idx,
@@ -9,10 +9,10 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V
     __shared__ int si[32];
     const float* xr = x + (i64)blockIdx.x * ld;
     float best = -__int_as_float(0x7f800000);
-    int bi = 0x7fffffff;
+    int bi = NO_INDEX;
     for (int c = threadIdx.x; c < V; c += blockDim.x) {
         const float v = xr[c];
-        if (v > best || bi == 0x7fffffff) { best = v; bi = c; }  // strictly greater: first index wins
+        if (v > best || bi == NO_INDEX) { best = v; bi = c; }  // strictly greater: first index wins
     }
     // (value desc, index asc) reduction
 #pragma unroll
@@ -26,7 +26,7 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V
     __syncthreads();
     if (warp == 0) {
         best = lane < nw ? sv[lane] : -__int_as_float(0x7f800000);
-        bi = lane < nw ? si[lane] : 0x7fffffff;
+        bi = lane < nw ? si[lane] : NO_INDEX;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, best, o);
@@ -45,10 +45,6 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V
 // row) reduces the pairs. Same result and tie rule as argmax_f32.
 #define ARGMAX_CHUNK 8192
 
-EMBER_DEV void better(float& best, int& bi, float v, int i) {
-    if (v > best || (v == best && i < bi) || bi == 0x7fffffff) { best = v; bi = i; }
-}
-
 extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, int V, float* __restrict__ pv,
                                            int* __restrict__ pi) {
     grid_dependency_sync();
@@ -58,7 +54,7 @@ extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, 
     const float* xr = x + (i64)row * ld;
     const int c0 = chunk * ARGMAX_CHUNK, c1 = min(V, c0 + ARGMAX_CHUNK);
     float best = -__int_as_float(0x7f800000);
-    int bi = 0x7fffffff;
+    int bi = NO_INDEX;
     const bool vec = (ld % 4 == 0) && ((((u64)x) & 15) == 0);
     if (vec) {
         for (int c = c0 + 4 * threadIdx.x; c < c1; c += 4 * blockDim.x) {
@@ -73,18 +69,13 @@ extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, 
     } else {
         for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) better(best, bi, xr[c], c);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (oi != 0x7fffffff) better(best, bi, ov, oi);
-    }
+    warp_best(best, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { sv[warp] = best; si[warp] = bi; }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (si[w] != 0x7fffffff) better(best, bi, sv[w], si[w]);
+            if (si[w] != NO_INDEX) better(best, bi, sv[w], si[w]);
         pv[(i64)row * nchunks + chunk] = best;
         pi[(i64)row * nchunks + chunk] = bi;
     }
@@ -95,17 +86,12 @@ extern "C" __global__ void argmax_final_f32(const float* __restrict__ pv, const 
     grid_dependency_sync();
     const int row = blockIdx.x, lane = threadIdx.x;
     float best = -__int_as_float(0x7f800000);
-    int bi = 0x7fffffff;
+    int bi = NO_INDEX;
     for (int c = lane; c < nchunks; c += 32)
-        if (pi[(i64)row * nchunks + c] != 0x7fffffff) better(best, bi, pv[(i64)row * nchunks + c], pi[(i64)row * nchunks + c]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (oi != 0x7fffffff) better(best, bi, ov, oi);
-    }
+        if (pi[(i64)row * nchunks + c] != NO_INDEX) better(best, bi, pv[(i64)row * nchunks + c], pi[(i64)row * nchunks + c]);
+    warp_best(best, bi);
     if (lane == 0) {
-        out_idx[row] = bi == 0x7fffffff ? 0 : bi;
+        out_idx[row] = bi == NO_INDEX ? 0 : bi;
         if (out_val) out_val[row] = best;
     }
 }
@@ -265,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
     const float* xr = x + (i64)row * ld;
     const float T = temperature[row];
     float bv = -__int_as_float(0x7f800000);
-    int bi = 0x7fffffff;
+    int bi = NO_INDEX;
     if (!(T > 0.0f) && greedy_i) {  // greedy, and the row's argmax already found (sq8_b1's best)
         if (part == 0 && threadIdx.x == 0) {
             out[row] = greedy_i[row];
@@ -278,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
         const int c0 = min(V, part * per), n = min(V, c0 + per) - c0;
         each(xr + c0, n, [&](float v, int c) {
             c += c0;
-            if (v > bv || (v == bv && c < bi) || bi == 0x7fffffff) { bv = v; bi = c; }
+            if (v > bv || (v == bv && c < bi) || bi == NO_INDEX) { bv = v; bi = c; }
         });
         block_best(bv, bi, best_v, best_i);
         if (threadIdx.x == 0) {
@@ -298,24 +284,24 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
         if (parts > 1) {
             __threadfence();
             bv = -__int_as_float(0x7f800000);
-            bi = 0x7fffffff;
+            bi = NO_INDEX;
             for (int p = threadIdx.x; p < parts; p += 32) {
                 const float v = __ldcg(part_v + (i64)row * parts + p);
                 const int i = __ldcg(part_i + (i64)row * parts + p);
-                if (i != 0x7fffffff && (v > bv || (v == bv && i < bi) || bi == 0x7fffffff)) { bv = v; bi = i; }
+                if (i != NO_INDEX && (v > bv || (v == bv && i < bi) || bi == NO_INDEX)) { bv = v; bi = i; }
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
                 const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
                 const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (oi != 0x7fffffff && (ov > bv || (ov == bv && oi < bi) || bi == 0x7fffffff)) { bv = ov; bi = oi; }
+                if (oi != NO_INDEX && (ov > bv || (ov == bv && oi < bi) || bi == NO_INDEX)) { bv = ov; bi = oi; }
             }
         } else {
             bv = best_v[0];
             bi = best_i[0];
         }
         if (threadIdx.x == 0) {
-            out[row] = bi == 0x7fffffff ? 0 : bi;
+            out[row] = bi == NO_INDEX ? 0 : bi;
             if (out_floor) out_floor[row] = bv;
             if (parts > 1) done[row] = 0;  // ready for the next launch
         }
@@ -349,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(
     });
     block_best(bv, bi, best_v, best_i);
     if (threadIdx.x == 0) {
-        out[row] = bi == 0x7fffffff ? 0 : bi;
+        out[row] = bi == NO_INDEX ? 0 : bi;
         if (out_floor) out_floor[row] = key_value(floor_key);
     }
 }

@@ -16,7 +16,7 @@
 // With `best` given, the grid also finds the row's greedy token (the first index of the largest y, as
 // sample_f32's greedy pass): each block publishes its best (value, index), and the block that finishes
 // last merges them into best_v[0], best_i[0], so the sampler needs no pass over the logits.
-#include "common.cuh"
+#include "argmax.cuh"
 
 #define SQ_WARPS 8
 #define SQ_ROWS 8    // rows a warp stages at a time: four lanes a row
@@ -35,22 +35,6 @@ EMBER_DEV uint4 ld_stream(const uint4* p, u64 pol) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p), "l"(pol));
     return v;
-}
-
-#define NO_INDEX 0x7fffffff
-
-// (v, i) beats (bv, bi): larger, or as large and earlier; NO_INDEX is nothing
-EMBER_DEV bool beats(float v, int i, float bv, int bi) {
-    return i != NO_INDEX && (bi == NO_INDEX || v > bv || (v == bv && i < bi));
-}
-
-EMBER_DEV void warp_best(float& bv, int& bi) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
 }
 
 // Shared memory: x as int8 [cols], its scales [cols / 32], then each warp's stage [SQ_ROWS * row_bytes].
@@ -138,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
         if (sub == 0 && r0 + r < rows) {
             const float v = acc + (res ? res[r0 + r] : 0.0f);
             y[r0 + r] = v;
-            if (beats(v, r0 + r, bv, bi)) { bv = v; bi = r0 + r; }
+            better(bv, bi, v, r0 + r);
         }
     }
     if (!best_i) return;
@@ -147,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < SQ_WARPS; ++w)
-            if (beats(wv[w], wi[w], bv, bi)) { bv = wv[w]; bi = wi[w]; }
+            if (wi[w] != NO_INDEX) better(bv, bi, wv[w], wi[w]);
         part_v[blockIdx.x] = bv;
         part_i[blockIdx.x] = bi;
         __threadfence();
@@ -161,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
     for (int b = lane; b < (int)gridDim.x; b += 32) {
         const float v = __ldcg(part_v + b);
         const int i = __ldcg(part_i + b);
-        if (beats(v, i, bv, bi)) { bv = v; bi = i; }
+        if (i != NO_INDEX) better(bv, bi, v, i);
     }
     warp_best(bv, bi);
     if (lane == 0) {

@@ -106,7 +106,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
             raise RuntimeError(f"{n} kernels stamped, {len(names)} launched")
         if r >= 10:
             stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
-            marks.append(buf[TRACE_MARKS:].reshape(-1, 2)[:, 0].astype(np.int64))
+            marks.append(buf[TRACE_MARKS:TRACE_MARKS + 64].astype(np.int64))
     released = np.array(stamps)
     cost = np.diff(released, axis=1).mean(axis=0) / 1000.0  # kernel i: from its release to the next's
     by: dict[str, list[float]] = defaultdict(list)

@@ -12,9 +12,9 @@ Every buffer a step touches is allocated once, up front, and a step's inputs tra
 from pinned memory. Steps alternate between two slots, each with its own input buffers (host and
 device) and drawn-token buffers; the copies run on two copy streams (inputs up, tokens down), so
 while step n runs, step n + 1's inputs are already on their way and step n - 1's tokens on theirs:
-the compute stream only waits for an event between two steps. A decode step (one token per sequence) is captured once per (batch bucket,
-context bucket) as a CUDA graph and then replayed with one launch, so the host does not bound small
-models. Chunks that ask for it (`SeqChunk.sample`) are sampled on the device and come back as
+the compute stream only waits for an event between two steps. A decode step (one token per
+sequence) is captured once per (batch bucket, context bucket, slot) as a CUDA graph and then replayed
+with one launch, so the host does not bound small models. Chunks that ask for it (`SeqChunk.sample`) are sampled on the device and come back as
 `SampledToken`; the rest come back as logits. submit() launches a step and returns at once (two
 steps may be in flight, each with its own pinned buffers); a step's tokens may be the previous
 step's draws, copied on the device (`feed`), so the scheduler launches decode step n + 1 before it
@@ -469,13 +469,13 @@ class CudaBackend:
 
         max_keys = stride * bs if graph_rows else max_len
         if graph_rows:
-            key = (graph_rows, stride)
-            if key + (slot,) in self._graphs:
-                self._graphs[key + (slot,)][0].launch()
+            key, gkey = (graph_rows, stride), (graph_rows, stride, slot)  # a shape; its graph for this slot
+            if gkey in self._graphs:
+                self._graphs[gkey][0].launch()
                 self.graph_replays += 1
             elif key in self._seen and self.graphs_enabled and self._device_attention:
-                self._graphs[key + (slot,)] = self._capture(rows, stride, max_keys, n_out, slot)
-                self._graphs[key + (slot,)][0].launch()
+                self._graphs[gkey] = self._capture(rows, stride, max_keys, n_out, slot)
+                self._graphs[gkey][0].launch()
             else:  # the first time: run eagerly (loads modules, warms up), capture next time
                 self._seen.add(key)
                 self._launch(rows, stride, max_keys, n_out, slot, chunks, spans, pos, feed=True)
