@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if verb in DAEMON_VERBS:
         from .commands import VERBS
 
-        return VERBS[verb][0](args[1:])
+        try:
+            return VERBS[verb][0](args[1:])
+        except PermissionError as e:  # an unsafe socket dir, a symlink root will not follow: one line, no traceback
+            print(f"ember {verb}: {e}", file=sys.stderr)
+            return 1
     print(f"ember: unknown command {verb!r}\n\n{_usage()}", end="", file=sys.stderr)
     return 2

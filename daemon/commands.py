@@ -9,9 +9,11 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +211,9 @@ def cmd_stop(argv: list[str]) -> int:
         return EX_OK
     pids = {"daemon": st["daemon"]["pid"], "supervisord": st["daemon"].get("supervisor_pid"),
             "worker": (st.get("worker") or {}).get("pid")}
-    control.request(lay.control_sock, "stop")
+    resp = control.request(lay.control_sock, "stop")
+    if not (resp and resp.get("ok")) and _pid_alive(pids["daemon"]):
+        os.kill(pids["daemon"], signal.SIGTERM)  # no acknowledgement: the same stop, by its signal handler
     _poll(lambda: not any(_pid_alive(p) for p in pids.values()), timeout)
     left = {k: v for k, v in pids.items() if _pid_alive(v)}
     if left:
@@ -277,6 +281,30 @@ def _unsupervised(lay: Layout) -> dict | None:
     return None
 
 
+def _health_lines(st: dict) -> list[str]:
+    """The circuit breaker, failing liveness and a degraded log watcher, when there is news."""
+    out = []
+    br = st.get("breaker") or {}
+    if br.get("state") == "open":
+        retry = br.get("retry_at")
+        if retry:
+            left = datetime.fromisoformat(retry).timestamp() - time.time()
+            nxt = f"tries again at {retry[11:19]} UTC (in {_ago(max(0.0, left))})"
+        else:
+            nxt = "stays down until `ember start` (breaker_cooldown 0)"
+        out.append(f"  breaker  open since {str(br.get('opened_at'))[11:19]} UTC: {nxt}")
+    elif br.get("state") == "half-open":
+        out.append("  breaker  half-open: trying again after the cool-down; one more failure opens it")
+    lv = st.get("liveness")
+    if lv:
+        out.append(f"  liveness {lv['failures']} failed probes in {lv['failing_seconds']:.0f}s "
+                   f"(a silent worker is restarted as unresponsive after {lv['unresponsive_after_seconds']:g}s)")
+    lw = st.get("log_watch") or {}
+    if lw.get("mode") == "polling":
+        out.append(f"  log watch polling the logs: the file watcher failed ({lw.get('error')})")
+    return out
+
+
 def cmd_status(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ember status", description="daemon and worker state")
     p.add_argument("--json", action="store_true", help="machine-readable")
@@ -318,6 +346,9 @@ def cmd_status(argv: list[str]) -> int:
             print(f"  last crash {lc.get('detected_at')}  {lc.get('class')}  {lc.get('id')}  ({lc.get('reason')})")
         if st.get("last_recovery_seconds") is not None:
             print(f"  last recovery {st['last_recovery_seconds']:.1f}s from detection to ready")
+        if running:
+            for line in _health_lines(st):
+                print(line)
     if not running:
         return EX_NOT_RUNNING
     return EX_OK if st.get("state") == "ready" else EX_FAIL

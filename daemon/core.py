@@ -9,7 +9,12 @@ watcher queued, the probe results the scheduler's threads queued and the control
 commands, and moves the worker through its phases:
 
     stopped -> starting -> running -> killing -> (bundle) -> backoff -> starting ...
-                                            '-> failed (breaker open, or exit 78: no restart)
+                                            '-> failed (exit 78: no restart; breaker open:
+                                                        starting again after breaker_cooldown)
+
+What a probe result means (patience, incident class) is decided in verdicts.py, what a failure
+costs (backoff, breaker) in policy.py; this loop applies their answers. The log watcher and the
+probes never block the loop: `ember stop` is a command it drains every tick.
 
 Killing the daemon leaves supervisord and the worker serving; the next daemon re-attaches to them
 (state it needs is persisted in run/state.json). SIGTERM, SIGINT or `ember stop` drain the worker,
@@ -43,6 +48,7 @@ from .paths import Layout, read_json, write_json, write_private
 from .policy import Decision, RestartPolicy
 from .settings import Settings, worker_command
 from .sysfacts import gpu_facts, host_facts
+from .verdicts import OUTCOMES, Kill, LiveWatch, ReadyWatch
 
 ALIVE = {"RUNNING", "STARTING", "STOPPING"}
 
@@ -89,7 +95,7 @@ class Daemon:
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.commands: "queue.Queue[str]" = queue.Queue()
         self.policy = RestartPolicy(settings.backoff_base, settings.backoff_max, settings.backoff_reset,
-                                    settings.breaker_crashes, settings.breaker_window)
+                                    settings.breaker_crashes, settings.breaker_window, settings.breaker_cooldown)
         self.notifier = Notifier()
         self.health: collections.deque[dict] = collections.deque(maxlen=max(10, settings.health_records))
         self.phase = "stopped"
@@ -125,6 +131,8 @@ class Daemon:
         self.rpc = supctl.rpc(layout.supervisor_sock, timeout=5.0)
         self.secrets = [settings.api_key, os.environ.get("EMBER_API_KEY")]
         self._last_live_m = time.monotonic()
+        self._last_watch_error = ""
+        self._sup_slow_since: float | None = None
 
     def _reset_worker(self) -> None:
         self.worker_pid: int | None = None
@@ -135,11 +143,9 @@ class Daemon:
         self.scan_seq = 0
         self.ready = False
         self.not_ready_reason: str | None = None
-        self.live_fails = 0
-        self.ready_fail_since: float | None = None
-        self.ready_fail_steps = None
-        self.last_steps = None
-        self.dstate_since: float | None = None
+        self.live = LiveWatch()
+        self.readiness = ReadyWatch()
+        self.outcomes = 0  # request outcomes this worker logged (progress evidence for readiness)
         self.facts: dict[str, Any] = {}
         self.oom_events: str | None = None
         self.oom_base: int | None = None
@@ -179,7 +185,8 @@ class Daemon:
                                   on_error=lambda e: self._log_err("logwatch_error", e))
         persisted = read_json(self.lay.persist_file) or {}
         self.watcher.prime(seen=persisted.get("log_pos") if supctl.alive(self.lay.supervisor_sock) else None)
-        self.watcher.start()
+        if not self.watcher.start():
+            self._log_watch_change("degraded")
         self.conf_dirty = supctl.write_conf(self.lay, log_max_bytes=self.s.log_max_bytes,
                                             log_backups=self.s.log_backups,
                                             stop_timeout=self.s.effective_stop_timeout)
@@ -192,6 +199,7 @@ class Daemon:
             self.sup_ctime = _ctime(self.sup_pid)
             self.conf_dirty = False
             self._restore(persisted, counters_only=True)
+            self.policy.close_breaker()  # this daemon starts the worker anyway: no cool-down pending
             self.log("supervisor_start", pid=self.sup_pid)
             self._spawn()
         self._start_scheduler()
@@ -323,6 +331,8 @@ class Daemon:
         rec = probes.live_probe(self.s.live_url, self.s.live_timeout)
         proc = probes.process_check(pid)
         rec["process"] = proc.get("status") or proc.get("error")
+        if proc.get("cpu") is not None:
+            rec["cpu"] = proc["cpu"]
         if not proc["ok"]:
             rec["ok"] = False
             rec["error"] = f"process: {proc.get('error')}"
@@ -374,10 +384,7 @@ class Daemon:
     def tick(self) -> None:
         now_m = time.monotonic()
         self.notifier.ping(now_m)
-        if self.watcher.ensure_running():
-            self.log("logwatch_restarted", level="warning")
-        self.watcher.poll()
-        self._scan_facts()
+        self._watch_logs()
         while True:
             try:
                 cmd = self.commands.get_nowait()
@@ -393,6 +400,8 @@ class Daemon:
                 self._handle(item)
             except Exception as e:
                 self._log_err("handler_error", e)
+        if self.phase == "failed" and self.policy.due(time.time()):
+            self._half_open()
         info = self._proc_info()
         if info is not None:
             self._advance(info)
@@ -401,14 +410,59 @@ class Daemon:
         self._check_probe_freshness(now_m)
         self._publish()
 
+    def _watch_logs(self) -> None:
+        """Keep the log watcher going and read what is new. A failure here is logged (once per
+        distinct error) and never stops the tick: commands and probes come after it."""
+        try:
+            self._log_watch_change(self.watcher.ensure_running())
+            self.watcher.poll()
+            self._scan_facts()
+        except Exception as e:
+            msg = f"{type(e).__name__}: {e}"
+            if msg != self._last_watch_error:
+                self._last_watch_error = msg
+                self._log_err("logwatch_error", e)
+
+    def _log_watch_change(self, change: str | None) -> None:
+        if change == "degraded":
+            self.log("logwatch_degraded", level="error", error=self.watcher.failure,
+                     note="the file watcher failed: reading the logs by polling every tick, trying it again")
+        elif change == "recovered":
+            self.log("logwatch_recovered")
+        elif change == "restarted":
+            self.log("logwatch_restarted", level="warning")
+
+    def _half_open(self) -> None:
+        """The breaker's cool-down is over: re-read ember.toml and try once more."""
+        self.log("breaker_half_open", cooldown=self.policy.cooldown, failed_reason=self.failed_reason)
+        self.policy.half_open()
+        self._reload_settings()
+        self._spawn()
+
     def _proc_info(self) -> dict | None:
         try:
-            return self.rpc.supervisor.getProcessInfo(supctl.PROGRAM)
+            info = self.rpc.supervisor.getProcessInfo(supctl.PROGRAM)
         except (OSError, xmlrpc.client.Error) as e:
             if self.exit_now:
                 return None
-            self._supervisor_lost(e)
+            if not self._supervisor_slow(e):
+                self._supervisor_lost(e)
             return None
+        self._sup_slow_since = None
+        return info
+
+    def _supervisor_slow(self, e: Exception) -> bool:
+        """A supervisord that is alive but answers late (a starved or swapping box) gets the same
+        patience as a silent worker, unresponsive_seconds, before it counts as lost: replacing it
+        kills a worker that may be fine."""
+        if not isinstance(e, TimeoutError) or not self.sup_pid or _ctime(self.sup_pid) != self.sup_ctime:
+            return False
+        now_m = time.monotonic()
+        if self._sup_slow_since is None:
+            self._sup_slow_since = now_m
+            self.log("supervisor_slow", level="warning", error=f"{type(e).__name__}: {e}",
+                     lost_after_seconds=self.s.unresponsive_seconds)
+        return now_m - self._sup_slow_since < self.s.unresponsive_seconds
 
     def _supervisor_lost(self, e: Exception) -> None:
         """supervisord died or stopped answering: end its orphaned worker, start a new one, go on."""
@@ -448,6 +502,8 @@ class Daemon:
                         self.facts[k] = o[k]
             elif ev == "config_error":
                 self.facts["config_error"] = o.get("error")
+            elif ev in OUTCOMES:
+                self.outcomes += 1
 
     # -- commands ----------------------------------------------------------------------------------------
 
@@ -464,8 +520,8 @@ class Daemon:
             return
         self.s = s
         p = self.policy
-        p.base, p.max, p.reset, p.crashes, p.window = (s.backoff_base, s.backoff_max, s.backoff_reset,
-                                                      s.breaker_crashes, s.breaker_window)
+        p.base, p.max, p.reset, p.crashes, p.window, p.cooldown = (
+            s.backoff_base, s.backoff_max, s.backoff_reset, s.breaker_crashes, s.breaker_window, s.breaker_cooldown)
         self.secrets = [s.api_key, os.environ.get("EMBER_API_KEY")]
         if self.sched is not None:
             for job, every in (("live", s.live_interval), ("ready", s.ready_interval), ("startup", s.startup_poll)):
@@ -511,6 +567,13 @@ class Daemon:
                 self.rpc.supervisor.stopProcess(supctl.PROGRAM, False)
             except xmlrpc.client.Fault as e:
                 self.log("stop_error", level="warning", error=e.faultString)
+            except OSError as e:  # supervisord slow or gone: the same drain signal, sent directly
+                self.log("stop_error", level="warning", error=f"{type(e).__name__}: {e}", note="sending SIGTERM")
+                if _ctime(self.worker_pid) == self.worker_ctime:
+                    try:
+                        os.kill(self.worker_pid, signal.SIGTERM)
+                    except OSError:
+                        pass
             self.phase = "stopping"
             self.stop_deadline = time.monotonic() + self.s.effective_stop_timeout + 10
             self.log("worker_stop", pid=self.worker_pid, drain_seconds=self.s.drain_seconds)
@@ -618,62 +681,40 @@ class Daemon:
         self._persist()
 
     def _on_live(self, rec: dict) -> None:
-        if rec.get("steps") is not None:
-            self.last_steps = rec["steps"]
-        status = rec.get("process")
-        if status == psutil.STATUS_DISK_SLEEP:
-            self.dstate_since = self.dstate_since or time.monotonic()
-            if time.monotonic() - self.dstate_since >= self.s.dstate_seconds:
-                self._incident(detect.HANG, f"worker stuck in uninterruptible sleep (D state) for "
-                                            f"{time.monotonic() - self.dstate_since:.0f}s", "process")
-                return
-        else:
-            self.dstate_since = None
-        if rec.get("ok"):
-            self.live_fails = 0
-            return
-        if rec.get("state") == "poisoned":
-            err = rec.get("error") if isinstance(rec.get("error"), dict) else None
-            self._incident(detect.POISONED, "the worker's health endpoint reports a poisoned context", "liveness",
-                           cuda=_cuda(err) if err else None, grace=self.s.poison_grace, minimal=True)
-            return
-        if rec.get("process") == psutil.STATUS_ZOMBIE or str(rec.get("error", "")).startswith("process:"):
-            return  # the exit itself is picked up from supervisord
-        self.live_fails += 1
-        if self.live_fails >= self.s.live_failures:
-            if rec.get("stalled") or (rec.get("status") == 503 and rec.get("state") not in ("draining",)):
-                cls, why = detect.HANG, "the engine loop stopped making progress (liveness 503"
-                why += f", stalled {rec.get('last_progress_seconds')}s)" if rec.get("stalled") else ")"
-            else:
-                cls, why = detect.UNRESPONSIVE, f"liveness failed {self.live_fails} times in a row: {rec.get('error')}"
-            self._incident(cls, why, "liveness", details={"live_failures": self.live_fails})
+        now_m = time.monotonic()
+        was = self.live.status(now_m, self.s)
+        kill = self.live.observe(rec, now_m, self.s)
+        if kill is not None:
+            self._kill_for(kill)
+        elif self.live.fails == self.s.live_failures:  # patience begins: say so once, with the limit
+            self.log("liveness_failing", level="warning", failures=self.live.fails, error=rec.get("error"),
+                     process=rec.get("process"), unresponsive_after_seconds=self.s.unresponsive_seconds)
+        elif was and was["failures"] >= self.s.live_failures and self.live.fails == 0:
+            self.log("liveness_recovered", failures=was["failures"], seconds=was["failing_seconds"])
 
     def _on_ready_probe(self, rec: dict) -> None:
-        now_m = time.monotonic()
         if rec.get("ok"):
             if not self.ready:
                 self.log("worker_ready_again", pid=self.worker_pid)
             self.ready = True
             self.not_ready_reason = None
-            self.ready_fail_since = None
             self.policy.on_ready(time.time())
-            return
-        if self.ready:
-            self.log("worker_not_ready", level="warning", error=rec.get("error"))
-        self.ready = False
-        self.not_ready_reason = rec.get("error")
-        self.policy.on_not_ready()
-        if rec.get("state") == "draining":
-            self.ready_fail_since = None
-            return
-        if rec.get("timeout") or (rec.get("status") == 200 and "generation" in str(rec.get("error"))):
-            if self.ready_fail_since is None:
-                self.ready_fail_since = now_m
-                self.ready_fail_steps = self.last_steps
-            elif now_m - self.ready_fail_since >= self.s.hang_seconds and (
-                    self.last_steps is None or self.last_steps == self.ready_fail_steps):
-                self._incident(detect.HANG, f"no one-token generation for {now_m - self.ready_fail_since:.0f}s and "
-                                            f"no engine progress ({rec.get('error')})", "readiness")
+        elif rec.get("busy"):  # answering, queue full: neither ready nor hung, nothing to change
+            if not self.ready:
+                self.not_ready_reason = rec.get("error")
+        else:
+            if self.ready:
+                self.log("worker_not_ready", level="warning", error=rec.get("error"))
+            self.ready = False
+            self.not_ready_reason = rec.get("error")
+            self.policy.on_not_ready()
+        kill = self.readiness.observe(rec, time.monotonic(), self.s, self.live, self.outcomes)
+        if kill is not None:
+            self._kill_for(kill)
+
+    def _kill_for(self, k: Kill) -> None:
+        self._incident(k.cls, k.reason, k.source, cuda=_cuda(k.cuda), minimal=k.minimal, details=k.details,
+                       grace=self.s.poison_grace if k.poison_grace else 0.0)
 
     def _check_probe_freshness(self, now_m: float) -> None:
         if self.phase != "running" or self.sched is None:
@@ -745,7 +786,11 @@ class Daemon:
         busy = self._port_owner()
         if busy:
             self._reset_worker()
-            self._fail(busy)
+            if self.policy.trial:  # the try after a cool-down: wait another one, do not give up
+                self._fail(self.policy.open_now(time.time(), f"the restart after the cool-down could not "
+                                                             f"start: {busy}").reason)
+            else:
+                self._fail(busy)
             return
         argv = self._write_launch()
         self.watcher.poll()
@@ -756,6 +801,7 @@ class Daemon:
             self.rpc.supervisor.startProcess(supctl.PROGRAM, False)
         except xmlrpc.client.Fault as e:
             if e.faultCode != 60:  # ALREADY_STARTED is fine
+                self.policy.close_breaker()  # the command itself cannot run: configuration, never retried
                 self._fail(f"could not start the engine: {e.faultString}")
                 return
         info = self.rpc.supervisor.getProcessInfo(supctl.PROGRAM)
@@ -803,8 +849,8 @@ class Daemon:
             if not alive:
                 self._on_exit(info, source="exit")
             elif self.phase == "starting" and now_m - self.spawn_m > self.s.startup_timeout:
-                self._incident(detect.UNRESPONSIVE, f"not ready {self.s.startup_timeout:g}s after start "
-                                                    f"({self.not_ready_reason})", "startup")
+                self._incident(detect.HANG, f"not ready {self.s.startup_timeout:g}s after start "
+                                            f"({self.not_ready_reason})", "startup")
         elif self.phase == "killing":
             inc = self.incident
             if not alive:
@@ -848,7 +894,8 @@ class Daemon:
         self.policy.on_not_ready()
         self.log("incident", level="error", incident=cls, reason=reason, source=source, pid=self.worker_pid)
         inc.kill_at = now_m + grace
-        if cls in (detect.HANG, detect.UNRESPONSIVE) and not self.s.foreign and self.s.dump_signal and inc.pid:
+        stuck = cls in (detect.HANG, detect.UNRESPONSIVE, detect.UNHEALTHY)
+        if stuck and not self.s.foreign and self.s.dump_signal and inc.pid:
             sig = getattr(signal, "SIG" + self.s.dump_signal.upper().removeprefix("SIG"))
             try:
                 if _ctime(inc.pid) == self.worker_ctime:
@@ -887,6 +934,7 @@ class Daemon:
         if info["statename"] == "FATAL" or code == 78:
             why = self.facts.get("config_error") or self._last_launch_error() or ex.get("spawn_error") or "exit 78"
             self.log("worker_exit", level="error", pid=self.worker_pid, **ex)
+            self.policy.close_breaker()  # a configuration error is never retried by a cool-down
             self._fail(f"configuration error (exit 78, not restarting): {why}")
             self.worker_pid = None
             return
@@ -1077,6 +1125,9 @@ class Daemon:
             "next_restart_in": round(max(0.0, self.backoff_until - time.monotonic()), 1) if self.phase == "backoff" else None,
             "last_crash": self.last_crash,
             "last_recovery_seconds": self.last_recovery_seconds,
+            "breaker": self.policy.status(now),
+            "liveness": self.live.status(time.monotonic(), self.s) if self.phase == "running" else None,
+            "log_watch": {"mode": self.watcher.mode, "error": self.watcher.failure} if self.watcher else None,
             "probes": {"live": live, "ready": ready},
         }
 
@@ -1084,7 +1135,8 @@ class Daemon:
         st = self._build_status()
         with self._status_lock:
             self._status = st
-        key = repr({k: v for k, v in st.items() if k not in ("updated_at", "daemon", "worker", "probes")}) + repr(
+        volatile = ("updated_at", "daemon", "worker", "probes", "liveness")
+        key = repr({k: v for k, v in st.items() if k not in volatile}) + repr(
             {k: st["worker"][k] for k in ("pid", "state", "model")})
         if force or key != self._status_written[0] or time.monotonic() - self._status_written[1] > 5:
             if self.exit_now:

@@ -93,10 +93,13 @@ def oom_in_text(text: str, parsed: dict[str, Any] | None) -> bool:
     return bool(_OOM_RE.search(text[:8192]))
 
 
-# crash classes of a bundle (meta.json "class")
-POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, OOM = (
-    "poisoned-context", "crash-signal", "crash-exit", "hang", "unresponsive", "oom")
-CLASSES = (POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, OOM)
+# crash classes of a bundle (meta.json "class"); which probe results lead to which: verdicts.py
+# hang: no progress (the engine says it stalled, D state, no generation while nothing moves, or
+#   never ready after start); unresponsive: alive, but liveness timed out for unresponsive_seconds
+#   (an overload: not counted by the breaker); unhealthy: alive, but liveness refused or errored
+POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, UNHEALTHY, OOM = (
+    "poisoned-context", "crash-signal", "crash-exit", "hang", "unresponsive", "unhealthy", "oom")
+CLASSES = (POISONED, CRASH_SIGNAL, CRASH_EXIT, HANG, UNRESPONSIVE, UNHEALTHY, OOM)
 
 _NORM = [(re.compile(r"0x[0-9a-fA-F]+"), "0x?"), (re.compile(r"\d+"), "N"), (re.compile(r"/[^\s:'\"]+"), "/PATH")]
 

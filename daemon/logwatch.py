@@ -4,7 +4,13 @@
   inode changing: the rest of the old file is read, then the new one from its start.
 - Truncation (size below our offset) restarts reading at 0.
 - A handler exception is caught and logged: it never kills the observer thread. The daemon's main
-  loop also calls poll() every tick (inotify can miss events) and restarts a dead observer.
+  loop also calls poll() every tick (inotify can miss events) and ensure_running() restarts a dead
+  observer, or one whose directory watch ended (the watched directory was deleted).
+- The watcher never raises into its caller: the main loop also carries `ember stop`. An observer
+  that cannot start (inotify instance or watch limit reached, a directory that cannot be made) or
+  keeps dying leaves the watcher in `polling` mode: the main loop's per-tick poll() reads the files
+  alone, and the observer is tried again every RETRY_SECONDS. A file that cannot be read is
+  reported once and reopened on the next poll.
 - Every line lands in a ring (bounded by count) with a sequence number, arrival time and, for JSON
   lines, the parsed object: crash bundles cut their log window and events from it.
 """
@@ -25,6 +31,7 @@ from watchdog.observers import Observer
 from .detect import parse_json_line, poison_in_line
 
 MAX_LINE = 64 * 1024
+RETRY_SECONDS = 10.0  # how often a watcher in polling mode tries to start its observer again
 
 
 @dataclass
@@ -139,6 +146,10 @@ class LogWatcher:
         self._lock = threading.RLock()
         self._observer = None
         self.armed = True  # poison reports on; the daemon disarms while the worker is down
+        self.mode = "stopped"  # inotify (the observer runs) | polling (it could not) | stopped
+        self.failure: str | None = None  # why the observer is not running, in polling mode
+        self._retry_at = 0.0
+        self._read_errors: dict[str, str] = {}  # path -> the read error last reported
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -149,24 +160,31 @@ class LogWatcher:
         with self._lock:
             for tf in self.files:
                 try:
-                    st = tf.path.stat()
-                except OSError:
-                    tf.open_at(0)
-                    continue
-                start = max(0, st.st_size - max_bytes)
-                mark = (seen or {}).get(str(tf.path))
-                unseen_from = mark[1] if mark and mark[0] == st.st_ino and mark[1] <= st.st_size else None
-                tf.open_at(start)
-                pos = start
-                first = True
-                for raw in tf._drain_raw():
-                    line_start, pos = pos, pos + len(raw) + 1
-                    if first and start > 0:  # the first line is probably cut
-                        first = False
-                        continue
-                    first = False
-                    report = unseen_from is not None and line_start >= unseen_from
-                    self._add(tf.name, raw.decode("utf-8", errors="replace"), report=report)
+                    self._prime_one(tf, max_bytes, seen)
+                except OSError as e:  # unreadable now: poll() tries it again
+                    self._report_read_error(tf, e)
+                    tf.close()
+
+    def _prime_one(self, tf: TailedFile, max_bytes: int, seen: dict[str, list[int]] | None) -> None:
+        try:
+            st = tf.path.stat()
+        except OSError:
+            tf.open_at(0)
+            return
+        start = max(0, st.st_size - max_bytes)
+        mark = (seen or {}).get(str(tf.path))
+        unseen_from = mark[1] if mark and mark[0] == st.st_ino and mark[1] <= st.st_size else None
+        tf.open_at(start)
+        pos = start
+        first = True
+        for raw in tf._drain_raw():
+            line_start, pos = pos, pos + len(raw) + 1
+            if first and start > 0:  # the first line is probably cut
+                first = False
+                continue
+            first = False
+            report = unseen_from is not None and line_start >= unseen_from
+            self._add(tf.name, raw.decode("utf-8", errors="replace"), report=report)
 
     def positions(self) -> dict[str, list[int]]:
         """{path: [inode, offset]} read so far (persisted, for prime(seen=...) after a re-attach)."""
@@ -179,13 +197,28 @@ class LogWatcher:
                 tf.open_at(None)
 
     def poll(self) -> int:
+        """Read what is new in every file; the number of lines. Never raises."""
         n = 0
         with self._lock:
             for tf in self.files:
-                for text in tf.read_new():
+                try:
+                    lines = tf.read_new()
+                except OSError as e:  # EIO, a vanished mount...: report once, reopen on the next poll
+                    self._report_read_error(tf, e)
+                    tf.close()
+                    continue
+                self._read_errors.pop(str(tf.path), None)
+                for text in lines:
                     self._add(tf.name, text, report=True)
                     n += 1
         return n
+
+    def _report_read_error(self, tf: TailedFile, e: OSError) -> None:
+        msg = f"{tf.path}: {type(e).__name__}: {e}"
+        if self._read_errors.get(str(tf.path)) != msg:
+            self._read_errors[str(tf.path)] = msg
+            self.errors += 1
+            self.on_error(OSError(msg))
 
     def _add(self, source: str, text: str, report: bool) -> None:
         text = text.rstrip("\r")
@@ -223,29 +256,67 @@ class LogWatcher:
 
     # -- the observer ----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        obs = Observer()
-        handler = _Handler(self)
-        for d in sorted({str(tf.path.parent) for tf in self.files}):
-            os.makedirs(d, exist_ok=True)
-            obs.schedule(handler, d, recursive=False)
-        obs.daemon = True
-        obs.start()
+    def start(self) -> bool:
+        """Start the observer; True when it runs. On failure (inotify limits, a directory that
+        cannot be made) the watcher is in polling mode and `failure` says why. Never raises."""
+        obs = None
+        try:
+            obs = Observer()
+            handler = _Handler(self)
+            for d in self._dirs():
+                os.makedirs(d, exist_ok=True)
+                obs.schedule(handler, d, recursive=False)
+            obs.daemon = True
+            obs.start()
+        except Exception as e:
+            if obs is not None:
+                try:  # end the watches that did start (each holds an inotify instance)
+                    obs.unschedule_all()
+                except Exception:
+                    pass
+            self._observer = None
+            self.mode = "polling"
+            self.failure = f"{type(e).__name__}: {e}"
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return False
         self._observer = obs
+        self.mode = "inotify"
+        self.failure = None
+        return True
+
+    def _dirs(self) -> list[str]:
+        return sorted({str(tf.path.parent) for tf in self.files})
 
     def healthy(self) -> bool:
-        return self._observer is not None and self._observer.is_alive()
-
-    def ensure_running(self) -> bool:
-        """Restart a dead observer; True if it had to."""
-        if self.healthy():
+        """The observer thread runs and so does each directory's watch (a watch ends by itself,
+        silently, when its directory is deleted; the observer thread lives on)."""
+        obs = self._observer
+        if obs is None or not obs.is_alive():
             return False
+        try:
+            emitters = list(obs.emitters)
+        except RuntimeError:  # the set changed while copied: look again next tick
+            return True
+        return len(emitters) == len(self._dirs()) and all(e.is_alive() for e in emitters)
+
+    def ensure_running(self) -> str | None:
+        """Called every tick: restart a dead observer (in polling mode at most every RETRY_SECONDS)
+        and say what changed: "restarted", "degraded" (now polling), "recovered" (inotify again)
+        or None. Never raises."""
+        if self.healthy():
+            return None
+        was = self.mode
+        if was == "polling" and time.monotonic() < self._retry_at:
+            return None
         self.stop()
-        self.start()
-        return True
+        if self.start():
+            return "recovered" if was == "polling" else "restarted"
+        return None if was == "polling" else "degraded"
 
     def stop(self) -> None:
         obs, self._observer = self._observer, None
+        if self.mode == "inotify":
+            self.mode = "stopped"
         if obs is not None:
             try:
                 obs.stop()

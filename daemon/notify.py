@@ -3,6 +3,9 @@
 `Type=notify`: READY=1 once the daemon runs (supervisord up, worker spawned or re-attached),
 STATUS=... as the worker's state changes, WATCHDOG=1 from the main loop at half of
 $WATCHDOG_USEC (so a wedged main loop gets the daemon restarted by systemd), STOPPING=1 on stop.
+Pings and statuses never wait: when the manager's queue is full they are dropped (the next one
+follows a tick later). READY=1 and STOPPING=1 wait up to a second for room, so a slow manager
+does not miss the start (it would time the service out) or the stop.
 """
 
 from __future__ import annotations
@@ -41,17 +44,24 @@ class Notifier:
     def enabled(self) -> bool:
         return self._sock is not None
 
-    def send(self, *fields: str) -> bool:
+    def send(self, *fields: str, wait: float = 0.0) -> bool:
         if self._sock is None:
             return False
-        try:
-            self._sock.sendto("\n".join(fields).encode(), self.addr)
-            return True
-        except OSError:
-            return False
+        data = "\n".join(fields).encode()
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self._sock.sendto(data, self.addr)
+                return True
+            except BlockingIOError:  # the manager's queue is full
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.01)
+            except OSError:
+                return False
 
     def ready(self, status: str = "") -> None:
-        self.send("READY=1", f"MAINPID={os.getpid()}", *( [f"STATUS={status}"] if status else []))
+        self.send("READY=1", f"MAINPID={os.getpid()}", *([f"STATUS={status}"] if status else []), wait=1.0)
 
     def status(self, text: str) -> None:
         if text != self._last_status:
@@ -68,7 +78,7 @@ class Notifier:
             self.send("WATCHDOG=1")
 
     def stopping(self) -> None:
-        self.send("STOPPING=1")
+        self.send("STOPPING=1", wait=1.0)
 
     def close(self) -> None:
         if self._sock is not None:

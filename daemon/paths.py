@@ -4,6 +4,8 @@
       run/                    supervisord.conf, supervisord.sock, daemon.sock, status.json, state.json
       logs/                   worker.log (+ .1 .. .N), supervisord.log, daemon.log
       crashes/<id>/           crash bundles (ember crashes list|show|export)
+    /tmp/ember-<uid>-<hash>/  the sockets instead, when <state>/run/ is too long a path for one (checked:
+                              ours, 0700, not a symlink)
 
 Directories are 0700 and files 0600: crash bundles and logs describe the user's sessions.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +44,76 @@ def config_file(env: dict[str, str] | None = None) -> Path:
 
 
 def private_dir(path: Path) -> Path:
+    """Make `path` a 0700 directory. The mode is set through a descriptor opened without following
+    a link: a symlink in its place (a kv dir on another disk, or one planted by the user that owns
+    the state dir while root runs the CLI) is used as it is and its target's mode never changed."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        if (path.stat().st_mode & 0o777) != 0o700:
-            path.chmod(0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # a symlink (ELOOP), or not ours to open
+        return path
+    try:
+        if (os.fstat(fd).st_mode & 0o777) != 0o700:
+            os.fchmod(fd, 0o700)
     except OSError:
         pass
+    finally:
+        os.close(fd)
     return path
+
+
+class UnsafeSocketDir(PermissionError):
+    """The short socket dir under /tmp is not ours (another owner, open to others); str() is one line."""
+
+
+def check_socket_dir(path: Path) -> None:
+    """Raise UnsafeSocketDir unless `path` is absent, or a real directory of ours with mode 0700."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid():
+        raise UnsafeSocketDir(f"{path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): refusing to use "
+                              "it for ember's sockets (remove it, or use a shorter EMBER_STATE_DIR)")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketDir(f"{path} is not a directory (a symlink or a file): refusing to use it for ember's "
+                              "sockets (`ember start` replaces it)")
+    if st.st_mode & 0o077:
+        raise UnsafeSocketDir(f"{path} has mode {st.st_mode & 0o777:04o}, open to other users: refusing to use it for "
+                              "ember's sockets (`ember start` recreates it)")
+
+
+def secure_socket_dir(path: Path) -> Path:
+    """Create the short socket dir under /tmp, or make an existing one safe to use.
+
+    Ours but not a plain private directory (a symlink or a file we left, or a directory someone
+    could have written into): the entry itself is removed, never what a link points to, and made
+    again. Another user's: UnsafeSocketDir, since a sticky /tmp lets us neither use nor remove it."""
+    uid = os.geteuid()
+    for _ in range(3):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if st.st_uid != uid:
+            check_socket_dir(path)  # raises, naming the owner
+        if stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            if st.st_mode & 0o022:
+                shutil.rmtree(path)  # ours, but others could write into it: start from an empty dir
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                opened = os.fstat(fd)  # the directory itself, whatever the name points to by now
+                if opened.st_uid != uid:
+                    raise UnsafeSocketDir(f"{path} changed owner while ember checked it: refusing to use it")
+                if opened.st_mode & 0o077:
+                    os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+            return path
+        os.unlink(path)  # our own symlink or file: the entry goes, not its target
+    raise UnsafeSocketDir(f"{path} keeps changing under ember: refusing to use it for ember's sockets")
 
 
 @dataclass(frozen=True)
@@ -65,13 +132,24 @@ class Layout:
     def crashes(self) -> Path:
         return self.state / "crashes"
 
-    @property
-    def sockets(self) -> Path:
-        """Unix sockets live in run/, or in a short private /tmp dir when that path is too long."""
+    def socket_dir_path(self) -> Path:
+        """Where the unix sockets go (run/, or the short /tmp dir), without checking that dir."""
         if len(str(self.run / "supervisord.sock")) <= SOCKET_PATH_MAX:
             return self.run
         digest = hashlib.sha256(str(self.state.resolve()).encode()).hexdigest()[:12]
         return Path(tempfile.gettempdir()) / f"ember-{os.geteuid()}-{digest}"
+
+    @property
+    def sockets(self) -> Path:
+        """Unix sockets live in run/, or in a short private /tmp dir when that path is too long.
+
+        The /tmp dir has a predictable name in a world-writable place, so it is used only while it
+        is ours: a real directory (not a symlink), owned by this user, closed to everyone else.
+        Anything else raises UnsafeSocketDir instead of talking to sockets someone else placed."""
+        path = self.socket_dir_path()
+        if path != self.run:
+            check_socket_dir(path)
+        return path
 
     @property
     def supervisor_sock(self) -> Path:
@@ -122,8 +200,11 @@ class Layout:
         return self.logs / "daemon.out"
 
     def ensure(self) -> "Layout":
-        for d in (self.state, self.run, self.logs, self.crashes, self.sockets):
+        for d in (self.state, self.run, self.logs, self.crashes):
             private_dir(d)
+        path = self.socket_dir_path()
+        if path != self.run:
+            secure_socket_dir(path)
         return self
 
 
@@ -132,9 +213,13 @@ def layout() -> Layout:
 
 
 def write_private(path: Path, data: bytes | str) -> None:
-    """Write a 0600 file atomically (temp file in the same dir, fsync, rename)."""
+    """Write a 0600 file atomically (temp file in the same dir, fsync, rename). Running as root, the
+    directory must not be a symlink: another user owning the state dir could point it anywhere."""
     if isinstance(data, str):
         data = data.encode()
+    if os.geteuid() == 0 and path.parent.is_symlink():
+        raise PermissionError(f"{path.parent} is a symbolic link; as root, ember does not write through links "
+                              "in its state directories")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, 0o600)

@@ -2,8 +2,10 @@
 
 - liveness: GET /health/live (or a foreign engine's health URL) within live_timeout, plus the
   process itself: alive, not a zombie, not stuck in uninterruptible sleep (D state).
-- readiness: GET /health/ready, then a real one-token generation (POST /v1/completions).
-Each probe returns a record (also written to the crash bundle's health.jsonl).
+- readiness: GET /health/ready, then a real one-token generation (POST /v1/completions); a 429
+  answer to the generation (queue full) is marked `busy`: the worker answers, it is just full.
+Each probe returns a record (also written to the crash bundle's health.jsonl). What a record means
+for the worker (how long to wait, which class of incident) is verdicts.py's business.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def _json(body: bytes) -> dict[str, Any] | None:
 
 
 def process_check(pid: int | None) -> dict[str, Any]:
-    """{'ok', 'status', 'error'} for the worker process (psutil)."""
+    """{'ok', 'status', 'cpu', 'error'} for the worker process (psutil); `cpu` is its user+system
+    seconds so far (evidence in health.jsonl of whether a silent worker was busy or idle)."""
     if not pid:
         return {"ok": False, "error": "no process"}
     try:
@@ -86,7 +89,13 @@ def process_check(pid: int | None) -> dict[str, Any]:
         return {"ok": True, "status": "unknown", "error": str(e)}
     if st == psutil.STATUS_ZOMBIE:
         return {"ok": False, "status": st, "error": "zombie"}
-    return {"ok": True, "status": st}
+    out: dict[str, Any] = {"ok": True, "status": st}
+    try:
+        t = p.cpu_times()
+        out["cpu"] = round(t.user + t.system, 2)
+    except psutil.Error:
+        pass
+    return out
 
 
 def live_probe(url: str, timeout: float) -> dict[str, Any]:
@@ -142,6 +151,8 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
             go = _json(gb)
             if gs == 200 and go is not None and go.get("choices"):
                 rec["ok"] = True
+            elif gs == 429:  # the queue is full: answering, just busy
+                rec.update(ok=False, busy=True, error="busy: the generation was refused with HTTP 429 (queue full)")
             else:
                 err = (go or {}).get("error")
                 msg = err.get("message") if isinstance(err, dict) else err

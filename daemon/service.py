@@ -3,7 +3,8 @@
 Where systemd runs (/run/systemd/system exists), a unit for the daemon: a user unit in
 ~/.config/systemd/user/ember.service (plus the hint to enable lingering, so it starts at boot
 without a login), or with --system a system unit in /etc/systemd/system/ember.service that runs as
-the user `ember`. Where it does not (containers, WSL), an `@reboot` line in the crontab that runs
+the user `ember` in a sandbox (the OS read-only, only the state dir writable, the GPUs reachable;
+see `_sandbox`). Where it does not (containers, WSL), an `@reboot` line in the crontab that runs
 `ember start`. The command says plainly which one it chose; --dry-run prints what would be written
 and run, and changes nothing.
 
@@ -128,11 +129,91 @@ def render_unit(system: bool, ember: Path | None = None) -> str:
             f"User={SYSTEM_USER}",
             f"Group={SYSTEM_USER}",
             f"WorkingDirectory={state}",
-            "NoNewPrivileges=yes",
+            # HOME is the state dir, as the installer gives the user: caches (~/.cache/ember, the CUDA
+            # driver's ~/.nv) stay inside the one writable tree
+            f"Environment={_sd_quote('HOME=' + str(state))}",
             "LimitNOFILE=65536",
+            *_sandbox(conf, state),
         ]
     lines += ["", "[Install]", f"WantedBy={'multi-user.target' if system else 'default.target'}", ""]
     return "\n".join(lines)
+
+
+# Under these roots a model or KV dir needs ProtectHome=read-only instead of an unreachable home.
+_HOME_ROOTS = ("/home", "/root", "/run/user")
+
+
+def _configured_paths(conf: Path) -> tuple[list[Path], list[Path]]:
+    """(paths the worker reads, paths it writes) named in ember.toml: the model, kv_dir, a log_file."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(conf.read_text())
+    except (OSError, ValueError):
+        return [], []
+    worker = data.get("worker", data) if isinstance(data.get("worker", data), dict) else {}
+    daemon = data.get("daemon", {}) if isinstance(data.get("daemon"), dict) else {}
+    reads = [Path(str(v)).expanduser() for v in (worker.get("model"), daemon.get("log_file")) if v]
+    writes = [Path(str(worker["kv_dir"])).expanduser()] if worker.get("kv_dir") else []
+    return [p for p in reads if p.is_absolute()], [p for p in writes if p.is_absolute()]
+
+
+def _under(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _sandbox(conf: Path, state: Path) -> list[str]:
+    """The system unit's sandbox: a read-only OS, one writable tree (the state dir), GPUs kept.
+
+    Device access stays open on purpose: PrivateDevices=, DevicePolicy= and ProtectClock= (which
+    implies a device allow-list on older systemd) would cut the worker off /dev/nvidia*, whose
+    device numbers (nvidia-uvm is dynamic and appears on first use) a DeviceAllow= list cannot
+    name reliably. A kv_dir outside the state dir, named in ember.toml, is made writable too;
+    after moving it, run `ember service install --system` again."""
+    from .paths import Layout
+
+    reads, writes = _configured_paths(conf)
+    rw = [state] + [p for p in writes if not _under(p, state)]
+    lines = [
+        "# sandbox: the OS read-only, the state dir (and a kv_dir set in ember.toml) writable; GPU devices kept",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        # "-": a kv_dir that does not exist yet does not stop the service from starting
+        "ReadWritePaths=" + " ".join(_sd_quote(str(p) if p == state else "-" + str(p)) for p in rw),
+    ]
+    if any(_under(p, Path(r)) for p in reads + writes for r in _HOME_ROOTS):
+        lines.append("ProtectHome=read-only")  # the model or the KV files live in a home directory
+    else:
+        lines.append("ProtectHome=yes")
+    lay = Layout(state)
+    if lay.socket_dir_path() == lay.run:
+        lines.append("PrivateTmp=yes")
+    else:
+        # the state path is too long for a unix socket, so the sockets live in /tmp/ember-*, where the
+        # `ember` CLI must reach them: the shared /tmp, writable
+        lines.append(f"ReadWritePaths={_sd_quote(str(Path(lay.socket_dir_path()).parent))}")
+    lines += [
+        "PrivateMounts=yes",
+        "ProtectProc=invisible",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectHostname=yes",
+        "RestrictSUIDSGID=yes",
+        "RestrictRealtime=yes",
+        "RestrictNamespaces=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+        "LockPersonality=yes",
+        "SystemCallArchitectures=native",
+        "CapabilityBoundingSet=",
+        # only groups an inference server never calls; a blocked call fails with EPERM, nothing is killed
+        # (@debug stays allowed: pidfd_getfd and perf_event_open serve GPU IPC and profilers)
+        "SystemCallFilter=~@clock @cpu-emulation @module @mount @obsolete @raw-io @reboot @swap",
+        "SystemCallErrorNumber=EPERM",
+        "UMask=0077",
+    ]
+    return lines
 
 
 # -- the cron fallback -----------------------------------------------------------------------------

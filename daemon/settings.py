@@ -47,6 +47,7 @@ class Settings:
     live_interval: float = 5.0
     live_timeout: float = 5.0
     live_failures: int = 3
+    unresponsive_seconds: float = 60.0  # liveness silent this long (process alive) = unresponsive: kill
     ready_interval: float = 30.0
     ready_timeout: float = 30.0
     startup_poll: float = 0.25
@@ -63,6 +64,7 @@ class Settings:
     backoff_reset: float = 600.0
     breaker_crashes: int = 5
     breaker_window: float = 600.0
+    breaker_cooldown: float = 600.0  # an open breaker tries once more after this; 0 = until `ember start`
     # the archive and the logs
     crash_keep: int = 50
     crash_max_bytes: int = 256 << 20
@@ -259,6 +261,10 @@ def validate(s: Settings) -> None:
         raise SettingsError("backoff_max: must not be below backoff_base")
     if s.live_failures < 1 or s.breaker_crashes < 1:
         raise SettingsError("live_failures and breaker_crashes: at least 1")
+    for name in ("unresponsive_seconds", "breaker_cooldown", "breaker_window", "backoff_reset", "hang_seconds",
+                 "dstate_seconds", "poison_grace", "kill_grace", "stop_timeout"):
+        if getattr(s, name) < 0:
+            raise SettingsError(f"{name}: must not be negative")
     if s.service not in ("auto", "none", "systemd"):
         raise SettingsError(f"service: {s.service!r} (auto, none or systemd)")
     if s.dump_signal and s.dump_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "QUIT", "ABRT"):

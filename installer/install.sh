@@ -11,7 +11,9 @@
 # --purge). A JSON receipt records what was installed and is read by upgrade and uninstall.
 
 ember_install() {
-    set -eu
+    # pipefail: a pipeline fails when any stage fails (a tar that could not read the checkout, say),
+    # not only when its last one does
+    set -euo pipefail
 
     # -- constants -----------------------------------------------------------------------------------
     local INSTALLER_VERSION="1"
@@ -41,14 +43,19 @@ usage: install.sh [options]
                       (default: $EMBER_SOURCE, else the project's release)
   --version VER       the release version to install (with the default source)
   --model PATH        GGUF model to serve (default: the embedded Gemma 3 270M)
-  --port PORT         the port written into a new config (default 8080)
+  --port PORT         the port ember listens on, written into the config (default: the config's
+                      port, 8080 in a new one; it wins over EMBER_PORT, which wins over the config)
   --cpu               do not install the cuda extra even if an NVIDIA GPU is present
   --uninstall         remove the service, the venv and the CLI link (config and data stay)
-  --purge             with --uninstall: remove config, KV files, logs and crash archive too
+  --purge             with --uninstall: remove config, KV files, logs and crash archive too, that
+                      is ember's own directories as the receipt records them; anything else (say
+                      EMBER_STATE_DIR=~/.local/share) is refused and nothing is removed
   -h, --help          this help
 
 environment: EMBER_SOURCE, EMBER_PYTHON (interpreter to use), EMBER_MIN_FREE_MB (default 2048),
-EMBER_START_TIMEOUT (seconds, default 300), EMBER_PIP_ARGS (extra pip arguments)
+EMBER_START_TIMEOUT (seconds, default 300), EMBER_PIP_ARGS (extra pip arguments), EMBER_STATE_DIR
+(the data directory of a user install), and ember's own EMBER_* settings (EMBER_PORT, EMBER_HOST...)
+for the ember this run starts
 EOF
     }
 
@@ -123,25 +130,33 @@ EOF
         step "Starting ember"
         local how=""
         # EMBER_INSTALL_START=nohup forces the unsupervised fallback (for tests, and for a broken daemon)
-        if [ "${EMBER_INSTALL_START:-}" != nohup ] && ember_cli --help 2>/dev/null | grep -q '^  start '; then
+        if [ "${EMBER_INSTALL_START:-}" != nohup ] && [ "$VIA_UNIT" = 1 ] && [ "$MODE" = system ]; then
+            # root starts the system unit itself, rather than running `ember start` as root
+            how="systemd"
+            say "running: systemctl start $UNIT_NAME"
+            systemctl start "$UNIT_NAME" || die "systemctl start $UNIT_NAME failed; see: journalctl -u ember, ember status"
+        elif [ "${EMBER_INSTALL_START:-}" != nohup ] && ember_has_verb start; then
             how="ember start"
             say "running: ember start"
-            ember_start_cli start --timeout "$START_TIMEOUT" || die "ember start failed; see: ember logs, ember logs --daemon, ember status"
+            ember_cli start --timeout "$START_TIMEOUT" ${PORT_FLAG[@]+"${PORT_FLAG[@]}"} ||
+                die "ember start failed; see: ember logs, ember logs --daemon, ember status"
         else
             how="nohup"
             say "this ember has no 'start' command yet: starting the worker directly in the background with nohup"
             say "(not supervised; pid file $FALLBACK_PID, log $LOG_DIR/worker.log; stop it with: kill \$(cat $FALLBACK_PID))"
-            local -a as_user=()
-            if [ "$MODE" = system ] && [ "$(id -u)" = 0 ] && command -v runuser >/dev/null 2>&1; then
-                as_user=(runuser -u "$RUN_USER" -- env HOME="$STATE")
-            fi
-            ${as_user[@]+"${as_user[@]}"} env EMBER_CONFIG="$CONF" EMBER_STATE_DIR="$STATE" nohup "$VENV/bin/ember" worker \
-                --config "$CONF" >>"$LOG_DIR/worker.log" 2>&1 </dev/null &
-            echo "$!" >"$FALLBACK_PID"
-            if [ "$MODE" = system ]; then chown "$RUN_USER:" "$LOG_DIR/worker.log" "$FALLBACK_PID" 2>/dev/null || true; fi
+            # the log and the pid file are opened by the service user's shell, not by root
+            # shellcheck disable=SC2016  # expanded by that shell
+            as_run_user env EMBER_CONFIG="$CONF" EMBER_STATE_DIR="$STATE" sh -c '
+                log=$1 pidfile=$2; shift 2
+                rm -f "$pidfile" || exit
+                nohup "$@" >>"$log" 2>&1 </dev/null &
+                echo "$!" >"$pidfile"' sh "$LOG_DIR/worker.log" "$FALLBACK_PID" \
+                "$VENV/bin/ember" worker --config "$CONF" ${PORT_FLAG[@]+"${PORT_FLAG[@]}"} ||
+                die "could not start the worker"
         fi
-        local url="http://127.0.0.1:$PORT" waited=0 code=""
-        say "waiting for $url/health/ready (up to ${START_TIMEOUT}s; the first start loads the model)"
+        local waited=0 code="" pid=""
+        [ "$how" != nohup ] || pid="$(fallback_pid)"
+        say "waiting for $URL/health/ready (up to ${START_TIMEOUT}s; the first start loads the model)"
         while :; do
             code="$("$VENV/bin/python" -c 'if 1:
     import sys, urllib.request, urllib.error
@@ -150,18 +165,18 @@ EOF
     except urllib.error.HTTPError as e:
         print(e.code)
     except Exception:
-        print(0)' "$url/health/ready")"
+        print(0)' "$URL/health/ready")"
             [ "$code" = 200 ] && break
-            if [ "$how" = nohup ] && ! kill -0 "$(cat "$FALLBACK_PID")" 2>/dev/null; then
-                tail -n 20 "$LOG_DIR/worker.log" >&2 || true
+            if [ "$how" = nohup ] && ! run_user_alive "$pid"; then
+                as_run_user tail -n 20 "$LOG_DIR/worker.log" >&2 || true
                 die "the worker exited before it was ready (log: $LOG_DIR/worker.log)"
             fi
-            [ "$waited" -lt "$START_TIMEOUT" ] || die "ember was not ready after ${START_TIMEOUT}s (last /health/ready: $code); see: ember logs"
+            [ "$waited" -lt "$START_TIMEOUT" ] || die "ember was not ready at $URL after ${START_TIMEOUT}s (last /health/ready: $code); see: ember logs"
             sleep 1
             waited=$((waited + 1))
         done
         local model keyhdr=""
-        model="$(EMBER_URL="$url" "$VENV/bin/python" -c 'if 1:
+        model="$(EMBER_URL="$URL" "$VENV/bin/python" -c 'if 1:
     import json, os, sys, urllib.request
     try:
         print(json.load(urllib.request.urlopen(os.environ["EMBER_URL"] + "/v1/models", timeout=5))["data"][0]["id"])
@@ -174,11 +189,11 @@ EOF
             # shellcheck disable=SC2016  # printed for the user's shell to expand
             keyhdr=' -H "Authorization: Bearer $EMBER_API_KEY"'
         fi
-        say "ember is serving at $url  (OpenAI: $url/v1, Anthropic: $url)"
+        say "ember is serving at $URL  (OpenAI: $URL/v1, Anthropic: $URL)"
         cat <<EOF
 
 Try it:
-  curl -s $url/v1/chat/completions -H 'Content-Type: application/json'$keyhdr \\
+  curl -s $URL/v1/chat/completions -H 'Content-Type: application/json'$keyhdr \\
     -d '{"model": "$model", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}'
 
   ember status     ember logs -f     ember stop
@@ -221,10 +236,11 @@ EOF
     fi
 
     # -- paths ---------------------------------------------------------------------------------------
-    local MODE HOME_DIR PREFIX VENV BIN_LINK CONF_DIR CONF ENV_FILE STATE KV_DIR CRASH_DIR LOG_DIR RUN_DIR
-    local RECEIPT UNIT_FILE RUN_USER
+    local MODE HOME_DIR="" PREFIX VENV BIN_LINK CONF_DIR CONF ENV_FILE STATE KV_DIR CRASH_DIR LOG_DIR RUN_DIR
+    local RECEIPT UNIT_FILE RUN_USER CACHE_DIR FALLBACK_PID
     if [ "$OPT_SYSTEM" = 1 ]; then
         [ "$(id -u)" = 0 ] || die "--system needs root (run it with sudo), or leave --system out for a per-user install"
+        command -v runuser >/dev/null 2>&1 || die "--system needs runuser (util-linux) to act as the service user"
         MODE=system
         umask 022  # the program files must be readable by the service user
         RUN_USER=ember
@@ -247,31 +263,56 @@ EOF
     RECEIPT="$PREFIX/install-receipt.json"
     CONF="$CONF_DIR/ember.toml"
     ENV_FILE="$CONF_DIR/ember.env"
-    KV_DIR="$STATE/kv"
-    CRASH_DIR="$STATE/crashes"
-    LOG_DIR="$STATE/logs"
-    RUN_DIR="$STATE/run"
-    local FALLBACK_PID="$RUN_DIR/worker-nohup.pid"
+    state_paths() {  # the fixed paths under the state dir
+        KV_DIR="$STATE/kv"
+        CRASH_DIR="$STATE/crashes"
+        LOG_DIR="$STATE/logs"
+        RUN_DIR="$STATE/run"
+        FALLBACK_PID="$RUN_DIR/worker-nohup.pid"
+        # the worker's cache: ~/.cache/ember, with HOME the state dir for the service user
+        if [ "$MODE" = system ]; then CACHE_DIR="$STATE/.cache/ember"; else CACHE_DIR="${XDG_CACHE_HOME:-$HOME_DIR/.cache}/ember"; fi
+    }
+    state_paths
 
+    # -- acting as the service user ------------------------------------------------------------------
+    # In a system install the state dir belongs to the user ember. Root runs ember's programs, and
+    # reads or writes anything under that dir, as that user: a symlink the user planted there then
+    # leads only where the user could go anyway. In a user install this is just the command.
+    as_run_user() {
+        if [ "$MODE" = system ] && [ "$(id -u)" = 0 ]; then
+            runuser -u "$RUN_USER" -- env HOME="$STATE" "$@"
+        else
+            "$@"
+        fi
+    }
     # the environment every `ember` call of this script runs with (the installed paths, not the caller's)
     ember_cli() {
-        EMBER_CONFIG="$CONF" EMBER_STATE_DIR="$STATE" "$VENV/bin/ember" "$@"
+        as_run_user env EMBER_CONFIG="$CONF" EMBER_STATE_DIR="$STATE" "$VENV/bin/ember" "$@"
     }
-    # `ember start`: for a system install without systemd, as the service user (systemd does that itself)
-    ember_start_cli() {
-        if [ "$MODE" = system ] && [ "$(id -u)" = 0 ] && ! { systemd_running && [ -f "$UNIT_FILE" ]; }; then
-            if command -v runuser >/dev/null 2>&1; then
-                runuser -u "$RUN_USER" -- env HOME="$STATE" EMBER_CONFIG="$CONF" EMBER_STATE_DIR="$STATE" "$VENV/bin/ember" "$@"
-            else
-                su -s /bin/sh "$RUN_USER" -c "HOME='$STATE' EMBER_CONFIG='$CONF' EMBER_STATE_DIR='$STATE' '$VENV/bin/ember' $*"
-            fi
-        else
-            ember_cli "$@"
-        fi
+    ember_has_verb() {  # does this ember's CLI have the command $1? (the whole help read: no SIGPIPE)
+        local help
+        help="$(ember_cli --help 2>/dev/null)" || return 1
+        case "$help" in *$'\n'"  $1 "*) return 0 ;; esac
+        return 1
+    }
+    # the pid in the nohup fallback's pid file (a file the service user writes): digits, or nothing
+    fallback_pid() {
+        local pid
+        pid="$(as_run_user cat "$FALLBACK_PID" 2>/dev/null || true)"
+        case "$pid" in '' | *[!0-9]*) pid="" ;; esac
+        printf '%s\n' "$pid"
+    }
+    # a live process of the service user's (so a pid from that user's file never makes root signal
+    # anyone else's)
+    run_user_alive() {
+        [ -n "$1" ] && [ -d "/proc/$1" ] && [ "$(stat -c %u "/proc/$1" 2>/dev/null || true)" = "$(id -u "$RUN_USER" 2>/dev/null || echo none)" ]
     }
     systemd_running() { [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; }
     systemctl_scope() {
         if [ "$MODE" = system ]; then systemctl "$@"; else systemctl --user "$@"; fi
+    }
+    crontab_scope() {
+        if [ "$MODE" = system ]; then crontab -u "$RUN_USER" "$@"; else crontab "$@"; fi
     }
 
     # -- stopping a running ember (upgrade and uninstall) --------------------------------------------
@@ -284,29 +325,27 @@ EOF
                 stopped=1
             fi
         fi
-        if [ -x "$VENV/bin/ember" ] && ember_cli --help 2>/dev/null | grep -q '^  stop '; then
+        if [ -x "$VENV/bin/ember" ] && ember_has_verb stop; then
             local out
             out="$(ember_cli stop 2>&1)" || warn "ember stop failed: $out"
             case "$out" in
                 *"ember stopped"*) say "stopped ember (ember stop): $out"; stopped=1 ;;
             esac
         fi
-        if [ -f "$FALLBACK_PID" ]; then
-            local pid
-            pid="$(cat "$FALLBACK_PID" 2>/dev/null || true)"
-            if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-                say "stopping the background worker (pid $pid)"
-                kill -TERM "$pid" 2>/dev/null || true
-                local i=0
-                while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 400 ]; do sleep 0.1; i=$((i + 1)); done
-                if kill -0 "$pid" 2>/dev/null; then
-                    warn "pid $pid did not stop after 40s; killing it"
-                    kill -KILL "$pid" 2>/dev/null || true
-                fi
-                stopped=1
+        local pid
+        pid="$(fallback_pid)"
+        if run_user_alive "$pid"; then
+            say "stopping the background worker (pid $pid)"
+            kill -TERM "$pid" 2>/dev/null || true
+            local i=0
+            while run_user_alive "$pid" && [ "$i" -lt 400 ]; do sleep 0.1; i=$((i + 1)); done
+            if run_user_alive "$pid"; then
+                warn "pid $pid did not stop after 40s; killing it"
+                kill -KILL "$pid" 2>/dev/null || true
             fi
-            rm -f "$FALLBACK_PID"
+            stopped=1
         fi
+        as_run_user rm -f "$FALLBACK_PID" 2>/dev/null || true
         if [ "$stopped" = 1 ]; then WAS_RUNNING=1; else say "ember was not running"; fi
         return 0
     }
@@ -322,46 +361,172 @@ EOF
         fi
         if command -v crontab >/dev/null 2>&1; then
             local cur
-            cur="$(crontab -l 2>/dev/null || true)"
-            if printf '%s\n' "$cur" | grep -qF "$CRON_MARK"; then
-                printf '%s\n' "$cur" | grep -vF "$CRON_MARK" | crontab - || warn "could not rewrite the crontab"
-                say "removed the @reboot crontab entry"
-            fi
+            cur="$(crontab_scope -l 2>/dev/null || true)"
+            case "$cur" in
+                *"$CRON_MARK"*)
+                    # grep -v finds no line when ours was the only one: that is an empty crontab, not an error
+                    printf '%s\n' "$cur" | { grep -vF "$CRON_MARK" || true; } | crontab_scope - || warn "could not rewrite the crontab"
+                    say "removed the @reboot crontab entry"
+                    ;;
+            esac
         fi
+    }
+
+    # -- --purge: what may go ------------------------------------------------------------------------
+    # The rule: the state dir and the config dir are taken from the receipt (this run's paths when
+    # there is none) and must be real directories (not symlinks), not / and not $HOME or above it,
+    # and ember's own: the receipt records that the installer created them or, where it keeps no such
+    # record, they are named "ember". A dir the installer created goes whole; one that was there
+    # before loses only ember's entries in it (kv, crashes, logs, run that the installer made; the
+    # receipt; ember.toml, ember.env) and goes only if that leaves it empty. Anything else is refused
+    # before the uninstall touches anything. Removal never follows a symlink (a link goes, not its target).
+    purge() {  # purge check|apply (python: $RPY)
+        "$RPY" - "$1" "$RECEIPT" "$STATE" "$CONF_DIR" "$CACHE_DIR" "$HOME_DIR" <<'PYEOF'
+import json, os, shutil, stat, sys
+
+action, receipt, state, conf_dir, cache, home = sys.argv[1:7]
+DIRS = ("kv", "crashes", "logs", "run")
+OWN = {"state": DIRS + ("install-receipt.json", "install-receipt.json.tmp"),
+       "config": ("ember.toml", "ember.toml.tmp", "ember.env")}
+try:
+    with open(receipt) as f:
+        r = json.load(f)
+except (OSError, ValueError):
+    r = {}
+paths = r.get("paths") or {}
+state = paths.get("state") or state
+conf_dir = os.path.dirname(paths["config"]) if paths.get("config") else conf_dir
+created = r.get("created")  # None: no receipt, or one from before the installer kept this record
+created = None if created is None else {os.path.normpath(p) for p in created}
+home = os.path.normpath(home) if home else ""
+
+
+def refuse(path, why):
+    print(f"ember-install: error: refusing to purge {path}: {why}; nothing was removed", file=sys.stderr)
+    sys.exit(3)
+
+
+plan = []  # (path, remove it whole, else these entries in it)
+for kind, path in (("state", state), ("config", conf_dir)):
+    if not os.path.isabs(path):
+        refuse(path, "not an absolute path")
+    path = os.path.normpath(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        continue
+    if stat.S_ISLNK(st.st_mode):
+        refuse(path, "it is a symlink (remove the link by hand)")
+    if not stat.S_ISDIR(st.st_mode):
+        refuse(path, "it is not a directory")
+    if path == "/" or (home and (home == path or home.startswith(path + "/"))):
+        refuse(path, "it is / or your home directory or above it")
+    made = created is not None and path in created
+    if not made and os.path.basename(path) != "ember":
+        refuse(path, "it is not ember's own directory (the receipt does not record it as made by the installer, "
+                     "and it is not named 'ember')")
+    entries = [e for e in OWN[kind] if e not in DIRS or created is None or os.path.join(path, e) in created]
+    if not any(p == path or path.startswith(p + "/") for p, whole, _ in plan if whole):
+        plan.append((path, made, entries))
+if os.path.basename(cache) == "ember" and os.path.lexists(cache):
+    if not any(cache.startswith(p + "/") for p, whole, _ in plan if whole):
+        plan.append((cache, True, []))  # the worker's cache: ~/.cache/ember, ember's by name
+
+if action == "check":
+    for path, whole, entries in plan:
+        print(f"ember-install: will remove {path}" if whole else
+              f"ember-install: will remove from {path}: {', '.join(entries)} (and the dir if that empties it)")
+    sys.exit(0)
+
+
+def remove(path):
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # fd-based: never follows a symlink inside
+    else:
+        os.unlink(path)  # a file, or a symlink itself
+
+
+for path, whole, entries in plan:
+    if whole:
+        remove(path)
+        print(f"ember-install: removed {path}")
+        continue
+    for e in entries:
+        if os.path.lexists(os.path.join(path, e)):
+            remove(os.path.join(path, e))
+    try:
+        os.rmdir(path)
+        print(f"ember-install: removed ember's files and then {path}")
+    except OSError:
+        left = sorted(os.listdir(path))
+        print(f"ember-install: removed ember's files from {path}; kept the dir, which holds files that are not "
+              f"ember's: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
+PYEOF
     }
 
     # -- uninstall -----------------------------------------------------------------------------------
     if [ "$OPT_UNINSTALL" = 1 ]; then
         step "Uninstalling ember ($MODE install under $PREFIX)"
+        # a python to read the receipt with (the venv's, else the system's)
+        local RPY="" cand
+        for cand in "$VENV/bin/python" ${EMBER_PYTHON:-} python3 /usr/bin/python3; do
+            if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import json' >/dev/null 2>&1; then RPY="$cand"; break; fi
+        done
         if [ ! -f "$RECEIPT" ] && [ ! -d "$VENV" ]; then
             say "no ember install found at $PREFIX (no receipt, no venv)"
+        elif [ -f "$RECEIPT" ] && [ -n "$RPY" ]; then
+            # what was installed, not what this shell's environment says now
+            local r_state
+            r_state="$("$RPY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("paths", {}).get("state", ""))' "$RECEIPT" 2>/dev/null || true)"
+            if [ -n "$r_state" ] && [ "$r_state" != "$STATE" ]; then
+                say "the data directory is $r_state (from the receipt)"
+                STATE="$r_state"
+                state_paths
+            fi
+        fi
+        if [ "$OPT_PURGE" = 1 ]; then
+            [ -n "$RPY" ] || die "--purge needs a python3 to read the receipt $RECEIPT"
+            purge check || exit 1
         fi
         step "Stopping ember"
         stop_running
         step "Removing the boot service"
         remove_service
-        step "Removing the venv, the CLI link and the receipt"
+        if [ "$OPT_PURGE" = 1 ]; then
+            step "Purging config and data"
+            purge apply || die "the purge stopped half way (see above)"
+        fi
+        step "Removing the venv and the CLI link"
         if [ -L "$BIN_LINK" ] || [ -f "$BIN_LINK" ]; then
             case "$(readlink "$BIN_LINK" 2>/dev/null || true)$(head -c 200 "$BIN_LINK" 2>/dev/null | tr -d '\0' || true)" in
                 *"$VENV"*) rm -f "$BIN_LINK"; say "removed $BIN_LINK" ;;
                 *) warn "$BIN_LINK is not ember's; left it" ;;
             esac
         fi
-        rm -rf "$VENV" "$RECEIPT"
+        if [ "$OPT_PURGE" = 0 ] && [ -f "$RECEIPT" ] && [ -n "$RPY" ]; then
+            # the receipt stays with the data: a later --uninstall --purge reads what is ember's from it
+            "$RPY" - "$RECEIPT" <<'PYEOF' || warn "could not update the receipt $RECEIPT"
+import datetime, json, os, sys
+r = json.load(open(sys.argv[1]))
+r["uninstalled_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump(r, f, indent=2)
+    f.write("\n")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+PYEOF
+        fi
+        rm -rf "$VENV"
+        [ "$OPT_PURGE" = 0 ] || rm -f "$RECEIPT"
         [ "$MODE" = system ] || rmdir "$(dirname "$BIN_LINK")" 2>/dev/null || true
         say "removed $VENV"
+        rmdir "$PREFIX" 2>/dev/null || true
         if [ "$OPT_PURGE" = 1 ]; then
-            step "Purging config and data"
-            rm -rf "$CONF_DIR" "$STATE"
-            [ "$MODE" = system ] || rm -rf "${XDG_CACHE_HOME:-$HOME_DIR/.cache}/ember"
-            [ "$PREFIX" = "$STATE" ] || rmdir "$PREFIX" 2>/dev/null || true
-            say "removed $CONF_DIR, $STATE (KV files, logs, crash archive) and the model cache"
-            if [ "$MODE" = system ] && id ember >/dev/null 2>&1; then
-                userdel ember 2>/dev/null && say "removed the system user ember" || warn "could not remove the user ember"
+            if [ "$MODE" = system ] && id "$RUN_USER" >/dev/null 2>&1; then
+                userdel "$RUN_USER" 2>/dev/null && say "removed the system user $RUN_USER" || warn "could not remove the user $RUN_USER"
             fi
         else
-            rmdir "$PREFIX" 2>/dev/null || true
-            say "kept: config $CONF_DIR, data $STATE (KV files, logs, crash archive); --uninstall --purge removes them"
+            say "kept: config $CONF_DIR, data $STATE (KV files, logs, crash archive) and the receipt; --uninstall --purge removes them"
         fi
         say "ember is uninstalled"
         return 0
@@ -389,15 +554,17 @@ EOF
 
     local probe="$PREFIX" free_mb
     while [ ! -d "$probe" ]; do probe="$(dirname "$probe")"; done
-    free_mb="$(df -Pk "$probe" | awk 'NR == 2 { print int($4 / 1024) }')"
-    [ -n "$free_mb" ] || die "could not read the free disk space of $probe"
+    free_mb="$(df -Pk "$probe" | awk 'NR == 2 { print int($4 / 1024) }')" && [ -n "$free_mb" ] ||
+        die "could not read the free disk space of $probe"
     [ "$free_mb" -ge "$MIN_FREE_MB" ] ||
         die "only ${free_mb} MiB free on $probe; ember needs at least ${MIN_FREE_MB} MiB (EMBER_MIN_FREE_MB)"
     say "disk: ${free_mb} MiB free on $probe"
 
     local EXTRAS="" GPU="none"
     if [ "$OPT_CPU" = 0 ] && command -v nvidia-smi >/dev/null 2>&1; then
-        if GPU="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)" && [ -n "$GPU" ]; then
+        # all of nvidia-smi's answer, then its first line (`| head -n 1` could cut it off mid-write)
+        if GPU="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)" && [ -n "$GPU" ]; then
+            GPU="${GPU%%$'\n'*}"
             EXTRAS="[cuda]"
             say "gpu: $GPU (the cuda extra will be installed)"
         else
@@ -456,13 +623,28 @@ EOF
             say "created the system user $RUN_USER"
         fi
     fi
-    mkdir -p "$PREFIX" "$CONF_DIR" "$(dirname "$BIN_LINK")" || die "could not create $PREFIX, $CONF_DIR or $(dirname "$BIN_LINK")"
-    local d
-    for d in "$STATE" "$KV_DIR" "$CRASH_DIR" "$LOG_DIR" "$RUN_DIR"; do
-        mkdir -p "$d" && chmod 700 "$d" || die "could not create $d"
+    # what this run creates goes into the receipt: --purge removes only what the installer made
+    local CREATED="" d
+    for d in "$PREFIX" "$CONF_DIR" "$STATE" "$KV_DIR" "$CRASH_DIR" "$LOG_DIR" "$RUN_DIR"; do
+        [ -e "$d" ] || [ -L "$d" ] || CREATED="$CREATED$d"$'\n'
     done
+    mkdir -p "$PREFIX" "$CONF_DIR" "$(dirname "$BIN_LINK")" || die "could not create $PREFIX, $CONF_DIR or $(dirname "$BIN_LINK")"
     if [ "$MODE" = system ]; then
-        chown -R "$RUN_USER:" "$STATE" || die "could not give $STATE to $RUN_USER"
+        # Root makes the state dir itself (in root's /var/lib) and hands it over; everything inside is
+        # made by the service user, so no chmod or chown of root's follows a link that user planted.
+        [ ! -L "$STATE" ] || die "$STATE is a symlink; a system install needs a real directory there"
+        mkdir -p "$STATE" && chown -h "$RUN_USER:" "$STATE" && chmod 700 "$STATE" || die "could not create $STATE"
+        # what root left inside on an earlier run goes to the service user: find -P follows no link,
+        # -execdir acts from the directory it opened, and a file with other hard links stays as it is
+        env PATH=/usr/sbin:/usr/bin:/sbin:/bin find -P "$STATE" -xdev ! -user "$RUN_USER" \( -type d -o -type l -o -links 1 \) \
+            -execdir chown -h "$RUN_USER:" {} + || die "could not give the files in $STATE to $RUN_USER"
+        as_run_user mkdir -p "$KV_DIR" "$CRASH_DIR" "$LOG_DIR" "$RUN_DIR" &&
+            as_run_user chmod 700 "$KV_DIR" "$CRASH_DIR" "$LOG_DIR" "$RUN_DIR" ||
+            die "$RUN_USER could not make $KV_DIR, $CRASH_DIR, $LOG_DIR and $RUN_DIR private directories (a symlink among them must lead to a directory $RUN_USER owns)"
+    else
+        for d in "$STATE" "$KV_DIR" "$CRASH_DIR" "$LOG_DIR" "$RUN_DIR"; do
+            mkdir -p "$d" && chmod 700 "$d" || die "could not create $d"
+        done
     fi
     say "program: $PREFIX   config: $CONF_DIR   data: $STATE"
 
@@ -484,9 +666,11 @@ EOF
         checkout)
             # build from a copy: a build never writes into the user's checkout
             say "building a wheel from the checkout"
-            (cd "$SRC" && tar --exclude=.git --exclude=.venv --exclude=./venv --exclude=./build --exclude=./dist \
+            # (tar's status 1 is "a file changed while it was read": an editor saving; the copy is whole.
+            # Any other failure of either side fails the pipeline, and the install.)
+            (cd "$SRC" && { tar --exclude=.git --exclude=.venv --exclude=./venv --exclude=./build --exclude=./dist \
                 --exclude=./.whl --exclude='*.egg-info' --exclude=__pycache__ --exclude=.pytest_cache \
-                --exclude=./tests -cf - .) | (mkdir -p "$TMP/src" && cd "$TMP/src" && tar -xf -) ||
+                --exclude=./tests -cf - . || [ "$?" = 1 ]; }) | (mkdir -p "$TMP/src" && cd "$TMP/src" && tar -xf -) ||
                 die "could not copy the checkout $SRC"
             "$VENV/bin/python" -m pip wheel -q --no-deps -w "$TMP/wheels" "$TMP/src" ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} >"$TMP/pip.log" 2>&1 || { tail -n 40 "$TMP/pip.log" >&2; false; } ||
                 die "building ember from $SRC failed (see pip's output above)"
@@ -504,7 +688,10 @@ EOF
             ;;
     esac
     if [ -z "$WHEEL" ]; then
-        WHEEL="$(find "$TMP/wheels" -name 'ember-*.whl' | head -n 1)"
+        local w
+        for w in "$TMP"/wheels/ember-*.whl; do
+            [ -f "$w" ] && WHEEL="$w" && break
+        done
         [ -n "$WHEEL" ] || die "the build produced no ember wheel"
     fi
     SPEC="ember$EXTRAS @ file://$WHEEL"
@@ -591,13 +778,6 @@ PYEOF
     if [ "$MODE" = system ]; then
         chown "root:$RUN_USER" "$CONF" "$ENV_FILE" && chmod 640 "$CONF" "$ENV_FILE" || die "could not set the owner of $CONF"
     fi
-    local PORT
-    PORT="$("$VENV/bin/python" -c '
-import sys, tomllib
-d = tomllib.load(open(sys.argv[1], "rb"))
-w = d.get("worker", d)
-print(w.get("port", 8080))' "$CONF")" || die "could not read the port from $CONF"
-
     # -- the boot service ----------------------------------------------------------------------------
     local SERVICE="none"
     if [ "$OPT_NO_SERVICE" = 1 ]; then
@@ -615,13 +795,85 @@ print(w.get("port", 8080))' "$CONF")" || die "could not read the port from $CONF
         elif [ -f "$UNIT_FILE" ]; then SERVICE="systemd"; else SERVICE="cron"; fi
     fi
 
+    # -- where ember will listen ---------------------------------------------------------------------
+    # Derived by ember's own settings loader, as the daemon derives the port it passes the worker
+    # (--port, then EMBER_PORT, then ember.toml, then 8080; the same for the host), in the environment
+    # the started ember will actually have: this script's for `ember start` and the nohup fallback
+    # (with --port passed on as the flag), the unit's for systemd (its Environment= lines and ember.env;
+    # no flag reaches it). VIA_UNIT: whether a start goes through the unit.
+    local VIA_UNIT=0 URL PORT where
+    local -a PORT_FLAG=()
+    [ -z "$OPT_PORT" ] || PORT_FLAG=(--port "$OPT_PORT")
+    if [ "$SERVICE" = systemd ] && systemd_running; then VIA_UNIT=1; fi
+    where="$("$VENV/bin/python" - "$CONF" "$STATE" "$ENV_FILE" "$OPT_PORT" "$VIA_UNIT" <<'PYEOF'
+import os, sys
+
+conf, state, env_file, port_flag, via_unit = sys.argv[1:6]
+here = {**os.environ, "EMBER_CONFIG": conf, "EMBER_STATE_DIR": state}
+try:
+    from ember.daemon.settings import SettingsError, load
+except ImportError:  # an ember from before the daemon: the worker's order, read by hand
+    import tomllib
+    w = tomllib.load(open(conf, "rb"))
+    w = w.get("worker", w)
+    port = port_flag or here.get("EMBER_PORT") or w.get("port", 8080)
+    print(f"http://127.0.0.1:{port} {port} 0")
+    sys.exit(0)
+
+
+def unit_env():
+    # systemd's environment for the unit: its Environment= lines, then the EnvironmentFile
+    env = {"EMBER_CONFIG": conf, "EMBER_STATE_DIR": state}
+    try:
+        lines = open(env_file).read().splitlines()
+    except OSError:
+        lines = []
+    for ln in lines:
+        ln = ln.strip()
+        if not ln or ln[0] in "#;" or "=" not in ln:
+            continue
+        k, v = ln.split("=", 1)
+        v = v.strip()
+        if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+            v = v[1:-1]
+        env[k.strip()] = v
+    return env
+
+
+try:
+    s = load({"port": port_flag or None}, env=here)
+    if via_unit == "1" and s.service != "none":
+        s = load({}, env=unit_env())
+        for var, got in (("EMBER_PORT", str(s.port)), ("EMBER_HOST", s.host)):
+            if here.get(var) and here[var] != got and unit_env().get(var) != here[var]:
+                print(f"ember-install: warning: {var}={here[var]} in this shell does not reach the systemd service "
+                      f"(it reads {conf} and {env_file}); ember will listen on {s.endpoint}", file=sys.stderr)
+        if port_flag and str(s.port) != port_flag:
+            print(f"ember-install: warning: EMBER_PORT in {env_file} overrides --port {port_flag}: ember will listen "
+                  f"on port {s.port}", file=sys.stderr)
+    else:
+        via_unit = "0"
+        if here.get("EMBER_PORT") and not port_flag:
+            boot = load({}, env={"EMBER_CONFIG": conf, "EMBER_STATE_DIR": state})
+            if boot.port != s.port:
+                print(f"ember-install: warning: EMBER_PORT={here['EMBER_PORT']} applies to the ember this run "
+                      f"starts; started from {conf} alone (ember start, at boot) it listens on port {boot.port}: "
+                      f"make it stick with --port {s.port}", file=sys.stderr)
+except SettingsError as e:
+    print(f"ember-install: error: {e}", file=sys.stderr)
+    sys.exit(1)
+print(s.endpoint, s.port, via_unit)
+PYEOF
+)" || die "could not work out where ember will listen (see above)"
+    read -r URL PORT VIA_UNIT <<<"$where"
+
     # -- the receipt ---------------------------------------------------------------------------------
     step "Writing the install receipt"
     R_VERSION="$VERSION" R_OLD="$OLD_VERSION" R_SOURCE="$SRC" R_KIND="$SRC_KIND" R_MODE="$MODE" R_PREFIX="$PREFIX" \
         R_VENV="$VENV" R_BIN="$BIN_LINK" R_CONF="$CONF" R_ENV="$ENV_FILE" R_STATE="$STATE" R_KV="$KV_DIR" \
         R_CRASH="$CRASH_DIR" R_LOGS="$LOG_DIR" R_UNIT="$UNIT_FILE" R_SERVICE="$SERVICE" R_START="$OPT_START" \
         R_MODEL="$OPT_MODEL" R_EXTRAS="$EXTRAS" R_GPU="$GPU" R_PY="$PY" R_PORT="$PORT" R_USER="$RUN_USER" \
-        R_INST="$INSTALLER_VERSION" R_NOSVC="$OPT_NO_SERVICE" \
+        R_INST="$INSTALLER_VERSION" R_NOSVC="$OPT_NO_SERVICE" R_CREATED="$CREATED" \
         "$VENV/bin/python" - "$RECEIPT" <<'PYEOF' || die "could not write the receipt $RECEIPT"
 import datetime, json, os, sys
 e = os.environ
@@ -631,6 +883,9 @@ try:
 except (OSError, ValueError):
     pass
 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+if prev.get("uninstalled_at"):  # a receipt kept by --uninstall: this is a new install on old data
+    prev["installed_at"] = now
+created = set(prev.get("created") or []) | {p for p in e["R_CREATED"].split("\n") if p}
 r = {
     "installer_version": int(e["R_INST"]),
     "version": e["R_VERSION"],
@@ -650,6 +905,8 @@ r = {
               "env_file": e["R_ENV"], "state": e["R_STATE"], "kv_dir": e["R_KV"], "crashes": e["R_CRASH"],
               "logs": e["R_LOGS"], "unit": e["R_UNIT"]},
     "options": {"start": e["R_START"] == "1", "no_service": e["R_NOSVC"] == "1", "model": e["R_MODEL"] or None},
+    # the directories this installer made (and so --purge may remove)
+    "created": sorted(created),
 }
 tmp = sys.argv[1] + ".tmp"
 with open(tmp, "w") as f:

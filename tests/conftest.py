@@ -165,3 +165,13 @@ def openai_factory():
     import openai
 
     return lambda w: openai.OpenAI(base_url=w.url + "/v1", api_key=w.api_key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def hardened_worker(start_worker) -> WorkerProcess:
+    """The worker the adversarial suites attack (tests/test_api_hardening.py, test_api_fuzz.py): a
+    key, the metrics behind it, one allowed web origin, a two-token output cap so that generated
+    requests stay quick, and the default bounds otherwise."""
+    return start_worker("--max-seqs", "4", "--max-queue", "64", "--ctx", "2048", "--kv-mem", "160MiB",
+                        "--prefill-chunk", "128", "--max-output-tokens", "2", "--metrics-auth",
+                        "--allowed-origins", "https://ok.example")

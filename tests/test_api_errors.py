@@ -54,10 +54,13 @@ def test_bad_completion_parameters(openai_client):
 
 
 def test_malformed_json(api_worker):
-    r = httpx.post(api_worker.url + "/v1/chat/completions", content=b"{not json", headers=api_worker.headers())
+    headers = {**api_worker.headers(), "content-type": "application/json"}
+    r = httpx.post(api_worker.url + "/v1/chat/completions", content=b"{not json", headers=headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(api_worker.url + "/v1/messages", content=b"", headers=api_worker.headers())
+    r = httpx.post(api_worker.url + "/v1/messages", content=b"", headers=headers)
     assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.post(api_worker.url + "/v1/messages", content=b"{}", headers=api_worker.headers())  # no Content-Type
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_prompt_over_the_context_limit(openai_client, anthropic_client, api_worker):

@@ -58,7 +58,7 @@ MESSAGES = {"model": "x", "max_tokens": 1, "messages": [{"role": "user", "conten
 
 def test_health_endpoints_follow_the_state(app_and_engine):
     app, engine, state = app_and_engine
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # a loopback worker wants a local Host
         assert c.get("/health/live").json()["state"] == "loading" and c.get("/health/live").status_code == 200
         r = c.get("/health/ready")
         assert r.status_code == 503 and r.json()["state"] == "loading" and "retry-after" in r.headers
@@ -83,7 +83,7 @@ def test_generation_refused_with_503_and_retry_after(app_and_engine, state_name)
         engine.poisoned = SimpleNamespace(code=700, name="X", message="y")
     else:
         state.set(state_name)
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # a loopback worker wants a local Host
         h = {"Authorization": "Bearer k"}
         r = c.post("/v1/chat/completions", json=CHAT, headers=h)
         assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
@@ -99,7 +99,7 @@ def test_generation_refused_with_503_and_retry_after(app_and_engine, state_name)
 
 def test_auth_applies_before_anything_else(app_and_engine):
     app, engine, state = app_and_engine
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # a loopback worker wants a local Host
         r = c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = c.post("/v1/messages", json=MESSAGES, headers={"x-api-key": "wrong"})
@@ -112,7 +112,7 @@ def test_auth_applies_before_anything_else(app_and_engine):
 def test_unexpected_exceptions_become_a_plain_500(app_and_engine):
     app, engine, state = app_and_engine
     state.set("ready")
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # a loopback worker wants a local Host
         # a ready state with no model loaded: the handler trips over the missing model
         r = c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

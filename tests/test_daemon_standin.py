@@ -16,11 +16,15 @@ not exist yet (and creates it), so the restarted engine is healthy:
   segv      kill itself with SIGSEGV
   oom       print a MemoryError traceback and exit 1
   config    log config_error and exit 78 at once
+  freeze    every completion (not the daemon's probes) holds the server's one "event loop" for
+            secs=S (default 2) seconds, as a CPU-bound request on an asyncio loop does: /health/live,
+            /health/ready and everything else wait behind it; the process lives, and serves again after
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +35,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
+LOOP = threading.Lock()  # the "event loop" that the freeze fault holds (only taken with that fault)
 STATE = {"state": "loading", "steps": 0, "requests": 0, "stalled_at": None, "last_progress": time.monotonic()}
 ARGS = None
 FAULT: dict = {}
@@ -101,11 +106,23 @@ def fire() -> None:
         os._exit(1)
 
 
+def loop():
+    return LOOP if FAULT.get("kind") == "freeze" else contextlib.nullcontext()
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *a) -> None:
         pass
+
+    def do_GET(self) -> None:
+        with loop():
+            self._get()
+
+    def do_POST(self) -> None:
+        with loop():
+            self._post()
 
     def _send(self, status: int, obj: dict) -> None:
         body = json.dumps(obj).encode()
@@ -124,7 +141,7 @@ class Handler(BaseHTTPRequestHandler):
             out["last_progress_seconds"] = round(time.monotonic() - STATE["stalled_at"], 3)
         return out
 
-    def do_GET(self) -> None:
+    def _get(self) -> None:
         h = self._health()
         if self.path in ("/health/live", "/health") and ARGS.raw and self.path == "/health":
             return self._send(200 if h["state"] == "ready" else 503, {"status": "ok" if h["state"] == "ready" else "loading"})
@@ -138,7 +155,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"data": [{"id": "standin"}]})
         self._send(404, {"error": "not found"})
 
-    def do_POST(self) -> None:
+    def _post(self) -> None:
         n = int(self.headers.get("Content-Length") or 0)
         try:
             req = json.loads(self.rfile.read(n) or b"{}")
@@ -170,6 +187,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if not probe and FAULT.get("requests") and int(FAULT["requests"]) == number and fault_armed():
                 fire()
+            if not probe and FAULT.get("kind") == "freeze":
+                time.sleep(float(FAULT.get("secs", 2)))  # holding LOOP: nothing else is answered meanwhile
             if STATE.get("hung"):
                 while True:
                     time.sleep(3600)

@@ -25,6 +25,7 @@ FAST = {  # timing knobs shrunk so incidents resolve in about a second
     "tick": "0.1s", "live_interval": "0.3s", "live_timeout": "1s", "live_failures": 2, "ready_interval": "0.5s",
     "ready_timeout": "2s", "startup_poll": "0.1s", "startup_timeout": "60s", "poison_grace": "2s",
     "kill_grace": "0.3s", "backoff_base": "0.2s", "backoff_max": "2s", "hang_seconds": "1.5s", "stop_timeout": "10s",
+    "unresponsive_seconds": "1.5s",
 }
 
 

@@ -1,5 +1,6 @@
-"""The daemon's parts on their own: detection patterns, restart policy, settings, log windows,
-redaction, the log watcher (rotation, truncation, a failing handler), probe deadlines, bundle
+"""The daemon's parts on their own: detection patterns, restart policy (backoff, breaker, cool-down),
+probe verdicts (patience for an overloaded worker), settings, log windows, redaction, the log
+watcher (rotation, truncation, a failing handler, a failing observer), probe deadlines, bundle
 writing and retention, sd_notify datagrams. No supervisord here; see test_daemon_supervision.py."""
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from ember.daemon import bundle as B
-from ember.daemon import detect, probes, settings, supctl
+from ember.daemon import detect, logwatch, probes, settings, supctl, verdicts
 from ember.daemon.logwatch import Line, LogWatcher
 from ember.daemon.notify import Notifier
 from ember.daemon.paths import Layout
-from ember.daemon.policy import RestartPolicy
+from ember.daemon.policy import LEVEL_CAP, RestartPolicy
 
 # -- detection -------------------------------------------------------------------------------------------
 
@@ -112,6 +113,135 @@ def test_breaker_opens_after_k_failures_in_the_window():
     assert q.level == 0 and q.times == []
 
 
+def test_backoff_never_overflows_after_2000_failures():
+    p = RestartPolicy(base=0.001, max=3600.0, crashes=10**6)  # a tiny base: the most doublings to the cap
+    delays = [p.on_failure(float(i), "crash-exit").delay for i in range(2000)]  # 2 ** 1024 used to raise
+    assert delays[:3] == [0.001, 0.002, 0.004] and delays[-1] == 3600.0 and max(delays) == 3600.0
+    assert p.level == LEVEL_CAP and "failure 64 in a row" in p.on_failure(2000.0, "crash-exit").reason
+    q = RestartPolicy()
+    q.load({"level": 5000, "times": []})  # a state file from before the cap
+    assert q.level == LEVEL_CAP and q.on_failure(0.0, "hang").delay == 60.0
+
+
+def test_unresponsive_kills_do_not_count_toward_the_breaker():
+    p = RestartPolicy(crashes=3, window=600)
+    for t in range(20):  # twenty overload kills in twenty seconds: restarts, with backoff, never an outage
+        d = p.on_failure(float(t), detect.UNRESPONSIVE)
+        assert d.restart and "not counted toward the circuit breaker" in d.reason
+    assert p.times == [] and p.level == 20 and p.state() == "closed"
+    assert [p.on_failure(30.0 + t, detect.HANG).restart for t in range(3)] == [True, True, False]  # crashes do
+
+
+def test_breaker_cools_down_tries_once_and_closes_or_opens_again():
+    p = RestartPolicy(crashes=2, window=600, cooldown=300)
+    p.on_failure(0.0, "crash-exit")
+    d = p.on_failure(1.0, "crash-exit")
+    assert not d.restart and "trying again in 5.0 min" in d.reason
+    assert p.state() == "open" and p.retry_at() == 301.0 and not p.due(300.0) and p.due(301.0)
+    assert p.status(100.0)["state"] == "open" and p.status(100.0)["retry_at"].startswith("1970-01-01T00:05:01")
+    p.half_open()
+    assert p.state() == "half-open" and not p.due(10**6)
+    p.on_failure(400.0, detect.UNRESPONSIVE)  # an overload during the try is not the try failing
+    assert p.state() == "half-open"
+    d = p.on_failure(401.0, "crash-signal")  # one counted failure during the try: open again at once
+    assert not d.restart and "open again" in d.reason and p.opened_at == 401.0
+    p.half_open()
+    p.on_ready(710.0)  # the try reached ready: closed
+    assert p.state() == "closed" and p.retry_at() is None
+    # a breaker without a cool-down stays open until a person acts
+    q = RestartPolicy(crashes=1, cooldown=0)
+    assert "ember start restarts it" in q.on_failure(0.0, "oom").reason and q.retry_at() is None
+    assert not q.due(10**9) and q.state() == "open"
+    # a configuration error: no try pending, whatever the breaker said before
+    r = RestartPolicy(crashes=1, cooldown=5)
+    r.on_failure(0.0, "crash-exit")
+    r.close_breaker()
+    assert not r.due(10**9) and r.state() == "closed"
+    # state survives a daemon restart
+    s = RestartPolicy(crashes=1, cooldown=5)
+    s.on_failure(7.0, "crash-exit")
+    t = RestartPolicy(cooldown=5)
+    t.load(json.loads(json.dumps(s.dump())))
+    assert t.state() == "open" and t.due(12.0)
+
+
+# -- probe verdicts ----------------------------------------------------------------------------------------
+
+FAST = settings.Settings(live_failures=2, unresponsive_seconds=10.0, dstate_seconds=5.0, hang_seconds=6.0)
+
+
+def _live(**kw):
+    rec = {"probe": "live", "ok": False, "process": "sleeping", "ms": 1000.0}
+    rec.update(kw)
+    return rec
+
+
+TIMEOUT = {"timeout": True, "error": "no answer within 1s"}
+
+
+def test_liveness_timeouts_of_a_live_process_get_patience_then_are_unresponsive():
+    w = verdicts.LiveWatch()
+    assert w.observe(_live(ok=True, status=200, steps=5), 0.0, FAST) is None
+    for t in (1.0, 3.0, 5.0, 7.0, 9.0):  # silent for 9 s: an overload, not yet a kill
+        assert w.observe(_live(cpu=10.0 + t, **TIMEOUT), t, FAST) is None
+    assert w.status(9.5, FAST) == {"failures": 5, "failing_seconds": 9.5, "unresponsive_after_seconds": 10.0}
+    assert w.observe(_live(ok=True, status=200), 9.8, FAST) is None  # it answered: the run is over
+    assert w.status(10.0, FAST) is None and w.fails == 0
+    for t in (20.0, 25.0):
+        assert w.observe(_live(cpu=30.0 + t, **TIMEOUT), t, FAST) is None
+    k = w.observe(_live(cpu=60.0, **TIMEOUT), 30.0, FAST)  # 11 s since the first timed-out probe began
+    assert k.cls == detect.UNRESPONSIVE and k.source == "liveness" and "11s" in k.reason
+    assert k.details == {"live_failures": 3, "unresponsive_seconds": 11.0, "process_status": "sleeping",
+                         "cpu_seconds_meanwhile": 10.0}
+
+
+def test_liveness_failures_the_engine_reports_are_counted_kills_at_once():
+    w = verdicts.LiveWatch()
+    assert w.observe(_live(status=503, state="ready", stalled=True, last_progress_seconds=61), 0.0, FAST) is None
+    k = w.observe(_live(status=503, state="ready", stalled=True, last_progress_seconds=62), 1.0, FAST)
+    assert k.cls == detect.HANG and "stalled 62s" in k.reason  # the engine said so: no extra patience
+    w = verdicts.LiveWatch()
+    w.observe(_live(**TIMEOUT), 0.0, FAST)
+    k = w.observe(_live(error="ConnectionRefusedError: refused", refused=True), 1.0, FAST)
+    assert k.cls == detect.UNHEALTHY and k.details["live_failures"] == 2  # alive, port refusing
+    k = verdicts.LiveWatch().observe(_live(status=503, state="poisoned", error={"code": 700}), 0.0, FAST)
+    assert k.cls == detect.POISONED and k.minimal and k.poison_grace and k.cuda == {"code": 700}
+    w = verdicts.LiveWatch()  # gone or a zombie: supervisord reports the exit, nothing to kill
+    assert [w.observe(_live(process="zombie", error="process: zombie"), t, FAST) for t in (0.0, 60.0)] == [None, None]
+    w = verdicts.LiveWatch()  # a worker thread died: the worker says which, and the reason names it
+    dead = {"code": None, "name": "thread_died", "message": "thread ember-kv-writer died: OSError: [Errno 5]"}
+    assert w.observe(_live(status=503, state="ready", error=dead), 0.0, FAST) is None
+    k = w.observe(_live(status=503, state="ready", error=dead), 1.0, FAST)
+    assert k.cls == detect.UNHEALTHY and "ember-kv-writer died" in k.reason
+    w = verdicts.LiveWatch()  # D state on every probe for dstate_seconds: a hang, even while answering
+    assert w.observe(_live(ok=True, status=200, process="disk-sleep"), 0.0, FAST) is None
+    assert w.observe(_live(ok=True, status=200, process="disk-sleep"), 5.0, FAST).cls == detect.HANG
+
+
+def test_readiness_hang_needs_evidence_that_nothing_moves():
+    live = verdicts.LiveWatch()
+    live.observe(_live(ok=True, status=200, steps=10), 0.0, FAST)
+    r = verdicts.ReadyWatch()
+    timeout = {"probe": "ready", "ok": False, "timeout": True, "error": "no answer within 30s"}
+    assert r.observe(timeout, 1.0, FAST, live, outcomes=4) is None
+    live.observe(_live(ok=True, status=200, steps=12), 4.0, FAST)  # the engine steps: busy, not hung
+    assert r.observe(timeout, 8.0, FAST, live, outcomes=4) is None  # progress: the count starts again
+    live.observe(_live(ok=True, status=200, steps=12), 12.0, FAST)
+    assert r.observe(timeout, 13.0, FAST, live, outcomes=5) is None  # a request finished: progress too
+    live.observe(_live(ok=True, status=200, steps=12), 18.0, FAST)
+    k = r.observe(timeout, 19.5, FAST, live, outcomes=5)  # 6.5 s, liveness answering, nothing moved
+    assert k.cls == detect.HANG and k.source == "readiness"
+    # liveness silent as well: the liveness rule (more patient) decides, not this one
+    live, r = verdicts.LiveWatch(), verdicts.ReadyWatch()
+    live.observe(_live(ok=True, status=200, steps=1), 0.0, FAST)
+    assert r.observe(timeout, 1.0, FAST, live, outcomes=0) is None
+    live.observe(_live(**TIMEOUT), 2.0, FAST)
+    assert r.observe(timeout, 30.0, FAST, live, outcomes=0) is None
+    # a 429 answer is a full queue: the count stops
+    busy = {"probe": "ready", "ok": False, "busy": True, "status": 200, "error": "busy: ... HTTP 429"}
+    assert r.observe(busy, 31.0, FAST, live, outcomes=0) is None and r.since is None
+
+
 # -- settings -------------------------------------------------------------------------------------------------
 
 
@@ -121,6 +251,9 @@ def test_settings_defaults_are_the_issues(tmp_path):
     assert s.breaker_crashes >= 1 and s.breaker_window > 0
     assert s.startup_timeout == 300.0 and s.live_interval <= 10 and s.ready_interval > s.live_interval
     assert s.poison_grace == 5.0 and s.events_seconds == 300.0
+    assert s.unresponsive_seconds == 60.0 and s.breaker_cooldown == 600.0
+    with pytest.raises(settings.SettingsError, match="breaker_cooldown"):
+        settings.load(env={"XDG_CONFIG_HOME": str(tmp_path), "EMBER_DAEMON_BREAKER_COOLDOWN": "-1"})
     assert not s.foreign and s.live_url == "http://127.0.0.1:8080/health/live"
     assert s.generation_url == "http://127.0.0.1:8080/v1/completions"
 
@@ -296,6 +429,45 @@ def test_logwatch_follows_rotation_and_truncation_and_survives_a_bad_handler(tmp
         w.close()
 
 
+def test_logwatch_falls_back_to_polling_when_its_observer_cannot_run(tmp_path, monkeypatch):
+    log = tmp_path / "logs" / "worker.log"
+    log.parent.mkdir()
+    log.write_text("")
+    blocked = tmp_path / "engine"  # a second watched directory that cannot be made: a file has its name
+    blocked.write_text("")
+    seen, errors = [], []
+    w = LogWatcher([(log, "worker"), (blocked / "engine.log", "engine")],
+                   on_poison=lambda line, info: seen.append(info["code"]), on_error=errors.append)
+    w.prime()
+    monkeypatch.setattr(logwatch, "RETRY_SECONDS", 0.3)
+    try:
+        assert w.start() is False  # no exception: the watcher is in polling mode
+        assert w.mode == "polling" and "FileExistsError" in w.failure and not w.healthy()
+        assert w.ensure_running() is None  # not retried before RETRY_SECONDS
+        with open(log, "a") as f:
+            f.write("CUDA error: an illegal memory access was encountered\n")
+        assert w.poll() == 1 and seen == [700]  # the files are still read, by polling
+        time.sleep(0.35)
+        assert w.ensure_running() is None and w.mode == "polling"  # retried, failed again, nothing new to say
+        blocked.unlink()  # fixed: the next try starts the observer
+        time.sleep(0.35)
+        assert w.ensure_running() == "recovered" and w.mode == "inotify" and w.failure is None and w.healthy()
+        # a watched directory deleted under a running observer: its watch ends; it is noticed and rebuilt
+        os.rmdir(blocked)
+        assert _wait(lambda: not w.healthy())
+        assert w.ensure_running() == "restarted" and w.healthy() and blocked.is_dir()
+        os.rmdir(blocked)
+        blocked.write_text("")  # ... and when it cannot be rebuilt: polling again, said once
+        assert _wait(lambda: not w.healthy())
+        assert w.ensure_running() == "degraded" and w.mode == "polling"
+        assert w.ensure_running() is None
+        with open(log, "a") as f:
+            f.write("CUDA error: unspecified launch failure\n")
+        assert w.poll() == 1 and seen == [700, 719] and errors == []
+    finally:
+        w.close()
+
+
 def test_logwatch_keeps_a_partial_line_until_it_ends(tmp_path):
     log = tmp_path / "w.log"
     log.write_text("")
@@ -438,3 +610,34 @@ def test_logs_follow_pretty_prints_new_lines(tmp_path):
         guard.cancel()
         p.kill()
         p.wait()
+
+
+def _linked_state(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    link = tmp_path / "state" / "kv"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    return link, target
+
+
+def test_private_dirs_never_change_a_link_target(tmp_path):
+    from ember.daemon.paths import private_dir, write_private
+
+    link, target = _linked_state(tmp_path)
+    private_dir(link)  # a kv dir on another disk, or a link planted for root to follow: used as it is
+    assert (target.stat().st_mode & 0o777) == 0o755
+    plain = private_dir(tmp_path / "state" / "crashes")
+    assert (plain.stat().st_mode & 0o777) == 0o700
+    write_private(plain / "status.json", "{}")
+    assert (plain / "status.json").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is root's: run as root to check it")
+def test_root_never_writes_through_a_link_in_the_state_dir(tmp_path):
+    from ember.daemon.paths import write_private
+
+    link, target = _linked_state(tmp_path)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        write_private(link / "status.json", "{}")
+    assert not list(target.iterdir())

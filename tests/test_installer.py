@@ -1,8 +1,10 @@
 """installer/install.sh, run from the checkout into a temporary HOME as a user would.
 
 One real install per module (pip into a fresh venv takes most of a minute); the tests then build on
-it in order: fresh install, --start with a request answered, re-run as an upgrade while running
-(data kept, restarted), --uninstall leaving only data, --purge. Every process started is stopped.
+it in order: fresh install, --start with a request answered, --start with EMBER_PORT (waits on that
+port), the nohup fallback (--port beating EMBER_PORT), re-run as an upgrade while running (data
+kept, restarted), --uninstall leaving only data and the receipt, --purge of what the receipt names.
+Every process started is stopped.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def test_fresh_install(inst):
     assert rec["mode"] == "user" and rec["service"] == "none" and rec["port"] == inst.port
     assert rec["paths"]["venv"] == str(inst.venv) and rec["paths"]["config"] == str(inst.conf)
     assert rec["options"]["model"] == str(inst.model)
+    # what the installer made, so that --purge removes only that
+    assert {str(inst.prefix), str(inst.conf.parent), str(inst.prefix / "kv"), str(inst.prefix / "logs")} <= set(rec["created"])
     text = inst.conf.read_text()
     assert "[daemon]" in text and f"port = {inst.port}" in text and f'model = "{inst.model}"' in text
     # the installed ember is a copy, not the checkout: the source tree got no build output
@@ -160,9 +164,39 @@ def test_start_serves_a_request_then_stops(inst):
     assert (inst.prefix / "kv" / "keep.blk").exists()
 
 
+def _serves(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_start_waits_on_the_port_from_ember_port(inst):
+    """EMBER_PORT beats the config's port for the ember the installer starts, and the installer waits
+    on that port (it used to wait on the config's, for EMBER_START_TIMEOUT, and fail)."""
+    other = _free_port()
+    r = inst.run("--no-service", "--start", "--source", str(ROOT), EMBER_PORT=str(other), EMBER_START_TIMEOUT="150")
+    try:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert f"waiting for http://127.0.0.1:{other}/health/ready" in r.stdout
+        assert f"ember is serving at http://127.0.0.1:{other}" in r.stdout
+        assert _serves(other) and not _serves(inst.port)
+        # said plainly: the variable lasts for this start only, the config keeps its port
+        assert f"EMBER_PORT={other} applies to the ember this run starts" in r.stderr
+        assert f"port = {inst.port}" in inst.conf.read_text()
+        assert json.loads(inst.receipt.read_text())["port"] == other
+    finally:
+        s = inst.ember("stop", timeout=90)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert not _ours(inst.home)
+
+
 def test_start_fallback_without_ember_start(inst):
-    """An ember whose CLI has no `start` yet: the worker runs under nohup with a pid file, and says so."""
-    r = inst.run("--no-service", "--start", "--source", str(ROOT), EMBER_INSTALL_START="nohup")
+    """An ember whose CLI has no `start` yet: the worker runs under nohup with a pid file, and says so.
+    --port is a flag and beats EMBER_PORT, as everywhere in ember."""
+    other = _free_port()
+    r = inst.run("--no-service", "--start", "--source", str(ROOT), "--port", str(inst.port), EMBER_INSTALL_START="nohup",
+                 EMBER_PORT=str(other))
     pidfile = inst.prefix / "run" / "worker-nohup.pid"
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -170,6 +204,7 @@ def test_start_fallback_without_ember_start(inst):
         assert f"ember is serving at {inst.url}" in r.stdout
         resp = httpx.post(inst.url + "/v1/completions", timeout=120, json={"model": "x", "prompt": "Hi", "max_tokens": 2})
         assert resp.status_code == 200
+        assert not _serves(other)
     finally:
         pid = int(pidfile.read_text())
         p = psutil.Process(pid)
@@ -209,19 +244,30 @@ def test_uninstall_leaves_only_data(inst):
     r = inst.run("--uninstall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert not _ours(inst.home), "uninstall left processes"
-    assert not inst.venv.exists() and not inst.link.exists() and not inst.receipt.exists()
+    assert not inst.venv.exists() and not inst.link.exists()
     assert inst.conf.exists() and (inst.prefix / "kv" / "keep.blk").exists()
     assert (inst.prefix / "crashes" / "20260101T000000Z-crash-test" / "meta.json").exists()
     left = {p.name for p in inst.prefix.iterdir()}
-    assert left <= {"kv", "crashes", "logs", "run"}, left
+    assert left <= {"kv", "crashes", "logs", "run", "install-receipt.json"}, left
     assert "kept: config" in r.stdout
+    # the receipt stays with the data: a later --purge reads from it what is ember's
+    rec = json.loads(inst.receipt.read_text())
+    assert rec["uninstalled_at"] and str(inst.prefix) in rec["created"]
 
 
 def test_purge_removes_data(inst):
-    r = inst.run("--uninstall", "--purge")
+    """--purge removes the dirs the receipt names as the installer's, whatever this shell's
+    EMBER_STATE_DIR says; other programs' data next to them stays."""
+    share = inst.home / ".local" / "share"
+    for d in ("other-app", "logs"):
+        (share / d).mkdir(parents=True, exist_ok=True)
+        (share / d / "keep.txt").write_text("not ember's\n")
+    r = inst.run("--uninstall", "--purge", EMBER_STATE_DIR=str(share))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"the data directory is {inst.prefix} (from the receipt)" in r.stdout
     assert not inst.prefix.exists() and not inst.conf.parent.exists()
     assert not (inst.home / ".cache" / "ember").exists()
+    assert (share / "other-app" / "keep.txt").exists() and (share / "logs" / "keep.txt").exists()
 
 
 # -- no install needed -----------------------------------------------------------------------------

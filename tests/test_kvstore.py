@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -69,7 +72,8 @@ def test_restart_comes_back_warm_and_identical(runtime, tmp_path):
     assert len(_files(tmp_path)) >= n_prompt // 16
     for p in _files(tmp_path):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
-    assert stat.S_IMODE((tmp_path).stat().st_mode) == 0o700
+        assert p.parent.parent == s1.dir  # <kv dir>/<fingerprint>-<layout>/??/<hash>.kv
+    assert stat.S_IMODE(s1.dir.stat().st_mode) == 0o700
     s2 = _store(runtime, tmp_path)  # a new process would see exactly this: files only
     warm, toks_warm, _ = _run(runtime, s2)
     assert warm.cached_tokens == (n_prompt - 1) // 16 * 16
@@ -128,7 +132,9 @@ def test_damaged_files_are_quarantined_and_recomputed(runtime, tmp_path, how):
     assert header.file_size == target.stat().st_size
 
 
-def test_wrong_model_files_never_match(runtime, tmp_path):
+def test_a_foreign_file_in_this_layouts_directory_is_quarantined(runtime, tmp_path):
+    """Another layout's blocks live in its own directory and are never touched; a block of another
+    layout found in this one's directory (copied there by hand) is foreign, and quarantined."""
     s1 = _store(runtime, tmp_path)
     _run(runtime, s1)
     s1.close()
@@ -136,9 +142,19 @@ def test_wrong_model_files_never_match(runtime, tmp_path):
                     block_shape=runtime.backend.read_block(0).shape, block_tokens=16, chain_hash=chain_hash,
                     disk_budget=1 << 30, host_budget=1 << 20)
     other.scan_done.wait(10)
-    # same directory, another salt: every header is refused and quarantined by the scan
-    assert other.stats.quarantined == len(list((tmp_path / "quarantine").iterdir())) > 0
+    assert other.dir != s1.dir and other.stats.quarantined == 0 and not (tmp_path / "quarantine").exists()
+    stray = _files(tmp_path)[0]
+    (other.dir / stray.parent.name).mkdir(exist_ok=True)
+    copied = other.dir / stray.parent.name / stray.name
+    copied.write_bytes(stray.read_bytes())
     other.close()
+    again = KVStore(tmp_path, salt=b"another-model:numpy:kv1", model_key=runtime.model.fingerprint,
+                    block_shape=runtime.backend.read_block(0).shape, block_tokens=16, chain_hash=chain_hash,
+                    disk_budget=1 << 30, host_budget=1 << 20)
+    again.scan_done.wait(10)
+    assert again.stats.quarantined == 1 and not copied.exists() and stray.exists()
+    assert [p.name.split("-", 1)[1] for p in (tmp_path / "quarantine").iterdir()] == [stray.name]
+    again.close()
 
 
 def test_disk_budget_is_kept(runtime, tmp_path):
@@ -153,12 +169,13 @@ def test_disk_budget_is_kept(runtime, tmp_path):
 
 
 def test_unwritable_directory_degrades_to_no_persistence(runtime, tmp_path, capfd):
+    root = tmp_path / "kv"
     if os.geteuid() == 0:
         # root ignores permissions: make the path unusable instead (a file where the dir should be)
-        (tmp_path / runtime.model.fingerprint).write_bytes(b"not a directory")
+        root.write_bytes(b"not a directory")
     else:
-        tmp_path.chmod(0o500)
-    s = _store(runtime, tmp_path)
+        root.mkdir(mode=0o500)
+    s = _store(runtime, root)
     _, toks, _ = _run(runtime, s)
     assert len(toks) > 0 and not s.writable
     s.close()
@@ -191,3 +208,91 @@ def test_blockfile_round_trip_and_checks():
         blockfile.decode(data, salt=salt, expect_hash=b"\1" * 16, shape=payload.shape)
     with pytest.raises(blockfile.BadBlockFile, match="shape"):
         blockfile.decode(data, salt=salt, expect_hash=h, shape=(2, 3, 4, 2, 4))
+
+
+# -- the store failing during admission: the request computes, and no block is left retained -------------------
+
+def _engine_over(runtime, store):
+    be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=64, block_size=runtime.backend.block_size)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=1024), metrics=Metrics(), store=store)
+    engine.start()
+    return engine
+
+
+def _generate(engine, runtime, prompt, n=4):
+    req = GenerationRequest("r", runtime.model.tokenizer.encode(prompt), SamplingParams(temperature=0), n)
+
+    async def go():
+        h = RequestHandle(req, asyncio.get_running_loop())
+        engine.submit(h)
+        return [e async for e in h.events()]
+
+    return asyncio.run(go())
+
+
+def _prefix_then_longer(runtime, store, during_second):
+    """Run PROMPT (its blocks stay cached on the device), then PROMPT plus more with `during_second`
+    in effect: admission matches PROMPT's blocks on the device and asks the store for the rest."""
+    engine = _engine_over(runtime, store)
+    try:
+        _generate(engine, runtime, PROMPT)
+        assert store.flush()
+        with during_second():
+            events = _generate(engine, runtime, PROMPT + "The keeper climbed the stairs once more. " * 4)
+        for _ in range(200):  # the engine thread settles before it pushes the last event; gauges follow
+            if engine.pool.in_use == 0:
+                break
+            time.sleep(0.01)
+        return events, engine.pool.in_use
+    finally:
+        engine.shutdown()
+
+
+def test_an_io_error_during_admission_computes_and_releases_blocks(runtime, tmp_path, capfd):
+    store = _store(runtime, tmp_path)
+    store.scan_done.wait(10)
+    real_stat = os.stat
+
+    def failing_stat(path, *a, **kw):  # the disk under the store answers EIO to every lookup
+        if str(path).startswith(str(store.dir)) and str(path).endswith(".kv"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_stat(path, *a, **kw)
+
+    @contextlib.contextmanager
+    def eio():
+        os.stat = failing_stat
+        try:
+            yield
+        finally:
+            os.stat = real_stat
+
+    events, in_use = _prefix_then_longer(runtime, store, eio)
+    store.close()
+    assert in_use == 0  # the device blocks admission retained before asking the store went back
+    assert isinstance(events[-1], Finished), events[-1]  # and the request computed what the store could not give
+    assert next(e for e in events if isinstance(e, Started)).cached_tokens >= 16
+    err = capfd.readouterr().err
+    assert "kv_read_error" in err and "Input/output error" in err and "engine_error" not in err
+
+
+def test_a_failing_store_lookup_computes_and_releases_blocks(runtime, tmp_path, capfd):
+    store = _store(runtime, tmp_path)
+
+    def broken(hashes):
+        raise RuntimeError("the store's index is corrupt")
+
+    @contextlib.contextmanager
+    def lookup_fails():
+        store.available = broken
+        try:
+            yield
+        finally:
+            del store.available
+
+    events, in_use = _prefix_then_longer(runtime, store, lookup_fails)
+    store.close()
+    assert in_use == 0
+    assert isinstance(events[-1], Finished), events[-1]
+    assert next(e for e in events if isinstance(e, Started)).cached_tokens >= 16
+    err = capfd.readouterr().err
+    assert "kv_lookup_error" in err and "index is corrupt" in err and "engine_error" not in err

@@ -201,3 +201,97 @@ def test_config_show_and_service_do_not_import_the_worker(tmp_path):
             "print(bad)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path), timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# -- the system unit's sandbox ---------------------------------------------------------------------
+
+HARDENING = {"ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "ProtectKernelTunables=yes",
+             "ProtectKernelModules=yes", "ProtectControlGroups=yes", "RestrictSUIDSGID=yes", "LockPersonality=yes",
+             "UMask=0077", "NoNewPrivileges=yes", "ReadWritePaths=/var/lib/ember", "Environment=HOME=/var/lib/ember"}
+
+
+def _system_unit(tmp_path: Path, monkeypatch, conf_text: str | None = None, state: Path | None = None) -> str:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in [k for k in os.environ if k.startswith(("EMBER_", "XDG_"))]:
+        monkeypatch.delenv(k)
+    if conf_text is not None:
+        conf = tmp_path / "ember.toml"
+        conf.write_text(conf_text)
+        monkeypatch.setenv("EMBER_CONFIG", str(conf))
+    if state is not None:
+        monkeypatch.setenv("EMBER_STATE_DIR", str(state))
+    from ember.daemon import service
+
+    return service.render_unit(True, _ember_exe())
+
+
+def _analyze(unit: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("systemd-analyze")
+    if not exe:
+        pytest.skip("systemd-analyze is missing (Debian package systemd; .ci/run installs it)")
+    return subprocess.run([exe, *args, str(unit)], capture_output=True, text=True, timeout=60)
+
+
+def test_system_unit_is_sandboxed_and_keeps_the_gpu(tmp_path, monkeypatch):
+    text = _system_unit(tmp_path, monkeypatch)
+    lines = _unit_lines(text)
+    assert HARDENING <= lines, HARDENING - lines
+    # the GPU stays reachable: no private /dev, no device allow-list (ProtectClock= implies one on older systemd)
+    for key in ("PrivateDevices=", "DevicePolicy=", "DeviceAllow=", "ProtectClock="):
+        assert not any(ln.startswith(key) for ln in lines), key
+    path = tmp_path / "ember.service"
+    path.write_text(text)
+    r = _analyze(path, "verify")
+    bad = [ln for ln in (r.stdout + r.stderr).splitlines() if str(path) in ln or "ember.service" in ln]
+    assert r.returncode == 0 and not bad, r.stdout + r.stderr
+
+
+def test_user_unit_is_not_sandboxed(tmp_path, monkeypatch):
+    """User units cannot set most of these (no mount namespace without user namespaces): none is written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in [k for k in os.environ if k.startswith(("EMBER_", "XDG_"))]:
+        monkeypatch.delenv(k)
+    from ember.daemon import service
+
+    lines = _unit_lines(service.render_unit(False, _ember_exe()))
+    assert not any(ln.startswith(("ProtectSystem=", "ReadWritePaths=", "PrivateTmp=", "User=")) for ln in lines)
+
+
+def test_system_unit_security_exposure(tmp_path, monkeypatch):
+    path = tmp_path / "ember.service"
+    path.write_text(_system_unit(tmp_path, monkeypatch))
+    r = _analyze(path, "security", "--offline=yes", "--no-pager")
+    if "--offline" in r.stderr and "unrecognized" in r.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    verdict = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln]
+    assert verdict, r.stdout[-2000:] + r.stderr
+    score = float(verdict[0].split(":", 1)[1].split()[0])
+    # 9.0 before the sandbox; README's Security section quotes the figure
+    assert score <= 3.0, verdict[0]
+
+
+def test_system_unit_makes_configured_paths_reachable(tmp_path, monkeypatch):
+    """A kv_dir outside the state dir is writable ("-": it may not exist yet); a model in a home makes
+    /home read-only rather than hidden."""
+    text = _system_unit(tmp_path, monkeypatch, 'model = "/home/alice/models/m.gguf"\nkv_dir = "/data/ember kv"\n')
+    lines = _unit_lines(text)
+    assert 'ReadWritePaths=/var/lib/ember "-/data/ember kv"' in lines
+    assert "ProtectHome=read-only" in lines and "ProtectHome=yes" not in lines
+    path = tmp_path / "ember.service"
+    path.write_text(text)
+    r = _analyze(path, "verify")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a kv_dir inside the state dir needs nothing more
+    lines = _unit_lines(_system_unit(tmp_path, monkeypatch, 'kv_dir = "/var/lib/ember/kv2"\n'))
+    assert "ReadWritePaths=/var/lib/ember" in lines and "ProtectHome=yes" in lines
+
+
+def test_system_unit_with_sockets_in_tmp_shares_tmp(tmp_path, monkeypatch):
+    """A state path too long for a unix socket puts the sockets in /tmp/ember-*, which the CLI outside
+    the service must reach: no private /tmp then, and /tmp writable."""
+    import tempfile
+
+    state = tmp_path / ("s" * 100)
+    lines = _unit_lines(_system_unit(tmp_path, monkeypatch, state=state))
+    assert "PrivateTmp=yes" not in lines
+    assert f"ReadWritePaths={tempfile.gettempdir()}" in lines and f"ReadWritePaths={state}" in lines

@@ -62,6 +62,19 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # Where a thinking model's reasoning starts and ends: "auto" (from the chat template and the
     # vocabulary), "none" (never split reasoning off), a known marker name, or "START,END".
     reasoning_format: str = "auto"
+    # -- request bounds: each caps something a client controls that costs memory or time per token ---
+    max_output_tokens: int = 0  # every request's output, whatever the client asks; 0 = the context's room
+    max_body: str = "auto"  # request body bytes; auto = what the context can use (see api/limits.py)
+    max_stop: int = 16  # stop / stop_sequences strings a request may name...
+    max_stop_chars: int = 512  # ...and the characters of each
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_tools: int = 256  # tool definitions a request may carry...
+    max_tool_schema_bytes: int = 64 * 1024  # ...and the JSON bytes of each one's definition
+    max_top_k: int = 1024
+    max_json_depth: int = 64  # nesting of the request body's JSON
+    # -- who may call: a page in the user's browser must not drive a local API --------------------------
+    allowed_origins: str = ""  # comma-separated Origins allowed cross-site besides loopback pages; * = any
+    metrics_auth: bool = False  # /metrics and /v1/stats want the API key too
 
 
 HELP = {
@@ -75,7 +88,8 @@ HELP = {
     "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
     "prefill_chunk": "prompt tokens per engine step and sequence (default 256)",
     "kv_dir": "where KV blocks persist across restarts (default: <state dir>/kv)",
-    "kv_disk_budget": "disk bytes for KV blocks, e.g. 20GiB (default auto: 1/4 of free space, at most 50GiB)",
+    "kv_disk_budget": "disk bytes for everything in the KV dir (every model, layout and worker sharing it, and "
+                      "quarantine), e.g. 20GiB (default auto: 1/4 of free space, at most 50GiB)",
     "kv_host_mem": "host RAM tier for KV blocks (default 512MiB)",
     "kv_persist": "all (each full block as soon as complete), finished (when a request ends) or off",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
@@ -89,6 +103,19 @@ HELP = {
     "loop_guard_repeats": "back-to-back copies of a block (1-64 tokens) that count as a loop (default 8)",
     "loop_guard_min_span": "and the copies must span at least this many tokens (default 128)",
     "reasoning_format": "reasoning markers: auto (default, from the template), none, a marker name, or START,END",
+    "max_output_tokens": "cap every request's output at N tokens, whatever the client asks (default 0: no cap "
+                         "beyond the context)",
+    "max_body": "largest request body, e.g. 16MiB (default auto: what the context can hold)",
+    "max_stop": "stop strings a request may name (default 16)",
+    "max_stop_chars": "characters of each stop string (default 512)",
+    "max_logit_bias": "logit_bias entries a request may carry (default 1024)",
+    "max_tools": "tool definitions a request may carry (default 256)",
+    "max_tool_schema_bytes": "JSON bytes of each tool definition (default 65536)",
+    "max_top_k": "largest top_k a request may ask for (default 1024)",
+    "max_json_depth": "deepest nesting of a request body's JSON (default 64)",
+    "allowed_origins": "browser Origins allowed to call the API besides loopback pages, comma-separated; * = any "
+                       "(default: none)",
+    "metrics_auth": "require the API key for /metrics and /v1/stats too (default off)",
 }
 
 _SECRET = {"api_key"}
@@ -187,8 +214,25 @@ def validate(cfg: WorkerConfig) -> None:
         parse_override(cfg.reasoning_format)
     except ReasoningConfigError as e:
         raise ConfigError(f"reasoning_format: {e}") from None
+    for name in ("max_stop", "max_stop_chars", "max_tools", "max_tool_schema_bytes", "max_top_k", "max_json_depth"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: must be at least 1")
+    if cfg.max_output_tokens < 0:
+        raise ConfigError("max_output_tokens: must not be negative (0 = no cap)")
+    if cfg.max_logit_bias < 0:
+        raise ConfigError("max_logit_bias: must not be negative (0 = refuse logit_bias)")
+    if cfg.max_body != "auto" and parse_size(cfg.max_body, "max_body") < 1024:
+        raise ConfigError("max_body: at least 1KiB")
+    for origin in origins(cfg):
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise ConfigError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
     if cfg.fault and not is_loopback(cfg.host):
         raise ConfigError(f"fault: fault injection is refused on a non-loopback host ({cfg.host})")
+
+
+def origins(cfg: WorkerConfig) -> list[str]:
+    """--allowed-origins as a list (lower case, no trailing slash)."""
+    return [o.strip().rstrip("/").lower() for o in cfg.allowed_origins.split(",") if o.strip()]
 
 
 def is_loopback(host: str) -> bool:

@@ -30,6 +30,13 @@ class Metrics:
         self.kv_blocks_used = Gauge("ember_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
         self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse", registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
+        self._threads = _ThreadCollector()
+        r.register(self._threads)
+
+    def attach_threads(self, watch) -> None:
+        """Export a ThreadWatch's deaths (ember_thread_deaths_total{thread}), read at scrape time."""
+        if all(w is not watch for w in self._threads.watches):
+            self._threads.watches.append(watch)
 
     def attach_store(self, store) -> None:
         """Export the KV store's figures, read at scrape time."""
@@ -52,13 +59,33 @@ class Metrics:
         return out
 
 
+class _ThreadCollector:
+    def __init__(self):
+        self.watches: list = []
+
+    def collect(self):
+        family = CounterMetricFamily("ember_thread_deaths", "Worker threads that died of an exception",
+                                     labels=["thread"])
+        deaths: dict[str, int] = {}
+        for w in self.watches:
+            for name, n in list(w.deaths.items()):
+                deaths[name] = deaths.get(name, 0) + n
+        for name, n in sorted(deaths.items()):
+            family.add_metric([name], n)
+        yield family
+
+
 class _StoreCollector:
     def __init__(self, store):
         self.store = store
 
     def collect(self):
         st = self.store.stats
-        yield GaugeMetricFamily("ember_kv_disk_bytes", "Bytes of KV block files on disk", value=self.store.disk_bytes)
+        yield GaugeMetricFamily("ember_kv_disk_bytes", "Bytes of this KV layout's block files on disk",
+                                value=self.store.disk_bytes)
+        yield GaugeMetricFamily("ember_kv_dir_bytes", "Bytes under the KV dir counted against the disk budget "
+                                "(every model and layout, and quarantine)", value=self.store.dir_bytes)
+        yield GaugeMetricFamily("ember_kv_disk_budget_bytes", "The KV dir's disk budget", value=self.store.disk_budget)
         yield GaugeMetricFamily("ember_kv_disk_blocks", "KV block files on disk", value=self.store.disk_blocks)
         yield GaugeMetricFamily("ember_kv_write_queue_depth", "KV blocks waiting to be written",
                                 value=self.store.write_queue_depth)
@@ -69,6 +96,8 @@ class _StoreCollector:
             ("ember_kv_restore_misses", "KV block restores that found nothing usable", st.restore_misses),
             ("ember_kv_quarantined", "KV block files moved to quarantine", st.quarantined),
             ("ember_kv_evictions", "KV block files evicted for the disk budget", st.evictions),
+            ("ember_kv_dir_evictions", "Whole KV directories of other models or layouts evicted for the budget",
+             st.dir_evictions),
             ("ember_kv_restore_seconds", "Time spent reading KV blocks for restores", st.restore_seconds),
             ("ember_kv_restore_bytes", "Bytes of KV restored", st.restore_bytes),
         ]:

@@ -109,6 +109,8 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .api.limits import RequestLimits
+    from .api.security import Guard
     from .api.state import ServerState
     from .engine.faults import FaultInjector, FaultSpecError, parse_faults
     from .metrics import Metrics
@@ -135,7 +137,15 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         state.set("poisoned")
         poisoned_exit.set()
 
-    app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state)
+    guard = Guard(api_key=cfg.api_key or None, loopback_only=worker_config.is_loopback(cfg.host),
+                  allowed_origins=tuple(worker_config.origins(cfg)), metrics_auth=cfg.metrics_auth)
+    if not guard.loopback_only and guard.api_key is None:
+        log("insecure_bind", level="warning", host=cfg.host, port=cfg.port,
+            message=f"serving {cfg.host}:{cfg.port} beyond loopback WITHOUT an API key: anyone who can reach this "
+                    "port can use the model; set --api-key (see README: Security)")
+    app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state,
+                     limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
+                     version=_version())
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=1))
     server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)

@@ -216,16 +216,20 @@ def template_messages(body: MessagesRequest) -> list[dict]:
     return msgs
 
 
-async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = False) -> toolcalling.Prepared:
+async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = False,
+                   bounded: bool = True) -> toolcalling.Prepared:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
+    ctx.limits.tools(body.tools)
     plan = toolcalling.anthropic_plan(body.tools, body.tool_choice)
     ask = toolcalling.anthropic_ask(body.thinking, body.max_tokens)
-    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured)
+    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured,
+                                     bounded=bounded)
 
 
 async def prompt_of(ctx: ApiContext, body: MessagesRequest) -> list[int]:
-    return (await prepared(ctx, body)).prompt
+    """The prompt's tokens (count_tokens: also past the context, which is what the caller asks)."""
+    return (await prepared(ctx, body, bounded=False)).prompt
 
 
 async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str) -> GenerationRequest:
@@ -233,12 +237,12 @@ async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str)
     if fmt is None and body.output_format is not None:
         fmt, where = body.output_format, "output_format"
     grammar = await structured.off_loop(structured.anthropic_grammar, fmt, where)
-    params = common.sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+    params = common.sampling_params(ctx, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+    stop = common.stop_list(ctx, body.stop_sequences, "stop_sequences")
     prep = await prepared(ctx, body, structured=grammar is not None)
     prompt = prep.prompt
-    max_tokens = common.max_new_tokens(body.max_tokens, len(prompt), ctx.context_limit, "max_tokens")
-    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens,
-                                               stop=common.stop_list(body.stop_sequences), protocol=PROTOCOL,
+    max_tokens = common.output_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
+    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
                                                grammar=grammar), prep)
 
 

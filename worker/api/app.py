@@ -5,8 +5,11 @@ Model names: one model is served, so any `model` value is accepted on the genera
 served model. GET /v1/models lists it; GET /v1/models/{id} answers 404 unless `id` is the served
 name or the GGUF file name (with or without `.gguf`).
 
-Auth: with an API key set, every endpoint except /health/live, /health/ready, /metrics and
-/v1/stats wants it, as `Authorization: Bearer KEY` or `x-api-key: KEY` (compared in constant time).
+Who may call (security.py): the Host and Origin checks against pages in the user's browser, JSON
+bodies only, and with an API key set every endpoint except /health/live and /health/ready (and
+/metrics and /v1/stats unless --metrics-auth) wants it, as `Authorization: Bearer KEY` or
+`x-api-key: KEY`. Bodies past what the context can use are refused before they are read (413,
+limits.py); large ones are decoded off the event loop.
 
 Errors come in the protocol's own shape: Anthropic's for /v1/messages* (and any request carrying
 an `anthropic-version` header), OpenAI's otherwise. Never a traceback: unexpected exceptions are
@@ -15,7 +18,6 @@ logged (JSON line with the traceback) and answered with a generic 500.
 
 from __future__ import annotations
 
-import hmac
 import time
 import traceback
 from datetime import datetime, timezone
@@ -24,18 +26,20 @@ from typing import Any
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
 from litestar.response import Stream
 
 from ..logs import log
-from . import anthropic_messages, common, openai_chat, openai_completions, openai_responses
-from .common import ApiContext, bad_request
+from . import anthropic_messages, common, openai_chat, openai_completions, openai_responses, openapi, tokenize
+from .common import ApiContext
 from .errors import ApiError, anthropic_error, openai_error
+from .limits import RequestLimits, too_large
+from .security import LOOPBACK_ORIGIN, Guard
 from .sse import SSE_HEADERS, stream
 from .state import ServerState
 
-MAX_BODY_BYTES = 256 * 1024 * 1024  # agent conversations with tools run to megabytes
 JSON = "application/json"
 
 _encoder = msgspec.json.Encoder()
@@ -76,65 +80,40 @@ class ModelList(msgspec.Struct):
     has_more: bool = False
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    content: str | None = None
-    prompt: str | None = None
-    messages: list[openai_chat.ChatMessageIn] | None = None
-    add_special: bool | None = None
-    with_pieces: bool = False
-
-
-class TokenPiece(msgspec.Struct):
-    id: int
-    piece: str
-
-
-class TokenizeResponse(msgspec.Struct):
-    tokens: list[int] | list[TokenPiece]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeRequest(msgspec.Struct):
-    tokens: list[int]
-
-
-class DetokenizeResponse(msgspec.Struct):
-    content: str
-    prompt: str
-
-
 def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str, state: ServerState,
-               keepalive_seconds: float = 2.0) -> Litestar:
+               keepalive_seconds: float = 2.0, limits: RequestLimits | None = None, guard: Guard | None = None,
+               log_prompts: bool = False, version: str = "unknown") -> Litestar:
     """The Litestar app over `engine` (started by the caller). `engine` and `model` may be None while
-    loading; `state.attach(engine, model)` supplies them later (generation answers 503 meanwhile)."""
+    loading; `state.attach(engine, model)` supplies them later (generation answers 503 meanwhile).
+    guard: who may call (default: loopback only, no key beyond `api_key`)."""
     if engine is not None or model is not None:
         state.attach(engine, model)
-    ctx = ApiContext(state=state, api_key=api_key or None, model_name=model_name,
-                     keepalive_seconds=keepalive_seconds)
+    guard = guard or Guard(api_key=api_key or None)
+    ctx = ApiContext(state=state, api_key=guard.api_key, model_name=model_name, keepalive_seconds=keepalive_seconds,
+                     limits=limits or RequestLimits(), log_prompts=log_prompts)
     created_unix = int(time.time())
+    metrics_opt = {"public": not guard.metrics_auth}
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
-    async def check_auth(request: Request) -> Response | None:
-        if ctx.api_key is None or request.route_handler.opt.get("public"):
-            return None
-        supplied = [request.headers.get("x-api-key")]
-        auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            supplied.append(auth[7:].strip())
-        key = ctx.api_key.encode()
-        given = [s for s in supplied if s is not None]
-        if any(hmac.compare_digest(s.encode(), key) for s in given):
-            return None
-        msg = "invalid API key" if given else "an API key is required (Authorization: Bearer KEY or x-api-key)"
-        return error_response(request, ApiError(401, msg, code="invalid_api_key"))
+    async def check_caller(request: Request) -> Response | None:
+        """Host, Origin, Content-Type, then the key: refused before any work, in the protocol's shape."""
+        try:
+            guard.check_host(request.headers.get("host"))
+            guard.check_origin(request.headers.get("origin"))
+            guard.check_content_type(request.method, request.headers.get("content-type"))
+            guard.check_key(request.headers, bool(request.route_handler.opt.get("public")))
+        except ApiError as e:
+            return error_response(request, e)
+        return None
 
     def on_api_error(request: Request, e: ApiError) -> Response:
         return error_response(request, e)
 
     def on_http_error(request: Request, e: HTTPException) -> Response:
         status = e.status_code
+        if status >= 500:  # Litestar's own 5xx: log it like any other fault
+            return on_error(request, e)
         message = {404: f"no such endpoint: {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}",
                    413: "the request body is too large"}.get(status, str(e.detail))
@@ -146,7 +125,22 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         return error_response(request, ApiError(500, f"internal error: {type(e).__name__}"))
 
     async def body_of(request: Request, type_: type) -> Any:
-        return common.decode_body(await request.body(), type_)
+        return await common.decode_body_async(await read_body(request), type_, ctx.limits)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to be past what the context can use:
+        from Content-Length before reading, else while it streams in."""
+        limit = ctx.body_limit()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def sse(handle, renderer, headers: dict[str, str]) -> Stream:
         # The background task runs once the body is done, also when a disconnect cancelled the stream
@@ -161,7 +155,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         body = await body_of(request, openai_chat.ChatRequest)
         rid = common.new_id("chatcmpl-")
         common.check_accepting(ctx, rid, openai_chat.PROTOCOL)
-        req = await openai_chat.to_generation(ctx, body, rid)
+        req = await common.refusing(ctx, rid, openai_chat.PROTOCOL, openai_chat.to_generation(ctx, body, rid))
         handle = common.submit(ctx, req, "messages")
         created, want_lp = common.now(), bool(body.logprobs)
         headers = {"x-request-id": rid}
@@ -176,7 +170,8 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         body = await body_of(request, openai_completions.CompletionRequest)
         rid = common.new_id("cmpl-")
         common.check_accepting(ctx, rid, openai_completions.PROTOCOL)
-        req, plan = await openai_completions.to_generation(ctx, body, rid)
+        req, plan = await common.refusing(ctx, rid, openai_completions.PROTOCOL,
+                                          openai_completions.to_generation(ctx, body, rid))
         req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
         handle = common.submit(ctx, req, "prompt")
         created = common.now()
@@ -192,7 +187,8 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         body = await body_of(request, openai_responses.ResponsesRequest)
         rid = common.new_id("resp_")
         common.check_accepting(ctx, rid, openai_responses.PROTOCOL)
-        req = await openai_responses.to_generation(ctx, body, rid)
+        req = await common.refusing(ctx, rid, openai_responses.PROTOCOL,
+                                    openai_responses.to_generation(ctx, body, rid))
         handle = common.submit(ctx, req, "input")
         created = common.now()
         headers = {"x-request-id": rid}
@@ -206,7 +202,8 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         body = await body_of(request, anthropic_messages.MessagesRequest)
         rid = common.new_id("msg_")
         common.check_accepting(ctx, rid, anthropic_messages.PROTOCOL)
-        req = await anthropic_messages.to_generation(ctx, body, rid)
+        req = await common.refusing(ctx, rid, anthropic_messages.PROTOCOL,
+                                    anthropic_messages.to_generation(ctx, body, rid))
         handle = common.submit(ctx, req, "messages")
         headers = {"request-id": rid, "x-request-id": rid}
         if body.stream:
@@ -249,32 +246,20 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
     # -- tokenizer helpers -------------------------------------------------------------------------------------
 
     @post("/tokenize", status_code=200)
-    async def tokenize(request: Request) -> Response:
-        body = await body_of(request, TokenizeRequest)
+    async def tokenize_text(request: Request) -> Response:
+        body = await body_of(request, tokenize.TokenizeRequest)
         need_model()
-        if body.messages is not None:
-            msgs = openai_chat.template_messages(body.messages)
-            ids = await common.chat_prompt(ctx, msgs, None, "messages")
-        else:
-            text = body.content if body.content is not None else body.prompt
-            if text is None:
-                raise bad_request("send `content` (text) or `messages`", param="content")
-            tok = ctx.tokenizer
-            ids = tok.encode(text, add_special=bool(body.add_special), parse_special=True)
-        tokens: Any = ids
-        if body.with_pieces:
-            tokens = [TokenPiece(i, common.token_str(ctx, i)) for i in ids]
-        limit = ctx.engine.limits.context if ctx.engine is not None else 0
-        return _json(TokenizeResponse(tokens, len(ids), limit))
+        return _json(await tokenize.tokenize(ctx, body))
 
     @post("/detokenize", status_code=200)
-    async def detokenize(request: Request) -> Response:
-        body = await body_of(request, DetokenizeRequest)
+    async def detokenize_ids(request: Request) -> Response:
+        body = await body_of(request, tokenize.DetokenizeRequest)
         need_model()
-        if body.tokens:
-            common.check_token_ids(ctx, body.tokens, "tokens")
-        text = ctx.tokenizer.decode(body.tokens)
-        return _json(DetokenizeResponse(text, text))
+        return _json(await tokenize.detokenize(ctx, body))
+
+    @get("/openapi.json")
+    async def openapi_document() -> Response:
+        return _json(openapi.document(version))
 
     # -- health, metrics, stats (public; never the engine lock) -------------------------------------------------
 
@@ -288,12 +273,12 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         return _json(state.describe(), 200 if ok else 503,
                      headers=None if ok else {"Retry-After": str(common.RETRY_AFTER_UNAVAILABLE)})
 
-    @get("/metrics", opt={"public": True})
+    @get("/metrics", opt=metrics_opt)
     async def metrics() -> Response:
         text = ctx.engine.metrics.prometheus_text() if ctx.engine is not None else b""
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @get("/v1/stats", opt={"public": True})
+    @get("/v1/stats", opt=metrics_opt)
     async def stats() -> Response:
         out: dict[str, Any] = {"state": state.state, "model": ctx.model_name}
         engine = ctx.engine
@@ -310,12 +295,20 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
             out["metrics"] = engine.metrics.snapshot()
         return _json(out)
 
+    # CORS for the origins the guard lets in; preflights from any other origin get no CORS headers
+    cors = CORSConfig(allow_origins=["*"] if guard.any_origin else list(guard.allowed_origins),
+                      allow_origin_regex=None if guard.any_origin else LOOPBACK_ORIGIN,
+                      allow_methods=["GET", "POST", "OPTIONS"],
+                      allow_headers=["authorization", "x-api-key", "content-type", "anthropic-version",
+                                     "anthropic-beta", "openai-beta"],
+                      expose_headers=["x-request-id", "request-id", "retry-after"])
     return Litestar(
         route_handlers=[chat_completions, completions, responses, messages, count_tokens, list_models, get_model,
-                        tokenize, detokenize, live, ready, metrics, stats],
-        before_request=check_auth,
+                        tokenize_text, detokenize_ids, openapi_document, live, ready, metrics, stats],
+        before_request=check_caller,
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=None,  # read_body applies the context's limit
+        cors_config=cors,
         openapi_config=None,
         logging_config=None,
         debug=False,

@@ -19,7 +19,9 @@ from ..engine.requests import (
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
 from ..logs import log
+from ..text.tokenizer import TooManyTokens
 from .errors import ApiError, bad_request, from_validation
+from .limits import RequestLimits, finite
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -40,6 +42,8 @@ T = TypeVar("T")
 RETRY_AFTER_BUSY = 1  # seconds, 429: the queue is full
 RETRY_AFTER_UNAVAILABLE = 5  # seconds, 503: loading, draining or restarting
 MAX_LOGPROBS = 20
+OFF_LOOP_BYTES = 256 * 1024  # bodies and prompts past this size are handled on a worker thread
+MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy (1/T would overflow float32 on the device)
 
 
 @dataclass
@@ -50,6 +54,8 @@ class ApiContext:
     api_key: str | None
     model_name: str
     keepalive_seconds: float = 2.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    log_prompts: bool = False  # --log-prompts: the prompt and output text go into the log
 
     @property
     def engine(self):
@@ -66,6 +72,18 @@ class ApiContext:
     @property
     def context_limit(self) -> int:
         return self.engine.limits.context
+
+    @property
+    def prompt_limit(self) -> int:
+        """The most prompt tokens a request may have: the engine needs room for one more."""
+        return self.engine.limits.context - 1
+
+    def body_limit(self) -> int:
+        """The largest request body worth reading now (see limits.py)."""
+        engine, model = self.engine, self.model
+        if engine is None or model is None:  # loading: generation answers 503, the rest is small
+            return self.limits.max_body or self.limits.body_bytes(0, None)
+        return self.limits.body_bytes(engine.limits.context, model.tokenizer.longest_token()[0])
 
     def served_names(self) -> set[str]:
         names = {self.model_name}
@@ -88,30 +106,52 @@ def now() -> int:
     return int(time.time())
 
 
-def decode_body(body: bytes, type_: type[T]) -> T:
+def decode_body(body: bytes, type_: type[T], limits: RequestLimits | None = None) -> T:
+    """The body as `type_`; a 400 naming the field for anything wrong (bad JSON, invalid UTF-8,
+    wrong types, nesting past --max-json-depth)."""
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    limits = limits or RequestLimits()
     try:
-        return msgspec.json.decode(body, type=type_)
+        value = msgspec.json.decode(body, type=type_)
+    except RecursionError:
+        raise bad_request(f"the request body's JSON is nested deeper than {limits.max_json_depth} levels "
+                          "(--max-json-depth)", code="invalid_json") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
+    limits.check_depth(body)
+    return value
+
+
+async def decode_body_async(body: bytes, type_: type[T], limits: RequestLimits) -> T:
+    if len(body) < OFF_LOOP_BYTES:
+        return decode_body(body, type_, limits)
+    return await asyncio.to_thread(decode_body, body, type_, limits)
 
 
 # -- request parameters ----------------------------------------------------------------------------
 
 
-def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None = None,
+def sampling_params(ctx: ApiContext, *, temperature: float | None, top_p: float | None, top_k: int | None = None,
                     min_p: float | None = None, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
-                    seed: int | None = None) -> SamplingParams:
+                    seed: int | None = None, logit_bias: dict[str, float] | None = None) -> SamplingParams:
     """SamplingParams from protocol fields (None = the default); a 400 naming the field for an
-    out-of-range value (the protocols share these names)."""
+    out-of-range value (the protocols share these names). A temperature too small to divide by
+    is greedy, as it means."""
     kw: dict[str, Any] = {}
     for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                        ("repetition_penalty", repetition_penalty)):
         if value is not None:
+            if isinstance(value, float):
+                finite(value, key)
             kw[key] = value
+    ctx.limits.top_k(top_k)
+    if temperature is not None and 0.0 < temperature < MIN_TEMPERATURE:
+        kw["temperature"] = 0.0
+    if logit_bias:
+        kw["logit_bias"] = ctx.limits.logit_bias(logit_bias, ctx.tokenizer.vocab_size)
     if seed is not None:
         kw["seed"] = seed & 0xFFFFFFFFFFFFFFFF  # numpy wants a non-negative seed; keep negative ones distinct
     try:
@@ -124,12 +164,8 @@ def sampling_params(*, temperature: float | None, top_p: float | None, top_k: in
     return params
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    return [s for s in stop if s]
+def stop_list(ctx: ApiContext, stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    return ctx.limits.stop(stop, param)
 
 
 DEFAULT_OUTPUT_FRACTION = 4  # no max tokens given: a quarter of the context...
@@ -144,15 +180,23 @@ def default_max_tokens(context: int) -> int:
     return min(max(context // DEFAULT_OUTPUT_FRACTION, DEFAULT_OUTPUT_FLOOR), DEFAULT_OUTPUT_CEILING)
 
 
-def max_new_tokens(value: int | None, prompt_len: int, context: int, param: str, *, allow_zero: bool = False) -> int:
-    """The protocol's max tokens, clamped to what the context leaves (None: the default cap)."""
+def max_new_tokens(value: int | None, prompt_len: int, context: int, param: str, *, allow_zero: bool = False,
+                   server_cap: int = 0) -> int:
+    """The protocol's max tokens, clamped to what the context leaves (None: the default cap) and
+    to the server's --max-output-tokens (server_cap; 0 = none)."""
     room = max(context - prompt_len, 1)
+    if server_cap:
+        room = min(room, server_cap)
     if value is None:
         return min(default_max_tokens(context), room)
     if value < (0 if allow_zero else 1):
         raise bad_request(f"{param} must be at least {0 if allow_zero else 1} (got {value})", param=param,
                           code="invalid_value")
     return min(value, room)
+
+
+def output_tokens(ctx: ApiContext, value: int | None, prompt_len: int, param: str) -> int:
+    return max_new_tokens(value, prompt_len, ctx.context_limit, param, server_cap=ctx.limits.max_output_tokens)
 
 
 def check_logprobs(k: int | None, param: str) -> None:
@@ -175,44 +219,80 @@ def json_arguments(arguments: Any) -> Any:
 # -- prompts ---------------------------------------------------------------------------------------------
 
 
-async def chat_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
-    """Render the chat template and tokenize (off the event loop: long prompts take a while)."""
+def too_long(ctx: ApiContext, e: TooManyTokens, param: str) -> ApiError:
+    return ApiError(400, f"the prompt has at least {e.at_least} tokens ({e.chars} characters); this worker's "
+                         f"context limit is {ctx.context_limit} tokens", param=param, code="context_length_exceeded")
+
+
+async def chat_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict] | None, param: str,
+                      *, bounded: bool = True) -> list[int]:
+    """Render the chat template and tokenize, off the event loop (long prompts take a while).
+    bounded: refuse a prompt past the context, as soon as that is known."""
     from ..text.chat_template import ChatTemplateError
 
     template = ctx.model.template
+    limit = ctx.prompt_limit if bounded else None
 
     def build() -> list[int]:
-        return template.encode(messages, add_generation_prompt=True, tools=tools or None)
+        return template.encode(messages, add_generation_prompt=True, tools=tools or None, limit=limit)
 
     try:
         return await asyncio.to_thread(build)
     except ChatTemplateError as e:
         raise bad_request(f"the chat template could not render these messages: {e}", param=param,
                           code="invalid_messages") from None
+    except TooManyTokens as e:
+        raise too_long(ctx, e, param) from None
 
 
-async def text_prompt(ctx: ApiContext, text: str) -> list[int]:
+async def text_prompt(ctx: ApiContext, text: str, param: str = "prompt") -> list[int]:
     tok = ctx.tokenizer
+    limit = ctx.prompt_limit
 
     def build() -> list[int]:
-        ids = tok.encode(text, add_special=True, parse_special=True)
+        ids = tok.encode(text, add_special=True, parse_special=True, limit=limit + 1)
         bos = tok.bos_id
         if tok.add_bos and bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the text already began with the BOS token
+        if len(ids) > limit:
+            raise TooManyTokens(len(ids), limit, len(text))
         return ids
 
-    return await asyncio.to_thread(build)
+    try:
+        return await asyncio.to_thread(build)
+    except TooManyTokens as e:
+        raise too_long(ctx, e, param) from None
 
 
-def check_token_ids(ctx: ApiContext, ids: list[int], param: str) -> list[int]:
-    n = ctx.tokenizer.vocab_size
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n:
-            raise bad_request(f"token id {t!r} at {param}[{i}] is not in the vocabulary (0..{n - 1})",
-                              param=param, code="invalid_value")
+async def token_prompt(ctx: ApiContext, ids: list[Any], param: str) -> list[int]:
+    """A prompt given as token ids: within the context and the vocabulary (checked off the event
+    loop when long)."""
     if not ids:
         raise bad_request("the prompt is empty", param=param, code="invalid_value")
-    return ids
+    if len(ids) > ctx.prompt_limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this worker's context limit is {ctx.context_limit} "
+                            "tokens", param=param, code="context_length_exceeded")
+    n = ctx.tokenizer.vocab_size
+
+    def check() -> list[int]:
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n:
+                raise bad_request(f"token id {t!r} at {param}[{i}] is not in the vocabulary (0..{n - 1})",
+                                  param=param, code="invalid_value")
+        return ids
+
+    return check() if len(ids) < 4096 else await asyncio.to_thread(check)
+
+
+async def refusing(ctx: ApiContext, request_id: str, protocol: str, prepare: Any) -> Any:
+    """Await a request's preparation; a prompt past the context is logged and counted as a
+    refusal, as the engine's own check would (one outcome per request)."""
+    try:
+        return await prepare
+    except ApiError as e:
+        if e.code == "context_length_exceeded":
+            raise refuse(ctx, request_id, protocol, e) from None
+        raise
 
 
 # -- submission ------------------------------------------------------------------------------------------
@@ -257,6 +337,10 @@ def submit(ctx: ApiContext, req: GenerationRequest, param: str) -> RequestHandle
     except PromptTooLong as e:
         raise refuse(ctx, req.request_id, req.protocol,
                      ApiError(400, str(e), param=param, code="context_length_exceeded")) from None
+    if ctx.log_prompts:  # the user asked for prompt text in the log (--log-prompts); never otherwise
+        log("prompt", request_id=req.request_id, protocol=req.protocol,
+            text=ctx.tokenizer.decode(req.prompt, skip_special=False))
+        handle.transcript = []
     return handle
 
 

@@ -2,8 +2,8 @@
 
 Request fields used: model (any name: one model is served), messages, stream, stream_options.
 include_usage, max_tokens / max_completion_tokens (the latter wins), temperature, top_p, seed,
-stop, logprobs / top_logprobs, n (only 1), presence_penalty, frequency_penalty, plus the common
-extensions top_k, min_p, repetition_penalty. tools / tool_choice / parallel_tool_calls and
+stop, logprobs / top_logprobs, n (only 1), presence_penalty, frequency_penalty, logit_bias, plus the
+common extensions top_k, min_p, repetition_penalty. tools / tool_choice / parallel_tool_calls and
 reasoning_effort: see toolcalling.py (tool calls come back as message.tool_calls, reasoning as
 message.reasoning_content, both streamed as deltas). response_format json_object / json_schema constrain
 the output to the schema (see structured.py). Unknown fields are ignored.
@@ -47,6 +47,7 @@ class ChatRequest(common.SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -270,10 +271,11 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
         common.check_logprobs(body.top_logprobs, "top_logprobs")
         k = body.top_logprobs or 0
     params = common.sampling_params(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        ctx, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed)
-    stop = common.stop_list(body.stop)
+        repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=body.logit_bias)
+    stop = common.stop_list(ctx, body.stop)
+    ctx.limits.tools(body.tools)
     messages = template_messages(body.messages)
     plan = toolcalling.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     prep = await toolcalling.prepare(ctx, messages, plan, toolcalling.effort_ask(body.reasoning_effort,
@@ -282,7 +284,7 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
     prompt = prep.prompt
     which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = common.max_new_tokens(limit, len(prompt), ctx.context_limit, which)
+    max_tokens = common.output_tokens(ctx, limit, len(prompt), which)
     return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k,
                                                protocol=PROTOCOL, grammar=grammar), prep)
 

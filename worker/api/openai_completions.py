@@ -11,6 +11,7 @@ echo: score a prompt without generating).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -35,6 +36,7 @@ class CompletionRequest(common.SamplingFields, kw_only=True):
     stop: str | list[str] | None = None
     n: int | None = None
     best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -85,8 +87,8 @@ async def prompt_of(ctx: ApiContext, p: Any) -> Prompt:
     if not p:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in p):
-        ids = common.check_token_ids(ctx, list(p), "prompt")
-        return Prompt(ids, ctx.tokenizer.decode(ids))
+        ids = await common.token_prompt(ctx, list(p), "prompt")
+        return Prompt(ids, await asyncio.to_thread(ctx.tokenizer.decode, ids))
     if len(p) > 1:
         raise bad_request(f"prompt holds {len(p)} prompts; this worker takes one prompt per request",
                           param="prompt", code="unsupported_value")
@@ -94,8 +96,8 @@ async def prompt_of(ctx: ApiContext, p: Any) -> Prompt:
     if isinstance(one, str):
         return Prompt(await common.text_prompt(ctx, one), one)
     if isinstance(one, list):
-        ids = common.check_token_ids(ctx, list(one), "prompt[0]")
-        return Prompt(ids, ctx.tokenizer.decode(ids))
+        ids = await common.token_prompt(ctx, list(one), "prompt[0]")
+        return Prompt(ids, await asyncio.to_thread(ctx.tokenizer.decode, ids))
     raise bad_request("prompt must be a string, a list of token ids, or a list holding one of them", param="prompt")
 
 
@@ -118,14 +120,13 @@ async def to_generation(ctx: ApiContext, body: CompletionRequest, request_id: st
         raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix", code="unsupported_parameter")
     common.check_logprobs(body.logprobs, "logprobs")
     params = common.sampling_params(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        ctx, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed)
-    stop = common.stop_list(body.stop)
+        repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=body.logit_bias)
+    stop = common.stop_list(ctx, body.stop)
     prompt = await prompt_of(ctx, body.prompt)
     zero = body.max_tokens == 0
-    max_tokens = 1 if zero else common.max_new_tokens(body.max_tokens, len(prompt.ids), ctx.context_limit,
-                                                      "max_tokens")
+    max_tokens = 1 if zero else common.output_tokens(ctx, body.max_tokens, len(prompt.ids), "max_tokens")
     want_prompt_lp = body.echo and body.logprobs is not None
     req = GenerationRequest(request_id, prompt.ids, params, max_tokens, stop=stop, logprobs=body.logprobs,
                             prompt_logprobs=want_prompt_lp, protocol=PROTOCOL)

@@ -288,18 +288,20 @@ async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str
                           "whole conversation in input", param="previous_response_id", code="unsupported_parameter")
     grammar = await structured.off_loop(structured.responses_grammar, body.text.format if body.text else None)
     params = common.sampling_params(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        ctx, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed)
+    stop = common.stop_list(ctx, body.stop)
+    ctx.limits.tools(body.tools)
     plan = toolcalling.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     if body.reasoning is not None and not isinstance(body.reasoning, dict):
         raise bad_request("reasoning must be an object", param="reasoning")
     ask = toolcalling.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")
     prep = await toolcalling.prepare(ctx, template_messages(body), plan, ask, "input", structured=grammar is not None)
     prompt = prep.prompt
-    max_tokens = common.max_new_tokens(body.max_output_tokens, len(prompt), ctx.context_limit, "max_output_tokens")
-    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=common.stop_list(body.stop),
-                                               protocol=PROTOCOL, grammar=grammar), prep)
+    max_tokens = common.output_tokens(ctx, body.max_output_tokens, len(prompt), "max_output_tokens")
+    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
+                                               grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 States (DESIGN.md): `loading` (model not ready yet), `ready`, `draining` (SIGTERM: finishing
 in-flight work, no new admissions), `poisoned` (the compute context is gone; the process exits).
-Liveness also fails when the engine loop is stalled: it has work but has not made progress for
-`stall_seconds`.
+Liveness also fails when the engine loop is stalled (it has work but has not made progress for
+`stall_seconds`) and when one of the worker's guarded threads died (the engine loop, the KV
+store's reader, writer or scan, a grammar mask thread: see worker/threads.py); the body then
+names each dead thread, and the daemon restarts the worker.
 """
 
 from __future__ import annotations
@@ -54,11 +56,16 @@ class ServerState:
             return age
         return None
 
+    def dead_threads(self) -> dict[str, str]:
+        """Guarded threads that died (name -> error), from the engine's ThreadWatch."""
+        watch = getattr(self.engine, "watch", None)
+        return dict(watch.dead) if watch is not None else {}
+
     def accepting(self) -> bool:
         return self.state == "ready" and self.engine is not None
 
     def live_ok(self) -> bool:
-        return self.state != "poisoned" and self.stalled_for() is None
+        return self.state != "poisoned" and self.stalled_for() is None and not self.dead_threads()
 
     def ready_ok(self) -> bool:
         return self.state == "ready" and self.live_ok()
@@ -73,6 +80,11 @@ class ServerState:
                 running=len(engine.running), waiting=len(engine.waiting), steps=engine.step_count,
                 last_progress_seconds=round(age, 3), stalled=self.stalled_for() is not None,
             )
+            dead = self.dead_threads()
+            if dead:
+                out["dead_threads"] = [{"thread": name, "error": error} for name, error in sorted(dead.items())]
+                out["error"] = {"code": None, "name": "thread_died",  # what the daemon's probe log keeps
+                                "message": "; ".join(f"thread {n} died: {e}" for n, e in sorted(dead.items()))}
             p = getattr(engine, "poisoned", None)
             if p is not None:
                 out["error"] = {"code": getattr(p, "code", None), "name": getattr(p, "name", None),

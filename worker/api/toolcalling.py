@@ -34,6 +34,8 @@ from ..text import reasoning as rz
 from ..text.toolcalls import (  # noqa: F401
     ContentDelta, ToolCall, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, collect, detect_format,
 )
+from ..text.tokenizer import TooManyTokens
+from .common import too_long
 from .errors import bad_request
 
 MAX_PARALLEL_CALLS = 8  # a forced-call grammar allows this many calls in one turn (parallel on)
@@ -102,7 +104,8 @@ def _check_choice(plan: ToolPlan, param: str) -> ToolPlan:
 
 def chat_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
     """OpenAI chat completions: tools [{type: function, function: {name, description, parameters}}],
-    tool_choice "none" | "auto" | "required" | {type: function, function: {name}}."""
+    tool_choice "none" | "auto" | "required" | {type: function, function: {name}} |
+    {type: allowed_tools, allowed_tools: {mode, tools: [{type: function, function: {name}}]}}."""
     out = []
     for i, t in enumerate(tools or []):
         p = f"tools[{i}]"
@@ -132,37 +135,73 @@ def responses_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | 
             continue
         out.append(_tool(t.get("name"), t.get("description"), t.get("parameters"), p))
     plan = ToolPlan(_unique(out, "tools"), parallel=parallel is not False)
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
-        allowed = {a.get("name") for a in tool_choice.get("tools") or [] if isinstance(a, dict)}
-        plan.tools = [t for t in plan.tools if t.name in allowed]
-        mode = tool_choice.get("mode", "auto")
-        if mode not in ("auto", "required"):
-            raise bad_request(f"tool_choice.mode must be auto or required (got {mode!r})", param="tool_choice.mode",
-                              code="invalid_value")
-        plan.mode = mode
-    else:
-        _choice_openai(plan, tool_choice, "tool_choice", nested=False)
+    _choice_openai(plan, tool_choice, "tool_choice", nested=False)
     return _check_choice(plan, "tool_choice")
 
 
 def _choice_openai(plan: ToolPlan, choice: Any, param: str, nested: bool) -> None:
+    """OpenAI's tool_choice on `plan`. nested: chat's shapes ({function: {name}}, {allowed_tools:
+    {...}}); else the Responses API's flat ones ({name}, {mode, tools}). Each side also takes the
+    other's shape of a named function, as clients mix them up."""
     if choice is None:
         plan.mode = "auto"
-    elif isinstance(choice, str):
+        return
+    if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise bad_request(f"{param} must be none, auto, required or a named function (got {choice!r})",
+            raise bad_request(f"{param} must be none, auto, required or an object (got {choice!r})",
                               param=param, code="invalid_value")
         plan.mode = choice
-    elif isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name") if nested else choice.get("name")
-        if nested and name is None:
-            name = choice.get("name")  # lenient: the Responses shape on chat
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"{param} names no function", param=param, code="invalid_value")
-        plan.mode, plan.forced = "required", name
+        return
+    if not isinstance(choice, dict):
+        raise bad_request(f"{param} must be none, auto, required or an object", param=param, code="invalid_value")
+    kind = choice.get("type")
+    if kind == "function":
+        plan.mode, plan.forced = "required", _function_name(choice, param)
+    elif kind == "allowed_tools":
+        spec = choice.get("allowed_tools") if nested else choice
+        where = f"{param}.allowed_tools" if nested else param
+        if not isinstance(spec, dict):
+            raise bad_request(f"{where} must be an object with mode and tools", param=where, code="invalid_value")
+        _allow(plan, spec, where)
     else:
-        raise bad_request(f"{param} must be none, auto, required or a named function", param=param,
+        raise bad_request(f"{param}.type must be function or allowed_tools (got {kind!r})", param=f"{param}.type",
                           code="invalid_value")
+
+
+def _function_name(ref: dict, param: str) -> str:
+    """The name in {function: {name}} (chat) or {name} (Responses)."""
+    fn = ref.get("function")
+    if fn is not None and not isinstance(fn, dict):
+        raise bad_request(f"{param}.function must be an object with a name", param=f"{param}.function",
+                          code="invalid_value")
+    name = fn.get("name") if fn is not None else ref.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{param} names no function", param=param, code="invalid_value")
+    return name
+
+
+def _allow(plan: ToolPlan, spec: dict, param: str) -> None:
+    """allowed_tools: offer only the listed function tools, in `mode` (auto or required)."""
+    mode = spec.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise bad_request(f"{param}.mode must be auto or required (got {mode!r})", param=f"{param}.mode",
+                          code="invalid_value")
+    listed = spec.get("tools")
+    if not isinstance(listed, list):
+        raise bad_request(f"{param}.tools must be a list of tools", param=f"{param}.tools", code="invalid_value")
+    names = set()
+    for i, ref in enumerate(listed):
+        where = f"{param}.tools[{i}]"
+        if not isinstance(ref, dict):
+            raise bad_request(f"{where} must be an object", param=where, code="invalid_value")
+        if ref.get("type", "function") == "function":  # hosted tools (mcp, web_search...) are not run here
+            names.add(_function_name(ref, where))
+    offered = {t.name for t in plan.tools}
+    for name in sorted(names - offered):
+        raise bad_request(f"{param}.tools names {name!r}, which is not among the tools", param=f"{param}.tools",
+                          code="invalid_value")
+    plan.tools = [t for t in plan.tools if t.name in names]
+    plan.mode = mode
 
 
 def anthropic_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan:
@@ -196,7 +235,11 @@ def anthropic_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan:
         else:
             raise bad_request(f"tool_choice.type must be auto, any, tool or none (got {kind!r})",
                               param="tool_choice.type", code="invalid_value")
-        plan.parallel = not tool_choice.get("disable_parallel_tool_use", False)
+        no_parallel = tool_choice.get("disable_parallel_tool_use", False)
+        if not isinstance(no_parallel, bool):
+            raise bad_request("tool_choice.disable_parallel_tool_use must be true or false",
+                              param="tool_choice.disable_parallel_tool_use", code="invalid_value")
+        plan.parallel = not no_parallel
     return _check_choice(plan, "tool_choice")
 
 
@@ -504,11 +547,12 @@ class Prepared:
 
 
 async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: ReasoningAsk | None, param: str,
-                  *, structured: bool = False) -> Prepared:
+                  *, structured: bool = False, bounded: bool = True) -> Prepared:
     """Render and tokenize the prompt; build the grammar and reasoning budget for this request.
     structured: the answer is grammar-constrained from its first token (a response format), so a
     reasoning block the template opens is closed in the prompt: the document is the answer, never
-    swallowed into reasoning."""
+    swallowed into reasoning. bounded: refuse a prompt past the context as soon as that is known
+    (before tokenizing, when its length alone shows it)."""
     from ..text.chat_template import ChatTemplateError
 
     ask = ask or ReasoningAsk()
@@ -522,14 +566,18 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         if ask.effort and ask.effort != "none":
             kwargs["reasoning_effort"] = ask.effort
 
+    limit = ctx.prompt_limit if bounded else None
+
     def build() -> tuple[str, list[int]]:
-        return template.render_encode(msgs, add_generation_prompt=True, tools=tools, **kwargs)
+        return template.render_encode(msgs, add_generation_prompt=True, tools=tools, limit=limit, **kwargs)
 
     try:
         text, prompt = await asyncio.to_thread(build)
     except ChatTemplateError as e:
         raise bad_request(f"the chat template could not render these messages: {e}", param=param,
                           code="invalid_messages") from None
+    except TooManyTokens as e:
+        raise too_long(ctx, e, param) from None
     r = facts.reasoning
     inside = r is not None and rz.starts_inside(text, r)
     if structured and inside:

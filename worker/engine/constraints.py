@@ -6,6 +6,9 @@ the backend computes the next step (llguidance drops the GIL while it works); th
 it just before sampling and adds it to the logits as a 0 / -inf bias, so greedy, temperature, top-k,
 top-p, min-p and the penalties all see only the tokens the grammar allows.
 
+The worker threads are guarded (worker/threads.py): if one dies, the calls waiting on it fail as
+ConstraintError (their requests fail alone), later grammars fail at once, and /health/live names it.
+
 The engine's only use of llguidance is here (the API layer uses it to build and check grammars).
 """
 
@@ -14,11 +17,12 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
 import numpy as np
 
+from ..threads import GuardedPool, ThreadDied, ThreadWatch
 from ..text.tokenizer import Tokenizer
 
 
@@ -112,10 +116,11 @@ class MaskStats:
 class Constraints:
     """Compiles grammars and computes masks for one model (one engine)."""
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, *, overlap: bool = True, workers: int = 2):
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, *, overlap: bool = True, workers: int = 2,
+                 watch: ThreadWatch | None = None):
         self.tokenizer, self.n_vocab, self.overlap = tokenizer, n_vocab, overlap
         self.stats = MaskStats()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-mask")
+        self._pool = GuardedPool(watch if watch is not None else ThreadWatch(), "ember-mask", workers)
 
     def compile(self, grammar: str) -> Future:
         """A future SequenceConstraint (GrammarError if the grammar is bad); compiled off the engine
@@ -130,7 +135,7 @@ class Constraints:
         return SequenceConstraint(self, matcher)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
 
 class SequenceConstraint:
@@ -180,7 +185,10 @@ class SequenceConstraint:
     def _settle_pending(self) -> None:
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            fut.result()
+            try:
+                fut.result()
+            except ThreadDied as e:
+                raise ConstraintError(f"the grammar worker thread died ({e})") from None
 
     def _compute(self) -> None:
         t = time.perf_counter()

@@ -6,6 +6,10 @@ SPEC is a comma-separated list of faults, each `kind[:key=value[:key=value]]`:
   hang[:step=N]                             the engine loop stops making progress
   slow[:ms=M]                               every step takes M ms longer (default 200)
   cuda-illegal-address                      (CUDA backend) a kernel really writes out of bounds
+  thread-die:thread=T                       a guarded thread's loop raises at its next turn, T one of
+                                            engine (when it next has work), kv-writer (at the next
+                                            block it writes), kv-reader (at the next restore), mask
+                                            (a grammar mask thread, at its next call)
 Without `step`, poison and hang fire at the first step of the given phase (or any step).
 """
 
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 from .backend import ContextPoisoned
 
-KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address")
+KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address", "thread-die")
+THREADS = ("engine", "kv-writer", "kv-reader", "mask")  # thread-die targets: ember-<name>...
 
 
 class FaultSpecError(ValueError):
@@ -35,6 +40,7 @@ class Fault:
     phase: str | None = None
     request: int = 1
     ms: int = 200
+    thread: str | None = None
     fired: bool = False
 
 
@@ -56,10 +62,14 @@ def parse_faults(spec: str | None) -> list[Fault]:
                     f.request = int(value)
                 elif key == "ms":
                     f.ms = int(value)
+                elif key == "thread" and value in THREADS:
+                    f.thread = value
                 else:
                     raise ValueError
             except ValueError:
                 raise FaultSpecError(f"bad option {opt!r} for fault {kind!r}") from None
+        if kind == "thread-die" and f.thread is None:
+            raise FaultSpecError(f"fault thread-die needs thread=NAME (one of {', '.join(THREADS)})")
         faults.append(f)
     return faults
 
@@ -77,6 +87,13 @@ class FaultInjector:
         for f in self.faults:
             if f.kind == "cuda-illegal-address" and not hasattr(backend, "inject_illegal_address"):
                 raise FaultSpecError(f"fault cuda-illegal-address needs --backend cuda (this is {backend.name})")
+
+    def arm_threads(self, watch) -> None:
+        """Doom the threads that thread-die faults name (a ThreadWatch: they raise at a checkpoint)."""
+        for f in self.faults:
+            if f.kind == "thread-die" and not f.fired:
+                f.fired = True
+                watch.doom(f"ember-{f.thread}")
 
     def before_step(self, step: int, phases: set[str], backend=None) -> None:
         for f in self.faults:

@@ -11,6 +11,7 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
+from ..logs import log
 from .sampling import SamplingParams
 
 
@@ -127,6 +128,7 @@ class RequestHandle:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.transcript: list[str] | None = None  # --log-prompts: the output text, logged when it settles
 
     def cancel(self) -> None:
         """The client went away: stop work at the next engine step."""
@@ -142,6 +144,16 @@ class RequestHandle:
     def _put_all(self, events: list[Event]) -> None:
         for e in events:
             self.queue.put_nowait(e)
+            if self.transcript is not None:
+                self._record(e)
+
+    def _record(self, e: Event) -> None:
+        assert self.transcript is not None
+        if isinstance(e, Delta):
+            self.transcript.append(e.text)
+        elif isinstance(e, (Finished, Failed)):
+            log("output", request_id=self.request.request_id, text="".join(self.transcript))
+            self.transcript = None
 
     async def events(self):
         """Yield events until the request finishes or fails."""

@@ -1,5 +1,5 @@
-"""Token sampling on the host: a grammar's mask, penalties, then top-k, top-p, min-p, temperature,
-then a draw.
+"""Token sampling on the host: a grammar's mask, logit_bias, penalties, then top-k, top-p, min-p,
+temperature, then a draw.
 
 The order follows llama.cpp's default sampler chain. Each request owns a seeded generator, so a
 request with a seed gives the same tokens whatever else is in the batch.
@@ -23,6 +23,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64  # window of recent tokens the penalties look at; -1 = all
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+
+    @property
+    def on_host(self) -> bool:
+        """Needs the logits on the host: a device sampler applies neither penalties nor a bias."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -75,12 +82,20 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: list[int], bias: np.ndarray | None = None) -> int:
         """`bias` (0 or -inf per token, from a grammar) goes first, so every later stage only ever
-        sees allowed tokens: a -inf logit stays -inf through the penalties and gets probability 0."""
+        sees allowed tokens: a -inf logit stays -inf through the penalties and gets probability 0.
+        Penalties and logit_bias can push a logit past float32's range: +inf is held at the range's
+        edge (and the temperature divides in float64), so no stage ever sees inf - inf."""
         logits = np.asarray(logits, dtype=np.float32)
         if bias is not None:
             logits = logits + bias
-        logits = self.apply_penalties(logits, history)
         p = self.params
+        if p.logit_bias:
+            ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64, count=len(p.logit_bias))
+            logits = logits.copy() if bias is None else logits
+            logits[ids] += np.fromiter((v for _, v in p.logit_bias), dtype=np.float32, count=len(ids))
+        logits = self.apply_penalties(logits, history)
+        if p.logit_bias or p.repetition_penalty != 1.0:
+            logits = np.minimum(logits, _FLOAT32_MAX)
         if p.greedy:
             return int(np.argmax(logits))
         ids = np.arange(logits.shape[0])
@@ -98,8 +113,11 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             ids, vals = ids[keep], vals[keep]
-        probs = _softmax64(vals / p.temperature)
+        probs = _softmax64(vals.astype(np.float64) / p.temperature)
         return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:

@@ -9,6 +9,9 @@ Every request settles exactly once (completed, failed, canceled or refused) with
 A failure inside one request fails that request alone; a poisoned compute context stops the
 engine and hands control to `on_poisoned` (the server exits with code 75).
 
+The loop runs on a guarded thread (worker/threads.py): if it dies, every request in flight fails
+with a 503 at once, new ones are refused, and /health/live names the thread.
+
 Three guards act on each sampled token: a request's grammar (constraints.py: the mask is computed
 while the backend step runs and applied before sampling), its reasoning budget (the engine closes
 the reasoning block itself), and the loop guard (a repeating n-gram ends the generation).
@@ -30,6 +33,7 @@ from ..logs import log
 from ..metrics import Metrics
 from ..model.loader import Model
 from ..text.tokenizer import IncrementalDecoder
+from ..threads import ThreadWatch
 from .backend import Backend, ContextPoisoned, DeviceSample, SampledToken, SeqChunk
 from .constraints import ConstraintError, Constraints, GrammarError, SequenceConstraint
 from .faults import FaultInjector
@@ -119,11 +123,15 @@ class Engine:
         faults: FaultInjector | None = None,
         on_poisoned: Callable[[ContextPoisoned], None] | None = None,
         store=None,
+        watch: ThreadWatch | None = None,
     ):
         self.model, self.backend, self.limits = model, backend, limits
         self.store = store  # KVStore or None
         self.metrics = metrics or Metrics()
         self.faults = faults or FaultInjector([])
+        # one record of dead threads per worker: the store's, which started its threads first
+        self.watch = watch or (store.watch if store is not None else ThreadWatch())
+        self.metrics.attach_threads(self.watch)
         self.on_poisoned = on_poisoned
         self.pool = BlockPool(backend.n_blocks, backend.block_size, kv_salt(model.fingerprint, backend.name))
         self.metrics.kv_blocks_total.set(backend.n_blocks)
@@ -134,14 +142,16 @@ class Engine:
         self.running: list[_Seq] = []
         self.accepting = True
         self.poisoned: ContextPoisoned | None = None
+        self.dead: str | None = None  # why the loop thread died
         self.step_count = 0
         self.last_progress = time.monotonic()  # heartbeat for hang detection
         self._arrivals = 0
         self._stop = False
         self._ahead: _Ahead | None = None  # a decode step launched before the last one's tokens were read
         self.ahead_steps = self.ahead_rows_dropped = 0  # run-ahead steps launched, and rows of them recomputed
-        self.constraints = Constraints(model.tokenizer, model.config.vocab_size)
-        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
+        self._thread = self.watch.thread("ember-engine", self._run, on_death=self._died, stopping=lambda: self._stop)
+        self.faults.arm_threads(self.watch)
 
     # -- HTTP side -----------------------------------------------------------------------------------
 
@@ -164,6 +174,8 @@ class Engine:
             )
         tok = self.model.tokenizer
         with self._lock:
+            if self.dead is not None:
+                raise NotAccepting(f"the engine loop thread died ({self.dead}); the worker is restarting")
             if len(self.waiting) + len(self._inbox) >= self.limits.max_queue:
                 raise QueueFull(f"{self.limits.max_queue} requests are already waiting")
             self._arrivals += 1
@@ -215,6 +227,8 @@ class Engine:
                     break
                 self.waiting.extend(self._inbox)
                 self._inbox.clear()
+            if self.watch.doomed:  # fault injection (thread-die:thread=engine)
+                self.watch.checkpoint()
             try:
                 self._step()
             except ContextPoisoned as e:
@@ -232,6 +246,27 @@ class Engine:
         self._drop_ahead()
         for s in list(self.running) + list(self.waiting):
             self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
+
+    def _died(self, e: BaseException) -> None:
+        """The loop thread is dying (still on it): refuse new requests and fail those in flight with
+        a 503, so no client waits on a loop that is gone."""
+        with self._lock:
+            self.dead = f"{type(e).__name__}: {e}"
+            self.accepting = False
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        failed = Failed("the worker's engine loop failed; the worker is restarting", status=503, kind="overloaded")
+        for s in list(self.running) + list(self.waiting):
+            try:
+                self._settle(s, Outcome.FAILED, failed)
+            except Exception:  # the state it would clean up may be what broke: the client hears anyway
+                s.handle.push([failed])
+        self.running.clear()
+        self.waiting.clear()
+        try:
+            self._update_gauges()
+        except Exception:
+            pass
 
     def _drop_ahead(self) -> None:
         """Wait for a run-ahead step still in flight and forget it (its rows are not wanted)."""
@@ -380,8 +415,8 @@ class Engine:
                     return  # still compiling: admit in order, on a later step
                 continue
             reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
-            blocks, hashes = self.pool.match(s.tokens, reuse)
-            stored = self.store.available(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else 0
+            blocks, hashes = self.pool.match(s.tokens, reuse)  # retained: each path below hands them on
+            stored = self._stored(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else 0
             need = -(-(len(s.tokens) + 1) // bs) - len(blocks)
             if need > self.pool.available:
                 self.pool.release(blocks)
@@ -402,6 +437,15 @@ class Engine:
                 s.restore_used = 0
             else:
                 self._begin(s)
+
+    def _stored(self, hashes: list[bytes]) -> int:
+        """How many of `hashes` the KV store can supply. It never raises: a store that fails (an I/O
+        error it did not absorb, a bug) answers none, and the prompt is computed."""
+        try:
+            return self.store.available(hashes)
+        except Exception as e:
+            log("kv_lookup_error", level="warning", error=f"{type(e).__name__}: {e}")
+            return 0
 
     def _take_grammar(self, s: _Seq) -> bool:
         """Resolve the head's grammar: False while it still compiles (waiting briefly only when
@@ -574,12 +618,12 @@ class Engine:
 
     def _device_sample(self, s: _Seq, ahead: int = 0) -> DeviceSample | None:
         """Let a backend that samples on the device (CUDA) draw this token where the logits are,
-        unless the request needs them on the host: a grammar mask, penalties or logprobs. ahead: the
-        draw is that many tokens past what the sequence has generated (a run-ahead step)."""
+        unless the request needs them on the host: a grammar mask, penalties, logit_bias or logprobs.
+        ahead: the draw is that many tokens past what the sequence has generated (a run-ahead step)."""
         if not getattr(self.backend, "samples_on_device", False) or s.constraint or s.req.logprobs is not None:
             return None
         p = s.req.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if p.on_host:  # penalties or logit_bias
             return None
         if s.device_seed is None:  # a seeded request repeats; others draw from fresh entropy
             s.device_seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -4,10 +4,14 @@ Full blocks reach the host tier as soon as they are complete (on CUDA a poisoned
 longer be read, so this is where they must already be), and a background writer persists them
 atomically (temp file, fsync, rename). A restarted worker finds its blocks by name: the path is
 derived from the chain hash, so lookups need no index. The index, built by a background scan of
-headers only, serves the disk budget (LRU eviction, leaves of a chain first) and quarantine.
+headers only, orders this store's files for eviction (LRU, leaves of a chain first). The
+directory itself, the disk budget shared with every other store on the KV dir, and quarantine
+are kvdir's.
 
-Nothing on disk can hurt the worker: every read is checked (see blockfile), and a bad file is
-moved to quarantine, logged once, and treated as a miss, so the request computes instead.
+Nothing on disk can hurt the worker: every read is checked (see blockfile), a bad file is moved
+to quarantine, logged once, and treated as a miss, and an I/O error is a miss too, so the request
+computes instead. The writer, reader and scan threads are guarded (threads.py): one that dies is
+reported, and what waited on it is released (restores come back empty, persistence turns off).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import numpy as np
 
 from ..logs import log
 from . import blockfile
-
-QUARANTINE_MAX_FILES = 64
+from .kvdir import KVDir, layout_key
+from ..threads import ThreadWatch
 
 
 @dataclass
@@ -40,6 +44,7 @@ class StoreStats:
     restore_misses: int = 0
     quarantined: int = 0
     evictions: int = 0
+    dir_evictions: int = 0
     restore_seconds: float = 0.0
     restore_bytes: int = 0
 
@@ -47,7 +52,7 @@ class StoreStats:
 @dataclass
 class RestoreJob:
     """Blocks being read for one sequence, in chain order. `results[i]` becomes the payload or
-    None (miss or bad file: the chain stops there)."""
+    None (miss or bad file: the chain stops there); a job may also end short (a dead reader)."""
 
     hashes: list[bytes]
     results: list[np.ndarray | None] = field(default_factory=list)
@@ -68,37 +73,39 @@ class KVStore:
         persist: str = "all",
         disk_budget: int,
         host_budget: int,
+        watch: ThreadWatch | None = None,
     ):
-        self.root = Path(root)
-        self.dir = self.root / model_key
-        self.quarantine_dir = self.root / "quarantine"
+        self.kvdir = KVDir(Path(root), layout_key(model_key, salt), salt)
+        self.root, self.dir, self.quarantine_dir = self.kvdir.root, self.kvdir.dir, self.kvdir.quarantine_dir
         self.salt, self.block_shape, self.block_tokens = salt, tuple(block_shape), block_tokens
         self.chain_hash = chain_hash
         self.persist = persist
         self.disk_budget, self.host_budget = disk_budget, host_budget
         self.block_bytes = int(np.prod(block_shape)) * 4
         self.stats = StoreStats()
+        self.watch = watch if watch is not None else ThreadWatch()
         self.writable = persist != "off"
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # in-process state; never held while taking the KV dir's lock
         self._host: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._index: dict[bytes, tuple[int, float]] = {}  # hash -> (file size, last used)
-        self._disk_bytes = 0
         self._busy: set[bytes] = set()  # being read or written: never evicted
         self._writes: queue.Queue = queue.Queue()
         self._pending_write_bytes = 0
         self._reads: queue.Queue = queue.Queue()
+        self._reading: RestoreJob | None = None
+        self._reader_dead = self._writer_dead = False
         self._stop = threading.Event()
         self.scan_done = threading.Event()
         if self.writable:
             try:
-                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                os.chmod(self.root, 0o700)
+                self.kvdir.open()
             except OSError as e:
                 self._degrade(e)
+        stopping = self._stop.is_set
         self._threads = [
-            threading.Thread(target=self._writer, name="ember-kv-writer", daemon=True),
-            threading.Thread(target=self._reader, name="ember-kv-reader", daemon=True),
-            threading.Thread(target=self._scan, name="ember-kv-scan", daemon=True),
+            self.watch.thread("ember-kv-writer", self._writer, on_death=self._writer_died, stopping=stopping),
+            self.watch.thread("ember-kv-reader", self._reader, on_death=self._reader_died, stopping=stopping),
+            self.watch.thread("ember-kv-scan", self._scan, stopping=stopping),
         ]
         for t in self._threads:
             t.start()
@@ -123,24 +130,36 @@ class KVStore:
                 return
             self._busy.add(h)
             self._pending_write_bytes += self.block_bytes
-        self._writes.put((h, parent, list(tokens), payload))
+            self._writes.put((h, parent, list(tokens), payload))  # under the lock: see _writer_died
 
     def available(self, hashes: list[bytes]) -> int:
-        """How many of `hashes`, from the first, the host tier or the disk can supply."""
+        """How many of `hashes`, from the first, the host tier or the disk can supply (an I/O error
+        ends the count: those blocks are computed instead)."""
+        if self._reader_dead:
+            return 0
         n = 0
         for h in hashes:
             with self._lock:
                 hit = h in self._host or h in self._index
-            if not hit and not self.path_for(h).exists():
-                break
+            if not hit:
+                path = self.path_for(h)
+                try:
+                    if not path.exists():
+                        break
+                except OSError as e:
+                    log("kv_read_error", level="warning", file=str(path), error=str(e))
+                    break
             n += 1
         return n
 
     def restore(self, hashes: list[bytes]) -> RestoreJob:
         job = RestoreJob(list(hashes))
         with self._lock:
+            if self._reader_dead:  # nothing would read it: an empty result, computed instead
+                job.done.set()
+                return job
             self._busy.update(hashes)
-        self._reads.put(job)
+            self._reads.put(job)
         return job
 
     @property
@@ -149,7 +168,13 @@ class KVStore:
 
     @property
     def disk_bytes(self) -> int:
-        return self._disk_bytes
+        """This layout's block files (every store on its directory), as last seen."""
+        return self.kvdir.dir_bytes
+
+    @property
+    def dir_bytes(self) -> int:
+        """Everything counted against the disk budget (every layout and quarantine), as last seen."""
+        return self.kvdir.total_bytes
 
     @property
     def disk_blocks(self) -> int:
@@ -161,6 +186,8 @@ class KVStore:
         while time.monotonic() < deadline:
             if self._writes.unfinished_tasks == 0:
                 return True
+            if self._writer_dead:
+                return False
             time.sleep(0.01)
         return False
 
@@ -175,10 +202,12 @@ class KVStore:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        self.kvdir.close()
 
     # -- threads ---------------------------------------------------------------------------------------------
 
     def _writer(self) -> None:
+        watch = self.watch
         while True:
             item = self._writes.get()
             try:
@@ -186,6 +215,8 @@ class KVStore:
                     return
                 h, parent, tokens, payload = item
                 try:
+                    if watch.doomed:
+                        watch.checkpoint()
                     if self.writable:
                         self._write(h, parent, tokens, payload)
                 finally:
@@ -194,6 +225,23 @@ class KVStore:
                         self._pending_write_bytes -= self.block_bytes
             finally:
                 self._writes.task_done()
+
+    def _writer_died(self, e: BaseException) -> None:
+        """Nothing will be written any more: stop queueing, and release what was queued."""
+        with self._lock:
+            was, self.writable, self._writer_dead = self.writable, False, True
+        if was:
+            log("kv_persistence_off", level="warning", dir=str(self.dir), reason="the KV writer thread died")
+        while True:
+            try:
+                item = self._writes.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                with self._lock:
+                    self._busy.discard(item[0])
+                    self._pending_write_bytes -= self.block_bytes
+            self._writes.task_done()
 
     def _write(self, h: bytes, parent: bytes, tokens: list[int], payload: np.ndarray) -> None:
         data = blockfile.encode(h, parent, self.salt, tokens, payload)
@@ -206,7 +254,16 @@ class KVStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
+            with self.kvdir.lock():  # the rename and the ledger change together, for every process
+                existed = path.exists()
+                os.replace(tmp, path)
+                if not existed:
+                    self.kvdir.add(len(data))
+                with self._lock:
+                    self._index[h] = (len(data), time.time())
+                    self.stats.writes += 1
+                    self.stats.write_bytes += len(data)
+                doomed = self._fit_budget(written=h)
         except OSError as e:
             try:
                 tmp.unlink(missing_ok=True)
@@ -214,20 +271,17 @@ class KVStore:
                 pass
             self._degrade(e)
             return
-        now = time.time()
-        with self._lock:
-            if h not in self._index:
-                self._disk_bytes += len(data)
-            self._index[h] = (len(data), now)
-            self.stats.writes += 1
-            self.stats.write_bytes += len(data)
-        self._enforce_budget()
+        _remove_dirs(doomed)
 
     def _reader(self) -> None:
+        watch = self.watch
         while True:
             job = self._reads.get()
             if job is None:
                 return
+            self._reading = job
+            if watch.doomed:
+                watch.checkpoint()
             t0 = time.monotonic()
             now = time.time()
             for i, h in enumerate(job.hashes):
@@ -247,6 +301,26 @@ class KVStore:
                         self._busy.difference_update(job.hashes[i + 1 :])
                     break
             self.stats.restore_seconds += time.monotonic() - t0
+            if self.writable and job.results and job.results[0] is not None:
+                self.kvdir.touch()
+            self._reading = None
+            job.done.set()
+
+    def _reader_died(self, e: BaseException) -> None:
+        """Nothing will be read any more: every job ends now with what it has (the rest computes)."""
+        with self._lock:
+            self._reader_dead = True
+            jobs = [self._reading] if self._reading is not None else []
+            while True:
+                try:
+                    job = self._reads.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    jobs.append(job)
+            for job in jobs:
+                self._busy.difference_update(job.hashes)
+        for job in jobs:
             job.done.set()
 
     def _read_one(self, h: bytes) -> np.ndarray | None:
@@ -272,10 +346,22 @@ class KVStore:
     def _scan(self) -> None:
         """Index the directory from headers only; quarantine what fails; then fit the budget."""
         try:
+            if self.watch.doomed:
+                self.watch.checkpoint()
+            if self.writable:
+                self.kvdir.remove_evicted_leftovers()
+                try:
+                    with self.kvdir.lock():
+                        self.kvdir.reconcile()
+                except OSError as e:
+                    self._degrade(e)
             files = list(self.dir.glob("??/*.kv")) if self.dir.exists() else []
-            for tmp in self.dir.glob("??/.*.tmp") if self.dir.exists() else []:
-                if time.time() - tmp.stat().st_mtime > 60:  # a crashed writer's leftover
-                    tmp.unlink(missing_ok=True)
+            for tmp in self.dir.glob("??/.*.tmp") if self.writable and self.dir.exists() else []:
+                try:
+                    if time.time() - tmp.stat().st_mtime > 60:  # a crashed writer's leftover
+                        tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
             head_len = blockfile.HEADER_SIZE + 4 * self.block_tokens
             for path in files:
                 if self._stop.is_set():
@@ -295,58 +381,88 @@ class KVStore:
                 except OSError:
                     continue
                 with self._lock:
-                    if header.block_hash not in self._index:
-                        self._disk_bytes += st.st_size
                     self._index[header.block_hash] = (st.st_size, st.st_mtime)
-            self._enforce_budget()
+            if self.writable:
+                try:
+                    with self.kvdir.lock():
+                        doomed = self._fit_budget()
+                    _remove_dirs(doomed)
+                except OSError as e:
+                    self._degrade(e)
         finally:
             self.scan_done.set()
 
     # -- budget, quarantine, degradation -------------------------------------------------------------------
 
-    def _enforce_budget(self) -> None:
+    def _fit_budget(self, written: bytes | None = None) -> list[Path]:
+        """(KV dir locked) Bring everything under the KV dir within the disk budget: quarantine
+        first, oldest first; then least recently used first among this store's files (the block just
+        `written` last of all) and whole directories no live store holds. Returns directories to
+        delete once the lock is released."""
+        u = self.kvdir.usage()
+        over = u.total - self.disk_budget
+        quarantine = [(size, path) for _, size, path in u.quarantine]
         with self._lock:
-            if self._disk_bytes <= self.disk_budget:
-                return
-            victims = sorted((used, h) for h, (size, used) in self._index.items() if h not in self._busy)
-            chosen = []
-            total = self._disk_bytes
-            for _, h in victims:
-                if total <= self.disk_budget:
-                    break
-                size, _ = self._index.pop(h)
-                total -= size
-                chosen.append(h)
-            self._disk_bytes = total
-            self.stats.evictions += len(chosen)
-        for h in chosen:
+            own = sorted((used, size, h) for h, (size, used) in self._index.items()
+                         if h not in self._busy or h == written)
+        others = sorted(u.others, key=lambda o: o.used)
+        doomed: list[Path] = []
+        evicted: list[bytes] = []
+        freed = removed = i = j = 0
+        while over > 0 and quarantine:
+            size, path = quarantine.pop(0)
             try:
-                self.path_for(h).unlink(missing_ok=True)
-            except OSError:
+                path.unlink()
+                over -= size
+            except FileNotFoundError:
                 pass
+        while over > 0 and (i < len(own) or j < len(others)):
+            if j < len(others) and (i >= len(own) or others[j].used < own[i][0]):
+                o = others[j]
+                j += 1
+                gone = self.kvdir.evict_dir(o) if self.kvdir.idle(o) else None
+                if gone is not None:
+                    doomed.append(gone)
+                    over -= o.bytes
+                    self.stats.dir_evictions += 1
+                    log("kv_dir_evicted", dir=o.path.name, bytes=o.bytes, legacy=o.legacy)
+                continue
+            _, size, h = own[i]
+            i += 1
+            evicted.append(h)
+            try:
+                self.path_for(h).unlink()
+                freed, removed, over = freed + size, removed + 1, over - size
+            except FileNotFoundError:  # another store of this directory evicted it already
+                pass
+        if evicted:
+            with self._lock:
+                for h in evicted:
+                    self._index.pop(h, None)
+                self.stats.evictions += removed
+        if freed:
+            self.kvdir.add(-freed)
+        self.kvdir.total_bytes = self.disk_budget + over
+        return doomed
 
     def _quarantine(self, path: Path, why: str) -> None:
+        h = None
+        try:
+            h = bytes.fromhex(path.stem)
+        except ValueError:
+            pass
         with self._lock:
             self.stats.quarantined += 1
-            h = None
-            try:
-                h = bytes.fromhex(path.stem)
-            except ValueError:
-                pass
-            if h is not None and h in self._index:
-                self._disk_bytes -= self._index.pop(h)[0]
+            if h is not None:
+                self._index.pop(h, None)
         log("kv_quarantined", level="warning", file=path.name, reason=why)
+        if not self.writable:  # a store that does not persist changes nothing on disk
+            return
         try:
-            self.quarantine_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            shutil.move(str(path), self.quarantine_dir / f"{int(time.time() * 1000)}-{path.name}")
-            kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.stat().st_mtime)
-            for old in kept[:-QUARANTINE_MAX_FILES]:
-                old.unlink(missing_ok=True)
-        except OSError:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass
+            with self.kvdir.lock():
+                self.kvdir.quarantine(path, in_dir=path.parent.parent == self.dir)
+        except OSError as e:
+            self._degrade(e)
 
     def _degrade(self, e: OSError) -> None:
         if not self.writable:
@@ -355,3 +471,8 @@ class KVStore:
         reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
                   errno.EACCES: "permission denied"}.get(e.errno, str(e))
         log("kv_persistence_off", level="warning", dir=str(self.dir), reason=reason)
+
+
+def _remove_dirs(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)

@@ -213,16 +213,18 @@ class ChatTemplate:
         return self.render_encode(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)[1]
 
     def render_encode(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None, **kwargs: Any) -> tuple[str, list[int]]:
+                      tools: list[dict] | None = None, limit: int | None = None,
+                      **kwargs: Any) -> tuple[str, list[int]]:
         """(prompt text, token ids): encode() that also returns the rendered text (the reasoning
-        parser looks at how the prompt ends)."""
+        parser looks at how the prompt ends). limit: raise TooManyTokens past that many tokens,
+        before tokenizing when the text alone shows it."""
         if self.tokenizer is None:
             raise ChatTemplateError("this chat template has no tokenizer to encode with")
         text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         tok = self.tokenizer
         if tok.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
-        return text, tok.encode(text, add_special=True, parse_special=True)
+        return text, tok.encode(text, add_special=True, parse_special=True, limit=limit)
 
 
 def _special_token_strings(tokenizer: Tokenizer) -> dict[str, Any]:

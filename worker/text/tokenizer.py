@@ -61,7 +61,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.paths import model_cache_dir
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "ModelFileError"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "ModelFileError", "TooManyTokens"]
 
 # Bump when the built artefacts change meaning; old caches are then ignored and rebuilt.
 CACHE_VERSION = 1
@@ -604,6 +604,18 @@ class _Partitioner:
 # ------------------------------------------------------------------------------------------------------
 
 
+BATCH_CHARS = 64 * 1024  # characters of text per encode batch (the GIL is dropped inside one)
+BATCH_FRAGMENTS = 4096  # and fragments per batch (each costs a Python object on the way in and out)
+
+
+class TooManyTokens(ValueError):
+    """A text known to tokenize to more than the limit (`at_least` tokens or more)."""
+
+    def __init__(self, at_least: int, limit: int, chars: int):
+        super().__init__(f"the prompt has at least {at_least} tokens ({chars} characters); the limit is {limit}")
+        self.at_least, self.limit, self.chars = at_least, limit, chars
+
+
 class Tokenizer:
     """A GGUF model's tokenizer; encode/decode agree with llama.cpp token for token."""
 
@@ -635,6 +647,7 @@ class Tokenizer:
         self._parts: dict[bool, _Partitioner] = {}
         self._parts_lock = threading.Lock()
         self._specials_all = np.flatnonzero(attrs & _PARTITION_ATTRS).tolist()
+        self._longest: tuple[int, int] | None = None
 
     # -- construction ----------------------------------------------------------------------------------
 
@@ -712,38 +725,96 @@ class Tokenizer:
                     self._parts[parse_special] = p
         return p
 
-    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False,
+               limit: int | None = None) -> list[int]:
         """Token ids of `text`, as llama_tokenize(text, add_special, parse_special) gives them.
 
         parse_special=True is for rendered chat templates (control-token strings become control
         tokens); parse_special=False is for raw user text (control-token strings stay text).
         Lone surrogates (not valid Unicode text, so never from UTF-8 input) become U+FFFD.
+
+        limit: raise TooManyTokens once the ids are known to exceed it: before any work when the
+        text is too long for that many of the vocabulary's longest tokens, else between batches.
+        The fragments between special tokens are encoded in batches of about BATCH_CHARS
+        characters; the tokenizers library drops the GIL inside each batch, so a long text never
+        holds up the other threads (the event loop) for long.
         """
+        if limit is not None:
+            fewest = self.fewest_tokens(text)
+            if fewest > limit:
+                raise TooManyTokens(fewest, limit, len(text))
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             text = _SURROGATES.sub("\ufffd", text)
         parts = self._partitioner(parse_special).split(text)
-        raw = [p for p in parts if isinstance(p, str)]
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
-        if raw:
-            if len(raw) == 1:
-                encoded = [self._hf.encode(raw[0], add_special_tokens=False).ids]
+        batch: list[str] = []
+        slots: list[int] = []  # where each batched fragment's ids go in `pieces`
+        pieces: list[list[int] | int] = []
+        size, total = 0, len(out)  # characters in the batch; ids known so far
+
+        def flush() -> None:
+            nonlocal size, total
+            for slot, e in zip(slots, self._hf.encode_batch_fast(batch, add_special_tokens=False)):
+                pieces[slot] = e.ids
+                total += len(e.ids)
+            if limit is not None and total > limit:
+                raise TooManyTokens(total, limit, len(text))
+            batch.clear()
+            slots.clear()
+            size = 0
+
+        for p in parts:
+            if isinstance(p, str):
+                slots.append(len(pieces))
+                pieces.append([])
+                batch.append(p)
+                size += len(p)
+                if size >= BATCH_CHARS or len(batch) >= BATCH_FRAGMENTS:
+                    flush()
             else:
-                encoded = [e.ids for e in self._hf.encode_batch_fast(raw, add_special_tokens=False)]
-            it = iter(encoded)
-            for p in parts:
-                if isinstance(p, str):
-                    out.extend(next(it))
-                else:
-                    out.append(p)
-        else:
-            out.extend(parts)  # type: ignore[arg-type]
+                pieces.append(p)
+                total += 1
+        if batch:
+            flush()
+        for p in pieces:
+            if isinstance(p, list):
+                out.extend(p)
+            else:
+                out.append(p)
         if add_special and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
+        if limit is not None and len(out) > limit:
+            raise TooManyTokens(len(out), limit, len(text))
         return out
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, from its length alone: no token stands for more
+        bytes or characters than the vocabulary's longest piece (an unknown or byte token stands
+        for one character)."""
+        if not text:
+            return 0
+        most_bytes, most_chars = self.longest_token()
+        by_chars = -(-len(text) // most_chars)
+        if by_chars * most_bytes >= len(text) * 4:  # no character is longer than 4 bytes: the count of bytes adds nothing
+            return by_chars
+        return max(by_chars, -(-len(text.encode("utf-8", "surrogatepass")) // most_bytes))
+
+    def longest_token(self) -> tuple[int, int]:
+        """(bytes, characters) of the longest text a single token stands for."""
+        if self._longest is None:
+            off = np.asarray(self._offsets, dtype=np.int64)
+            lengths = off[1:] - off[:-1]
+            most_chars = 1
+            for i in np.argsort(-lengths, kind="stable"):  # a piece has at most as many characters as bytes
+                if lengths[i] <= most_chars:
+                    break
+                most_chars = max(most_chars, len(self._pieces[off[i]:off[i + 1]].decode("utf-8", "replace")))
+            self._longest = (max(int(lengths.max(initial=0)), 4), most_chars)
+        return self._longest
 
     # -- decoding --------------------------------------------------------------------------------------
 

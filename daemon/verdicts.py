@@ -1,0 +1,166 @@
+"""What probe results mean for the worker: which liveness and readiness failures end it, after how
+much patience, and as which incident class. Bookkeeping only: the main loop (core.py) feeds it
+the records probes.py measured and applies the Kill it returns; nothing here touches a process.
+
+Liveness (GET /health/live plus the process itself, psutil), record by record:
+- answered and fine: the failure run ends.
+- the engine reports a poisoned context: `poisoned-context` at once (after poison_grace).
+- the process is gone or a zombie: nothing here; supervisord reports the exit.
+- uninterruptible sleep (D state) on every probe for dstate_seconds: `hang`.
+- the engine itself reports a stall (503 `stalled`, or 503 while it claims to serve):
+  `hang` after live_failures such answers in a row.
+- the engine reports a worker thread that died (503 with error `thread_died`): `unhealthy` after
+  live_failures such answers, with the thread named in the reason.
+- refused, reset, a malformed answer or another 5xx while the process lives: `unhealthy` after
+  live_failures in a row.
+- no answer within live_timeout while the process lives (in any state but a zombie; D state has its
+  own rule above): the event loop is busy or stuck (one huge request, a long tokenization, a swap
+  storm, a SIGSTOP). That is an overload until proven otherwise, so it
+  gets patience: `unresponsive` only once the probes have failed for unresponsive_seconds in a row
+  (and at least live_failures times). The restart policy does not count `unresponsive` toward the
+  circuit breaker (policy.py), so repeated overloads cost restarts, never an outage.
+Readiness (GET /health/ready, then a one-token generation):
+- no generation (a timeout, or a failed generation behind a ready answer) for hang_seconds is a
+  `hang` only with evidence that nothing moves: liveness answered meanwhile (while it is silent,
+  the liveness rule above decides) and neither the engine's step count nor the request outcomes in
+  its log advanced during those seconds (any progress starts the count again).
+- a 429 (queue full) is a busy worker, not a hung one: it stops the count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from .detect import HANG, POISONED, UNHEALTHY, UNRESPONSIVE
+
+# what one liveness record says
+OK, POISON, GONE, STALLED, SILENT, BROKEN = "ok", "poisoned", "gone", "stalled", "silent", "broken"
+THREAD_DIED = "thread_died"
+OUTCOMES = ("completed", "failed", "canceled", "refused")  # a request's one outcome (log events, DESIGN.md)
+
+
+@dataclass
+class Kill:
+    """An incident to open: the main loop kills the worker and archives it as `cls`."""
+    cls: str
+    reason: str
+    source: str  # liveness | process | readiness
+    details: dict[str, Any] = field(default_factory=dict)
+    minimal: bool = False  # poisoned context: minimum delay, no backoff penalty
+    poison_grace: bool = False  # give a poisoned engine poison_grace seconds to exit by itself
+    cuda: dict | None = None
+
+
+def classify(rec: dict[str, Any]) -> str:
+    """One liveness record (probes.live_probe plus the process check) as one of the kinds above."""
+    if rec.get("ok"):
+        return OK
+    if rec.get("state") == "poisoned":
+        return POISON
+    if rec.get("process") == psutil.STATUS_ZOMBIE or str(rec.get("error", "")).startswith("process:"):
+        return GONE
+    if rec.get("timeout"):
+        return SILENT
+    if isinstance(rec.get("error"), dict) and rec["error"].get("name") == THREAD_DIED:
+        return THREAD_DIED
+    if rec.get("stalled") or (rec.get("status") == 503 and rec.get("state") != "draining"):
+        return STALLED
+    return BROKEN
+
+
+class LiveWatch:
+    """The liveness rule for one worker incarnation (a new worker gets a new LiveWatch)."""
+
+    def __init__(self) -> None:
+        self.fails = 0  # failed probes in a row
+        self.since: float | None = None  # monotonic start of the failure run
+        self.cpu0: float | None = None  # the process's CPU seconds when the run began
+        self.dstate_since: float | None = None
+        self.last_answer: float | None = None  # monotonic time the endpoint last answered at all
+        self.steps: int | None = None  # the engine's step count, from the last answer that had one
+
+    def status(self, now: float, s: Any) -> dict[str, Any] | None:
+        """While probes fail (for `ember status`): how many, how long, and the unresponsive limit."""
+        if self.since is None:
+            return None
+        return {"failures": self.fails, "failing_seconds": round(now - self.since, 1),
+                "unresponsive_after_seconds": s.unresponsive_seconds}
+
+    def observe(self, rec: dict[str, Any], now: float, s: Any) -> Kill | None:
+        """`s` is the daemon's Settings (live_failures, unresponsive_seconds, dstate_seconds)."""
+        kind = classify(rec)
+        if "status" in rec:
+            self.last_answer = now
+        if rec.get("steps") is not None:
+            self.steps = rec["steps"]
+        if rec.get("process") == psutil.STATUS_DISK_SLEEP:
+            if self.dstate_since is None:
+                self.dstate_since = now
+            if now - self.dstate_since >= s.dstate_seconds:
+                return Kill(HANG, f"worker stuck in uninterruptible sleep (D state) for "
+                                  f"{now - self.dstate_since:.0f}s", "process")
+        else:
+            self.dstate_since = None
+        if kind == OK:
+            self.fails, self.since, self.cpu0 = 0, None, None
+            return None
+        if kind == POISON:
+            err = rec.get("error") if isinstance(rec.get("error"), dict) else None
+            return Kill(POISONED, "the worker's health endpoint reports a poisoned context", "liveness",
+                        minimal=True, poison_grace=True, cuda=err)
+        if kind == GONE:
+            return None
+        self.fails += 1
+        if self.since is None:
+            self.since = now - float(rec.get("ms") or 0) / 1000  # the first failed probe began then
+            self.cpu0 = rec.get("cpu")
+        if self.fails < s.live_failures:
+            return None
+        details: dict[str, Any] = {"live_failures": self.fails}
+        if kind == STALLED:
+            why = "the engine loop stopped making progress (liveness 503"
+            why += f", stalled {rec.get('last_progress_seconds')}s)" if rec.get("stalled") else ")"
+            return Kill(HANG, why, "liveness", details)
+        if kind == THREAD_DIED:
+            return Kill(UNHEALTHY, f"a worker thread died ({rec['error'].get('message')})", "liveness", details)
+        if kind == BROKEN:
+            return Kill(UNHEALTHY, f"liveness failed {self.fails} times in a row while the process lives: "
+                                   f"{rec.get('error')}", "liveness", details)
+        silent = now - self.since
+        if silent < s.unresponsive_seconds:
+            return None
+        details["unresponsive_seconds"] = round(silent, 3)
+        details["process_status"] = rec.get("process")
+        if self.cpu0 is not None and rec.get("cpu") is not None:
+            details["cpu_seconds_meanwhile"] = round(rec["cpu"] - self.cpu0, 2)  # busy (high) or idle (0)?
+        return Kill(UNRESPONSIVE, f"no liveness answer for {silent:.0f}s ({self.fails} probes timed out) while "
+                                  f"the process lives ({rec.get('process')})", "liveness", details)
+
+
+class ReadyWatch:
+    """The readiness hang rule for one worker incarnation."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # monotonic start of the no-generation run
+        self.progress0: tuple | None = None
+
+    def observe(self, rec: dict[str, Any], now: float, s: Any, live: LiveWatch, outcomes: int) -> Kill | None:
+        """`outcomes` counts request outcomes the worker has logged so far (progress evidence)."""
+        if rec.get("ok") or rec.get("busy") or rec.get("state") == "draining":
+            self.since = None
+            return None
+        if not (rec.get("timeout") or (rec.get("status") == 200 and "generation" in str(rec.get("error")))):
+            return None  # not ready (loading, say): not a hang symptom either way
+        progress = (live.steps, outcomes)
+        if self.since is None or progress != self.progress0:
+            self.since, self.progress0 = now, progress  # a run starts, or starts again after progress
+            return None
+        if now - self.since < s.hang_seconds:
+            return None
+        if live.last_answer is None or live.last_answer < self.since:
+            return None  # liveness has been silent too: its own (more patient) rule decides
+        return Kill(HANG, f"no one-token generation for {now - self.since:.0f}s and no engine progress "
+                          f"({rec.get('error')})", "readiness")
