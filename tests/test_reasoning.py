@@ -247,6 +247,19 @@ def test_forced_call_grammar_is_valid_for_each_format(gemma_model):
     assert e.value.status == 400 and e.value.param == "tools[0].function"
 
 
+def test_forced_call_arguments_are_bounded_like_response_formats(gemma_model):
+    """A forced call's unbounded strings and numbers get the structured-output bounds, so a looping
+    model closes the call before the output cap (Claude Code's `max_results: number` ran away)."""
+    from ember.worker.text.chat_template import ChatTemplate
+
+    plan = tc.anthropic_plan([{"name": "ToolSearch", "input_schema": {"type": "object", "properties": {
+        "query": {"type": "string"}, "max_results": {"type": "number", "default": 5}}, "required": ["query"]}}],
+        {"type": "tool", "name": "ToolSearch"})
+    facts = _facts(ChatTemplate.builtin("gemma", gemma_model.tokenizer), gemma_model.tokenizer)
+    g = json.dumps(tc.tool_grammar(plan, facts))
+    assert "maxLength" in g and "9007199254740991" in g and "additionalProperties" in g
+
+
 # -- request knobs ---------------------------------------------------------------------------------
 
 

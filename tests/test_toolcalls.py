@@ -383,3 +383,25 @@ def test_fuzz_never_raises():
             whole = _norm(res)
             cuts = sorted(rng.randint(0, len(t)) for _ in range(rng.randint(1, 4)))
             assert _norm(collect(stream(t, fmt, cuts))) == whole
+
+
+@pytest.mark.parametrize("fmt,cut", [
+    ("fenced", '```json\n{"name": "Read", "arguments": {"file_path": "/tm'), ("fenced", '```json\n{"na'),
+    ("hermes", '<tool_call>\n{"name": "f", "argu'), ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a'),
+    ("llama3", '{"name": "f", "parameters": {"a": [1, 2'),
+])
+def test_a_forced_call_cut_short_is_never_content(fmt, cut):
+    """With tool_choice required or named the grammar allows nothing but calls: what the output cap
+    leaves unclosed is a call, dropped, never shown as the answer. Unforced, it stays content."""
+    for cuts in ([], [3], [len(cut) // 2]):
+        p = ToolCallStreamParser(fmt, ids(), forced=True)
+        ev, last = [], 0
+        for c in cuts + [len(cut)]:
+            ev += p.feed(cut[last:c])
+            last = c
+        ev += p.finish()
+        assert not [e for e in ev if isinstance(e, ContentDelta)], (cuts, ev)
+    done = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    p = ToolCallStreamParser("hermes", ids(), forced=True)
+    assert collect(p.feed(done) + p.finish()).tool_calls[0].name == "f"
+    assert collect(stream(cut, fmt, [])).content == cut

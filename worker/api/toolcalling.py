@@ -35,6 +35,7 @@ from ..text.toolcalls import (  # noqa: F401
     ContentDelta, ToolCall, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, collect, detect_format,
 )
 from ..text.tokenizer import TooManyTokens
+from . import structured
 from .common import too_long
 from .errors import bad_request
 
@@ -449,7 +450,9 @@ def _marker(text: str, facts: ModelFacts) -> str:
 
 
 def _schema_json(schema: dict) -> str:
-    s = dict(schema)
+    # bounded as response formats are: a forced call must close before the output cap, never run
+    # away in an unbounded string or digit run
+    s = dict(structured.bound_schema(schema))
     # compact output: a constrained small model must not be able to pad with endless whitespace
     s.setdefault("x-guidance", {"whitespace_flexible": False})
     return json.dumps(s, ensure_ascii=False, separators=(",", ":"))
@@ -533,6 +536,7 @@ class OutputPlan:
     inside: bool  # generation starts inside the reasoning block
     marker_tokens: tuple[tuple[int, str], ...] = ()
     tool_names: frozenset[str] = frozenset()
+    forced: bool = False  # a grammar forces the output into calls (tool_choice required or named)
 
     def parser(self, tokenizer: Any = None, **kw: Any) -> "OutputParser":
         return OutputParser(self, tokenizer, **kw)
@@ -596,7 +600,7 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         opening = None if r is None else (True if inside else (None if ask.disabled else False))
         grammar = await asyncio.to_thread(tool_grammar, plan, facts, reasoning_open=opening)
     output = OutputPlan(facts.tool_format if plan.active else None, r, inside, facts.marker_tokens,
-                        frozenset(t.name for t in plan.tools))
+                        frozenset(t.name for t in plan.tools), forced=grammar is not None)
     return Prepared(prompt, grammar, budget, output)
 
 
@@ -645,7 +649,8 @@ class OutputParser:
         self.plan = plan
         self.tokenizer = tokenizer
         self.split = rz.ReasoningSplitter(plan.reasoning, inside=plan.inside)
-        self.tools = ToolCallStreamParser(plan.tool_format, id_factory, args_chunk) if plan.tool_format else None
+        self.tools = (ToolCallStreamParser(plan.tool_format, id_factory, args_chunk, forced=plan.forced)
+                      if plan.tool_format else None)
         self.hidden = dict(plan.marker_tokens)
         self.reasoning_tokens = 0
 

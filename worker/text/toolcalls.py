@@ -214,10 +214,13 @@ class ToolCallStreamParser:
     """Feed decoded text deltas; get Events back.  Call finish() at the end of the stream."""
 
     def __init__(self, fmt: str = "hermes", id_factory: Callable[[], str] | None = None,
-                 args_chunk: int = 0):
+                 args_chunk: int = 0, forced: bool = False):
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}")
         self.fmt = fmt
+        # forced: a grammar allowed nothing but calls, so text left undecided at the end is a call
+        # the output cap cut short; it is dropped, never shown as the answer
+        self.forced = forced
         self.id_factory = id_factory or (mistral_call_id if fmt == "mistral" else openai_call_id)
         self.args_chunk = args_chunk  # >0: split each call's arguments into deltas of this size
         self.buf = ""  # text not yet decided
@@ -263,11 +266,11 @@ class ToolCallStreamParser:
             self._run(out, final=True)
             if self.state == "call":  # cut mid-call: a complete call without its closing markup
                 self._close_call(out, self.buf, self._cut_body(), final=True)  # still counts
-            if self.buf:
+            if self.buf and not self.forced:
                 self._emit_content(out, self.buf, final=True)
-                self.buf = ""
+            self.buf = ""
         except Exception:
-            if self.buf:
+            if self.buf and not self.forced:
                 out.append(ContentDelta(self.buf))
             self.buf = ""
         return _merge(out)
@@ -501,7 +504,8 @@ class ToolCallStreamParser:
             else:
                 parsed = _calls_from_json(body)
         if not parsed:
-            self._emit_content(out, raw)
+            if not (final and self.forced):  # a forced call cut short is dropped, not shown (see __init__)
+                self._emit_content(out, raw)
             if self.fmt == "llama3":
                 self._seen_non_ws = True  # a non-call JSON answer: the rest is plain content
             return
