@@ -40,14 +40,15 @@ def test_event_loop_stalls_shorter_than_the_patience_restart_nothing(ember: Embe
         while t.is_alive():
             lv = e.status().get("liveness") or {}
             most_failures = max(most_failures, lv.get("failures", 0))
-        assert out[0][0] == 200  # the big request itself is served
-        e.wait_ready()
+        assert out[0][0] == 200, out  # the big request itself is served
+        # the overload is over once the worker answers again (the probes queued behind it)
+        e.wait(lambda s: s.get("state") == "ready" and not s.get("liveness"), what="liveness answering again")
     st = e.status()
     assert st["worker"]["pid"] == pid and st["restarts"] == 0 and e.bundles() == []
     assert st["breaker"]["state"] == "closed" and st["breaker"]["failures"] == 0
     assert most_failures >= 2  # `ember status` showed the silence while it lasted
     failing, recovered = e.daemon_events("liveness_failing"), e.daemon_events("liveness_recovered")
-    assert len(failing) == 3 and len(recovered) == 3
+    assert 1 <= len(failing) == len(recovered) <= 3  # each silence seen (most are: probes land in it) ended
     assert all("no answer within 1s" in f["error"] and f["unresponsive_after_seconds"] == 8 for f in failing)
     assert all(1.5 <= r["seconds"] < 8 for r in recovered)
     assert e.daemon_events("incident") == []

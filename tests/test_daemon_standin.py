@@ -35,7 +35,29 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-LOOP = threading.Lock()  # the "event loop" that the freeze fault holds (only taken with that fault)
+
+
+class _Loop:
+    """The "event loop" that the freeze fault holds: requests take it in arrival order, as an event
+    loop serves what queued while it was busy (a plain Lock lets a newer request jump the queue and
+    starve the probes that waited through a freeze)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+LOOP = _Loop()  # taken only with the freeze fault
 STATE = {"state": "loading", "steps": 0, "requests": 0, "stalled_at": None, "last_progress": time.monotonic()}
 ARGS = None
 FAULT: dict = {}

@@ -139,8 +139,8 @@ class Ember:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, {}
-        except OSError:
-            return 0, {}
+        except OSError as e:  # refused, reset or timed out: status 0, and why
+            return 0, {"error": f"{type(e).__name__}: {e}"}
 
     def daemon_events(self, name: str | None = None) -> list[dict]:
         out = []
