@@ -12,7 +12,7 @@ import sys
 WORKER_VERBS = {
     "worker": "run the inference worker in the foreground (HTTP APIs on 127.0.0.1:8080)",
     "generate": "generate text from a prompt on this machine",
-    "bench": "benchmarks and synthetic models (speed, serve, resume, replay, make-model)",
+    "bench": "benchmarks and synthetic models (speed, serve, soak, resume, replay, grammar, trace, make-model)",
     "kernels": "CUDA kernels: kernels build --arch sm_90 (NVRTC; no GPU needed), kernels list",
 }
 

@@ -75,6 +75,7 @@ def _modules() -> dict[str, ModuleSpec]:
         gemm=ModuleSpec("gemm.cu", (), "tensor-core matmul for prefill (f16/bf16 in, f32 out)"),
         probe=ModuleSpec("probe.cu", (), "launch-latency probes for the micro-benchmark"),
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),
+        kv_copy=ModuleSpec("kv_copy.cu", (), "whole KV blocks between the pools and a packed staging area"),
     )
     return mods
 

@@ -981,6 +981,41 @@ def add_bias(dev: Device, y: DeviceArray, bias: DeviceArray, *, n: int, cols: in
                                               I64(cols if ldy is None else ldy), bias, n, cols, stream=stream)
 
 
+# -- KV blocks in and out of the pools ----------------------------------------------------------------
+
+
+def _kv_block_words(pool: DeviceArray, block_elems: int) -> int:
+    nbytes = block_elems * np.dtype(pool.dtype).itemsize
+    if nbytes % 16:
+        raise ValueError(f"a block's row of {nbytes} bytes is not a whole number of 16-byte words")
+    return nbytes // 16
+
+
+def kv_gather(dev: Device, k_pool: DeviceArray, v_pool: DeviceArray, blocks: DeviceArray, staging: DeviceArray, *,
+              n: int, layers: int, layer_elems: int, block_elems: int, stream=None) -> None:
+    """staging[j] = (K, V) of pool block blocks[j], every layer: [n, 2, layers, block_elems] in the
+    pools' dtype. Twin: reference.kv_gather."""
+    words = _kv_block_words(k_pool, block_elems)
+    _need(blocks, np.int32, n, "blocks")
+    if staging.nbytes < n * 2 * layers * words * 16:
+        raise ValueError("the staging area is smaller than the blocks")
+    dev.kernel("kv_copy", "kv_gather").launch((n * 2 * layers,), (min(256, -(-words // 32) * 32),), k_pool, v_pool,
+                                              blocks, layers, I64(layer_elems * k_pool.dtype.itemsize // 16),
+                                              words, staging, stream=stream)
+
+
+def kv_scatter(dev: Device, k_pool: DeviceArray, v_pool: DeviceArray, blocks: DeviceArray, staging: DeviceArray, *,
+               n: int, layers: int, layer_elems: int, block_elems: int, stream=None) -> None:
+    """The reverse of kv_gather: pool block blocks[j] = staging[j]. Twin: reference.kv_scatter."""
+    words = _kv_block_words(k_pool, block_elems)
+    _need(blocks, np.int32, n, "blocks")
+    if staging.nbytes < n * 2 * layers * words * 16:
+        raise ValueError("the staging area is smaller than the blocks")
+    dev.kernel("kv_copy", "kv_scatter").launch((n * 2 * layers,), (min(256, -(-words // 32) * 32),), k_pool,
+                                               v_pool, blocks, layers, I64(layer_elems * k_pool.dtype.itemsize // 16),
+                                               words, staging, stream=stream)
+
+
 # -- fault injection ------------------------------------------------------------------------------------
 
 
@@ -1000,7 +1035,8 @@ __all__ = [
     "attention_split_warp", "attention_warp_cap", "attention_warp_smem", "decode_kernel", "dequant_half",
     "dequant_rows", "embed", "fault_illegal_address", "flash_attention", "flash_smem_bytes", "flash_tiles",
     "gated_act", "gather_rows", "gemm", "gemm_splitk_bytes", "gemm_splits", "kq8_supported", "kv2_supported",
-    "kv_write", "linear_tc", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_post_norm",
+    "kv_gather", "kv_scatter", "kv_write", "linear_tc", "matvec", "matvec_gated", "matvec_gated_supported",
+    "matvec_post_norm",
     "matvec_q8", "matvec_stream_q8_0", "norm_shape", "post_norm_supported", "qk_rope_kv", "repack_q6_k",
     "rms_norm", "rms_norm_add", "rms_norm_add_norm", "rope", "row_nbytes", "sample", "sample_parts", "softmax",
     "stream_q8_0_smem", "stream_q8_0_supported", "to_half",

@@ -203,3 +203,26 @@ def sample_rows(x: np.ndarray, temperature, top_k, top_p, min_p, seed, step) -> 
         tokens.append(int(np.argmax(score)))
         floors.append(floor)
     return np.asarray(tokens, np.int32), np.asarray(floors, np.float32)
+
+
+def kv_gather(k_pool: np.ndarray, v_pool: np.ndarray, blocks, *, layers: int, layer_elems: int,
+              block_elems: int) -> np.ndarray:
+    """The listed blocks of flat per-layer pools (layer l at l * layer_elems, block b's row at
+    b * block_elems within it) as [n, 2, layers, block_elems]."""
+    out = np.empty((len(blocks), 2, layers, block_elems), dtype=k_pool.dtype)
+    for j, b in enumerate(blocks):
+        for half, pool in enumerate((k_pool, v_pool)):
+            for layer in range(layers):
+                start = layer * layer_elems + int(b) * block_elems
+                out[j, half, layer] = pool[start:start + block_elems]
+    return out
+
+
+def kv_scatter(k_pool: np.ndarray, v_pool: np.ndarray, blocks, staging: np.ndarray, *, layers: int,
+               layer_elems: int, block_elems: int) -> None:
+    """The reverse of kv_gather, in place."""
+    for j, b in enumerate(blocks):
+        for half, pool in enumerate((k_pool, v_pool)):
+            for layer in range(layers):
+                start = layer * layer_elems + int(b) * block_elems
+                pool[start:start + block_elems] = staging[j, half, layer]

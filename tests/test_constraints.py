@@ -72,7 +72,8 @@ class Steered:
 
     def __init__(self, inner, prompt_len: int, steer):
         self.inner, self.prompt_len, self.steer = inner, prompt_len, steer
-        self.name, self.config = inner.name, inner.config
+        self.name, self.config, self.kv_layout, self.block_dtype = inner.name, inner.config, inner.kv_layout, \
+            inner.block_dtype
         self.block_size, self.n_blocks = inner.block_size, inner.n_blocks
 
     def forward(self, chunks):
@@ -89,6 +90,12 @@ class Steered:
 
     def write_block(self, block, data):
         self.inner.write_block(block, data)
+
+    def save_blocks(self, blocks):
+        return self.inner.save_blocks(blocks)
+
+    def load_blocks(self, blocks, payloads):
+        self.inner.load_blocks(blocks, payloads)
 
 
 def scripted(script: list[int]):

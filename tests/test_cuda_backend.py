@@ -341,3 +341,42 @@ def test_bench_trace_times_every_kernel_of_a_decode_step(dev, model_dir):
     assert len(att) == 4 and 0 < att[0] < att[1] < att[2] < att[3]
     mv = [p["cycles"] for p in r["phases"]["staged batch-1 matvec (qmv, qmvs)"]]
     assert len(mv) == 2 and 0 < mv[0] < mv[1]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_blocks_saved_and_loaded_in_batches(dev, model_dir, mode):
+    """save_blocks / load_blocks (the KV store's path: a copy stream, pinned slabs, one gather or
+    scatter a slab) move exactly what read_block / write_block see, a later step cannot overwrite
+    a block before its save read it, and a save finds no room rather than waiting."""
+    from ember.worker.engine.cuda_kv import SLABS
+
+    model = _synth(model_dir, "llama")
+    ref, cud = _backends(model, dev, n_blocks=96, mode=mode)
+    rng = np.random.default_rng(7)
+    shape = cud.read_block(0).shape
+    want = {b: rng.standard_normal(shape).astype(np.float32) for b in range(96)}
+    for b, data in want.items():
+        cud.write_block(b, data)
+    stored = {b: d.astype(cud.kv_dtype) for b, d in want.items()}
+    order = [int(b) for b in rng.permutation(96)]
+    copy = cud.save_blocks(order[:70])
+    cud.write_block(order[0], np.zeros(shape, np.float32))  # a later write waits for the save's gather
+    got = np.stack(copy.wait())  # views into the pinned slabs, until release()
+    copy.release()
+    assert got.dtype == cud.block_dtype and got.shape == (70, *shape)
+    for j, b in enumerate(order[:70]):
+        assert np.array_equal(got[j], stored[b]), f"block {b}"
+    payloads = np.stack([stored[b] for b in order[:40]])
+    cud.load_blocks(order[50:90], payloads)
+    prompt = rng.integers(0, model.config.vocab_size, 20).astype(np.int32)
+    cud.forward([SeqChunk(prompt, 0, order[90:92], "last")])  # a step after the load sees the loaded blocks
+    for j, b in enumerate(order[50:90]):
+        assert np.array_equal(cud.read_block(b).astype(cud.kv_dtype), payloads[j]), f"block {b}"
+    held = [cud.save_blocks([order[k % 96]]) for k in range(SLABS)]  # every save slab in use
+    assert all(h is not None for h in held) and cud.save_blocks(order[:3]) is None
+    for h in held:
+        h.wait()
+        h.release()
+    again = cud.save_blocks(order[:3])
+    assert len(again.wait()) == 3 and np.array_equal(again.wait()[2], stored[order[2]])
+    again.release()

@@ -893,6 +893,28 @@ def test_gather_rows_and_add_bias(dev, rng):
     np.testing.assert_array_equal(y.to_host().reshape(9, 100), np.concatenate([x[:5] + bias, x[5:]]))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_kv_gather_and_scatter_match_their_twins(dev, rng, dtype):
+    layers, blocks_in_pool, block_elems = 3, 11, 16 * 24
+    layer_elems = blocks_in_pool * block_elems
+    k = rng.normal(0, 1, layers * layer_elems).astype(dtype)
+    v = rng.normal(0, 1, layers * layer_elems).astype(dtype)
+    kd, vd = dev.to_device(k), dev.to_device(v)
+    pick = np.array([7, 0, 10, 3], np.int32)
+    staging = dev.empty(len(pick) * 2 * layers * block_elems, dtype)
+    staging.poison()
+    ops.kv_gather(dev, kd, vd, dev.to_device(pick), staging, n=len(pick), layers=layers, layer_elems=layer_elems,
+                  block_elems=block_elems)
+    want = reference.kv_gather(k, v, pick, layers=layers, layer_elems=layer_elems, block_elems=block_elems)
+    np.testing.assert_array_equal(staging.to_host().reshape(want.shape), want)
+    new = rng.normal(0, 1, want.shape).astype(dtype)
+    ops.kv_scatter(dev, kd, vd, dev.to_device(pick[::-1].copy()), dev.to_device(new), n=len(pick), layers=layers,
+                   layer_elems=layer_elems, block_elems=block_elems)
+    reference.kv_scatter(k, v, pick[::-1], new, layers=layers, layer_elems=layer_elems, block_elems=block_elems)
+    np.testing.assert_array_equal(kd.to_host(), k)
+    np.testing.assert_array_equal(vd.to_host(), v)
+
+
 def _sample_on_device(dev, x, **p):
     rows, vocab = x.shape
     buf = np.zeros(ops.SampleParams.nbytes(rows), np.uint8)

@@ -33,7 +33,7 @@ def runtime(default_model_path):
 
 def _store(runtime, root, **kw):
     be = runtime.backend
-    return KVStore(root, salt=kv_salt(runtime.model.fingerprint, be.name), model_key=runtime.model.fingerprint,
+    return KVStore(root, salt=kv_salt(runtime.model.fingerprint, be.kv_layout), model_key=runtime.model.fingerprint,
                    block_shape=be.read_block(0).shape, block_tokens=be.block_size, chain_hash=chain_hash,
                    persist=kw.pop("persist", "all"), disk_budget=kw.pop("disk_budget", 1 << 30),
                    host_budget=kw.pop("host_budget", 64 << 20), **kw)
@@ -283,11 +283,11 @@ def test_a_failing_store_lookup_computes_and_releases_blocks(runtime, tmp_path, 
 
     @contextlib.contextmanager
     def lookup_fails():
-        store.available = broken
+        store.where = broken
         try:
             yield
         finally:
-            del store.available
+            del store.where
 
     events, in_use = _prefix_then_longer(runtime, store, lookup_fails)
     store.close()
@@ -296,3 +296,94 @@ def test_a_failing_store_lookup_computes_and_releases_blocks(runtime, tmp_path, 
     assert next(e for e in events if isinstance(e, Started)).cached_tokens >= 16
     err = capfd.readouterr().err
     assert "kv_lookup_error" in err and "index is corrupt" in err and "engine_error" not in err
+
+
+class _CountingBackend(NumpyBackend):
+    """The numpy backend, recording each save_blocks batch."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.saves: list[list[int]] = []
+
+    def save_blocks(self, blocks):
+        self.saves.append(list(blocks))
+        return super().save_blocks(blocks)
+
+
+def test_a_steps_full_blocks_leave_the_device_in_one_batch(runtime, tmp_path):
+    store = _store(runtime, tmp_path)
+    be = _CountingBackend(runtime.config, runtime.backend.weights, n_blocks=64, block_size=runtime.backend.block_size)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=1024, prefill_chunk=64, max_step_tokens=64),
+                    metrics=Metrics(), store=store)
+    engine.start()
+    try:
+        events = _generate(engine, runtime, PROMPT)
+    finally:
+        engine.shutdown()
+    assert isinstance(events[-1], Finished)
+    computed = len(runtime.model.tokenizer.encode(PROMPT)) + 4 - 1  # the last token drawn is never fed back
+    assert be.saves and sum(len(s) for s in be.saves) == computed // 16  # every full block once
+    assert be.saves[0] == [0, 1, 2, 3]  # the first 64-token chunk's four blocks together
+    assert store.flush()
+    assert len(_files(tmp_path)) == computed // 16 and store.stats.writes == computed // 16
+    store.close()
+
+
+def test_a_writer_that_is_behind_drops_blocks_and_never_waits(runtime, tmp_path):
+    store = _store(runtime, tmp_path, host_budget=3 * _store_block_bytes(runtime))
+    hashes = [bytes([i + 1]) * 16 for i in range(5)]
+    chain = list(zip(hashes, [b"\0" * 16] + hashes[:-1]))  # each block's parent is the one before it
+    taken = store.accept(chain)
+    assert taken == hashes[:3] and store.stats.write_drops == 2
+    assert store.accept(chain) == []  # the three are on their way; the writer has no more room
+    assert store.stats.write_drops == 4
+    store.offer_batch([(h, p, [1] * 16) for h, p in chain[:3]], None)  # the backend had no room either
+    assert store.stats.write_drops == 7 and store.write_queue_depth == 0
+    assert store.accept(chain[3:4]) == []  # its parent was dropped: no use writing it
+    assert store.accept(chain[:1]) == hashes[:1]  # the backlog is free again
+    store.close()
+
+
+def _store_block_bytes(runtime):
+    return int(np.prod(runtime.backend.read_block(0).shape)) * 4
+
+
+def test_restore_or_recompute_whichever_measured_faster(runtime, tmp_path, capfd):
+    from ember.worker.engine.restore_policy import RestoreCosts
+
+    costs = RestoreCosts()
+    assert costs.choose(4096, 0, 1 << 30).restore  # nothing measured yet: restore (and so measure it)
+    costs.observe_prefill(8192, 0.05)  # an H200 on a small model: 164k tok/s
+    costs.observe_restore("disk", 1 << 30, 1.0)
+    assert not costs.choose(4096, 0, 256 << 20).restore  # 0.25 s from disk against 0.025 s of prefill
+    assert costs.choose(4096, 64 << 20, 0).restore  # 0.01 s from RAM at 8 GB/s: restore
+    spark = RestoreCosts()
+    spark.observe_prefill(900, 1.0)  # a Spark-class prefill: restoring wins by far
+    spark.observe_restore("disk", 1 << 30, 1.0)
+    assert spark.choose(4096, 0, 256 << 20).restore
+    costs.save(tmp_path / "rates.json")  # what a restarted worker decides by
+    again = RestoreCosts()
+    again.load(tmp_path / "rates.json")
+    assert again.prefill_tps == costs.prefill_tps and again.bandwidth == costs.bandwidth
+    (tmp_path / "rates.json").write_text("{broken")
+    again.load(tmp_path / "rates.json")  # an unreadable file changes nothing
+    assert again.prefill_tps == costs.prefill_tps
+
+    s1 = _store(runtime, tmp_path)
+    _, cold, n_prompt = _run(runtime, s1)
+    assert s1.flush()
+    s1.close()
+    s2 = _store(runtime, tmp_path)
+    be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=64, block_size=runtime.backend.block_size)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=1024), metrics=Metrics(), store=s2)
+    engine.restore_costs.observe_prefill(10_000, 0.001)  # this device computes faster than the disk reads
+    engine.start()
+    try:
+        events = _generate(engine, runtime, PROMPT, n=8)
+    finally:
+        engine.shutdown()
+        s2.close()
+    started = next(e for e in events if isinstance(e, Started))
+    assert started.cached_tokens == 0 and [t for e in events if isinstance(e, Delta) for t in e.tokens] == cold
+    err = capfd.readouterr().err
+    assert '"kv_restore_choice"' in err and '"choice": "recompute"' in err and '"kv_restore"' not in err

@@ -189,7 +189,8 @@ def test_a_dead_engine_loop_fails_requests_at_once_and_refuses_more(runtime, cap
 def test_a_dead_kv_reader_turns_restores_into_computing(runtime, tmp_path):
     def store():
         be = runtime.backend
-        return KVStore(tmp_path, salt=kv_salt(runtime.model.fingerprint, be.name), model_key=runtime.model.fingerprint,
+        return KVStore(tmp_path, salt=kv_salt(runtime.model.fingerprint, be.kv_layout),
+                       model_key=runtime.model.fingerprint,
                        block_shape=be.read_block(0).shape, block_tokens=be.block_size, chain_hash=chain_hash,
                        disk_budget=1 << 30, host_budget=64 << 20)
 

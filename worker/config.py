@@ -36,7 +36,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     kv_disk_budget: str = "auto"  # bytes, or auto = a quarter of the free space, at most 50GiB
     kv_host_mem: str = "512MiB"
     kv_persist: str = "all"
-    prefill_chunk: int = 256
+    prefill_chunk: int = 0  # 0 = the backend's own (AUTO_PREFILL_CHUNK)
     drain_seconds: float = 30.0
     stall_seconds: float = 60.0
     backend: str = "numpy"
@@ -86,7 +86,7 @@ HELP = {
     "max_queue": "requests that may wait for a slot before 429 (default 64)",
     "ctx": "context limit in tokens (default: the model's, within the KV budget)",
     "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
-    "prefill_chunk": "prompt tokens per engine step and sequence (default 256)",
+    "prefill_chunk": "prompt tokens per engine step and sequence (default: 256 on numpy, 2048 on cuda)",
     "kv_dir": "where KV blocks persist across restarts (default: <state dir>/kv)",
     "kv_disk_budget": "disk bytes for everything in the KV dir (every model, layout and worker sharing it, and "
                       "quarantine), e.g. 20GiB (default auto: 1/4 of free space, at most 50GiB)",
@@ -184,9 +184,11 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
 def validate(cfg: WorkerConfig) -> None:
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port: {cfg.port} is not a TCP port")
-    for name in ("max_seqs", "max_queue", "prefill_chunk"):
+    for name in ("max_seqs", "max_queue"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
+    if cfg.prefill_chunk < 0:
+        raise ConfigError("prefill_chunk: must be 0 (the backend's default) or a positive number of tokens")
     if cfg.ctx < 0:
         raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
     if parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
@@ -233,6 +235,16 @@ def validate(cfg: WorkerConfig) -> None:
 def origins(cfg: WorkerConfig) -> list[str]:
     """--allowed-origins as a list (lower case, no trailing slash)."""
     return [o.strip().rstrip("/").lower() for o in cfg.allowed_origins.split(",") if o.strip()]
+
+
+# Prompt tokens a step takes per sequence, by backend: the numpy backend's steps must stay short on
+# two cores (a stream's next token waits for them); a GPU prefills faster in large steps, and the
+# decode streams still get their token first in every step (see README: Performance for the sweep).
+AUTO_PREFILL_CHUNK = {"numpy": 256, "cuda": 2048}
+
+
+def prefill_chunk(cfg: WorkerConfig) -> int:
+    return cfg.prefill_chunk or AUTO_PREFILL_CHUNK[cfg.backend]
 
 
 def is_loopback(host: str) -> bool:

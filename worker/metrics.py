@@ -30,6 +30,8 @@ class Metrics:
         self.kv_blocks_used = Gauge("ember_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
         self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse", registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
+        self.restore_choices = Counter("ember_kv_restore_choices", "Warm admits whose stored blocks were restored "
+                                       "or computed again (whichever measured faster)", ["choice"], registry=r)
         self._threads = _ThreadCollector()
         r.register(self._threads)
 

@@ -58,6 +58,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .model.weights import load_weights
 
     model = open_model(cfg.model)
+    chunk = worker_config.prefill_chunk(cfg)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend)
     kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
@@ -69,7 +70,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
 
         try:
             backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
-                                  max_rows=max(cfg.prefill_chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
+                                  max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
                                   f16_weights=cfg.f16_weights)
             backend.runs_ahead = cfg.run_ahead
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
@@ -81,8 +82,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .api import toolcalling
 
     toolcalling.configure(cfg.reasoning_format)  # validated with the rest of the config
-    limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
-                          max_step_tokens=max(cfg.prefill_chunk, cfg.max_seqs), context=ctx,
+    limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
+                          max_step_tokens=max(chunk, cfg.max_seqs), context=ctx,
                           loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
                           loop_guard_min_span=cfg.loop_guard_min_span)
     store = None
@@ -92,15 +93,16 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         from .paths import state_dir
 
         kv_dir = Path(cfg.kv_dir).expanduser() if cfg.kv_dir else state_dir() / "kv"
-        store = KVStore(kv_dir, salt=kv_salt(model.fingerprint, backend.name), model_key=model.fingerprint,
+        store = KVStore(kv_dir, salt=kv_salt(model.fingerprint, backend.kv_layout), model_key=model.fingerprint,
                         block_shape=backend.read_block(0).shape, block_tokens=DEFAULT_BLOCK_SIZE,
+                        block_dtype=backend.block_dtype,
                         chain_hash=chain_hash, persist=cfg.kv_persist,
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
                         host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
-                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs)
+                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk)
     return _Loaded(engine, model, store, facts)
 
 

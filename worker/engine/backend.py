@@ -68,6 +68,36 @@ def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarr
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+class BlockCopy(Protocol):
+    """KV blocks on their way to the host (Backend.save_blocks)."""
+
+    owned: bool  # the payloads are the caller's to keep (else views, gone after release())
+
+    def wait(self) -> "list[np.ndarray] | np.ndarray | None":
+        """Their payloads, one [2, layers, block_size, kv_heads, head_dim] array a block in the
+        backend's block_dtype, once landed (any thread may wait); None when the device failed."""
+        ...
+
+    def release(self) -> None:
+        """Done with the payloads: the backend may reuse their memory."""
+        ...
+
+
+class Copied:
+    """Blocks already copied (a backend whose KV pools are host memory)."""
+
+    owned = True
+
+    def __init__(self, payloads: np.ndarray):
+        self.payloads = payloads
+
+    def wait(self) -> np.ndarray:
+        return self.payloads
+
+    def release(self) -> None:
+        pass
+
+
 class Done:
     """A step computed when it was submitted (backends without asynchronous steps)."""
 
@@ -83,6 +113,8 @@ class Backend(Protocol):
     config: ModelConfig
     block_size: int
     n_blocks: int
+    block_dtype: np.dtype  # the KV blocks' dtype, as save_blocks hands them out and load_blocks takes them
+    kv_layout: str  # names the blocks' layout and dtype in the KV salt (kv_blocks.kv_salt)
 
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | SampledToken | None]:
         """Run one step. Returns, per chunk, float32 logits [rows, vocab] (rows = 1 for "last",
@@ -101,6 +133,17 @@ class Backend(Protocol):
 
     def write_block(self, block: int, data: np.ndarray) -> None:
         """Fill one block from read_block's layout (restoring a cached prefix)."""
+        ...
+
+    def save_blocks(self, blocks: list[int]) -> BlockCopy | None:
+        """Start copying these blocks to the host for the KV store, without waiting for the device:
+        a later step may reuse them, never before they were read. None when the backend has no room
+        for more copies in flight (the caller drops them from persistence rather than wait)."""
+        ...
+
+    def load_blocks(self, blocks: list[int], payloads) -> None:
+        """Fill these blocks from save_blocks' payloads (a list of one array a block, or an array of
+        them), restoring a cached prefix, before the next step runs, without waiting for the device."""
         ...
 
 

@@ -170,6 +170,10 @@ class CudaBackend:
         self.config, self.gguf = config, gguf_file
         self.block_size, self.n_blocks = block_size, n_blocks
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
+        self.block_dtype = np.dtype(self.kv_dtype)  # blocks go to the KV store as they are on the device
+        # float16 blocks on disk since KV layout 2 of the store (cuda_kv.py); float32 files stay apart
+        self.kv_layout = "cuda" if kv_dtype == "f32" else f"cuda-{kv_dtype}"
+        self._transfer = None  # KVTransfer, made on the first save or load (pinned slabs)
         self.max_rows = max(8, -(-max(max_rows, max_seqs) // 8) * 8)
         self.max_seqs = max_seqs
         self.graphs_enabled = graphs
@@ -842,6 +846,33 @@ class CudaBackend:
         self._block_copy(block, raw, to_host=True)
         return raw.astype(np.float32, copy=False).reshape(2, cfg.n_layers, self.block_size, cfg.n_kv_heads,
                                                           cfg.head_dim)
+
+    def _kv_transfer(self):
+        if self._transfer is None:
+            from .cuda_kv import KVTransfer
+
+            cfg = self.config
+            self._transfer = KVTransfer(self.dev, self.k_pool, self.v_pool, self.stream, layers=cfg.n_layers,
+                                        layer_elems=self._layer_elems, block_elems=self.block_size * cfg.kv_dim,
+                                        block_shape=(2, cfg.n_layers, self.block_size, cfg.n_kv_heads, cfg.head_dim),
+                                        dtype=self.kv_dtype)
+        return self._transfer
+
+    @_poison_guard
+    def save_blocks(self, blocks: list[int]):
+        """KV blocks off the device on a copy stream of their own (cuda_kv.py): no host wait, and the
+        compute stream waits only for the gather before its next step."""
+        if any(not 0 <= b < self.n_blocks for b in blocks):
+            raise IndexError(f"a block outside the pool of {self.n_blocks}")
+        self.dev.make_current()
+        return self._kv_transfer().save(list(blocks))
+
+    @_poison_guard
+    def load_blocks(self, blocks: list[int], payloads) -> None:
+        if any(not 0 <= b < self.n_blocks for b in blocks):
+            raise IndexError(f"a block outside the pool of {self.n_blocks}")
+        self.dev.make_current()
+        self._kv_transfer().load(list(blocks), payloads)
 
     @_poison_guard
     def write_block(self, block: int, data: np.ndarray) -> None:

@@ -35,10 +35,11 @@ ROOT_HASH = b"\0" * 16
 KV_LAYOUT_VERSION = 1
 
 
-def kv_salt(model_fingerprint: str, backend_name: str) -> bytes:
-    """Binds block names to one model and one KV layout: a different model, backend precision or
-    layout version never matches (in memory or on disk)."""
-    return f"{model_fingerprint}:{backend_name}:kv{KV_LAYOUT_VERSION}".encode()
+def kv_salt(model_fingerprint: str, kv_layout: str) -> bytes:
+    """Binds block names to one model and one KV layout (a backend's `kv_layout`: its name, and its
+    block dtype where that changed): a different model, backend precision or layout version never
+    matches (in memory or on disk)."""
+    return f"{model_fingerprint}:{kv_layout}:kv{KV_LAYOUT_VERSION}".encode()
 
 
 class BlockPool:

@@ -14,11 +14,12 @@ from ember.kernels import reference as ops
 
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights
-from .backend import Done, SampledToken, SeqChunk, kv_slots
+from .backend import Copied, Done, SampledToken, SeqChunk, kv_slots
 
 
 class NumpyBackend:
-    name = "numpy"
+    name = kv_layout = "numpy"
+    block_dtype = np.dtype(np.float32)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16,
                  draws: bool = False):
@@ -150,3 +151,11 @@ class NumpyBackend:
     def write_block(self, block: int, data: np.ndarray) -> None:
         self.k_pool[:, block] = data[0]
         self.v_pool[:, block] = data[1]
+
+    def save_blocks(self, blocks: list[int]) -> Copied:
+        return Copied(np.stack([self.read_block(b) for b in blocks]) if blocks else
+                      np.zeros((0, *self.read_block(0).shape), np.float32))
+
+    def load_blocks(self, blocks: list[int], payloads) -> None:
+        for b, p in zip(blocks, payloads, strict=True):
+            self.write_block(b, p)

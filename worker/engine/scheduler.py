@@ -40,6 +40,7 @@ from .faults import FaultInjector
 from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash, kv_salt
 from .loopguard import LoopGuard
 from .reasoning_budget import ReasoningTracker
+from .restore_policy import RestoreCosts
 from .requests import (
     Delta, Failed, Finished, FinishReason, GenerationRequest, Keepalive, Outcome, PromptLogprobs,
     RequestHandle, Started, TokenLogprob,
@@ -48,6 +49,8 @@ from .sampling import Sampler, log_softmax
 from .textstream import StopMatcher
 
 KEEPALIVE_SECONDS = 5.0
+RESTORE_BYTES_PER_STEP = 32 << 20  # KV a step restores while other streams decode (a few ms of host copies)
+RATES_SAVE_SECONDS = 30.0  # how often the measured prefill and restore rates are written for the next process
 
 
 class QueueFull(Exception):
@@ -133,7 +136,7 @@ class Engine:
         self.watch = watch or (store.watch if store is not None else ThreadWatch())
         self.metrics.attach_threads(self.watch)
         self.on_poisoned = on_poisoned
-        self.pool = BlockPool(backend.n_blocks, backend.block_size, kv_salt(model.fingerprint, backend.name))
+        self.pool = BlockPool(backend.n_blocks, backend.block_size, kv_salt(model.fingerprint, backend.kv_layout))
         self.metrics.kv_blocks_total.set(backend.n_blocks)
         self._lock = threading.Lock()
         self._inbox: collections.deque[_Seq] = collections.deque()
@@ -148,6 +151,12 @@ class Engine:
         self._arrivals = 0
         self._stop = False
         self._ahead: _Ahead | None = None  # a decode step launched before the last one's tokens were read
+        self._offers: list[tuple[bytes, bytes, list[int], int]] = []  # full blocks for the store, this step
+        self.restore_costs = RestoreCosts()
+        self._rates = store.dir / "rates.json" if store is not None else None
+        if self._rates is not None:
+            self.restore_costs.load(self._rates)
+        self._rates_saved: float | None = None  # the first rate measured is written at once
         self.ahead_steps = self.ahead_rows_dropped = 0  # run-ahead steps launched, and rows of them recomputed
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
         self._thread = self.watch.thread("ember-engine", self._run, on_death=self._died, stopping=lambda: self._stop)
@@ -243,7 +252,13 @@ class Engine:
                 self.waiting.clear()
             self.last_progress = time.monotonic()
             self._update_gauges()
+            if self._rates is not None and self.store.writable and self.restore_costs.prefill_tps is not None and (
+                    self._rates_saved is None or self.last_progress - self._rates_saved > RATES_SAVE_SECONDS):
+                self._rates_saved = self.last_progress
+                self.restore_costs.save(self._rates)
         self._drop_ahead()
+        if self._rates is not None and self.store.writable:
+            self.restore_costs.save(self._rates)
         for s in list(self.running) + list(self.waiting):
             self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
 
@@ -279,6 +294,12 @@ class Engine:
                 self._stop = True  # nothing more can run in this process
 
     def _step(self) -> None:
+        try:
+            self._step_once()
+        finally:
+            self._flush_offers()
+
+    def _step_once(self) -> None:
         self._reap_cancelled()
         self._admit()
         self._progress_restores()
@@ -294,6 +315,7 @@ class Engine:
             chunks, members = self._plan()
             if not chunks:
                 return
+            t0 = time.monotonic()
             pending = self._launch(chunks, members)
             rows = list(range(len(chunks)))
         # launch the next decode step before reading this one's tokens (they are fed on the device):
@@ -312,6 +334,8 @@ class Engine:
             nxt.fed_from(outputs)
         self._ahead = nxt
         now = time.monotonic()
+        if ahead is None:  # a planned step: its prefill tokens measure the device's prefill rate
+            self.restore_costs.observe_prefill(sum(len(c.tokens) for c in chunks if len(c.tokens) > 1), now - t0)
         for chunk, seq, out in zip(chunks, members, outputs):
             if out is _FAILED:
                 continue
@@ -416,7 +440,7 @@ class Engine:
                 continue
             reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
             blocks, hashes = self.pool.match(s.tokens, reuse)  # retained: each path below hands them on
-            stored = self._stored(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else 0
+            stored = self._stored(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else []
             need = -(-(len(s.tokens) + 1) // bs) - len(blocks)
             if need > self.pool.available:
                 self.pool.release(blocks)
@@ -431,21 +455,34 @@ class Engine:
             s.n_offered = max(s.n_offered, s.n_registered)  # matched blocks are known to the store
             s.last_keepalive = time.monotonic()
             self.running.append(s)
-            if stored:
-                s.restore_blocks = self.pool.allocate(stored)
-                s.restoring = self.store.restore(hashes[len(blocks) : len(blocks) + stored])
+            if stored and self._worth_restoring(s, stored):
+                s.restore_blocks = self.pool.allocate(len(stored))
+                s.restoring = self.store.restore(hashes[len(blocks) : len(blocks) + len(stored)])
+                s.restoring.tiers = stored
                 s.restore_used = 0
             else:
                 self._begin(s)
 
-    def _stored(self, hashes: list[bytes]) -> int:
-        """How many of `hashes` the KV store can supply. It never raises: a store that fails (an I/O
-        error it did not absorb, a bug) answers none, and the prompt is computed."""
+    def _stored(self, hashes: list[bytes]) -> list[str]:
+        """Where the KV store holds the leading `hashes` ("host" or "disk"). It never raises: a store
+        that fails (an I/O error it did not absorb, a bug) answers none, and the prompt is computed."""
         try:
-            return self.store.available(hashes)
+            return self.store.where(hashes)
         except Exception as e:
             log("kv_lookup_error", level="warning", error=f"{type(e).__name__}: {e}")
-            return 0
+            return []
+
+    def _worth_restoring(self, s: _Seq, tiers: list[str]) -> bool:
+        """Restore the stored blocks, or compute them again: whichever this worker measured faster."""
+        host = tiers.count("host") * self.store.block_bytes
+        c = self.restore_costs.choose(len(tiers) * self.backend.block_size, host,
+                                      len(tiers) * self.store.block_bytes - host)
+        self.metrics.restore_choices.labels("restore" if c.restore else "recompute").inc()
+        log("kv_restore_choice", request_id=s.req.request_id, seq=s.number,
+            choice="restore" if c.restore else "recompute", blocks=len(tiers), host_blocks=tiers.count("host"),
+            restore_seconds=round(c.restore_seconds, 4),
+            compute_seconds=None if c.compute_seconds is None else round(c.compute_seconds, 4))
+        return c.restore
 
     def _take_grammar(self, s: _Seq) -> bool:
         """Resolve the head's grammar: False while it still compiles (waiting briefly only when
@@ -486,29 +523,40 @@ class Engine:
             if not job.done.is_set() and self.running and all(r.restoring is not None for r in self.running):
                 job.done.wait(0.05)  # nothing else to run: do not spin
             results = list(job.results)
-            while s.restore_used < len(results):
-                payload = results[s.restore_used]
+            # the payloads read so far, in chain order, up to the first miss; while other streams
+            # decode, a step loads a bounded share, so a long restore never stalls them
+            most = len(results) if len(self.running) == 1 else max(1, RESTORE_BYTES_PER_STEP // self.store.block_bytes)
+            ready = []
+            for payload in results[s.restore_used:s.restore_used + most]:
                 if payload is None:
                     break
-                block, h = s.restore_blocks[s.restore_used], job.hashes[s.restore_used]
-                self.backend.write_block(block, payload)
-                canonical = self.pool.register(block, h)
-                if canonical != block:
-                    self.pool._retain(canonical)
-                    self.pool.release([block])
-                    block = canonical
-                s.blocks.append(block)
-                s.restore_used += 1
-                s.n_computed += self.backend.block_size
-                s.n_registered += 1
+                ready.append(payload)
+            if ready:  # into the pool in one batch: the backend copies them without a host wait
+                first = s.restore_used
+                self.backend.load_blocks(s.restore_blocks[first:first + len(ready)], ready)
+                for k in range(first, first + len(ready)):
+                    block, h = s.restore_blocks[k], job.hashes[k]
+                    canonical = self.pool.register(block, h)
+                    if canonical != block:
+                        self.pool._retain(canonical)
+                        self.pool.release([block])
+                        block = canonical
+                    s.blocks.append(block)
+                s.restore_used += len(ready)
+                s.n_computed += len(ready) * self.backend.block_size
+                s.n_registered += len(ready)
                 s.n_offered = s.n_registered
             finished = job.done.is_set() and (s.restore_used == len(job.results) or
                                               job.results[s.restore_used] is None)
             if finished:
                 self.pool.release(s.restore_blocks[s.restore_used :])
+                seconds = time.monotonic() - job.started
+                tiers = job.tiers[: s.restore_used]
+                if s.restore_used:
+                    self.restore_costs.observe_restore("disk" if "disk" in tiers else "host",
+                                                       s.restore_used * self.store.block_bytes, seconds)
                 log("kv_restore", request_id=s.req.request_id, seq=s.number, blocks=s.restore_used,
-                    tokens=s.restore_used * self.backend.block_size,
-                    seconds=round(time.monotonic() - job.started, 3))
+                    tokens=s.restore_used * self.backend.block_size, seconds=round(seconds, 3))
                 s.restoring, s.restore_blocks = None, []
                 self._begin(s)
 
@@ -559,6 +607,7 @@ class Engine:
         """Free a sequence's blocks and requeue it first; its full blocks stay in the prefix cache,
         so resuming mostly re-matches them instead of recomputing."""
         self._register_full_blocks(s)
+        self._flush_offers()  # copied off before the pool may hand its blocks out again
         self.pool.release(s.blocks)
         s.blocks, s.n_computed, s.n_registered = [], 0, 0
         self.running.remove(s)
@@ -585,12 +634,37 @@ class Engine:
             self._offer(s)
 
     def _offer(self, s: _Seq) -> None:
-        """Hand newly registered full blocks to the KV store (a copy: the block may be reused)."""
+        """Queue newly registered full blocks for the KV store; _flush_offers copies them."""
         bs = self.backend.block_size
         for i in range(s.n_offered, s.n_registered):
             parent = s.hashes[i - 1] if i else ROOT_HASH
-            self.store.offer(s.hashes[i], parent, s.tokens[i * bs : (i + 1) * bs], self.backend.read_block(s.blocks[i]))
+            self._offers.append((s.hashes[i], parent, s.tokens[i * bs : (i + 1) * bs], s.blocks[i]))
         s.n_offered = s.n_registered
+
+    def _flush_offers(self) -> None:
+        """The step's offered blocks off the device in one batch (save_blocks never makes the engine
+        wait), before any of them can be released and written again. Those the store does not want
+        (known already, or its writer is behind) are never copied."""
+        offers, self._offers = self._offers, []
+        if not offers or self.store is None or self.poisoned is not None:
+            return
+        wanted = set(self.store.accept([(h, parent) for h, parent, _, _ in offers]))
+        batch = []
+        for h, parent, tokens, block in offers:
+            if h in wanted:
+                wanted.discard(h)
+                batch.append((h, parent, tokens, block))
+        if not batch:
+            return
+        try:
+            copy = self.backend.save_blocks([block for _, _, _, block in batch])
+        except ContextPoisoned:
+            self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], None)
+            raise
+        except Exception as e:  # persistence is best effort: the request goes on
+            log("kv_offer_error", level="warning", error=f"{type(e).__name__}: {e}")
+            copy = None
+        self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], copy)
 
     def _after_forward(self, s: _Seq, chunk: SeqChunk, logits: np.ndarray | None, now: float) -> None:
         s.n_computed += len(chunk.tokens)
@@ -715,6 +789,7 @@ class Engine:
             self._register_full_blocks(s)
             if self.store is not None and self.store.persist == "finished":
                 self._offer(s)
+            self._flush_offers()  # copied off before the pool may hand its blocks out again
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)

@@ -50,16 +50,23 @@ def salt_digest(salt: bytes) -> bytes:
 
 
 def encode(block_hash: bytes, parent_hash: bytes, salt: bytes, tokens, payload: np.ndarray) -> bytes:
+    return b"".join(encode_parts(block_hash, parent_hash, salt, tokens, payload))
+
+
+def encode_parts(block_hash: bytes, parent_hash: bytes, salt: bytes, tokens, payload: np.ndarray
+                 ) -> tuple[bytes, bytes, memoryview]:
+    """The file as (magic + header, token ids, payload): the payload is not copied (os.writev
+    writes the three as one file)."""
     payload = np.ascontiguousarray(payload)
     code = _CODES[payload.dtype.newbyteorder("<") if payload.dtype.byteorder == ">" else payload.dtype]
     shape = tuple(payload.shape) + (1,) * (5 - payload.ndim)
-    raw = payload.tobytes()
+    raw = memoryview(payload).cast("B")
     toks = np.asarray(tokens, dtype="<i4").tobytes()
-    fields = (FORMAT_VERSION, len(tokens), code, *shape, len(raw), block_hash, parent_hash, salt_digest(salt),
+    fields = (FORMAT_VERSION, len(tokens), code, *shape, raw.nbytes, block_hash, parent_hash, salt_digest(salt),
               xxhash.xxh3_64_intdigest(raw))
     head = _HEADER.pack(*fields, 0)
     check = xxhash.xxh3_64_intdigest(MAGIC + head[: -8] + toks)
-    return MAGIC + _HEADER.pack(*fields, check) + toks + raw
+    return MAGIC + _HEADER.pack(*fields, check), toks, raw
 
 
 def read_header(data: bytes, *, salt: bytes) -> tuple[BlockHeader, list[int]]:

@@ -1,12 +1,18 @@
 """KV blocks beyond the compute device: a bounded host-RAM tier and content-addressed files.
 
-Full blocks reach the host tier as soon as they are complete (on CUDA a poisoned context can no
-longer be read, so this is where they must already be), and a background writer persists them
-atomically (temp file, fsync, rename). A restarted worker finds its blocks by name: the path is
-derived from the chain hash, so lookups need no index. The index, built by a background scan of
-headers only, orders this store's files for eviction (LRU, leaves of a chain first). The
-directory itself, the disk budget shared with every other store on the KV dir, and quarantine
-are kvdir's.
+Full blocks leave the device as soon as they are complete (on CUDA a poisoned context can no
+longer be read), in batches: the engine offers a step's blocks with the backend's BlockCopy, and
+the writer thread waits for it, writes the files of the batch together (temp files, then the
+renames and the ledger under one lock) and, for payloads it may keep (the numpy backend's), puts
+them in the host tier; the CUDA backend's payloads are written straight from its pinned slabs.
+Nothing here makes the engine wait: a writer that is behind (its backlog past the host budget)
+drops blocks, counted in `write_drops`, and never keeps a block whose parent it dropped. The files
+are not fsynced one by one: a file a power loss truncates or garbles fails its checksum and is
+quarantined, and its block is computed again; a KV block is a cache. A restarted worker finds its
+blocks by name: the path is derived from the chain hash, so lookups need no index. The index, built
+by a background scan of headers only, orders this store's files for eviction (LRU, leaves of a
+chain first). The directory itself, the disk budget shared with every other store on the KV dir,
+and quarantine are kvdir's.
 
 Nothing on disk can hurt the worker: every read is checked (see blockfile), a bad file is moved
 to quarantine, logged once, and treated as a miss, and an I/O error is a miss too, so the request
@@ -25,14 +31,42 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..logs import log
+from ..threads import ThreadWatch
 from . import blockfile
 from .kvdir import KVDir, layout_key
-from ..threads import ThreadWatch
+
+
+ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
+
+
+class _Landed:
+    """Payloads already on the host, offered as a batch."""
+
+    owned = True
+
+    def __init__(self, payloads: np.ndarray):
+        self.payloads = payloads
+
+    def wait(self) -> np.ndarray:
+        return self.payloads
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
+class _Batch:
+    """Offered blocks whose payloads `copy` brings to the host; `handled` once the writer is done
+    with them (written, put in the host tier, or dropped)."""
+
+    entries: list[tuple[bytes, bytes, list[int]]]
+    copy: Any
+    handled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -58,6 +92,7 @@ class RestoreJob:
     results: list[np.ndarray | None] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
+    tiers: list[str] = field(default_factory=list)  # where each block was when the restore was chosen
 
 
 class KVStore:
@@ -69,6 +104,7 @@ class KVStore:
         model_key: str,
         block_shape: tuple[int, ...],
         block_tokens: int,
+        block_dtype=np.float32,
         chain_hash: Callable[[bytes, list[int], bytes], bytes],
         persist: str = "all",
         disk_budget: int,
@@ -81,7 +117,8 @@ class KVStore:
         self.chain_hash = chain_hash
         self.persist = persist
         self.disk_budget, self.host_budget = disk_budget, host_budget
-        self.block_bytes = int(np.prod(block_shape)) * 4
+        self.block_dtype = np.dtype(block_dtype)
+        self.block_bytes = int(np.prod(block_shape)) * self.block_dtype.itemsize
         self.stats = StoreStats()
         self.watch = watch if watch is not None else ThreadWatch()
         self.writable = persist != "off"
@@ -89,6 +126,7 @@ class KVStore:
         self._host: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._index: dict[bytes, tuple[int, float]] = {}  # hash -> (file size, last used)
         self._busy: set[bytes] = set()  # being read or written: never evicted
+        self._landing: dict[bytes, _Batch] = {}  # offered, not yet handled by the writer
         self._writes: queue.Queue = queue.Queue()
         self._pending_write_bytes = 0
         self._reads: queue.Queue = queue.Queue()
@@ -117,31 +155,67 @@ class KVStore:
         return self.dir / x[:2] / f"{x}.kv"
 
     def offer(self, h: bytes, parent: bytes, tokens: list[int], payload: np.ndarray) -> None:
-        """A completed block (payload already copied off the device). Never blocks."""
+        """One completed block whose payload is already on the host."""
+        if self.accept([(h, parent)]):
+            self.offer_batch([(h, parent, list(tokens))], _Landed(payload[None]))
+
+    def accept(self, blocks: list[tuple[bytes, bytes]]) -> list[bytes]:
+        """Which of a step's completed blocks (hash, parent) to copy off the device (engine thread,
+        never blocks): those neither stored nor on their way already, as far as the writer's backlog
+        has room; the rest of the new ones are dropped (counted). A block whose parent is neither
+        kept nor root is dropped too: a chain is only restored from its root, so its descendants
+        would be written for nothing. The accepted are reserved until offer_batch."""
         with self._lock:
-            self._host[h] = payload
-            self._host.move_to_end(h)
-            while len(self._host) * self.block_bytes > self.host_budget and self._host:
-                self._host.popitem(last=False)
-            if not self.writable or h in self._index or h in self._busy:
+            if self._writer_dead:
+                return []
+            room = max(0, (self.host_budget - self._pending_write_bytes) // self.block_bytes)
+            take: list[bytes] = []
+            drops = 0
+            for h, parent in blocks:
+                if h in self._busy or h in self._host or (h in self._index and self.writable) or h in take:
+                    continue
+                linked = (parent == ROOT or parent in self._busy or parent in self._host or parent in self._index
+                          or parent in take)
+                if len(take) < room and linked:
+                    take.append(h)
+                else:
+                    drops += 1  # the writer is behind: skip rather than stall
+            self.stats.write_drops += drops
+            self._busy.update(take)
+            self._pending_write_bytes += len(take) * self.block_bytes
+            return take
+
+    def offer_batch(self, entries: list[tuple[bytes, bytes, list[int]]], copy: Any) -> None:
+        """Accepted blocks (hash, parent, token ids) whose payloads `copy` brings to the host, in
+        order (a BlockCopy; None: the backend had no room, so they are dropped). Never blocks."""
+        if not entries:
+            return
+        with self._lock:
+            if copy is None or self._writer_dead:
+                self.stats.write_drops += len(entries)
+                self._busy.difference_update(h for h, _, _ in entries)
+                self._pending_write_bytes -= len(entries) * self.block_bytes
                 return
-            if self._pending_write_bytes + self.block_bytes > self.host_budget:
-                self.stats.write_drops += 1  # the disk is behind: skip rather than stall the engine
-                return
-            self._busy.add(h)
-            self._pending_write_bytes += self.block_bytes
-            self._writes.put((h, parent, list(tokens), payload))  # under the lock: see _writer_died
+            batch = _Batch(entries, copy)
+            for h, _, _ in entries:
+                self._landing[h] = batch
+            self._writes.put(batch)  # under the lock: see _writer_died
 
     def available(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, the host tier or the disk can supply (an I/O error
         ends the count: those blocks are computed instead)."""
+        return len(self.where(hashes))
+
+    def where(self, hashes: list[bytes]) -> list[str]:
+        """Where each of the leading `hashes` the store can supply is: "host" (RAM, or still landing
+        from the device) or "disk"; the list ends at the first it cannot."""
         if self._reader_dead:
-            return 0
-        n = 0
+            return []
+        out = []
         for h in hashes:
             with self._lock:
-                hit = h in self._host or h in self._index
-            if not hit:
+                tier = "host" if h in self._host or h in self._landing else "disk" if h in self._index else None
+            if tier is None:
                 path = self.path_for(h)
                 try:
                     if not path.exists():
@@ -149,8 +223,9 @@ class KVStore:
                 except OSError as e:
                     log("kv_read_error", level="warning", file=str(path), error=str(e))
                     break
-            n += 1
-        return n
+                tier = "disk"
+            out.append(tier)
+        return out
 
     def restore(self, hashes: list[bytes]) -> RestoreJob:
         job = RestoreJob(list(hashes))
@@ -164,7 +239,8 @@ class KVStore:
 
     @property
     def write_queue_depth(self) -> int:
-        return self._writes.qsize()
+        """Blocks offered and not yet handled by the writer (the persistence backlog)."""
+        return self._pending_write_bytes // self.block_bytes
 
     @property
     def disk_bytes(self) -> int:
@@ -213,18 +289,39 @@ class KVStore:
             try:
                 if item is None:
                     return
-                h, parent, tokens, payload = item
+                entries, copy = item.entries, item.copy
                 try:
                     if watch.doomed:
                         watch.checkpoint()
-                    if self.writable:
-                        self._write(h, parent, tokens, payload)
+                    payloads = copy.wait()
+                    if payloads is not None and copy.owned:  # views of device slabs stay out of RAM
+                        self._land(entries, payloads)
+                    if self.writable and payloads is not None:
+                        self._write_batch([(h, parent, tokens, payloads[row])
+                                           for row, (h, parent, tokens) in enumerate(entries)
+                                           if h not in self._index])
                 finally:
-                    with self._lock:
-                        self._busy.discard(h)
-                        self._pending_write_bytes -= self.block_bytes
+                    copy.release()
+                    self._settle_entries(entries)
+                    item.handled.set()
             finally:
                 self._writes.task_done()
+
+    def _land(self, entries: list, payloads: np.ndarray | None) -> None:
+        """The batch is on the host: into the host tier (LRU within the host budget)."""
+        with self._lock:
+            for row, (h, _, _) in enumerate(entries):
+                self._host[h] = payloads[row]
+                self._host.move_to_end(h)
+            while len(self._host) * self.block_bytes > self.host_budget and self._host:
+                self._host.popitem(last=False)
+
+    def _settle_entries(self, entries: list) -> None:
+        with self._lock:
+            for h, _, _ in entries:
+                self._landing.pop(h, None)
+                self._busy.discard(h)
+            self._pending_write_bytes -= len(entries) * self.block_bytes
 
     def _writer_died(self, e: BaseException) -> None:
         """Nothing will be written any more: stop queueing, and release what was queued."""
@@ -238,37 +335,50 @@ class KVStore:
             except queue.Empty:
                 return
             if item is not None:
-                with self._lock:
-                    self._busy.discard(item[0])
-                    self._pending_write_bytes -= self.block_bytes
+                item.copy.release()
+                self._settle_entries(item.entries)
+                item.handled.set()
             self._writes.task_done()
 
-    def _write(self, h: bytes, parent: bytes, tokens: list[int], payload: np.ndarray) -> None:
-        data = blockfile.encode(h, parent, self.salt, tokens, payload)
-        path = self.path_for(h)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    def _write_batch(self, blocks: list[tuple[bytes, bytes, list[int], np.ndarray]]) -> None:
+        """Files for a batch of blocks: each written to a temp file, then all renamed into place and
+        counted in the ledger under one hold of the KV dir's lock (one budget check a batch)."""
+        if not blocks:
+            return
+        staged = []
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            with self.kvdir.lock():  # the rename and the ledger change together, for every process
-                existed = path.exists()
-                os.replace(tmp, path)
-                if not existed:
-                    self.kvdir.add(len(data))
-                with self._lock:
-                    self._index[h] = (len(data), time.time())
-                    self.stats.writes += 1
-                    self.stats.write_bytes += len(data)
-                doomed = self._fit_budget(written=h)
+            for h, parent, tokens, payload in blocks:
+                parts = blockfile.encode_parts(h, parent, self.salt, tokens, payload)
+                size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+                path = self.path_for(h)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    if os.writev(fd, parts) != size:
+                        raise OSError(errno.EIO, f"short write of {tmp}")
+                finally:
+                    os.close(fd)
+                staged.append((h, path, tmp, size))
+            with self.kvdir.lock():  # the renames and the ledger change together, for every process
+                added = 0
+                for h, path, tmp, size in staged:
+                    existed = path.exists()
+                    os.replace(tmp, path)
+                    added += 0 if existed else size
+                    with self._lock:
+                        self._index[h] = (size, time.time())
+                        self.stats.writes += 1
+                        self.stats.write_bytes += size
+                if added:
+                    self.kvdir.add(added)
+                doomed = self._fit_budget(written=staged[-1][0])
         except OSError as e:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            for _, _, tmp, _ in staged:
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
             self._degrade(e)
             return
         _remove_dirs(doomed)
@@ -326,8 +436,15 @@ class KVStore:
     def _read_one(self, h: bytes) -> np.ndarray | None:
         with self._lock:
             payload = self._host.get(h)
+            landing = self._landing.get(h)
         if payload is not None:
             return payload
+        if landing is not None:  # offered moments ago: read it once the writer is done with it
+            landing.handled.wait()
+            with self._lock:
+                payload = self._host.get(h)
+            if payload is not None:
+                return payload
         path = self.path_for(h)
         try:
             data = path.read_bytes()
@@ -338,7 +455,7 @@ class KVStore:
             return None
         try:
             return blockfile.decode(data, salt=self.salt, expect_hash=h, shape=self.block_shape,
-                                    chain_hash=self.chain_hash)
+                                    dtype=self.block_dtype, chain_hash=self.chain_hash)
         except blockfile.BadBlockFile as e:
             self._quarantine(path, str(e))
             return None

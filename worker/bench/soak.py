@@ -1,0 +1,348 @@
+"""`ember bench soak`: agent-shaped churn against real workers, phase by phase, in one run.
+
+Each phase starts a fresh worker with the same model and flags but the one under test, and its own
+empty KV dir: (1) baseline: the decoders alone; (2) churn with `--kv-persist off`; (3) churn with
+the default persistence; (4) unless `--no-kill`: churn with persistence, a kill -9 mid-churn and a
+restart on the same KV dir, then a long conversation's warm admit timed against its cold prefill
+on the first worker, and the churn again. The traffic itself is soak_load.py; the figures, the
+checks and the tables are soak_report.py.
+
+Checked (the exit status): greedy outputs equal before and after the churn on the same worker,
+and across phases; exactly one outcome per request in the worker's log, `completed` for what the
+client saw complete and `canceled` for what it abandoned; nothing failed; a kill -9 loses only the
+requests in flight, the restarted worker restores conversations from disk and answers the long
+one as the cold worker did. Reported, never asserted: requests/s, TTFT and inter-token latency by
+request class, decode tok/s per stream, cached-token share, persistence backlog, writes and drops,
+and the ratios the issue's targets name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from .replay import _wait_writes
+from .soak_load import (
+    COMPLETED,
+    LOST,
+    Churner,
+    Decoder,
+    Engine,
+    RateEstimate,
+    Record,
+    Shape,
+    Vocab,
+    prime,
+    run_window,
+    stream,
+)
+from .soak_report import Phase, build_report, read_events, render, rnd
+from .workerproc import WorkerProcess
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Defaults of the flags, for one kind of machine."""
+
+    shape: Shape
+    duration: float
+    warmup: float
+    long: int
+    greedy: tuple[int, ...]
+    greedy_tokens: int
+    kv_mem: str | None = None  # worker flags; None: the worker's own default
+    prefill_chunk: int | None = None
+
+
+SCALES = {
+    # the issue's load on an H200: 150 s a phase, three churners with 4k-16k suffixes, two decoders
+    "full": Scale(Shape(churners=3, decoders=2, conversation=8192, suffix=(4096, 16384), warm_suffix=(32, 512),
+                        answer=32, decode_prompt=256, decode_tokens=256, abandon=0.5, truncate_share=0.5),
+                  duration=150.0, warmup=10.0, long=16384, greedy=(64, 1024, 4096), greedy_tokens=32),
+    # CI on two shared CPU cores with the numpy backend: small prefill chunks, so abandons land mid-prefill
+    "small": Scale(Shape(churners=2, decoders=1, conversation=96, suffix=(64, 160), warm_suffix=(8, 24),
+                         answer=3, decode_prompt=16, decode_tokens=8, abandon=0.5, truncate_share=0.5),
+                   duration=3.0, warmup=0.0, long=192, greedy=(16, 40), greedy_tokens=4, kv_mem="64MiB",
+                   prefill_chunk=32),
+}
+
+
+@dataclass
+class Soak:
+    shape: Shape
+    duration: float
+    warmup: float  # seconds of the same traffic before each phase's measured window (compiles, captures)
+    long: int  # tokens of the conversation timed warm after the restart against cold
+    kill: bool
+    seed: int
+    greedy: tuple[int, ...]  # prompt lengths of the greedy identity set
+    greedy_tokens: int
+    worker_args: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+class _Run:
+    """One soak: the phases against workers started here, in `workdir`."""
+
+    def __init__(self, soak: Soak, workdir: Path, say):
+        self.soak, self.workdir, self.say = soak, workdir, say
+        self.engine: Engine | None = None
+        self.vocab = Vocab([], [])
+        self.greedy_prompts: list[list[int]] = []
+        self.long_prompt: list[int] = []
+        self.first_prompt: list[int] = []
+
+    def start(self, phase: Phase, kv: Path) -> WorkerProcess:
+        log = self.workdir / phase.name / f"worker-{len(phase.logs) + 1}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        phase.logs.append(log)
+        phase.setup.append([])
+        w = WorkerProcess(*self.soak.worker_args, "--kv-dir", str(kv), *phase.flags, log_path=log).start()
+        if self.engine is None:
+            self._learn(w.url)
+        return w
+
+    def _learn(self, url: str) -> None:
+        """Token ids and sizes from the first worker; later phases reuse them, so prompts are equal."""
+        self.engine, self.vocab = Engine.of(url), Vocab.of(url)
+        s, sh, ctx = self.soak, self.soak.shape, self.engine.context
+        most = ctx - sh.answer * 8 - 64  # a suffix leaves room for a cut and an abandon's answer
+        s.shape = replace(sh, conversation=min(sh.conversation, ctx // 2),
+                          suffix=(min(sh.suffix[0], most), min(sh.suffix[1], most)),
+                          decode_tokens=min(sh.decode_tokens, ctx - sh.decode_prompt - 1))
+        for k in ("conversation", "suffix", "decode_tokens"):
+            if getattr(s.shape, k) != getattr(sh, k):
+                s.notes.append(f"{k} {getattr(sh, k)} -> {getattr(s.shape, k)}: the worker's context is {ctx}")
+        rng = random.Random(f"{s.seed}-prompts")
+        room = ctx - max(s.greedy_tokens, sh.answer) - 1
+        self.greedy_prompts = [self.vocab.bos + self.vocab.random(rng, min(n, room)) for n in s.greedy]
+        self.long_prompt = self.vocab.bos + self.vocab.random(rng, min(s.long, room - 16))
+        self.first_prompt = self.vocab.bos + self.vocab.random(rng, 16)  # a restarted worker's first request
+        if len(self.long_prompt) < s.long:
+            s.notes.append(f"long conversation {s.long} -> {len(self.long_prompt)} tokens: the worker's context "
+                           f"is {ctx}")
+
+    def one(self, phase: Phase, url: str, prompt: list[int], max_tokens: int, cls: str) -> tuple[Record, str]:
+        async def go():
+            async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=10)) as http:
+                rec = Record(cls, "setup", time.monotonic(), prompt)
+                return rec, await stream(http, url, rec, max_tokens)
+
+        rec, text = asyncio.run(go())
+        phase.setup[-1].append(rec)
+        if rec.outcome != COMPLETED:
+            raise RuntimeError(f"{phase.name}: a {cls} request ended {rec.outcome}: {rec.error}")
+        return rec, text
+
+    def greedy(self, phase: Phase, url: str) -> list[str]:
+        return [self.one(phase, url, p, self.soak.greedy_tokens, "greedy")[1] for p in self.greedy_prompts]
+
+    def ready(self, phase: Phase, url: str, churn: bool) -> tuple[list[Churner | Decoder], RateEstimate]:
+        """The phase's clients, their conversations primed and written, after the warm-up traffic
+        (whose requests are checked in the log like the rest, and counted in no figure)."""
+        sh, seed, engine = self.soak.shape, self.soak.seed, self.engine
+        assert engine is not None
+        churners = [Churner(i, sh, self.vocab, engine, seed) for i in range(sh.churners if churn else 0)]
+        clients: list[Churner | Decoder] = [*churners, *(Decoder(i, sh, self.vocab, engine, seed)
+                                                         for i in range(sh.decoders))]
+        recs = asyncio.run(prime(url, churners))
+        phase.setup[-1].extend(recs)
+        bad = [r for r in recs if r.outcome != COMPLETED]
+        if bad:
+            raise RuntimeError(f"{phase.name}: priming a conversation ended {bad[0].outcome}: {bad[0].error}")
+        _wait_writes(url)
+        # the fastest of the conversations primed together: prefill shares steps with the others
+        rate = RateEstimate(max((r.prompt_tokens / r.ttft for r in recs if r.ttft), default=1000.0))
+        if self.soak.warmup > 0:
+            phase.setup[-1].extend(asyncio.run(run_window(url, clients, self.soak.warmup, rate)).records)
+            _wait_idle(url)
+        return clients, rate
+
+    def _said(self, phase: Phase, clients: list[Churner | Decoder], what: str) -> None:
+        churners = sum(isinstance(c, Churner) for c in clients)
+        self.say(f"{phase.name}: {churners} churners and {len(clients) - churners} decoders {what}")
+
+    def phase(self, name: str, flags: list[str], churn: bool) -> Phase:
+        ph = Phase(name, flags)
+        self.say(f"{name}: starting the worker ({' '.join(flags) or 'default persistence'})")
+        w = self.start(ph, self.workdir / name / "kv")
+        try:
+            ph.greedy_before = self.greedy(ph, w.url)
+            clients, rate = self.ready(ph, w.url, churn)
+            self._said(ph, clients, f"for {self.soak.duration:g} s")
+            ph.windows.append(asyncio.run(run_window(w.url, clients, self.soak.duration, rate)))
+            _wait_idle(w.url)
+            ph.greedy_after = self.greedy(ph, w.url)
+        finally:
+            w.kill(signal.SIGTERM)
+        return ph
+
+    def kill_phase(self) -> Phase:
+        ph = Phase("kill_restart", [])
+        kv = self.workdir / ph.name / "kv"
+        s = self.soak
+        self.say(f"{ph.name}: starting the worker; the long conversation ({len(self.long_prompt)} tokens) cold")
+        w = self.start(ph, kv)
+        try:
+            ph.greedy_before = self.greedy(ph, w.url)
+            cold, cold_text = self.one(ph, w.url, self.long_prompt, s.shape.answer, "long")
+            clients, rate = self.ready(ph, w.url, True)
+            self._said(ph, clients, f"for {s.duration / 2:g} s, then kill -9")
+            rc: list[int | None] = []
+            ph.windows.append(asyncio.run(run_window(w.url, clients, s.duration / 2, rate,
+                                                     kill=lambda: rc.append(w.kill()))))
+        finally:
+            w.kill()
+        self.say(f"{ph.name}: restarting on the same KV dir; the long conversation warm")
+        w = self.start(ph, kv)
+        try:
+            # the process's own first-request costs apart, as the cold worker had them behind it too
+            self.one(ph, w.url, self.first_prompt, 2, "setup")
+            warm, warm_text = self.one(ph, w.url, self.long_prompt, s.shape.answer, "long")
+            for c in clients:
+                if isinstance(c, Churner):
+                    c.resume = True
+            ph.windows.append(asyncio.run(run_window(w.url, clients, s.duration / 2, rate)))
+            _wait_idle(w.url)
+            ph.greedy_after = self.greedy(ph, w.url)
+        finally:
+            w.kill(signal.SIGTERM)
+        # restore or recompute, where the worker says which it chose (it may recompute when that is faster)
+        choice = {e.get("request_id"): e.get("choice") for e in read_events(ph.logs[1:])
+                  if e["event"] == "kv_restore_choice"}
+        ph.kill = {
+            "killed_exit": rc[0] if rc else None,  # -9 when the kill found the worker alive
+            "in_flight_lost": sum(r.outcome == LOST for r in ph.windows[0].records),
+            "completed_before_kill": sum(r.outcome == COMPLETED for r in ph.windows[0].records),
+            "backlog_at_kill": ph.windows[0].stats_last.get("ember_kv_write_queue_depth"),
+            "long_tokens": cold.prompt_tokens,
+            "long_cold_ttft_s": rnd(cold.ttft), "long_warm_ttft_s": rnd(warm.ttft),
+            "long_speedup": rnd(cold.ttft / warm.ttft if cold.ttft and warm.ttft else None, 2),
+            "long_warm_cached_tokens": warm.cached,
+            "long_restore_choice": choice.get(warm.rid),
+            "long_identical": warm_text == cold_text,
+            "resumed": [{"client": r.client, "prompt_tokens": r.prompt_tokens, "cached": r.cached,
+                         "expected_cached": r.expect_cached, "restore_choice": choice.get(r.rid)}
+                        for r in ph.windows[1].records if r.resume and r.outcome == COMPLETED],
+        }
+        return ph
+
+
+def _wait_idle(url: str, timeout: float = 120) -> None:
+    """Until the engine runs and holds nothing: abandoned requests are settled and logged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        e = httpx.get(f"{url}/v1/stats", timeout=10).json()["engine"]
+        if e["running"] == 0 and e["waiting"] == 0:
+            return
+        time.sleep(0.05)
+
+
+def run_soak(soak: Soak, workdir: Path, say=lambda msg: None) -> dict:
+    """Every phase, the checks and the comparisons, as one JSON-able report."""
+    run = _Run(soak, workdir, say)
+    phases = [run.phase("baseline", [], churn=False), run.phase("persist_off", ["--kv-persist", "off"], churn=True),
+              run.phase("persist_on", [], churn=True)]
+    if soak.kill:
+        phases.append(run.kill_phase())
+    settings = {"duration_s": soak.duration, **{k: getattr(soak.shape, k) for k in Shape.__dataclass_fields__},
+                "long": len(run.long_prompt), "kill": soak.kill, "seed": soak.seed, "worker_args": soak.worker_args,
+                **({"model": run.engine.model, "backend": run.engine.backend, "context": run.engine.context}
+                   if run.engine else {})}
+    return build_report(phases, settings, soak.notes)
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MIN-MAX tokens, 0 < MIN <= MAX")
+    return a, b
+
+
+def add_soak_parser(bsub) -> None:
+    p = bsub.add_parser("soak", help="agent-shaped churn against real workers: baseline, persistence off and on, "
+                                     "kill -9 and restart; latency by request class and greedy identity")
+    p.add_argument("--scale", choices=tuple(SCALES), default="full",
+                   help="defaults for the flags below: full (the issue's H200 load, default) or small (CPU, CI)")
+    p.add_argument("--duration", type=float, help="seconds of measured traffic a phase (full 150, small 3)")
+    p.add_argument("--warmup", type=float, help="seconds of the same traffic before each phase's measured window, "
+                                                "counted in no figure (full 10, small 0)")
+    p.add_argument("--churners", type=int, help="clients warm-admitting, truncating and abandoning (full 3)")
+    p.add_argument("--decoders", type=int, help="streams decoding long answers back to back (full 2)")
+    p.add_argument("--conversation", type=int, help="tokens of each churner's conversation at start (full 8192)")
+    p.add_argument("--suffix", type=_range, metavar="MIN-MAX", help="a truncation's new tokens (full 4096-16384)")
+    p.add_argument("--warm-suffix", type=_range, metavar="MIN-MAX", help="a warm admit's new tokens (full 32-512)")
+    p.add_argument("--answer", type=int, help="tokens a churner asks for (full 32)")
+    p.add_argument("--decode-tokens", type=int, help="tokens a decoder asks for (full 256)")
+    p.add_argument("--abandon", type=float, help="share of truncations abandoned mid-prefill (default 0.5)")
+    p.add_argument("--truncate-share", type=float, help="share of a churner's requests that truncate (default 0.5)")
+    p.add_argument("--long", type=int, help="tokens of the conversation timed warm after the restart against cold "
+                                            "(full 16384)")
+    p.add_argument("--no-kill", dest="kill", action="store_false", help="skip the kill -9 and restart phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", metavar="PATH", help="GGUF model (default: the embedded model)")
+    p.add_argument("--backend", choices=("numpy", "cuda"), help="worker compute backend (default: the worker's)")
+    p.add_argument("--prefill-chunk", type=int, help="worker --prefill-chunk (default: the worker's; small 32)")
+    p.add_argument("--kv-mem", help="worker --kv-mem (default: the worker's; small 64MiB)")
+    p.add_argument("--ctx", type=int, help="worker --ctx (default: the worker's)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARGS",
+                   help="more worker flags, repeatable: --worker-arg '--max-seqs 16'")
+    p.add_argument("--workdir", type=Path, help="keep the workers' logs and KV dirs here (default: a temporary dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=cmd_soak)
+
+
+def soak_from_args(args: argparse.Namespace) -> Soak:
+    scale = SCALES[args.scale]
+    shape = replace(scale.shape, **{k: getattr(args, k) for k in Shape.__dataclass_fields__
+                                    if getattr(args, k, None) is not None})
+    wargs = ["--model", args.model] if args.model else []
+    for flag, v in (("--backend", args.backend), ("--prefill-chunk", args.prefill_chunk or scale.prefill_chunk),
+                    ("--kv-mem", args.kv_mem or scale.kv_mem), ("--ctx", args.ctx)):
+        if v is not None:
+            wargs += [flag, str(v)]
+    for extra in args.worker_arg:
+        wargs += shlex.split(extra)
+    warmup = scale.warmup if args.warmup is None else args.warmup
+    return Soak(shape, args.duration or scale.duration, warmup, args.long or scale.long, args.kill, args.seed,
+                scale.greedy, scale.greedy_tokens, wargs)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    soak = soak_from_args(args)
+    sh = soak.shape
+    if (soak.duration <= 0 or soak.warmup < 0 or sh.decoders < 0 or sh.churners < 1 or sh.answer < 1
+            or not 0 <= sh.abandon <= 1 or not 0 <= sh.truncate_share <= 1):
+        print("ember bench soak: want --duration > 0, --warmup >= 0, --churners >= 1, --answer >= 1, shares "
+              "within 0..1", file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"soak [{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        if args.workdir:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            report = run_soak(soak, args.workdir, say)
+        else:
+            with tempfile.TemporaryDirectory(prefix="ember-soak-") as tmp:
+                report = run_soak(soak, Path(tmp), say)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
+        print(f"ember bench soak: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report) if args.json else render(report))
+    return 0 if report["ok"] else 1

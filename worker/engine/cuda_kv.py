@@ -1,0 +1,174 @@
+"""KV blocks off and onto the GPU without holding up the compute stream: the CUDA backend's half of
+KV persistence and restores.
+
+save(blocks) gathers the blocks into a device staging area with one launch and copies them into a
+pinned host slab with one copy, both on a copy stream of its own that waits (an event, never the
+host) for the compute work queued so far. The compute stream waits for the gather before its next
+step, so a block that is reused later is never overwritten before it was read; the gather takes
+microseconds. The BlockCopy that save() returns is waited for on the KV writer's thread, which
+takes the payloads out of the slab and frees it. When every slab is taken, save() returns None and
+the caller drops those blocks from persistence rather than wait: the device's prefix cache still
+holds them, and a worker that persists less is better than one that stalls.
+
+load(blocks, payloads) is the reverse: the payloads are packed into a slab of its own, sent with
+one copy and scattered into the pools with one launch, on the same copy stream; the compute stream
+waits for it before its next step. The host waits only to reuse a load slab whose copy is still in
+flight.
+
+The payload layout is the KV store's: [n, 2 (K, V), layers, block_size, kv_heads, head_dim] in the
+KV dtype (float16 by default, half the bytes of the numpy backend's float32).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ember.kernels import ops
+from ember.kernels.cuda_runtime import Event, HostBuffer, Stream
+from ember.kernels.errors import StickyCudaError
+
+SLAB_BYTES = 32 << 20  # one slab moves at most this much (more blocks: several slabs)
+SLABS = 8  # pinned slabs for saves: the bound on KV in flight between the device and the KV writer
+LOAD_SLABS = 2  # and for loads, used in turn (a load waits only for the load before the last)
+
+
+class _Slab:
+    def __init__(self, nbytes: int, ids: int):
+        self.host = HostBuffer(nbytes)
+        self.ids = HostBuffer(ids * 4)
+        self.done = Event()
+
+
+class BlockCopy:
+    """Blocks on their way to the host. wait() (any thread) returns one view a block into the
+    pinned slabs, valid until release(), or None when the device failed meanwhile (the engine
+    reports a poisoned context on its own). Nothing is copied again on the host: the KV writer
+    writes the files straight from the slabs (a copy of tens of MB would hold the GIL, and so the
+    engine thread, for milliseconds)."""
+
+    owned = False  # the payloads are views: the store keeps no reference past release()
+
+    def __init__(self, transfer: "KVTransfer", parts: list[tuple[_Slab, int]]):
+        self._transfer, self._parts = transfer, parts
+        self._views: list[np.ndarray] | None = None
+        self._waited = False
+        self._lock = threading.Lock()
+
+    def wait(self) -> list[np.ndarray] | None:
+        with self._lock:
+            if not self._waited:
+                self._waited = True
+                t, views = self._transfer, []
+                try:
+                    t.dev.make_current()
+                    for slab, n in self._parts:
+                        slab.done.synchronize()
+                        views.extend(slab.host.array[: n * t.block_bytes].view(t.dtype).reshape(n, *t.block_shape))
+                    self._views = views
+                except StickyCudaError:
+                    self.release()
+            return self._views
+
+    def release(self) -> None:
+        """Give the slabs back (the payloads from wait() are gone after this)."""
+        with self._lock:
+            self._views = None
+            for slab, _ in self._parts:
+                self._transfer.release(slab)
+            self._parts = []
+
+
+class KVTransfer:
+    def __init__(self, dev, k_pool, v_pool, compute: Stream, *, layers: int, layer_elems: int, block_elems: int,
+                 block_shape: tuple[int, ...], dtype, slab_bytes: int = SLAB_BYTES, slabs: int = SLABS):
+        self.dev, self.k_pool, self.v_pool, self.compute = dev, k_pool, v_pool, compute
+        self.layers, self.layer_elems, self.block_elems = layers, layer_elems, block_elems
+        self.dtype = np.dtype(dtype)
+        self.block_shape = tuple(block_shape)  # one block's payload: [2, layers, block_size, kv_heads, head_dim]
+        self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        self.per_slab = max(1, slab_bytes // self.block_bytes)
+        self.stream = Stream()
+        self._staging = dev.empty((self.per_slab * self.block_bytes,), np.uint8)
+        self._ids = dev.empty((self.per_slab,), np.int32)
+        self._queued = Event()  # the compute work so far (recorded before each save or load)
+        self._moved = Event()  # the copy stream's last gather or scatter
+        self._lock = threading.Lock()
+        self._free = [_Slab(self.per_slab * self.block_bytes, self.per_slab) for _ in range(slabs)]
+        self._loads = [_Slab(self.per_slab * self.block_bytes, self.per_slab) for _ in range(LOAD_SLABS)]
+        self._next_load = 0
+
+    # -- slabs ----------------------------------------------------------------------------------------------
+
+    def _take(self) -> _Slab | None:
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, slab: _Slab) -> None:
+        with self._lock:
+            self._free.append(slab)
+
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free)
+
+    # -- the two directions ----------------------------------------------------------------------------------
+
+    def save(self, blocks: list[int]) -> BlockCopy | None:
+        """Start copying `blocks` to the host (engine thread); None when no slab is free for them."""
+        groups = [blocks[i:i + self.per_slab] for i in range(0, len(blocks), self.per_slab)]
+        slabs = []
+        for _ in groups:
+            slab = self._take()
+            if slab is None:
+                for s in slabs:
+                    self.release(s)
+                return None
+            slabs.append(slab)
+        self._queued.record(self.compute)
+        self.stream.wait(self._queued)
+        parts = []
+        for group, slab in zip(groups, slabs, strict=True):
+            n = len(group)
+            slab.ids.array[: 4 * n] = np.asarray(group, dtype=np.int32).view(np.uint8)
+            self._ids.upload_from(slab.ids, 4 * n, self.stream)
+            ops.kv_gather(self.dev, self.k_pool, self.v_pool, self._ids, self._staging, n=n, layers=self.layers,
+                          layer_elems=self.layer_elems, block_elems=self.block_elems, stream=self.stream)
+            self._staging.download_into(slab.host, n * self.block_bytes, self.stream)
+            slab.done.record(self.stream)
+            parts.append((slab, n))
+        self._moved.record(self.stream)
+        self.compute.wait(self._moved)  # the blocks are read before a later step may write them
+        return BlockCopy(self, parts)
+
+    def load(self, blocks: list[int], payloads) -> None:
+        """Fill `blocks` from `payloads` (one [*block_shape] array a block, or an [n, ...] array)
+        before the compute stream's next step. Each payload is copied once, into a slab."""
+        if len(payloads) != len(blocks):
+            raise ValueError(f"{len(payloads)} payloads for {len(blocks)} blocks")
+        self._queued.record(self.compute)  # no step still reads the blocks being replaced
+        self.stream.wait(self._queued)
+        for i in range(0, len(blocks), self.per_slab):
+            group = blocks[i:i + self.per_slab]
+            n = len(group)
+            slab = self._loads[self._next_load]
+            self._next_load = (self._next_load + 1) % len(self._loads)
+            slab.done.synchronize()  # the copy that last read it has landed
+            slab.ids.array[: 4 * n] = np.asarray(group, dtype=np.int32).view(np.uint8)
+            dst = slab.host.array[: n * self.block_bytes].view(self.dtype).reshape(n, *self.block_shape)
+            for j in range(n):
+                dst[j] = payloads[i + j]  # converted to the KV dtype where it differs
+            self._ids.upload_from(slab.ids, 4 * n, self.stream)
+            self._staging.upload_from(slab.host, n * self.block_bytes, self.stream)
+            ops.kv_scatter(self.dev, self.k_pool, self.v_pool, self._ids, self._staging, n=n, layers=self.layers,
+                           layer_elems=self.layer_elems, block_elems=self.block_elems, stream=self.stream)
+            slab.done.record(self.stream)
+        self._moved.record(self.stream)
+        self.compute.wait(self._moved)
+
+    def close(self) -> None:
+        try:
+            self.stream.synchronize()
+        finally:
+            self.stream.destroy()
