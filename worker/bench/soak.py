@@ -4,8 +4,8 @@ Each phase starts a fresh worker with the same model and flags but the one under
 empty KV dir: (1) baseline: the decoders alone; (2) churn with `--kv-persist off`; (3) churn with
 the default persistence; (4) unless `--no-kill`: churn with persistence, a kill -9 mid-churn and a
 restart on the same KV dir, then a long conversation's warm admit timed against its cold prefill
-on the first worker, and the churn again. The traffic itself is soak_load.py; the figures, the
-checks and the tables are soak_report.py.
+on the first worker, and the churn again. A phase's KV dir is removed when it ends (its logs stay).
+The traffic itself is soak_load.py; the figures, the checks and the tables are soak_report.py.
 
 Checked (the exit status): greedy outputs equal before and after the churn on the same worker,
 and across phases; exactly one outcome per request in the worker's log, `completed` for what the
@@ -23,6 +23,7 @@ import asyncio
 import json
 import random
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -186,6 +187,7 @@ class _Run:
             ph.greedy_after = self.greedy(ph, w.url)
         finally:
             w.kill(signal.SIGTERM)
+            _drop_kv(self.workdir / name)
         return ph
 
     def kill_phase(self) -> Phase:
@@ -218,6 +220,7 @@ class _Run:
             ph.greedy_after = self.greedy(ph, w.url)
         finally:
             w.kill(signal.SIGTERM)
+            _drop_kv(self.workdir / ph.name)
         # restore or recompute, where the worker says which it chose (it may recompute when that is faster)
         choice = {e.get("request_id"): e.get("choice") for e in read_events(ph.logs[1:])
                   if e["event"] == "kv_restore_choice"}
@@ -237,6 +240,12 @@ class _Run:
                         for r in ph.windows[1].records if r.resume and r.outcome == COMPLETED],
         }
         return ph
+
+
+def _drop_kv(phase_dir: Path) -> None:
+    """A finished phase's KV blocks (its logs stay): the phases share one disk, and a large model's
+    blocks would otherwise crowd the next phase's KV budget."""
+    shutil.rmtree(phase_dir / "kv", ignore_errors=True)
 
 
 def _wait_idle(url: str, timeout: float = 120) -> None:

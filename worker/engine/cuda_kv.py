@@ -1,14 +1,17 @@
 """KV blocks off and onto the GPU without holding up the compute stream: the CUDA backend's half of
 KV persistence and restores.
 
-save(blocks) gathers the blocks into a device staging area with one launch and copies them into a
-pinned host slab with one copy, both on a copy stream of its own that waits (an event, never the
-host) for the compute work queued so far. The compute stream waits for the gather before its next
-step, so a block that is reused later is never overwritten before it was read; the gather takes
-microseconds. The BlockCopy that save() returns is waited for on the KV writer's thread, which
-takes the payloads out of the slab and frees it. When every slab is taken, save() returns None and
-the caller drops those blocks from persistence rather than wait: the device's prefix cache still
-holds them, and a worker that persists less is better than one that stalls.
+save(blocks) gathers the blocks into a slab's device staging area with one launch and copies that
+into the slab's pinned host half with one copy, on copy streams of their own that wait (an event,
+never the host) for the compute work queued so far. The compute stream waits for the gathers alone
+before its next step, so a block that is reused later is never overwritten before it was read; the
+gathers take microseconds, and the copies to the host (milliseconds for tens of MB) overlap the
+next steps on a second copy stream (each slab has its own staging area, reused only after release).
+The BlockCopy that save() returns is waited for on the KV writer's thread, which writes the
+payloads from the slab and frees it. When every slab is taken, save() returns None and the caller
+drops those blocks from persistence rather than wait: the device's prefix cache still holds them,
+and a worker that persists less is better than one that stalls. The slabs (host and device halves,
+SLABS x SLAB_BYTES each) are made on the first save.
 
 load(blocks, payloads) is the reverse: the payloads are packed into a slab of its own, sent with
 one copy and scattered into the pools with one launch, on the same copy stream; the compute stream
@@ -35,9 +38,10 @@ LOAD_SLABS = 2  # and for loads, used in turn (a load waits only for the load be
 
 
 class _Slab:
-    def __init__(self, nbytes: int, ids: int):
+    def __init__(self, nbytes: int, ids: int, dev=None):
         self.host = HostBuffer(nbytes)
         self.ids = HostBuffer(ids * 4)
+        self.staging = dev.empty((nbytes,), np.uint8) if dev is not None else None  # saves: the device half
         self.done = Event()
 
 
@@ -89,13 +93,14 @@ class KVTransfer:
         self.block_shape = tuple(block_shape)  # one block's payload: [2, layers, block_size, kv_heads, head_dim]
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.per_slab = max(1, slab_bytes // self.block_bytes)
-        self.stream = Stream()
-        self._staging = dev.empty((self.per_slab * self.block_bytes,), np.uint8)
-        self._ids = dev.empty((self.per_slab,), np.int32)
+        self.stream = Stream()  # gathers, scatters and loads' copies
+        self._down = Stream()  # saves' copies to the host: a gather never queues behind one
+        self._staging = dev.empty((self.per_slab * self.block_bytes,), np.uint8)  # loads'
+        self._ids = dev.empty((self.per_slab,), np.int32)  # one group's block ids (the stream orders the reuse)
         self._queued = Event()  # the compute work so far (recorded before each save or load)
         self._moved = Event()  # the copy stream's last gather or scatter
         self._lock = threading.Lock()
-        self._free = [_Slab(self.per_slab * self.block_bytes, self.per_slab) for _ in range(slabs)]
+        self._free = [_Slab(self.per_slab * self.block_bytes, self.per_slab, dev) for _ in range(slabs)]
         self._loads = [_Slab(self.per_slab * self.block_bytes, self.per_slab) for _ in range(LOAD_SLABS)]
         self._next_load = 0
 
@@ -133,13 +138,15 @@ class KVTransfer:
             n = len(group)
             slab.ids.array[: 4 * n] = np.asarray(group, dtype=np.int32).view(np.uint8)
             self._ids.upload_from(slab.ids, 4 * n, self.stream)
-            ops.kv_gather(self.dev, self.k_pool, self.v_pool, self._ids, self._staging, n=n, layers=self.layers,
+            ops.kv_gather(self.dev, self.k_pool, self.v_pool, self._ids, slab.staging, n=n, layers=self.layers,
                           layer_elems=self.layer_elems, block_elems=self.block_elems, stream=self.stream)
-            self._staging.download_into(slab.host, n * self.block_bytes, self.stream)
-            slab.done.record(self.stream)
             parts.append((slab, n))
         self._moved.record(self.stream)
         self.compute.wait(self._moved)  # the blocks are read before a later step may write them
+        self._down.wait(self._moved)
+        for slab, n in parts:  # overlapping the next steps
+            slab.staging.download_into(slab.host, n * self.block_bytes, self._down)
+            slab.done.record(self._down)
         return BlockCopy(self, parts)
 
     def load(self, blocks: list[int], payloads) -> None:
@@ -170,5 +177,7 @@ class KVTransfer:
     def close(self) -> None:
         try:
             self.stream.synchronize()
+            self._down.synchronize()
         finally:
             self.stream.destroy()
+            self._down.destroy()

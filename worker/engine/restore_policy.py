@@ -4,10 +4,12 @@ A warm admit finds part of its prompt in the KV store (host RAM or disk). Readin
 bytes over the tier's bandwidth; computing it costs its tokens over the device's prefill rate. On
 a small model and a fast GPU computing can win (the H200 prefills a 270M model at hundreds of
 thousands of tokens a second); on a slow one (a DGX Spark at about 900 tok/s, the CPU backend at a
-few hundred) reading wins by far. Both rates are measured by this worker as it runs (moving
-averages of real prefill steps and real restores) and kept beside the KV blocks (`rates.json`), so
-a restarted worker decides its first warm admits by them too; until a rate is known, restoring is
-assumed to win, so the first restore measures it. The engine logs each choice (`kv_restore_choice`).
+few hundred) reading wins by far. Both are measured by this worker as it runs (a fit of real
+prefill steps, step_costs.py, and a moving average of real restores) and kept beside the KV blocks
+(`rates.json`), so a restarted worker decides its first warm admits by them too; until the prefill
+cost is known, restoring is assumed to win, so the first restore measures it. Until a tier's
+bandwidth is measured, a conservative prior stands for it (block files are read one by one and
+checked, well below a disk's sequential rate). The engine logs each choice (`kv_restore_choice`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PRIOR_BANDWIDTH = {"host": 8e9, "disk": 1e9}  # bytes/s until measured
-MIN_PREFILL_TOKENS = 64  # steps with fewer prefill tokens say little about the rate
+from .step_costs import PrefillCost
+
+PRIOR_BANDWIDTH = {"host": 8e9, "disk": 3e8}  # bytes/s until measured
 WEIGHT = 0.2  # of a new measurement in the moving average
 FIXED_SECONDS = 0.002  # a restore's own overhead (a job on the reader thread, one load a batch)
 
@@ -32,12 +35,11 @@ class Choice:
 
 class RestoreCosts:
     def __init__(self) -> None:
-        self.prefill_tps: float | None = None
+        self.prefill = PrefillCost()
         self.bandwidth: dict[str, float] = {}  # measured bytes/s by tier
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tps = _blend(self.prefill_tps, tokens / seconds)
+        self.prefill.observe(tokens, seconds)
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
@@ -47,8 +49,7 @@ class RestoreCosts:
         """The rates a previous process measured (a missing or unreadable file: none)."""
         try:
             data = json.loads(path.read_text())
-            tps = data.get("prefill_tps")
-            self.prefill_tps = float(tps) if tps else None
+            self.prefill = PrefillCost.from_json(data.get("prefill"))
             self.bandwidth = {t: float(v) for t, v in data.get("bandwidth", {}).items() if t in PRIOR_BANDWIDTH}
         except (OSError, ValueError, TypeError, AttributeError):
             pass
@@ -57,7 +58,7 @@ class RestoreCosts:
         """Atomically, best effort (a read-only KV dir keeps no rates)."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"prefill_tps": self.prefill_tps, "bandwidth": self.bandwidth}))
+            tmp.write_text(json.dumps({"prefill": self.prefill.to_json(), "bandwidth": self.bandwidth}))
             os.replace(tmp, path)
         except OSError:
             try:
@@ -71,9 +72,9 @@ class RestoreCosts:
     def choose(self, tokens: int, host_bytes: int, disk_bytes: int) -> Choice:
         """Restore `host_bytes` + `disk_bytes` standing for `tokens` prompt tokens, or compute them."""
         restore = FIXED_SECONDS + host_bytes / self.rate("host") + disk_bytes / self.rate("disk")
-        if self.prefill_tps is None:
+        compute = self.prefill.seconds(tokens)
+        if compute is None:
             return Choice(True, restore, None)
-        compute = tokens / self.prefill_tps
         return Choice(restore <= compute, restore, compute)
 
 

@@ -40,7 +40,9 @@ from .faults import FaultInjector
 from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash, kv_salt
 from .loopguard import LoopGuard
 from .reasoning_budget import ReasoningTracker
+from .prefill_sizing import FLOOR_TOKENS, PrefillSizing
 from .restore_policy import RestoreCosts
+from .step_costs import PrefillCost
 from .requests import (
     Delta, Failed, Finished, FinishReason, GenerationRequest, Keepalive, Outcome, PromptLogprobs,
     RequestHandle, Started, TokenLogprob,
@@ -70,7 +72,8 @@ class EngineLimits:
     max_seqs: int = 8
     max_queue: int = 64
     max_step_tokens: int = 512  # tokens per backend step (decode tokens + prefill chunks)
-    prefill_chunk: int = 256
+    prefill_chunk: int = 256  # fixed, or the most when sized by measurement (prefill_step_s)
+    prefill_step_s: float | None = None  # size prefill chunks so a step takes about this long
     context: int = 8192
     # The loop guard (see WorkerConfig.loop_guard for why these defaults): a block of up to
     # `loop_guard_period` tokens repeated back to back max(repeats, min_span / length) times.
@@ -152,7 +155,9 @@ class Engine:
         self._stop = False
         self._ahead: _Ahead | None = None  # a decode step launched before the last one's tokens were read
         self._offers: list[tuple[bytes, bytes, list[int], int]] = []  # full blocks for the store, this step
-        self.restore_costs = RestoreCosts()
+        self.restore_costs = RestoreCosts()  # measured rates: restore or recompute, and the prefill chunk
+        self._sizing = PrefillSizing(limits.prefill_chunk, limits.prefill_step_s)
+        self._chunk = limits.prefill_chunk  # until start() calibrates
         self._rates = store.dir / "rates.json" if store is not None else None
         if self._rates is not None:
             self.restore_costs.load(self._rates)
@@ -165,7 +170,36 @@ class Engine:
     # -- HTTP side -----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._calibrate()
         self._thread.start()
+
+    def _calibrate(self) -> None:
+        """Auto prefill chunks: time prefills of the floor's and the ceiling's size once, before
+        serving, and keep the chunk they give for this worker's life (a chunk that followed the load
+        would change how the same prompt is split, and with it the last bits of its numerics). The
+        restore decisions start from the same figures."""
+        bs = self.backend.block_size
+        need = -(-self._sizing.most // bs)
+        if self.limits.prefill_step_s is None or self._sizing.most <= FLOOR_TOKENS or need > self.pool.available:
+            self._chunk = self._sizing.chunk(PrefillCost())
+            return
+        blocks = self.pool.allocate(need)
+        samples = []
+        try:
+            for n in (FLOOR_TOKENS, self._sizing.most) * 3:  # the first of each size warms up
+                chunk = SeqChunk(np.full(n, 1, np.int32), 0, blocks, "last")
+                t0 = time.monotonic()
+                self.backend.forward([chunk])
+                samples.append((n, time.monotonic() - t0))
+        finally:
+            self.pool.release(blocks)  # never registered: their contents are never matched
+        cost = PrefillCost.measured(samples[2:])
+        self._chunk = self._sizing.chunk(cost)
+        if self.restore_costs.prefill.model is None:
+            self.restore_costs.prefill = cost
+        fixed, per = cost.model or (0.0, 0.0)
+        log("prefill_chunk", tokens=self._chunk, step_ms=round(self.limits.prefill_step_s * 1000, 1),
+            fixed_ms=round(fixed * 1000, 2), per_token_us=round(per * 1e6, 3))
 
     def submit(self, handle: RequestHandle) -> None:
         """Queue a request (called on the HTTP thread). Raises NotAccepting, QueueFull, PromptTooLong."""
@@ -252,7 +286,7 @@ class Engine:
                 self.waiting.clear()
             self.last_progress = time.monotonic()
             self._update_gauges()
-            if self._rates is not None and self.store.writable and self.restore_costs.prefill_tps is not None and (
+            if self._rates is not None and self.store.writable and self.restore_costs.prefill.model is not None and (
                     self._rates_saved is None or self.last_progress - self._rates_saved > RATES_SAVE_SECONDS):
                 self._rates_saved = self.last_progress
                 self.restore_costs.save(self._rates)
@@ -560,8 +594,14 @@ class Engine:
                 s.restoring, s.restore_blocks = None, []
                 self._begin(s)
 
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a sequence may prefill in a step (see prefill_sizing and _calibrate)."""
+        return self._chunk
+
     def _plan(self) -> tuple[list[SeqChunk], list[_Seq]]:
-        budget = self.limits.max_step_tokens
+        chunk = self.prefill_chunk()
+        budget = self.limits.max_step_tokens if self.limits.prefill_step_s is None else max(
+            chunk, self.limits.max_seqs)
         chunks, members = [], []
         # decode steps first: one token each, so running streams never wait behind a prefill
         order = sorted(self.running, key=lambda s: (s.n_computed < len(s.tokens) - 1, s.number))
@@ -573,7 +613,7 @@ class Engine:
             todo = len(s.tokens) - s.n_computed
             if todo <= 0:
                 continue
-            n = min(todo, budget, self.limits.prefill_chunk) if todo > 1 else 1
+            n = min(todo, budget, chunk) if todo > 1 else 1
             if not self._ensure_blocks(s, s.n_computed + n, members):
                 continue
             want = "all" if s.req.prompt_logprobs and s.generated == 0 else (

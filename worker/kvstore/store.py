@@ -41,6 +41,7 @@ from . import blockfile
 from .kvdir import KVDir, layout_key
 
 
+EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
 
 
@@ -126,6 +127,7 @@ class KVStore:
         self._host: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._index: dict[bytes, tuple[int, float]] = {}  # hash -> (file size, last used)
         self._busy: set[bytes] = set()  # being read or written: never evicted
+        self._quarantined: set[bytes] = set()  # moved away while the scan may still index the old file
         self._landing: dict[bytes, _Batch] = {}  # offered, not yet handled by the writer
         self._writes: queue.Queue = queue.Queue()
         self._pending_write_bytes = 0
@@ -368,6 +370,7 @@ class KVStore:
                     added += 0 if existed else size
                     with self._lock:
                         self._index[h] = (size, time.time())
+                        self._quarantined.discard(h)
                         self.stats.writes += 1
                         self.stats.write_bytes += size
                 if added:
@@ -498,7 +501,8 @@ class KVStore:
                 except OSError:
                     continue
                 with self._lock:
-                    self._index[header.block_hash] = (st.st_size, st.st_mtime)
+                    if header.block_hash not in self._quarantined and header.block_hash not in self._index:
+                        self._index[header.block_hash] = (st.st_size, st.st_mtime)
             if self.writable:
                 try:
                     with self.kvdir.lock():
@@ -518,10 +522,13 @@ class KVStore:
         delete once the lock is released."""
         u = self.kvdir.usage()
         over = u.total - self.disk_budget
+        if over <= 0:  # the common case, after every batch: nothing to sort
+            return []
         quarantine = [(size, path) for _, size, path in u.quarantine]
-        with self._lock:
-            own = sorted((used, size, h) for h, (size, used) in self._index.items()
-                         if h not in self._busy or h == written)
+        with self._lock:  # copied under the lock, sorted outside it: the engine thread takes this lock
+            items = list(self._index.items())
+            busy = set(self._busy)
+        own = sorted((used, size, h) for h, (size, used) in items if h not in busy or h == written)
         others = sorted(u.others, key=lambda o: o.used)
         doomed: list[Path] = []
         evicted: list[bytes] = []
@@ -533,6 +540,10 @@ class KVStore:
                 over -= size
             except FileNotFoundError:
                 pass
+        # past quarantine, a little more room than needed (budgets of a GiB or more): a store at its budget
+        # then evicts once per many batches rather than sorting its whole index after each
+        slack = min(self.disk_budget // 50, EVICT_SLACK) if over > 0 and self.disk_budget >= 1 << 30 else 0
+        over += slack
         while over > 0 and (i < len(own) or j < len(others)):
             if j < len(others) and (i >= len(own) or others[j].used < own[i][0]):
                 o = others[j]
@@ -559,7 +570,7 @@ class KVStore:
                 self.stats.evictions += removed
         if freed:
             self.kvdir.add(-freed)
-        self.kvdir.total_bytes = self.disk_budget + over
+        self.kvdir.total_bytes = self.disk_budget + over - slack
         return doomed
 
     def _quarantine(self, path: Path, why: str) -> None:
@@ -572,6 +583,7 @@ class KVStore:
             self.stats.quarantined += 1
             if h is not None:
                 self._index.pop(h, None)
+                self._quarantined.add(h)
         log("kv_quarantined", level="warning", file=path.name, reason=why)
         if not self.writable:  # a store that does not persist changes nothing on disk
             return
