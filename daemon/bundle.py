@@ -13,36 +13,36 @@ place), dir 0700 and files 0600, before the daemon asks for the restart.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from .detect import normalize
+from ember.ops.contract import ERROR_LEVELS, OUTCOMES, Event, private_dir
+
+from .detect import CRASH_EXIT, OOM, normalize
 from .logwatch import Line
-from .paths import private_dir
 
 SCHEMA = 1
-EVENT_NAMES = {"admit", "completed", "failed", "canceled", "refused", "preempt", "engine_poisoned"}
-OUTCOMES = {"completed", "failed", "canceled", "refused"}
-# the only fields an events.jsonl record may carry: shapes and outcomes, never text
+# the worker's events that make up a session's shape (events.jsonl): admissions, outcomes, preemptions
+EVENT_NAMES = frozenset({Event.ADMIT, *OUTCOMES, Event.PREEMPT, Event.ENGINE_POISONED})
+# the only fields an events.jsonl record may carry: shapes and outcomes, never text (every field the
+# contract requires of those events among them: tests/test_contract.py)
 EVENT_FIELDS = ("ts", "event", "request_id", "seq", "protocol", "prompt_tokens", "cached_tokens", "new_tokens",
                 "completion_tokens", "seconds", "finish_reason", "phase", "error", "status", "tokens", "code",
-                "name", "step", "running")
+                "name", "message", "step", "running")
 _SECRET_KEYS = re.compile(r"(?i)api[_-]?key|secret|password|authorization|credential|(?:^|_)token$")
 
 
-def utc_iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
-
-
 def bundle_id(t: float, cls: str) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + cls
+    return datetime.fromtimestamp(t, UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + cls
 
 
 # -- redaction ----------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def log_window(lines: list[Line], crash_seq: int | None, *, context: int = 20, a
         if not o:
             continue
         ev, rid = o.get("event"), o.get("request_id")
-        if ev == "admit" and rid is not None:
+        if ev == Event.ADMIT and rid is not None:
             admits[str(rid)] = i
             open_reqs[str(rid)] = i
             seq_of[str(rid)] = o.get("seq")
@@ -118,7 +118,7 @@ def log_window(lines: list[Line], crash_seq: int | None, *, context: int = 20, a
     healthy = None
     for i in range(anchor - 1, -1, -1):
         o = lines[i].obj
-        if o and o.get("event") == "completed":
+        if o and o.get("event") == Event.COMPLETED:
             healthy = i
             break
     if healthy is not None:
@@ -146,19 +146,20 @@ def session_events(lines: list[Line], since: float) -> list[dict[str, Any]]:
         if not o or o.get("event") not in EVENT_NAMES or ln.t < since or o.get("probe"):
             continue  # (a worker that marks the daemon's own probe requests keeps them out)
         rec = {k: o[k] for k in EVENT_FIELDS if k in o}
-        if isinstance(rec.get("error"), str):
-            rec["error"] = rec["error"][:300]
+        for k in ("error", "message"):
+            if isinstance(rec.get(k), str):
+                rec[k] = rec[k][:300]
         out.append(rec)
     return out
 
 
-def signature(cls: str, cuda: dict | None, exit_info: dict, detail: str = "") -> tuple[str, str]:
+def signature(cls: str, cuda: dict[str, Any] | None, exit_info: dict[str, Any], detail: str = "") -> tuple[str, str]:
     parts = [cls]
     if cuda:
         parts.append(str(cuda.get("name") or cuda.get("code")))
     if exit_info.get("signal") and not exit_info.get("killed_by_daemon"):
         parts.append(exit_info["signal"])
-    if cls in ("crash-exit", "oom") and exit_info.get("code") is not None:
+    if cls in (CRASH_EXIT, OOM) and exit_info.get("code") is not None:
         parts.append(f"exit {exit_info['code']}")
     if detail:
         parts.append(normalize(detail))
@@ -171,7 +172,7 @@ def last_error_line(lines: list[Line]) -> str:
     for ln in reversed(lines):
         o = ln.obj
         if o is not None:
-            if o.get("level") in ("error", "critical", "fatal") and o.get("event") not in OUTCOMES:
+            if o.get("level") in ERROR_LEVELS and o.get("event") not in OUTCOMES:
                 return f"{o.get('event')}: {o.get('error') or o.get('message') or ''}"
         elif re.search(r"(?i)error|exception|fatal|abort|segmentation|assert", ln.text):
             return ln.text
@@ -211,25 +212,20 @@ def write_bundle(crash_dir: Path, meta: dict[str, Any], window: list[Line], even
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    try:
+    with contextlib.suppress(OSError):  # the rename, made durable
         dfd = os.open(crash_dir, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except OSError:
-        pass
     return final
 
 
 def _size(p: Path) -> int:
     total = 0
     for f in p.rglob("*"):
-        try:
-            if f.is_file():
-                total += f.stat().st_size
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            total += f.stat().st_size if f.is_file() else 0
     return total
 
 

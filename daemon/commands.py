@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -13,21 +14,27 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ember.ops import contract
+from ember.ops.contract import ExitCode
+
 from . import control, supctl
 from .paths import Layout, layout, read_json
+from .phases import Status
 from .settings import SettingsError, load
 
-EX_OK, EX_FAIL, EX_USAGE, EX_NOT_RUNNING, EX_CONFIG = 0, 1, 2, 3, 78
+EX_OK, EX_FAIL, EX_NOT_RUNNING, EX_CONFIG = ExitCode.OK, ExitCode.FAILURE, ExitCode.NOT_RUNNING, ExitCode.CONFIG
 
 
 # -- ember daemon run ---------------------------------------------------------------------------------
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="ember.toml (default ~/.config/ember/ember.toml, or $EMBER_CONFIG)")
+    p.add_argument("--config", metavar="FILE",
+                   help=f"ember.toml (default {contract.config_file()}, or ${contract.ENV_CONFIG})")
     p.add_argument("--command", metavar="CMD", help="run this engine instead of the ember worker (quoted command line)")
     p.add_argument("--health-url", metavar="URL", help="the engine's liveness URL (with --command)")
     p.add_argument("--ready-url", metavar="URL", help="the engine's readiness URL (default: --health-url)")
@@ -50,7 +57,7 @@ def cmd_daemon(argv: list[str]) -> int:
     r.add_argument("--mode", choices=("foreground", "background"), default="foreground", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.config:
-        os.environ["EMBER_CONFIG"] = os.path.abspath(os.path.expanduser(args.config))
+        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
         settings = load(_flags(args))
     except SettingsError as e:
@@ -70,7 +77,7 @@ def cmd_daemon(argv: list[str]) -> int:
 
 # -- talking to a running daemon ------------------------------------------------------------------------
 
-def _status(lay: Layout) -> dict | None:
+def _status(lay: Layout) -> dict[str, Any] | None:
     resp = control.request(lay.control_sock, "status")
     return resp.get("status") if resp and resp.get("ok") else None
 
@@ -92,20 +99,20 @@ def _systemd_unit() -> list[str] | None:
         return None
     if os.geteuid() == 0 and Path("/etc/systemd/system/ember.service").exists():
         return ["systemctl"]
-    user = Path(os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")) / "systemd/user/ember.service"
+    user = contract.xdg_home("config") / "systemd/user/ember.service"
     if user.exists():
         return ["systemctl", "--user"]
     return None
 
 
-def _print_ready(st: dict) -> None:
+def _print_ready(st: dict[str, Any]) -> None:
     ep = st.get("endpoint")
     w = st.get("worker") or {}
     print(f"ember is ready: {ep}/v1 (OpenAI), {ep} (Anthropic)"
           + (f"  model {w.get('model')}" if w.get("model") else ""))
 
 
-def _poll(done, timeout: float, interval: float = 0.1) -> bool:
+def _poll(done: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
     """Call done() every `interval` seconds until it returns true (-> True) or `timeout` passes (-> False)."""
     deadline = time.monotonic() + timeout
     while not done():
@@ -115,7 +122,7 @@ def _poll(done, timeout: float, interval: float = 0.1) -> bool:
     return True
 
 
-def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen | None = None,
+def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen[bytes] | None = None,
                 after_incarnation: int | None = None, quiet: bool = False) -> int:
     deadline = time.monotonic() + timeout
     last = None
@@ -125,19 +132,17 @@ def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen | None = Non
             last = st
             inc = (st.get("worker") or {}).get("incarnation") or 0
             fresh = after_incarnation is None or inc > after_incarnation
-            if st.get("state") == "ready" and fresh:
+            if st.get("state") == Status.READY and fresh:
                 if not quiet:
                     _print_ready(st)
                 return EX_OK
-            if st.get("state") == "failed" and fresh:
+            if st.get("state") == Status.FAILED and fresh:
                 print(f"ember: the worker failed: {st.get('failed_reason')}", file=sys.stderr)
                 return EX_FAIL
         if proc is not None and proc.poll() is not None:
             tail = ""
-            try:
+            with contextlib.suppress(OSError):
                 tail = lay.daemon_out.read_text()[-2000:]
-            except OSError:
-                pass
             print(f"ember: the daemon exited with {proc.returncode}\n{tail}", file=sys.stderr)
             return EX_FAIL
         time.sleep(0.2)
@@ -147,13 +152,15 @@ def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen | None = Non
 
 
 def cmd_start(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ember start", description="start ember (the daemon and its worker) and wait until ready")
+    p = argparse.ArgumentParser(prog="ember start",
+                                description="start ember (the daemon and its worker) and wait until ready")
     _add_engine_flags(p)
-    p.add_argument("--timeout", type=float, default=None, help="seconds to wait for ready (default: startup_timeout + 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for ready (default: startup_timeout + 30)")
     p.add_argument("--no-wait", action="store_true", help="return once the daemon runs")
     args = p.parse_args(argv)
     if args.config:
-        os.environ["EMBER_CONFIG"] = os.path.abspath(os.path.expanduser(args.config))
+        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
         settings = load(_flags(args))
     except SettingsError as e:
@@ -164,10 +171,10 @@ def cmd_start(argv: list[str]) -> int:
     st = _status(lay)
     proc = None
     if st is not None:
-        if st.get("state") in ("stopped", "failed"):
+        if st.get("state") in (Status.STOPPED, Status.FAILED):
             control.request(lay.control_sock, "start")
             time.sleep(0.3)
-        elif st.get("state") == "ready":
+        elif st.get("state") == Status.READY:
             _print_ready(st)
             return EX_OK
     else:
@@ -224,11 +231,11 @@ def cmd_stop(argv: list[str]) -> int:
 
 
 def _stop_orphan(lay: Layout, timeout: float) -> int:
-    rpc = supctl.rpc(lay.supervisor_sock, timeout=timeout)
+    rpc: Any = supctl.rpc(lay.supervisor_sock, timeout=timeout)
     try:
-        sup_pid = rpc.supervisor.getPID()
-        info = rpc.supervisor.getProcessInfo(supctl.PROGRAM)
-        if info["statename"] in ("RUNNING", "STARTING"):
+        sup_pid = int(rpc.supervisor.getPID())
+        info = supctl.process_info(rpc)
+        if info.statename in ("RUNNING", "STARTING"):
             rpc.supervisor.stopProcess(supctl.PROGRAM, True)
         rpc.supervisor.shutdown()
     except Exception as e:
@@ -268,20 +275,20 @@ def _ago(seconds: float | None) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def _unsupervised(lay: Layout) -> dict | None:
+def _unsupervised(lay: Layout) -> dict[str, Any] | None:
     if not supctl.alive(lay.supervisor_sock):
         return None
     try:
-        rpc = supctl.rpc(lay.supervisor_sock, timeout=3)
-        info = rpc.supervisor.getProcessInfo(supctl.PROGRAM)
-        if info["statename"] in ("RUNNING", "STARTING"):
-            return {"pid": info["pid"], "supervisor_pid": rpc.supervisor.getPID()}
+        rpc: Any = supctl.rpc(lay.supervisor_sock, timeout=3)
+        info = supctl.process_info(rpc)
+        if info.statename in ("RUNNING", "STARTING"):
+            return {"pid": info.pid, "supervisor_pid": rpc.supervisor.getPID()}
     except Exception:
         pass
     return None
 
 
-def _health_lines(st: dict) -> list[str]:
+def _health_lines(st: dict[str, Any]) -> list[str]:
     """The circuit breaker, failing liveness and a degraded log watcher, when there is news."""
     out = []
     br = st.get("breaker") or {}
@@ -314,14 +321,14 @@ def cmd_status(argv: list[str]) -> int:
     running = st is not None
     if st is None:
         st = read_json(lay.status_file) or {}
-        st = {**st, "state": "stopped" if st.get("state") != "failed" else "failed"}
+        st = {**st, "state": Status.STOPPED if st.get("state") != Status.FAILED else Status.FAILED}
         st["daemon"] = {**(st.get("daemon") or {}), "pid": None, "running": False}
         orphan = _unsupervised(lay)
         if orphan:  # the daemon died and left supervisord and the worker serving
-            st["state"] = "unsupervised"
+            st["state"] = Status.UNSUPERVISED
             st["not_ready_reason"] = "the daemon is not running; the worker still serves (ember start re-attaches)"
             st["daemon"]["supervisor_pid"] = orphan["supervisor_pid"]
-            st["worker"] = {**(st.get("worker") or {}), "pid": orphan["pid"], "state": "unsupervised"}
+            st["worker"] = {**(st.get("worker") or {}), "pid": orphan["pid"], "state": Status.UNSUPERVISED}
     else:
         st["daemon"]["running"] = True
     if args.json:
@@ -336,12 +343,14 @@ def cmd_status(argv: list[str]) -> int:
                   f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
         else:
             print("  daemon   not running")
-            if w.get("state") == "unsupervised":
-                print(f"  worker   still serving, unsupervised  pid {w.get('pid')}  (supervisord pid {d.get('supervisor_pid')})")
-        if st.get("state") not in ("ready", "stopped", None) and st.get("not_ready_reason"):
+            if w.get("state") == Status.UNSUPERVISED:
+                print(f"  worker   still serving, unsupervised  pid {w.get('pid')}  "
+                      f"(supervisord pid {d.get('supervisor_pid')})")
+        if st.get("state") not in (Status.READY, Status.STOPPED, None) and st.get("not_ready_reason"):
             print(f"  why      {st['not_ready_reason']}")
         lc = st.get("last_crash")
-        print(f"  restarts {st.get('restarts', 0)}" + (f"  (next in {st['next_restart_in']}s)" if st.get("next_restart_in") else ""))
+        nxt = f"  (next in {st['next_restart_in']}s)" if st.get("next_restart_in") else ""
+        print(f"  restarts {st.get('restarts', 0)}{nxt}")
         if lc:
             print(f"  last crash {lc.get('detected_at')}  {lc.get('class')}  {lc.get('id')}  ({lc.get('reason')})")
         if st.get("last_recovery_seconds") is not None:
@@ -351,29 +360,20 @@ def cmd_status(argv: list[str]) -> int:
                 print(line)
     if not running:
         return EX_NOT_RUNNING
-    return EX_OK if st.get("state") == "ready" else EX_FAIL
+    return EX_OK if st.get("state") == Status.READY else EX_FAIL
 
 
 # -- ember logs -----------------------------------------------------------------------------------------
 
-_SKIP = {"ts", "level", "event"}
-
-
 def pretty(line: str) -> str:
-    t = line.strip()
-    if not t.startswith("{"):
-        return line.rstrip("\n")
-    try:
-        o = json.loads(t)
-    except ValueError:
-        return line.rstrip("\n")
-    if not isinstance(o, dict) or "event" not in o:
+    o = contract.parse_log_line(line)
+    if o is None:
         return line.rstrip("\n")
     ts = str(o.get("ts", ""))
     ts = ts[11:23] if len(ts) >= 23 else ts
     parts = []
     for k, v in o.items():
-        if k in _SKIP:
+        if k in contract.LOG_KEYS:
             continue
         if isinstance(v, str) and v and " " not in v and "=" not in v:
             parts.append(f"{k}={v}")

@@ -16,7 +16,8 @@ import tomllib
 from dataclasses import fields
 from typing import Any
 
-from .paths import config_file, state_dir
+from ember.ops.contract import ENV_CONFIG, config_file, state_dir
+
 from .settings import Settings, SettingsError, load
 
 _WORKER_PROBE = r"""
@@ -81,17 +82,17 @@ def config_main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     s = sub.add_parser("show", help="print every setting, its value and where it came from")
     s.add_argument("--json", action="store_true", help="machine-readable")
-    s.add_argument("--config", metavar="FILE", help="ember.toml to read (default ~/.config/ember/ember.toml, or $EMBER_CONFIG)")
+    s.add_argument("--config", metavar="FILE", help=f"ember.toml to read (default {config_file()}, or ${ENV_CONFIG})")
     args = p.parse_args(argv)
     env = dict(os.environ)
     if args.config:
-        env["EMBER_CONFIG"] = os.path.abspath(os.path.expanduser(args.config))
+        env[ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     path = config_file(env)
     if path.exists():
-        env["EMBER_CONFIG"] = str(path)  # the worker reads the file only when told where it is
+        env[ENV_CONFIG] = str(path)  # the worker reads the file only when told where it is
     worker = worker_config(env)
     daemon = daemon_config(env)
-    out = {"config_file": str(path), "config_file_exists": path.exists(), "state_dir": str(state_dir()),
+    out = {"config_file": str(path), "config_file_exists": path.exists(), "state_dir": str(state_dir(env)),
            "worker": worker, "daemon": daemon}
     if args.json:
         print(json.dumps(out, indent=2, default=str))

@@ -6,19 +6,21 @@ queued for the main loop and acknowledged at once (the CLI then follows `status`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 COMMANDS = ("status", "stop", "restart", "start", "ping")
 
 
 class ControlServer:
-    def __init__(self, path: Path, status: Callable[[], dict[str, Any]], commands: "queue.Queue[str]",
+    def __init__(self, path: Path, status: Callable[[], dict[str, Any]], commands: queue.Queue[str],
                  on_error: Callable[[Exception], None] | None = None):
         self.path = path
         self.status = status
@@ -29,10 +31,8 @@ class ControlServer:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        except FileNotFoundError:
-            pass
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -47,10 +47,12 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None, "start() binds the socket first"
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
+                conn, _ = sock.accept()
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stop.is_set():
@@ -88,16 +90,12 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.close()
-            except OSError:
-                pass
         if self._thread is not None:
             self._thread.join(timeout=2)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def request(path: Path, cmd: str, timeout: float = 5.0) -> dict[str, Any] | None:

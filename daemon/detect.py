@@ -1,6 +1,6 @@
 """What a log line or an exit says about the worker: poisoned context, OOM, or nothing.
 
-The ember worker logs `engine_poisoned` (a JSON line with the CUDA code and name). A foreign engine
+The ember worker logs `engine_poisoned` (a JSON line with the CUDA code and name; ember.ops.contract). A foreign engine
 (llama.cpp's llama-server, a PyTorch server) prints the raw CUDA messages instead; the sticky ones
 (the context is unusable afterwards, every later launch fails) are recognised by message, by
 enum name and by code: 700, 702, 710, 714-719. JSON lines are judged only by their `event`, so a
@@ -9,9 +9,10 @@ logged prompt or error text can never trigger a restart.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
+
+from ember.ops.contract import ERROR_LEVELS, Event
 
 # code -> (driver API name, runtime API name, message)
 STICKY = {
@@ -26,7 +27,7 @@ STICKY = {
     718: ("CUDA_ERROR_INVALID_PC", "cudaErrorInvalidPc", "invalid program counter"),
     719: ("CUDA_ERROR_LAUNCH_FAILED", "cudaErrorLaunchFailure", "unspecified launch failure"),
 }
-_BY_TEXT: list[tuple[re.Pattern, int]] = []
+_BY_TEXT: list[tuple[re.Pattern[str], int]] = []
 for _code, (_drv, _rt, _msg) in STICKY.items():
     _BY_TEXT.append((re.compile(re.escape(_msg), re.IGNORECASE), _code))
     _BY_TEXT.append((re.compile(r"\b" + re.escape(_drv) + r"\b"), _code))
@@ -39,17 +40,6 @@ _CODE_CTX_RE = re.compile(r"\b(?:error|err|code|status)\s*[:=]?\s*\(?(" + _CODES
 _OOM_RE = re.compile(
     r"\bMemoryError\b|out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|std::bad_alloc"
     r"|Cannot allocate memory|failed to allocate .* buffer", re.IGNORECASE)
-
-
-def parse_json_line(text: str) -> dict[str, Any] | None:
-    t = text.strip()
-    if not t.startswith("{"):
-        return None
-    try:
-        obj = json.loads(t)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) and "event" in obj else None
 
 
 def cuda_info(code: int) -> dict[str, Any]:
@@ -79,7 +69,7 @@ def poison_in_text(text: str) -> dict[str, Any] | None:
 
 def poison_in_line(text: str, parsed: dict[str, Any] | None) -> dict[str, Any] | None:
     if parsed is not None:
-        if parsed.get("event") == "engine_poisoned":
+        if parsed.get("event") == Event.ENGINE_POISONED:
             out = {k: parsed.get(k) for k in ("code", "name", "message", "step", "running")}
             return {k: v for k, v in out.items() if v is not None}
         return None
@@ -89,11 +79,12 @@ def poison_in_line(text: str, parsed: dict[str, Any] | None) -> dict[str, Any] |
 def oom_in_text(text: str, parsed: dict[str, Any] | None) -> bool:
     if parsed is not None:
         blob = " ".join(str(parsed.get(k, "")) for k in ("event", "error", "message", "name"))
-        return bool(_OOM_RE.search(blob)) and parsed.get("level") in ("error", "critical", "fatal")
+        return bool(_OOM_RE.search(blob)) and parsed.get("level") in ERROR_LEVELS
     return bool(_OOM_RE.search(text[:8192]))
 
 
-# crash classes of a bundle (meta.json "class"); which probe results lead to which: verdicts.py
+# crash classes of a bundle (meta.json "class"); which probe results lead to which: verdicts.py; what
+# the exit and the log change about the class once the worker is gone: incident.classify()
 # hang: no progress (the engine says it stalled, D state, no generation while nothing moves, or
 #   never ready after start); unresponsive: alive, but liveness timed out for unresponsive_seconds
 #   (an overload: not counted by the breaker); unhealthy: alive, but liveness refused or errored

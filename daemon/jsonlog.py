@@ -1,16 +1,19 @@
-"""The daemon's own log: one JSON object per line (`ts`, `level`, `event`, fields), like the worker's.
+"""The daemon's own log, in the contract's line format (`ts`, `level`, `event`, fields: one JSON
+object per line, ember.ops.contract.log_line), like the worker's.
 
-It goes to `<state>/logs/daemon.log` (rotated) and to stderr (the journal, under systemd).
+It goes to `<state>/logs/daemon.log` (rotated here, by size) and to stderr (the journal, under systemd).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import sys
 import threading
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import IO, Any
+
+from ember.ops.contract import log_line
 
 _lock = threading.Lock()
 
@@ -22,34 +25,33 @@ class JsonLog:
         self.max_bytes = max_bytes
         self.backups = backups
         self.stderr = stderr
-        self._f = None
+        self._f: IO[str] | None = None
         if path is not None:
-            self._open()
+            self._f = self._open(path)
 
-    def _open(self) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._f = os.fdopen(fd, "a", buffering=1)
+    @staticmethod
+    def _open(path: Path) -> IO[str]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return os.fdopen(fd, "a", buffering=1)
 
-    def _rotate(self) -> None:
-        self._f.close()
+    def _rotate(self, f: IO[str], path: Path) -> None:
+        f.close()
         for i in range(self.backups - 1, 0, -1):
-            src = Path(f"{self.path}.{i}")
+            src = Path(f"{path}.{i}")
             if src.exists():
-                os.replace(src, f"{self.path}.{i + 1}")
-        os.replace(self.path, f"{self.path}.1")
-        self._open()
+                os.replace(src, f"{path}.{i + 1}")
+        os.replace(path, f"{path}.1")
+        self._f = self._open(path)
 
-    def __call__(self, event: str, level: str = "info", **fields) -> None:
-        rec = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "level": level,
-               "event": event}
-        rec.update(fields)
-        line = json.dumps(rec, default=str, ensure_ascii=False)
+    def __call__(self, event: str, level: str = "info", **fields: Any) -> None:
+        line = log_line(event, level, **fields)
         with _lock:
-            if self._f is not None:
+            f = self._f
+            if f is not None and self.path is not None:
                 try:
-                    self._f.write(line + "\n")
-                    if self._f.tell() > self.max_bytes:
-                        self._rotate()
+                    f.write(line + "\n")
+                    if f.tell() > self.max_bytes:
+                        self._rotate(f, self.path)
                 except (OSError, ValueError):
                     pass
             if self.stderr:
@@ -62,8 +64,6 @@ class JsonLog:
     def close(self) -> None:
         with _lock:
             if self._f is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._f.close()
-                except OSError:
-                    pass
                 self._f = None

@@ -18,17 +18,21 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any
 
-from watchdog.events import FileSystemEventHandler
+from ember.ops.contract import parse_log_line
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
-from .detect import parse_json_line, poison_in_line
+from .detect import poison_in_line
 
 MAX_LINE = 64 * 1024
 RETRY_SECONDS = 10.0  # how often a watcher in polling mode tries to start its observer again
@@ -47,8 +51,8 @@ class TailedFile:
     def __init__(self, path: Path, name: str):
         self.path = path
         self.name = name
-        self.f = None
-        self.ino = None
+        self.f: IO[bytes] | None = None
+        self.ino: int | None = None
         self.offset = 0
         self.partial = b""
 
@@ -56,21 +60,19 @@ class TailedFile:
         """Open the file; offset None = its end."""
         self.close()
         try:
-            self.f = open(self.path, "rb")
+            f = open(self.path, "rb")  # noqa: SIM115 (kept open: this is the tail being followed)
         except OSError:
             return
-        st = os.fstat(self.f.fileno())
-        self.ino = st.st_ino
+        st = os.fstat(f.fileno())
+        self.f, self.ino = f, st.st_ino
         self.offset = st.st_size if offset is None else min(offset, st.st_size)
-        self.f.seek(self.offset)
+        f.seek(self.offset)
         self.partial = b""
 
     def close(self) -> None:
         if self.f is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.f.close()
-            except OSError:
-                pass
         self.f = None
 
     def _drain(self) -> list[str]:
@@ -110,7 +112,7 @@ class TailedFile:
                 lines.append(self.partial.decode("utf-8", errors="replace"))
                 self.partial = b""
             self.open_at(0)
-        elif st is not None and st.st_size < self.offset:  # truncated
+        elif st is not None and st.st_size < self.offset and self.f is not None:  # truncated
             self.f.seek(0)
             self.offset = 0
             self.partial = b""
@@ -119,10 +121,10 @@ class TailedFile:
 
 
 class _Handler(FileSystemEventHandler):
-    def __init__(self, watcher: "LogWatcher"):
+    def __init__(self, watcher: LogWatcher):
         self.watcher = watcher
 
-    def on_any_event(self, event) -> None:
+    def on_any_event(self, event: FileSystemEvent) -> None:
         try:
             paths = {os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", "") or "")}
             if paths & self.watcher.watched_paths:
@@ -134,7 +136,7 @@ class _Handler(FileSystemEventHandler):
 
 class LogWatcher:
     def __init__(self, files: list[tuple[Path, str]], *, ring_lines: int = 50000,
-                 on_poison: Callable[[Line, dict], None] | None = None,
+                 on_poison: Callable[[Line, dict[str, Any]], None] | None = None,
                  on_error: Callable[[Exception], None] | None = None):
         self.files = [TailedFile(p, name) for p, name in files]
         self.watched_paths = {str(p) for p, _ in files}
@@ -144,7 +146,7 @@ class LogWatcher:
         self.on_error = on_error or (lambda e: None)
         self.errors = 0
         self._lock = threading.RLock()
-        self._observer = None
+        self._observer: BaseObserver | None = None
         self.armed = True  # poison reports on; the daemon disarms while the worker is down
         self.mode = "stopped"  # inotify (the observer runs) | polling (it could not) | stopped
         self.failure: str | None = None  # why the observer is not running, in polling mode
@@ -189,7 +191,8 @@ class LogWatcher:
     def positions(self) -> dict[str, list[int]]:
         """{path: [inode, offset]} read so far (persisted, for prime(seen=...) after a re-attach)."""
         with self._lock:
-            return {str(tf.path): [tf.ino, tf.offset - len(tf.partial)] for tf in self.files if tf.f is not None}
+            return {str(tf.path): [tf.ino, tf.offset - len(tf.partial)] for tf in self.files
+                    if tf.f is not None and tf.ino is not None}
 
     def follow_from_end(self) -> None:
         with self._lock:
@@ -222,7 +225,7 @@ class LogWatcher:
 
     def _add(self, source: str, text: str, report: bool) -> None:
         text = text.rstrip("\r")
-        obj = parse_json_line(text)
+        obj = parse_log_line(text)
         self.seq += 1
         line = Line(self.seq, time.time(), source, text, obj)
         self.ring.append(line)
@@ -270,10 +273,8 @@ class LogWatcher:
             obs.start()
         except Exception as e:
             if obs is not None:
-                try:  # end the watches that did start (each holds an inotify instance)
+                with contextlib.suppress(Exception):  # end the watches that did start (each holds an inotify instance)
                     obs.unschedule_all()
-                except Exception:
-                    pass
             self._observer = None
             self.mode = "polling"
             self.failure = f"{type(e).__name__}: {e}"

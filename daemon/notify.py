@@ -10,29 +10,29 @@ does not miss the start (it would time the service out) or the stop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Mapping
 
 
 class Notifier:
-    def __init__(self, env: dict[str, str] | None = None):
+    def __init__(self, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         addr = env.get("NOTIFY_SOCKET") or ""
         if addr.startswith("@"):
             addr = "\0" + addr[1:]  # abstract namespace
-        self.addr = addr or None
+        self.addr: str | None = addr or None
         self.watchdog_interval: float | None = None
         usec = env.get("WATCHDOG_USEC")
         wpid = env.get("WATCHDOG_PID")
         if usec and (not wpid or wpid == str(os.getpid())):
-            try:
+            with contextlib.suppress(ValueError):
                 self.watchdog_interval = max(0.05, int(usec) / 2e6)
-            except ValueError:
-                pass
         self._last_ping = 0.0
-        self._last_status = None
-        self._sock = None
+        self._last_status: str | None = None
+        self._sock: socket.socket | None = None
         if self.addr:
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -45,7 +45,7 @@ class Notifier:
         return self._sock is not None
 
     def send(self, *fields: str, wait: float = 0.0) -> bool:
-        if self._sock is None:
+        if self._sock is None or self.addr is None:
             return False
         data = "\n".join(fields).encode()
         deadline = time.monotonic() + wait
@@ -86,6 +86,6 @@ class Notifier:
             self._sock = None
 
 
-def under_systemd(env: dict[str, str] | None = None) -> bool:
+def under_systemd(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return bool(env.get("NOTIFY_SOCKET") or env.get("INVOCATION_ID"))

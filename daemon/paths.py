@@ -1,6 +1,7 @@
-"""Where the daemon keeps things: the state dir (0700) and the fixed paths under it.
+"""Where the daemon keeps things: the fixed paths under the state dir (0700).
 
-    <state>/                  $EMBER_STATE_DIR, ~/.local/share/ember, or /var/lib/ember (system)
+    <state>/                  ember.ops.contract.state_dir(): $EMBER_STATE_DIR, the XDG data dir or
+                              /var/lib/ember (a system run); the worker and ops find the same one
       run/                    supervisord.conf, supervisord.sock, daemon.sock, status.json, state.json
       logs/                   worker.log (+ .1 .. .N), supervisord.log, daemon.log
       crashes/<id>/           crash bundles (ember crashes list|show|export)
@@ -12,6 +13,7 @@ Directories are 0700 and files 0600: crash bundles and logs describe the user's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,44 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.ops.contract import private_dir, state_dir
+
 SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
-
-
-def state_dir() -> Path:
-    env = os.environ.get("EMBER_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    if os.geteuid() == 0 and os.environ.get("EMBER_SYSTEM") == "1":
-        return Path("/var/lib/ember")
-    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return Path(base) / "ember"
-
-
-def config_file(env: dict[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    if env.get("EMBER_CONFIG"):
-        return Path(env["EMBER_CONFIG"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "ember" / "ember.toml"
-
-
-def private_dir(path: Path) -> Path:
-    """Make `path` a 0700 directory. The mode is set through a descriptor opened without following
-    a link: a symlink in its place (a kv dir on another disk, or one planted by the user that owns
-    the state dir while root runs the CLI) is used as it is and its target's mode never changed."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:  # a symlink (ELOOP), or not ours to open
-        return path
-    try:
-        if (os.fstat(fd).st_mode & 0o777) != 0o700:
-            os.fchmod(fd, 0o700)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return path
 
 
 class UnsafeSocketDir(PermissionError):
@@ -91,10 +58,8 @@ def secure_socket_dir(path: Path) -> Path:
     again. Another user's: UnsafeSocketDir, since a sticky /tmp lets us neither use nor remove it."""
     uid = os.geteuid()
     for _ in range(3):
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
         st = os.lstat(path)
         if st.st_uid != uid:
             check_socket_dir(path)  # raises, naming the owner
@@ -199,7 +164,7 @@ class Layout:
     def daemon_out(self) -> Path:
         return self.logs / "daemon.out"
 
-    def ensure(self) -> "Layout":
+    def ensure(self) -> Layout:
         for d in (self.state, self.run, self.logs, self.crashes):
             private_dir(d)
         path = self.socket_dir_path()
@@ -229,10 +194,8 @@ def write_private(path: Path, data: bytes | str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

@@ -4,7 +4,7 @@ configuration errors. It decides from failures it is told about; it never looks 
 - Backoff: the n-th consecutive failure waits base * 2**(n-1), capped (1 s doubling to 60 s); the
   count resets once the worker has been ready for `reset` seconds (10 minutes). The level stops
   growing at LEVEL_CAP, so a worker that fails for weeks never overflows the arithmetic.
-- A poisoned context (exit 75, or one detected in the log or by the health endpoint) restarts after
+- A poisoned context (exit 75, ExitCode.POISONED, or one detected in the log or by the health endpoint) restarts after
   the minimum delay and does not raise the backoff level; it still counts for the breaker.
 - An `unresponsive` kill (the process was alive but its liveness probe timed out for
   unresponsive_seconds: an overloaded event loop, not a crash) raises the backoff level like any
@@ -13,15 +13,16 @@ configuration errors. It decides from failures it is told about; it never looks 
   with the reason. After `cooldown` seconds (0 = never) the daemon tries once more (half-open):
   the breaker closes when that worker becomes ready, and opens again at once if it fails first.
   `ember start` or `ember restart` closes it immediately.
-- A configuration error (exit 78) is not a failure of this policy: the daemon stops without
-  restarting and no cool-down ever retries it (core.py calls close_breaker()).
+- A configuration error (exit 78, ExitCode.CONFIG) is not a failure of this policy: the daemon stops without
+  restarting and no cool-down ever retries it (lifecycle.py calls close_breaker()).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
+
+from ember.ops.contract import iso_utc
 
 from .detect import UNRESPONSIVE
 
@@ -159,7 +160,7 @@ class RestartPolicy:
 
 
 def _iso(t: float | None) -> str | None:
-    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+    return None if t is None else iso_utc(t)
 
 
 def _span(seconds: float) -> str:

@@ -4,21 +4,22 @@
   process itself: alive, not a zombie, not stuck in uninterruptible sleep (D state).
 - readiness: GET /health/ready, then a real one-token generation (POST /v1/completions); a 429
   answer to the generation (queue full) is marked `busy`: the worker answers, it is just full.
-Each probe returns a record (also written to the crash bundle's health.jsonl). What a record means
-for the worker (how long to wait, which class of incident) is verdicts.py's business.
+Each probe returns a ProbeResult (its record() also goes into the crash bundle's health.jsonl). What
+a result means for the worker (how long to wait, which class of incident) is verdicts.py's business.
 """
 
 from __future__ import annotations
 
+import enum
 import http.client
 import json
-import socket
 import time
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
+from ember.ops.contract import PROBE_HEADER, HealthState, iso_utc
 
 
 class ProbeTimeout(Exception):
@@ -57,14 +58,54 @@ def http_call(method: str, url: str, *, body: bytes | None = None, headers: dict
             chunks.append(c)
             n += len(c)
         return resp.status, b"".join(chunks)
-    except socket.timeout:
+    except TimeoutError:  # socket.timeout
         raise ProbeTimeout(f"no answer within {timeout:g}s") from None
     finally:
         conn.close()
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+class Probe(enum.StrEnum):
+    LIVE = "live"
+    READY = "ready"
+    STARTUP = "startup"  # the readiness probe while the worker starts
+
+
+@dataclass
+class ProbeResult:
+    """One probe's result; record() is what health.jsonl and `ember status` keep of it."""
+
+    probe: str  # a Probe, or the scheduler's job name for a run it skipped or missed
+    ts: str = field(default_factory=iso_utc)
+    url: str | None = None
+    ok: bool | None = None  # None: no verdict (the probe did not run)
+    status: int | None = None  # the HTTP status, when the endpoint answered at all
+    state: str | None = None  # the health body's `state` (a HealthState, for ember)
+    error: str | dict[str, Any] | None = None  # a dict: the engine's own error object (CUDA, thread_died)
+    timeout: bool | None = None
+    refused: bool | None = None
+    busy: bool | None = None  # the one-token generation got 429: answering, just full
+    generation_status: int | None = None
+    stalled: bool | None = None  # the engine's own words, from the liveness body
+    steps: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    last_progress_seconds: float | None = None
+    process: str | None = None  # psutil's status of the worker process
+    cpu: float | None = None  # its user + system CPU seconds so far
+    ms: float | None = None
+    pid: int | None = None
+    incarnation: int | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ProcessCheck:
+    ok: bool  # alive and not a zombie
+    status: str | None = None  # psutil's status (running, sleeping, disk-sleep, zombie...)
+    cpu: float | None = None  # user + system CPU seconds so far: was a silent worker busy or idle?
+    error: str | None = None
 
 
 def _json(body: bytes) -> dict[str, Any] | None:
@@ -75,96 +116,102 @@ def _json(body: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def process_check(pid: int | None) -> dict[str, Any]:
-    """{'ok', 'status', 'cpu', 'error'} for the worker process (psutil); `cpu` is its user+system
-    seconds so far (evidence in health.jsonl of whether a silent worker was busy or idle)."""
+def process_check(pid: int | None) -> ProcessCheck:
+    """The worker process, as psutil sees it."""
     if not pid:
-        return {"ok": False, "error": "no process"}
+        return ProcessCheck(False, error="no process")
     try:
         p = psutil.Process(pid)
         st = p.status()
     except psutil.NoSuchProcess:
-        return {"ok": False, "error": "process gone"}
+        return ProcessCheck(False, error="process gone")
     except psutil.Error as e:
-        return {"ok": True, "status": "unknown", "error": str(e)}
+        return ProcessCheck(True, status="unknown", error=str(e))
     if st == psutil.STATUS_ZOMBIE:
-        return {"ok": False, "status": st, "error": "zombie"}
-    out: dict[str, Any] = {"ok": True, "status": st}
+        return ProcessCheck(False, status=st, error="zombie")
     try:
         t = p.cpu_times()
-        out["cpu"] = round(t.user + t.system, 2)
+        return ProcessCheck(True, status=st, cpu=round(t.user + t.system, 2))
     except psutil.Error:
-        pass
-    return out
+        return ProcessCheck(True, status=st)
 
 
-def live_probe(url: str, timeout: float) -> dict[str, Any]:
-    rec: dict[str, Any] = {"ts": _now(), "probe": "live", "url": url}
+# a health body's fields the liveness rule reads (verdicts.py), copied into the result as they are
+_LIVE_BODY_FIELDS = ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error")
+_NOT_SERVING = (HealthState.LOADING, HealthState.DRAINING)
+
+
+def live_probe(url: str, timeout: float) -> ProbeResult:
+    rec = ProbeResult(Probe.LIVE, url=url)
     t0 = time.monotonic()
     try:
         status, body = http_call("GET", url, timeout=timeout)
         obj = _json(body)
-        rec["status"] = status
+        rec.status = status
         if obj is not None:
-            rec["state"] = obj.get("state", obj.get("status"))
-            for k in ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error"):
+            rec.state = obj.get("state", obj.get("status"))
+            for k in _LIVE_BODY_FIELDS:
                 if k in obj:
-                    rec[k] = obj[k]
-        rec["ok"] = status < 500 and rec.get("state") != "poisoned"
-        if status == 503 and rec.get("state") in ("loading", "draining") and not rec.get("stalled"):
-            rec["ok"] = True  # alive, just not serving (llama-server answers 503 while loading)
-        if not rec["ok"]:
-            rec["error"] = rec.get("error") or f"HTTP {status}"
+                    setattr(rec, k, obj[k])
+        rec.ok = status < 500 and rec.state != HealthState.POISONED
+        if status == 503 and rec.state in _NOT_SERVING and not rec.stalled:
+            rec.ok = True  # alive, just not serving (llama-server answers 503 while loading)
+        if not rec.ok:
+            rec.error = rec.error or f"HTTP {status}"
     except ProbeTimeout as e:
-        rec.update(ok=False, error=str(e), timeout=True)
+        rec.ok, rec.error, rec.timeout = False, str(e), True
     except OSError as e:
-        rec.update(ok=False, error=f"{type(e).__name__}: {e}", refused=isinstance(e, ConnectionRefusedError))
+        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
     except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.update(ok=False, error=f"bad answer: {type(e).__name__}: {e}")
-    rec["ms"] = round((time.monotonic() - t0) * 1000, 1)
+        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec
 
 
+_GENERATION = json.dumps({"model": "x", "prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()
+
+
 def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | None,
-                generate: bool = True) -> dict[str, Any]:
+                generate: bool = True) -> ProbeResult:
     """GET the readiness URL; when it says ready, a one-token generation. `ok` = both passed."""
-    rec: dict[str, Any] = {"ts": _now(), "probe": "ready", "url": ready_url}
+    rec = ProbeResult(Probe.READY, url=ready_url)
     t0 = time.monotonic()
     deadline = t0 + timeout
     try:
         status, body = http_call("GET", ready_url, timeout=timeout)
         obj = _json(body) or {}
-        rec["status"] = status
-        rec["state"] = obj.get("state", obj.get("status"))
+        rec.status = status
+        rec.state = obj.get("state", obj.get("status"))
         if status != 200:
-            rec.update(ok=False, error=f"not ready: HTTP {status}" + (f" ({rec['state']})" if rec["state"] else ""))
+            rec.ok, rec.error = False, f"not ready: HTTP {status}" + (f" ({rec.state})" if rec.state else "")
         elif generate and gen_url:
-            headers = {"Content-Type": "application/json", "X-Ember-Probe": "1"}
+            headers = {"Content-Type": "application/json", PROBE_HEADER: "1"}
             if api_key:
                 headers["Authorization"] = f"Bearer {api_key}"
-            body = json.dumps({"model": "x", "prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ProbeTimeout(f"no answer within {timeout:g}s")
-            gs, gb = http_call("POST", gen_url, body=body, headers=headers, timeout=left)
-            rec["generation_status"] = gs
+            gs, gb = http_call("POST", gen_url, body=_GENERATION, headers=headers, timeout=left)
+            rec.generation_status = gs
             go = _json(gb)
             if gs == 200 and go is not None and go.get("choices"):
-                rec["ok"] = True
+                rec.ok = True
             elif gs == 429:  # the queue is full: answering, just busy
-                rec.update(ok=False, busy=True, error="busy: the generation was refused with HTTP 429 (queue full)")
+                rec.ok, rec.busy = False, True
+                rec.error = "busy: the generation was refused with HTTP 429 (queue full)"
             else:
                 err = (go or {}).get("error")
                 msg = err.get("message") if isinstance(err, dict) else err
-                rec.update(ok=False, error=f"generation failed: HTTP {gs}" + (f": {str(msg)[:200]}" if msg else ""))
+                rec.ok = False
+                rec.error = f"generation failed: HTTP {gs}" + (f": {str(msg)[:200]}" if msg else "")
         else:
-            rec["ok"] = True
+            rec.ok = True
     except ProbeTimeout:
-        rec.update(ok=False, error=f"no answer within {timeout:g}s"
-                   + (" (one-token generation)" if rec.get("status") == 200 else ""), timeout=True)
+        rec.ok, rec.timeout = False, True
+        rec.error = f"no answer within {timeout:g}s" + (" (one-token generation)" if rec.status == 200 else "")
     except OSError as e:
-        rec.update(ok=False, error=f"{type(e).__name__}: {e}", refused=isinstance(e, ConnectionRefusedError))
+        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
     except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.update(ok=False, error=f"bad answer: {type(e).__name__}: {e}")
-    rec["ms"] = round((time.monotonic() - t0) * 1000, 1)
+        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec

@@ -23,12 +23,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .paths import config_file, state_dir
+from ember.ops import contract
+from ember.ops.contract import ExitCode
 
 UNIT_NAME = "ember.service"
 CRON_MARK = "# ember-autostart"
 SYSTEM_USER = "ember"
-EX_OK, EX_FAIL, EX_USAGE, EX_NOT_INSTALLED = 0, 1, 2, 3
+EX_OK, EX_FAIL, EX_NOT_INSTALLED = ExitCode.OK, ExitCode.FAILURE, ExitCode.NOT_INSTALLED
 
 
 # -- where things are ------------------------------------------------------------------------------
@@ -51,20 +52,15 @@ def unit_path(system: bool) -> Path:
         return Path(os.environ["EMBER_SERVICE_UNIT_FILE"]).expanduser()
     if system:
         return Path("/etc/systemd/system") / UNIT_NAME
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "systemd" / "user" / UNIT_NAME
+    return contract.xdg_home("config") / "systemd" / "user" / UNIT_NAME
 
 
 def _config(system: bool) -> Path:
-    if system and not os.environ.get("EMBER_CONFIG"):
-        return Path("/etc/ember/ember.toml")
-    return config_file()
+    return contract.config_file(system=system or None)  # --system: /etc/ember unless EMBER_CONFIG says
 
 
 def _state(system: bool) -> Path:
-    if system and not os.environ.get("EMBER_STATE_DIR"):
-        return Path("/var/lib/ember")
-    return state_dir()
+    return contract.state_dir(system=system or None)  # --system: /var/lib/ember unless EMBER_STATE_DIR says
 
 
 def env_file_path(system: bool) -> Path:
@@ -107,15 +103,15 @@ def render_unit(system: bool, ember: Path | None = None) -> str:
         "Type=notify",
         "NotifyAccess=main",
         f"ExecStart={_sd_exec(ember)} daemon run",
-        f"Environment={_sd_quote('EMBER_CONFIG=' + str(conf))}",
-        f"Environment={_sd_quote('EMBER_STATE_DIR=' + str(state))}",
+        f"Environment={_sd_quote(f'{contract.ENV_CONFIG}={conf}')}",
+        f"Environment={_sd_quote(f'{contract.ENV_STATE_DIR}={state}')}",
         "Environment=PYTHONUNBUFFERED=1",
         f"EnvironmentFile=-{envf}",
         "WatchdogSec=30",
         "Restart=on-failure",
         "RestartSec=5",
-        # 78: a configuration error; restarting cannot fix it
-        "RestartPreventExitStatus=78",
+        # a configuration error; restarting cannot fix it
+        f"RestartPreventExitStatus={ExitCode.CONFIG}",
         "TimeoutStartSec=600",
         "TimeoutStopSec=120",
         # SIGTERM to the daemon (it drains and stops the worker), SIGKILL to what is left after the timeout
@@ -222,7 +218,8 @@ def cron_line(system: bool, ember: Path | None = None) -> str:
     ember = ember or ember_executable()
     state = _state(system)
     log = state / "logs" / "boot.log"
-    env = f"EMBER_CONFIG={shlex.quote(str(_config(system)))} EMBER_STATE_DIR={shlex.quote(str(state))}"
+    env = (f"{contract.ENV_CONFIG}={shlex.quote(str(_config(system)))} "
+           f"{contract.ENV_STATE_DIR}={shlex.quote(str(state))}")
     cmd = f"@reboot {env} {shlex.quote(str(ember))} start --no-wait >> {shlex.quote(str(log))} 2>&1 {CRON_MARK}"
     return cmd.replace("%", "\\%")  # % is a newline to cron
 
@@ -298,7 +295,8 @@ def cmd_install(args: argparse.Namespace) -> int:
     scope = "system" if system else "user"
     if via == "systemd":
         path, text = unit_path(system), render_unit(system, ember)
-        print(f"autostart: systemd {scope} unit {path}" + ("" if systemd_running() else " (systemd is not running here)"))
+        print(f"autostart: systemd {scope} unit {path}"
+              + ("" if systemd_running() else " (systemd is not running here)"))
         if dry:
             print(f"would write {path}:\n" + "-" * 60 + f"\n{text}" + "-" * 60)
         else:
@@ -314,24 +312,26 @@ def cmd_install(args: argparse.Namespace) -> int:
             if _run(_systemctl(system, "enable", UNIT_NAME), dry) != 0:
                 print(f"ember service: systemctl enable {UNIT_NAME} failed", file=sys.stderr)
                 return EX_FAIL
-        print(f"ember will start at boot through systemd; now: ember start (or systemctl{'' if system else ' --user'} start ember)")
+        print("ember will start at boot through systemd; now: ember start "
+              f"(or systemctl{'' if system else ' --user'} start ember)")
         if not system:
             _linger_hint()
         return EX_OK
     # cron
     line = cron_line(system, ember)
     why = "systemd is not running here" if not systemd_running() else "--via cron"
-    print(f"autostart: {why}, so an @reboot crontab entry{' for user ' + SYSTEM_USER if system else ''} runs `ember start`")
+    print(f"autostart: {why}, so an @reboot crontab entry{' for user ' + SYSTEM_USER if system else ''} "
+          "runs `ember start`")
     if dry:
         print(f"would add to the crontab:\n  {line}")
-        print("(where systemd runs, this unit would be written instead:)\n" + "-" * 60 + f"\n{render_unit(system, ember)}"
-              + "-" * 60)
+        print("(where systemd runs, this unit would be written instead:)\n" + "-" * 60
+              + f"\n{render_unit(system, ember)}" + "-" * 60)
         return EX_OK
     current = _read_crontab(system)
     if current is None:
-        print("ember service: neither systemd nor crontab is available on this machine, so ember will NOT start at boot.\n"
-              "  Install cron (e.g. apt-get install cron) and run `ember service install` again, or start it by hand: ember start",
-              file=sys.stderr)
+        print("ember service: neither systemd nor crontab is available on this machine, so ember will NOT start at "
+              "boot.\n  Install cron (e.g. apt-get install cron) and run `ember service install` again, or start it "
+              "by hand: ember start", file=sys.stderr)
         return EX_FAIL
     kept = [ln for ln in current.splitlines() if CRON_MARK not in ln]
     try:
@@ -378,8 +378,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         found = True
         line = f"autostart: systemd {'system' if system else 'user'} unit {path}"
         if systemd_running():
-            en = subprocess.run(_systemctl(system, "is-enabled", UNIT_NAME), capture_output=True, text=True).stdout.strip()
-            ac = subprocess.run(_systemctl(system, "is-active", UNIT_NAME), capture_output=True, text=True).stdout.strip()
+            en, ac = (subprocess.run(_systemctl(system, verb, UNIT_NAME), capture_output=True, text=True).stdout.strip()
+                      for verb in ("is-enabled", "is-active"))
             line += f"  ({en or 'unknown'}, {ac or 'unknown'})"
         else:
             line += "  (systemd is not running here: the unit is inactive)"
@@ -396,12 +396,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def service_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ember service", description="start ember at boot: a systemd unit, or an @reboot crontab entry")
+    p = argparse.ArgumentParser(prog="ember service",
+                                description="start ember at boot: a systemd unit, or an @reboot crontab entry")
     sub = p.add_subparsers(dest="verb", required=True)
     for name, text in (("install", "install and enable the boot service"), ("uninstall", "disable and remove it"),
                        ("status", "which autostart is installed, and its state")):
         s = sub.add_parser(name, help=text)
-        s.add_argument("--system", action="store_true", help="system unit (root; runs as the user ember) instead of a user unit")
+        s.add_argument("--system", action="store_true",
+                       help="system unit (root; runs as the user ember) instead of a user unit")
         if name != "status":
             s.add_argument("--dry-run", action="store_true", help="print what would be written and run; change nothing")
         if name == "install":

@@ -1,8 +1,8 @@
 """The daemon's settings: `[daemon]` in ember.toml, `EMBER_DAEMON_*` variables, `ember daemon run` flags.
 
-Precedence: flag, then environment, then file, then the default. Durations accept seconds or a
-suffix (`500ms`, `30s`, `10m`, `1h`); sizes accept `512MiB`-style units. The defaults are the
-production policy (issue 4); tests shrink the timing knobs through the same keys.
+Precedence: flag, then environment, then file, then the default. Durations and sizes are spelled
+as ember.ops.contract parses them (`500ms`, `30s`, `10m`, `1h`; `512MiB`, `4GiB`). The defaults are
+the production policy (issue 4); tests shrink the timing knobs through the same keys.
 
 The engine is the ember worker unless `command` names another one (for example llama.cpp's
 llama-server), in which case `health_url` (liveness), and optionally `ready_url`,
@@ -14,19 +14,19 @@ the daemon only reads `host`, `port` and `api_key` there, to know where to probe
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .paths import config_file
+from ember.ops import contract
 
 
 class SettingsError(ValueError):
-    """A bad daemon setting (one line). `ember daemon run` exits 78 with it."""
+    """A bad daemon setting (one line). `ember daemon run` exits with ExitCode.CONFIG on it."""
 
 
 @dataclass
@@ -102,13 +102,13 @@ class Settings:
     def live_url(self) -> str:
         if self.foreign:
             return self.health_url or ""
-        return self._base() + "/health/live"
+        return self._base() + contract.LIVE_PATH
 
     @property
     def readiness_url(self) -> str:
         if self.foreign:
             return self.ready_url or self.health_url or ""
-        return self._base() + "/health/ready"
+        return self._base() + contract.READY_PATH
 
     @property
     def generation_url(self) -> str:
@@ -157,29 +157,15 @@ def redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
-_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 _SIZES = {"crash_max_bytes", "log_max_bytes"}
 
 
 def parse_duration(v: Any, name: str) -> float:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    m = _DUR.match(str(v))
-    if not m:
-        raise SettingsError(f"{name}: {v!r} is not a duration (examples: 500ms, 30s, 10m)")
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+    return contract.parse_duration(v, name, SettingsError)
 
 
 def parse_size(v: Any, name: str) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    m = _SIZE.match(str(v))
-    if not m:
-        raise SettingsError(f"{name}: {v!r} is not a size (examples: 64MiB, 1GiB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    return contract.parse_size(v, name, SettingsError)
 
 
 def _convert(name: str, kind: Any, value: Any) -> Any:
@@ -206,18 +192,18 @@ def _convert(name: str, kind: Any, value: Any) -> Any:
         raise SettingsError(f"{name}: {value!r} is not valid") from None
 
 
-def load(flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-         path: str | os.PathLike | None = None) -> Settings:
+def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = None,
+         path: str | os.PathLike[str] | None = None) -> Settings:
     env = os.environ if env is None else env
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    cfg_path = Path(path) if path else config_file(env)
+    cfg_path = Path(path) if path else contract.config_file(env)
     data: dict[str, Any] = {}
     if cfg_path.exists():
         try:
             data = tomllib.loads(cfg_path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise SettingsError(f"config file {cfg_path}: {e}") from None
-    elif path or env.get("EMBER_CONFIG"):
+    elif path or env.get(contract.ENV_CONFIG):
         raise SettingsError(f"config file {cfg_path} does not exist")
     daemon_sec = data.get("daemon", {}) if isinstance(data.get("daemon"), dict) else {}
     worker_sec = data.get("worker", data) if isinstance(data.get("worker", data), dict) else {}

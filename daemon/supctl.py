@@ -10,6 +10,7 @@ supervisord's ini syntax (and the worker keeps the pid supervisord knows).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -21,12 +22,42 @@ import subprocess
 import sys
 import time
 import xmlrpc.client
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .paths import Layout, write_private
 
 PROGRAM = "worker"
 RPC_TIMEOUT = 10.0
+ALIVE_STATES = frozenset({"RUNNING", "STARTING", "STOPPING"})  # supervisord's states of a process that runs
+ALREADY_STARTED = 60  # supervisord's fault code for startProcess on a running process
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """supervisord's getProcessInfo() for the worker program, typed."""
+
+    statename: str
+    pid: int | None  # None while no process runs
+    exitstatus: int | None
+    spawnerr: str
+    start: float  # wall time supervisord started it (0 when never)
+
+    @classmethod
+    def from_rpc(cls, d: Any) -> ProcessInfo:
+        return cls(statename=str(d["statename"]), pid=int(d.get("pid") or 0) or None,
+                   exitstatus=d.get("exitstatus"), spawnerr=str(d.get("spawnerr") or ""),
+                   start=float(d.get("start") or 0))
+
+    @property
+    def alive(self) -> bool:
+        return self.statename in ALIVE_STATES
+
+
+def process_info(proxy: Any) -> ProcessInfo:
+    """The worker program's state; raises OSError or xmlrpc.client.Error when supervisord does not answer."""
+    return ProcessInfo.from_rpc(proxy.supervisor.getProcessInfo(PROGRAM))
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -50,7 +81,7 @@ class _UnixTransport(xmlrpc.client.Transport):
         super().__init__()
         self._path, self._timeout = path, timeout
 
-    def make_connection(self, host):  # a fresh connection per call: no stale keep-alive state
+    def make_connection(self, host: Any) -> http.client.HTTPConnection:  # one per call: no stale keep-alive
         return _UnixConnection(self._path, self._timeout)
 
 
@@ -63,12 +94,13 @@ def alive(sock: Path, timeout: float = 2.0) -> bool:
     if not sock.exists():
         return False
     try:
-        return rpc(sock, timeout).supervisor.getState()["statename"] == "RUNNING"
+        proxy: Any = rpc(sock, timeout)
+        return bool(proxy.supervisor.getState()["statename"] == "RUNNING")
     except (OSError, xmlrpc.client.Error, KeyError):
         return False
 
 
-def _ini(value: str) -> str:
+def _ini(value: str | Path) -> str:
     return str(value).replace("%", "%%")
 
 
@@ -118,7 +150,7 @@ umask=077
 """
 
 
-def write_conf(lay: Layout, **kw) -> bool:
+def write_conf(lay: Layout, **kw: Any) -> bool:
     """Write supervisord.conf; True when it changed."""
     text = render_conf(lay, **kw)
     try:
@@ -138,12 +170,10 @@ def supervisord_exe() -> list[str]:
     return [found] if found else [sys.executable, "-c", "from supervisor.supervisord import main; main()"]
 
 
-def spawn(lay: Layout, timeout: float = 15.0) -> subprocess.Popen:
+def spawn(lay: Layout, timeout: float = 15.0) -> subprocess.Popen[bytes]:
     """Start supervisord in its own session (it outlives the daemon) and wait for its socket."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         lay.supervisor_sock.unlink()
-    except FileNotFoundError:
-        pass
     out = os.open(lay.logs / "supervisord.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_"))}
@@ -169,7 +199,7 @@ _SIG = re.compile(r"terminated by (SIG[A-Z0-9]+)")
 _CODE = re.compile(r"exit status (\d+)")
 
 
-def last_exit(lay: Layout) -> dict:
+def last_exit(lay: Layout) -> dict[str, Any]:
     """The last exit supervisord logged for the worker: {'signal': 'SIGKILL', 'core': bool} or {'code': N}.
 
     XML-RPC reports a signal death only as exitstatus -1; supervisord's log line names the signal."""

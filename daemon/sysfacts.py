@@ -1,6 +1,6 @@
-"""Host, Python, driver and GPU facts for crash bundles. NVML through ctypes when the library is
-present (no extra dependency); every call runs under a time limit, since a GPU in trouble can make
-NVML slow exactly when a bundle is being written."""
+"""ember's version, and host, Python, driver and GPU facts for crash bundles and status. NVML through
+ctypes when the library is present (no extra dependency); every call runs under a time limit, since
+a GPU in trouble can make NVML slow exactly when a bundle is being written."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ import platform
 import socket
 import sys
 import threading
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import psutil
+
+
+def ember_version() -> str:
+    try:
+        return version("ember")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 def host_facts() -> dict[str, Any]:

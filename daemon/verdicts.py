@@ -1,6 +1,6 @@
 """What probe results mean for the worker: which liveness and readiness failures end it, after how
-much patience, and as which incident class. Bookkeeping only: the main loop (core.py) feeds it
-the records probes.py measured and applies the Kill it returns; nothing here touches a process.
+much patience, and as which incident class. Bookkeeping only: the lifecycle (lifecycle.py) feeds it
+the ProbeResults probes.py measured and applies the Kill it returns; nothing here touches a process.
 
 Liveness (GET /health/live plus the process itself, psutil), record by record:
 - answered and fine: the failure run ends.
@@ -29,17 +29,27 @@ Readiness (GET /health/ready, then a one-token generation):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from ember.ops.contract import Event, HealthState
 
 from .detect import HANG, POISONED, UNHEALTHY, UNRESPONSIVE
+from .probes import ProbeResult
 
-# what one liveness record says
-OK, POISON, GONE, STALLED, SILENT, BROKEN = "ok", "poisoned", "gone", "stalled", "silent", "broken"
-THREAD_DIED = "thread_died"
-OUTCOMES = ("completed", "failed", "canceled", "refused")  # a request's one outcome (log events, DESIGN.md)
+
+class LiveKind(enum.Enum):
+    """What one liveness result says about the worker."""
+
+    OK = "ok"
+    POISON = "poison"  # the engine reports a poisoned context
+    GONE = "gone"  # the process is gone or a zombie
+    STALLED = "stalled"  # the engine says its loop makes no progress
+    THREAD_DIED = "thread_died"
+    SILENT = "silent"  # no answer in time
+    BROKEN = "broken"  # refused, reset, malformed, another 5xx
 
 
 @dataclass
@@ -51,24 +61,24 @@ class Kill:
     details: dict[str, Any] = field(default_factory=dict)
     minimal: bool = False  # poisoned context: minimum delay, no backoff penalty
     poison_grace: bool = False  # give a poisoned engine poison_grace seconds to exit by itself
-    cuda: dict | None = None
+    cuda: dict[str, Any] | None = None
 
 
-def classify(rec: dict[str, Any]) -> str:
-    """One liveness record (probes.live_probe plus the process check) as one of the kinds above."""
-    if rec.get("ok"):
-        return OK
-    if rec.get("state") == "poisoned":
-        return POISON
-    if rec.get("process") == psutil.STATUS_ZOMBIE or str(rec.get("error", "")).startswith("process:"):
-        return GONE
-    if rec.get("timeout"):
-        return SILENT
-    if isinstance(rec.get("error"), dict) and rec["error"].get("name") == THREAD_DIED:
-        return THREAD_DIED
-    if rec.get("stalled") or (rec.get("status") == 503 and rec.get("state") != "draining"):
-        return STALLED
-    return BROKEN
+def live_kind(rec: ProbeResult) -> LiveKind:
+    """One liveness result (probes.live_probe plus the process check) as a LiveKind."""
+    if rec.ok:
+        return LiveKind.OK
+    if rec.state == HealthState.POISONED:
+        return LiveKind.POISON
+    if rec.process == psutil.STATUS_ZOMBIE or str(rec.error or "").startswith("process:"):
+        return LiveKind.GONE
+    if rec.timeout:
+        return LiveKind.SILENT
+    if isinstance(rec.error, dict) and rec.error.get("name") == Event.THREAD_DIED:
+        return LiveKind.THREAD_DIED
+    if rec.stalled or (rec.status == 503 and rec.state != HealthState.DRAINING):
+        return LiveKind.STALLED
+    return LiveKind.BROKEN
 
 
 class LiveWatch:
@@ -89,14 +99,14 @@ class LiveWatch:
         return {"failures": self.fails, "failing_seconds": round(now - self.since, 1),
                 "unresponsive_after_seconds": s.unresponsive_seconds}
 
-    def observe(self, rec: dict[str, Any], now: float, s: Any) -> Kill | None:
+    def observe(self, rec: ProbeResult, now: float, s: Any) -> Kill | None:
         """`s` is the daemon's Settings (live_failures, unresponsive_seconds, dstate_seconds)."""
-        kind = classify(rec)
-        if "status" in rec:
+        kind = live_kind(rec)
+        if rec.status is not None:
             self.last_answer = now
-        if rec.get("steps") is not None:
-            self.steps = rec["steps"]
-        if rec.get("process") == psutil.STATUS_DISK_SLEEP:
+        if rec.steps is not None:
+            self.steps = rec.steps
+        if rec.process == psutil.STATUS_DISK_SLEEP:
             if self.dstate_since is None:
                 self.dstate_since = now
             if now - self.dstate_since >= s.dstate_seconds:
@@ -104,40 +114,41 @@ class LiveWatch:
                                   f"{now - self.dstate_since:.0f}s", "process")
         else:
             self.dstate_since = None
-        if kind == OK:
+        if kind is LiveKind.OK:
             self.fails, self.since, self.cpu0 = 0, None, None
             return None
-        if kind == POISON:
-            err = rec.get("error") if isinstance(rec.get("error"), dict) else None
+        if kind is LiveKind.POISON:
+            err = rec.error if isinstance(rec.error, dict) else None
             return Kill(POISONED, "the worker's health endpoint reports a poisoned context", "liveness",
                         minimal=True, poison_grace=True, cuda=err)
-        if kind == GONE:
+        if kind is LiveKind.GONE:
             return None
         self.fails += 1
         if self.since is None:
-            self.since = now - float(rec.get("ms") or 0) / 1000  # the first failed probe began then
-            self.cpu0 = rec.get("cpu")
+            self.since = now - float(rec.ms or 0) / 1000  # the first failed probe began then
+            self.cpu0 = rec.cpu
         if self.fails < s.live_failures:
             return None
         details: dict[str, Any] = {"live_failures": self.fails}
-        if kind == STALLED:
+        if kind is LiveKind.STALLED:
             why = "the engine loop stopped making progress (liveness 503"
-            why += f", stalled {rec.get('last_progress_seconds')}s)" if rec.get("stalled") else ")"
+            why += f", stalled {rec.last_progress_seconds}s)" if rec.stalled else ")"
             return Kill(HANG, why, "liveness", details)
-        if kind == THREAD_DIED:
-            return Kill(UNHEALTHY, f"a worker thread died ({rec['error'].get('message')})", "liveness", details)
-        if kind == BROKEN:
+        if kind is LiveKind.THREAD_DIED:
+            message = rec.error.get("message") if isinstance(rec.error, dict) else rec.error
+            return Kill(UNHEALTHY, f"a worker thread died ({message})", "liveness", details)
+        if kind is LiveKind.BROKEN:
             return Kill(UNHEALTHY, f"liveness failed {self.fails} times in a row while the process lives: "
-                                   f"{rec.get('error')}", "liveness", details)
+                                   f"{rec.error}", "liveness", details)
         silent = now - self.since
         if silent < s.unresponsive_seconds:
             return None
         details["unresponsive_seconds"] = round(silent, 3)
-        details["process_status"] = rec.get("process")
-        if self.cpu0 is not None and rec.get("cpu") is not None:
-            details["cpu_seconds_meanwhile"] = round(rec["cpu"] - self.cpu0, 2)  # busy (high) or idle (0)?
+        details["process_status"] = rec.process
+        if self.cpu0 is not None and rec.cpu is not None:
+            details["cpu_seconds_meanwhile"] = round(rec.cpu - self.cpu0, 2)  # busy (high) or idle (0)?
         return Kill(UNRESPONSIVE, f"no liveness answer for {silent:.0f}s ({self.fails} probes timed out) while "
-                                  f"the process lives ({rec.get('process')})", "liveness", details)
+                                  f"the process lives ({rec.process})", "liveness", details)
 
 
 class ReadyWatch:
@@ -145,14 +156,14 @@ class ReadyWatch:
 
     def __init__(self) -> None:
         self.since: float | None = None  # monotonic start of the no-generation run
-        self.progress0: tuple | None = None
+        self.progress0: tuple[int | None, int] | None = None
 
-    def observe(self, rec: dict[str, Any], now: float, s: Any, live: LiveWatch, outcomes: int) -> Kill | None:
+    def observe(self, rec: ProbeResult, now: float, s: Any, live: LiveWatch, outcomes: int) -> Kill | None:
         """`outcomes` counts request outcomes the worker has logged so far (progress evidence)."""
-        if rec.get("ok") or rec.get("busy") or rec.get("state") == "draining":
+        if rec.ok or rec.busy or rec.state == HealthState.DRAINING:
             self.since = None
             return None
-        if not (rec.get("timeout") or (rec.get("status") == 200 and "generation" in str(rec.get("error")))):
+        if not (rec.timeout or (rec.status == 200 and "generation" in str(rec.error))):
             return None  # not ready (loading, say): not a hang symptom either way
         progress = (live.steps, outcomes)
         if self.since is None or progress != self.progress0:
@@ -163,4 +174,4 @@ class ReadyWatch:
         if live.last_answer is None or live.last_answer < self.since:
             return None  # liveness has been silent too: its own (more patient) rule decides
         return Kill(HANG, f"no one-token generation for {now - self.since:.0f}s and no engine progress "
-                          f"({rec.get('error')})", "readiness")
+                          f"({rec.error})", "readiness")

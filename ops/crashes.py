@@ -2,7 +2,8 @@
 
 A bundle is `<state>/crashes/<UTC time>-<class>/` with meta.json, worker.log, events.jsonl and
 health.jsonl (see ember.daemon.bundle). ID is a bundle name, a unique prefix of one, `latest`, or
-a negative index (-1 = the newest). This module imports nothing of the daemon or the worker.
+a negative index (-1 = the newest). The state dir is the contract's (ember.ops.contract.state_dir),
+the one the daemon writes to; this module imports nothing of the daemon or the worker.
 """
 
 from __future__ import annotations
@@ -17,15 +18,9 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-EX_OK, EX_FAIL, EX_USAGE = 0, 1, 2
+from .contract import ExitCode, state_dir
 
-
-def state_dir() -> Path:
-    env = os.environ.get("EMBER_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return Path(base) / "ember"
+EX_OK, EX_FAIL = ExitCode.OK, ExitCode.FAILURE
 
 
 def crash_dir(state: Path | None = None) -> Path:
@@ -95,7 +90,7 @@ def rows(root: Path | None = None) -> list[dict[str, Any]]:
                     "restarts": m.get("restart_count"), "exit_code": m.get("exit_code"), "signal": m.get("signal"),
                     "killed_by_daemon": killed, "cuda": cuda.get("name") or cuda.get("code"),
                     "detected_by": det.get("source"), "reason": det.get("reason")})
-    counts: dict[str, int] = {}
+    counts: dict[Any, int] = {}  # by signature (None for a bundle without one)
     for r in out:
         counts[r["signature"]] = counts.get(r["signature"], 0) + 1
     for r in out:
@@ -103,7 +98,7 @@ def rows(root: Path | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def cmd_list(args) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     rs = rows()
     if args.json:
         print(json.dumps(rs, indent=2))
@@ -125,11 +120,11 @@ def cmd_list(args) -> int:
                       str(r["restarts"] if r["restarts"] is not None else "-"), str(cause), r["id"]))
     widths = [max(len(row[i]) for row in table) for i in range(len(hdr))]
     for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return EX_OK
 
 
-def cmd_show(args) -> int:
+def cmd_show(args: argparse.Namespace) -> int:
     b = resolve(args.id)
     m = load_meta(b)
     if args.json:
@@ -152,8 +147,8 @@ def cmd_show(args) -> int:
           f"decision {json.dumps(m.get('restart'))}")
     host, gpu = m.get("host") or {}, m.get("gpu") or {}
     gpus = ", ".join(g.get("name", "?") for g in gpu.get("gpus", [])) or ("no NVML" if not gpu.get("present") else "-")
-    print(f"  host        {host.get('platform')}  python {host.get('python')}  driver {gpu.get('driver_version', '-')}  "
-          f"gpus {gpus}")
+    print(f"  host        {host.get('platform')}  python {host.get('python')}  "
+          f"driver {gpu.get('driver_version', '-')}  gpus {gpus}")
     lw = m.get("log_window") or {}
     print(f"  affected    requests {lw.get('affected_requests')}  last healthy {lw.get('last_healthy_request')}")
     print(f"  files       {b}/ (meta.json, worker.log {lw.get('lines')} lines, events.jsonl "
@@ -211,7 +206,7 @@ def export(b: Path, out: Path) -> Path:
     return out
 
 
-def cmd_export(args) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     b = resolve(args.id)
     out = Path(args.output) if args.output else Path.cwd() / f"ember-crash-{b.name}.tar.gz"
     export(b, out)

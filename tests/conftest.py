@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from ember.worker.bench.workerproc import WorkerProcess
 
 
 @pytest.fixture(scope="session")
@@ -18,124 +19,42 @@ def default_model_path() -> Path:
     return embedded(quiet=True)
 
 
-# -- a real worker process over HTTP (tests/test_api_*.py) ------------------------------------------------------
+# -- a real worker process over HTTP (ember.worker.bench.workerproc, the bench's own launcher) ------------------
 
 API_KEY = "test-key"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerProcess:
-    """`python -m ember.worker worker` on a free loopback port, its JSON log in a file."""
-
-    def __init__(self, model_path: Path, workdir: Path, args: list[str], api_key: str | None = API_KEY):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        self.workdir = workdir
-        self.log_path = workdir / "worker.log"
-        argv = [os.environ.get("PYTHON", _python()), "-m", "ember.worker", "worker", "--model", str(model_path),
-                "--host", "127.0.0.1", "--port", str(self.port), *args]
-        if api_key:
-            argv += ["--api-key", api_key]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
-        env["EMBER_KV_DIR"] = str(workdir / "kv")  # never the user's KV store
-        env.setdefault("OMP_NUM_THREADS", "1")
-        self._log = open(self.log_path, "wb")
-        import subprocess
-
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-
-    def wait_ready(self, timeout: float = 240.0) -> "WorkerProcess":
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"worker not ready after {timeout}s:\n{self.log_text()[-3000:]}")
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def events(self, event: str | None = None, **match) -> list[dict]:
-        import json
-
-        out = []
-        for line in self.log_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or (event is not None and rec.get("event") != event):
-                continue
-            if all(rec.get(k) == v for k, v in match.items()):
-                out.append(rec)
-        return out
-
-    def wait_event(self, event: str, timeout: float = 60.0, **match) -> dict:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.events(event, **match)
-            if found:
-                return found[0]
-            time.sleep(0.05)
-        raise AssertionError(f"no {event} {match} in the worker log within {timeout}s:\n{self.log_text()[-3000:]}")
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL if it does not exit; returns the exit code."""
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
+def hermetic_env(workdir: Path) -> dict[str, str]:
+    """The test's environment without the developer's EMBER_* settings, and a KV store of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    env["EMBER_KV_DIR"] = str(workdir / "kv")  # never the user's KV store
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 @pytest.fixture(scope="session")
 def start_worker(default_model_path, tmp_path_factory):
-    """Start workers with extra flags; every one is stopped at the end of the session."""
+    """Start a worker with extra flags and wait until it is ready; `model` replaces the default
+    model. Each runs in a fresh directory (its log is `worker.log` there) and is stopped at the end
+    of the session unless a test or fixture stops it sooner."""
     started: list[WorkerProcess] = []
 
-    def start(*args: str, api_key: str | None = API_KEY, wait: bool = True) -> WorkerProcess:
-        w = WorkerProcess(default_model_path, tmp_path_factory.mktemp("worker"), list(args), api_key)
+    def start(*args: str, api_key: str | None = API_KEY, model: Path | None = None) -> WorkerProcess:
+        workdir = tmp_path_factory.mktemp("worker")
+        w = WorkerProcess("--model", str(model or default_model_path), *args, log_path=workdir / "worker.log",
+                          env=hermetic_env(workdir), cwd=workdir, api_key=api_key, own_session=False)
         started.append(w)
-        return w.wait_ready() if wait else w
+        return w.start()
 
     yield start
     for w in started:
         w.stop(timeout=10)
+
+
+@pytest.fixture
+def worker_env(tmp_path) -> dict[str, str]:
+    """The hermetic environment for a worker that a test runs itself (one that must fail to start)."""
+    return hermetic_env(tmp_path)
 
 
 @pytest.fixture(scope="session")

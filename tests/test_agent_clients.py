@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from agent_proxy import Exchange, ForcingProxy
-from conftest import WorkerProcess
+from ember.worker.bench.workerproc import WorkerProcess
 
 AGENTS = Path(__file__).parent / "agents"
 MODULES = AGENTS / "node_modules"
@@ -63,7 +63,7 @@ def _need(binary: Path, package: str, home: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def agent_worker(default_model_path, tmp_path_factory):
+def agent_worker(start_worker):
     """The model's whole 32k context (the CLIs' system prompts and tool lists are long), outputs
     capped at 256 tokens whatever the client asks (the CLIs ask for tens of thousands). Started by
     the first test that has its CLI, so a run without the CLIs skips at once."""
@@ -71,11 +71,9 @@ def agent_worker(default_model_path, tmp_path_factory):
 
     def get() -> WorkerProcess:
         if not started:
-            started.append(WorkerProcess(
-                default_model_path, tmp_path_factory.mktemp("agent-worker"),
-                ["--ctx", "32768", "--kv-mem", "1536MiB", "--max-seqs", "4", "--prefill-chunk", "2048",
-                 "--kv-persist", "off", "--max-output-tokens", "256", "--drain-seconds", "5"]))
-            started[0].wait_ready()
+            started.append(start_worker(
+                "--ctx", "32768", "--kv-mem", "1536MiB", "--max-seqs", "4", "--prefill-chunk", "2048",
+                "--kv-persist", "off", "--max-output-tokens", "256", "--drain-seconds", "5"))
         return started[0]
 
     yield get

@@ -14,7 +14,6 @@ import uuid
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 CHUNK = 32  # --prefill-chunk: a long prompt takes many steps
 
@@ -177,16 +176,6 @@ def test_sdks_read_through_keepalives(slow_worker, openai_factory):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def metric_values(worker) -> dict[str, float]:
-    text = httpx.get(worker.url + "/metrics").text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
-            out[key] = s.value
-    return out
-
-
 def test_counters_balance(slow_worker):
     deadline = time.monotonic() + 120
     while True:
@@ -195,7 +184,7 @@ def test_counters_balance(slow_worker):
             break
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    m = metric_values(slow_worker)
+    m = slow_worker.metric_values()
     outcomes = {o: m[f"ember_requests_total{{outcome={o}}}"] for o in ("completed", "failed", "canceled", "refused")}
     assert m["ember_requests_started_total"] == sum(outcomes.values())
     assert outcomes["canceled"] >= 5 and outcomes["failed"] == 0

@@ -53,6 +53,11 @@ def test_poisoned_context_from_log_restarts_and_archives(ember: Ember):
     st = e.wait_ready(after_restarts=1)
     assert st["worker"]["pid"] != first_pid
     assert st["last_crash"]["class"] == "poisoned-context"
+    phases = e.daemon_events("phase")  # every transition logged, with its reason
+    assert [(p["from"], p["to"]) for p in phases] == [
+        ("stopped", "starting"), ("starting", "running"), ("running", "killing"), ("killing", "backoff"),
+        ("backoff", "starting"), ("starting", "running")]
+    assert all(p["why"] for p in phases) and "poisoned" in phases[2]["why"]
     assert 0 < st["last_recovery_seconds"] < 10
     [path] = e.bundles()
     assert path.name.endswith("-poisoned-context") and path.name == st["last_crash"]["id"]

@@ -15,13 +15,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from ember.daemon import bundle as B
 from ember.daemon import detect, logwatch, probes, settings, supctl, verdicts
 from ember.daemon.logwatch import Line, LogWatcher
 from ember.daemon.notify import Notifier
 from ember.daemon.paths import Layout
 from ember.daemon.policy import LEVEL_CAP, RestartPolicy
+from ember.ops.contract import parse_log_line
 
 # -- detection -------------------------------------------------------------------------------------------
 
@@ -56,12 +56,12 @@ def test_other_lines_are_not_poison(line):
 
 def test_json_lines_count_only_by_event():
     quoted = json.dumps({"event": "failed", "level": "error", "error": "an illegal memory access was encountered"})
-    assert detect.poison_in_line(quoted, detect.parse_json_line(quoted)) is None
+    assert detect.poison_in_line(quoted, parse_log_line(quoted)) is None
     prompt = json.dumps({"event": "admit", "prompt": "why does CUDA say unspecified launch failure?"})
-    assert detect.poison_in_line(prompt, detect.parse_json_line(prompt)) is None
+    assert detect.poison_in_line(prompt, parse_log_line(prompt)) is None
     real = json.dumps({"event": "engine_poisoned", "code": 700, "name": "CUDA_ERROR_ILLEGAL_ADDRESS", "step": 3,
                        "running": ["a"]})
-    assert detect.poison_in_line(real, detect.parse_json_line(real))["running"] == ["a"]
+    assert detect.poison_in_line(real, parse_log_line(real))["running"] == ["a"]
 
 
 def test_oom_text():
@@ -171,9 +171,7 @@ FAST = settings.Settings(live_failures=2, unresponsive_seconds=10.0, dstate_seco
 
 
 def _live(**kw):
-    rec = {"probe": "live", "ok": False, "process": "sleeping", "ms": 1000.0}
-    rec.update(kw)
-    return rec
+    return probes.ProbeResult(**{"probe": "live", "ok": False, "process": "sleeping", "ms": 1000.0, **kw})
 
 
 TIMEOUT = {"timeout": True, "error": "no answer within 1s"}
@@ -222,7 +220,7 @@ def test_readiness_hang_needs_evidence_that_nothing_moves():
     live = verdicts.LiveWatch()
     live.observe(_live(ok=True, status=200, steps=10), 0.0, FAST)
     r = verdicts.ReadyWatch()
-    timeout = {"probe": "ready", "ok": False, "timeout": True, "error": "no answer within 30s"}
+    timeout = probes.ProbeResult("ready", ok=False, timeout=True, error="no answer within 30s")
     assert r.observe(timeout, 1.0, FAST, live, outcomes=4) is None
     live.observe(_live(ok=True, status=200, steps=12), 4.0, FAST)  # the engine steps: busy, not hung
     assert r.observe(timeout, 8.0, FAST, live, outcomes=4) is None  # progress: the count starts again
@@ -238,7 +236,7 @@ def test_readiness_hang_needs_evidence_that_nothing_moves():
     live.observe(_live(**TIMEOUT), 2.0, FAST)
     assert r.observe(timeout, 30.0, FAST, live, outcomes=0) is None
     # a 429 answer is a full queue: the count stops
-    busy = {"probe": "ready", "ok": False, "busy": True, "status": 200, "error": "busy: ... HTTP 429"}
+    busy = probes.ProbeResult("ready", ok=False, busy=True, status=200, error="busy: ... HTTP 429")
     assert r.observe(busy, 31.0, FAST, live, outcomes=0) is None and r.since is None
 
 
@@ -337,7 +335,8 @@ def test_session_events_keep_shapes_not_text():
 
 def test_redaction():
     scrub = B.Scrubber(["hunter2-secret"])
-    text = 'key hunter2-secret; Authorization: Bearer abcdefghijkl; "api_key": "zzz"; --api-key qqq sk-abcdefghijklmnopqrstu'
+    text = ('key hunter2-secret; Authorization: Bearer abcdefghijkl; "api_key": "zzz"; --api-key qqq '
+            'sk-abcdefghijklmnopqrstu')
     out = scrub(text)
     for bad in ("hunter2-secret", "abcdefghijkl", "zzz", "qqq", "sk-abcdefghijklmnopqrstu"):
         assert bad not in out
@@ -513,7 +512,7 @@ def test_probe_deadline_holds_against_a_slow_drip():
         t0 = time.monotonic()
         rec = probes.live_probe(f"http://127.0.0.1:{srv.server_port}/health/live", timeout=0.5)
         assert time.monotonic() - t0 < 1.0
-        assert rec["ok"] is False and rec["timeout"] is True
+        assert rec.ok is False and rec.timeout is True
     finally:
         srv.shutdown()
         srv.server_close()
@@ -524,7 +523,7 @@ def test_probe_connection_refused():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rec = probes.live_probe(f"http://127.0.0.1:{port}/health/live", timeout=1)
-    assert rec["ok"] is False and rec["refused"] is True
+    assert rec.ok is False and rec.refused is True
 
 
 # -- sd_notify and supervisord bits --------------------------------------------------------------------------

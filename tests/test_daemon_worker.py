@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ember.ops.contract import Event, missing_fields, parse_log_line
 from test_daemon_support import Ember, ember, kill  # noqa: F401  (ember is a fixture)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ember.worker.api.app") is None,
@@ -62,6 +63,9 @@ def test_real_worker_poison_exit_75(ember: Ember, default_model_path):
     ev = b["events"]
     assert [x["event"] for x in ev if x.get("request_id") == ids[0]] == ["admit", "failed"]
     assert "printing press" not in (path / "events.jsonl").read_text() + b["log"]
+    records = [r for r in map(parse_log_line, b["log"].splitlines()) if r and r["event"] in set(Event)]
+    assert {"admit", "failed", "engine_poisoned"} <= {r["event"] for r in records}
+    assert [(r["event"], missing_fields(r)) for r in records if missing_fields(r)] == []  # the contract's fields
     assert st["last_recovery_seconds"] > 0
     print(f"\nreal worker, poison: detection to ready {st['last_recovery_seconds']:.2f}s")
 

@@ -126,7 +126,7 @@ def load_backend(path: Path, max_tokens: int):
 
 
 def score(backend, tokens: np.ndarray, chunk: int = SCORE_CHUNK):
-    """Teacher-forced logits chunk by chunk, like runtime.score, over a scattered block table
+    """Teacher-forced logits chunk by chunk, over a scattered block table
     (so the paged KV cache is exercised too). Yields (first position, float32 [n, vocab])."""
     n_blocks = -(-len(tokens) // backend.block_size)
     table = np.random.default_rng(len(tokens)).permutation(backend.n_blocks)[:n_blocks].tolist()

@@ -9,17 +9,22 @@ import random
 
 import pytest
 
-from ember.worker.api import toolcalling as tc
+from ember.worker.api import tool_plan as tp
 from ember.worker.api.errors import ApiError
-from ember.worker.text import reasoning as rz
-from ember.worker.text.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
+from ember.worker.api.output_parser import OutputParser, OutputPlan, ReasoningDelta
+from ember.worker.api.prepare import tool_grammar
+from ember.worker.text.formats import (
+    ContentDelta, ModelFormats, ToolCallArgsDelta, ToolCallStart, resolve, tool_format,
+)
+from ember.worker.text.formats import reasoning as rz
+from ember.worker.text.formats.reasoning_stream import CONTENT, REASONING, ReasoningSplitter
 
-THINK = rz.ReasoningFormat("<think>", "</think>", "think")
+THINK = rz.ThinkTags()
 
 
 def split_all(text: str, chunks: list[int] | None = None, *, inside: bool = False, fmt=THINK):
     """(reasoning, content, open) from feeding text in pieces of the given sizes (None: whole)."""
-    s = rz.ReasoningSplitter(fmt, inside=inside)
+    s = ReasoningSplitter(fmt, inside=inside)
     pieces = []
     if chunks is None:
         pieces += s.feed(text)
@@ -31,8 +36,8 @@ def split_all(text: str, chunks: list[int] | None = None, *, inside: bool = Fals
         pieces += s.feed(text[i:])
     open_before_finish = s.open
     pieces += s.finish()
-    r = "".join(t for k, t in pieces if k == rz.REASONING)
-    c = "".join(t for k, t in pieces if k == rz.CONTENT)
+    r = "".join(t for k, t in pieces if k == REASONING)
+    c = "".join(t for k, t in pieces if k == CONTENT)
     return r, c, open_before_finish
 
 
@@ -86,8 +91,10 @@ def test_stream_cut_inside_reasoning_is_flushed_and_reported_open():
 
 
 def test_other_marker_families():
-    fmt = rz.ReasoningFormat("[THINK]", "[/THINK]", "mistral")
+    fmt = rz.MistralThink()
     assert split_all("[THINK]hmm[/THINK]ok", [1] * 20, fmt=fmt)[:2] == ("hmm", "ok")
+    assert split_all("[THINK]hmm[/THINK]ok", [1] * 20, fmt=rz.ReasoningFormat("[THINK]", "[/THINK]"))[:2] == \
+        ("hmm", "ok")
     assert split_all("plain", fmt=None)[:2] == ("", "plain")
 
 
@@ -104,18 +111,18 @@ def test_detection_from_template_and_override():
 
 
 def test_starts_inside_reads_how_the_prompt_ends():
-    assert rz.starts_inside("<|im_start|>assistant\n<think>\n", THINK)
-    assert not rz.starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
-    assert not rz.starts_inside("<|im_start|>user\nwhat is <think>?<|im_end|>\n<|im_start|>assistant\n", THINK)
+    assert THINK.starts_inside("<|im_start|>assistant\n<think>\n")
+    assert not THINK.starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not THINK.starts_inside("<|im_start|>user\nwhat is <think>?<|im_end|>\n<|im_start|>assistant\n")
 
 
 # -- the API-side output parser: reasoning first, then tool calls on the answer only ---------------
 
 
-def parser(tool_format="hermes", reasoning=THINK, inside=False):
-    plan = tc.OutputPlan(tool_format, reasoning, inside)
+def parser(tool_format_name="hermes", reasoning=THINK, inside=False):
+    plan = OutputPlan(tool_format(tool_format_name) if tool_format_name else None, reasoning, inside)
     counter = iter(range(1000))
-    return tc.OutputParser(plan, id_factory=lambda: f"call_{next(counter)}")
+    return OutputParser(plan, id_factory=lambda: f"call_{next(counter)}")
 
 
 def run(text: str, chunks: list[int] | None = None, **kw):
@@ -130,7 +137,7 @@ def run(text: str, chunks: list[int] | None = None, **kw):
             i += n
         events += p.feed(text[i:])
     events += p.finish()
-    reasoning = "".join(e.text for e in events if isinstance(e, tc.ReasoningDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[list[str]] = []
     for e in events:
@@ -169,22 +176,17 @@ def test_parallel_calls_after_reasoning_started_by_the_template():
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
 ])
 def test_each_format_through_the_output_parser(fmt, text):
-    r, c, calls = run(text, [1] * len(text), tool_format=fmt, reasoning=None)
+    r, c, calls = run(text, [1] * len(text), tool_format_name=fmt, reasoning=None)
     assert r == "" and calls == [("get_weather", {"city": "Oslo"})]
     assert c.strip() in ("", "Sure.")
 
 
 def test_no_tools_means_no_parsing():
     text = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
-    assert run(text, tool_format=None, reasoning=None) == ("", text, [])
+    assert run(text, tool_format_name=None, reasoning=None) == ("", text, [])
 
 
 # -- tool results round-trip through the templates --------------------------------------------------
-
-
-def _facts(template, tokenizer):
-    tc._model_facts.cache_clear()
-    return tc._model_facts(template, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +214,9 @@ def test_history_round_trips_through_template_and_parser(gemma_model, builtin):
     from ember.worker.text.chat_template import ChatTemplate
 
     template = ChatTemplate.builtin(builtin, gemma_model.tokenizer)
-    facts = _facts(template, gemma_model.tokenizer)
-    plan = tc.chat_plan(TOOLS, "auto", None)
-    msgs, tools = tc.template_messages(HISTORY, plan, facts)
+    facts = resolve(template, gemma_model.tokenizer)
+    plan = tp.chat_plan(TOOLS, "auto", None)
+    msgs, tools = facts.prompt_messages(HISTORY, plan.template_tools(), plan.forced, plan.mode == "required")
     prompt = template.render(msgs, tools=tools)
     assert "-3 C, snow" in prompt and "get_weather" in prompt
     assert bool(tools) == facts.native_tools
@@ -225,7 +227,7 @@ def test_history_round_trips_through_template_and_parser(gemma_model, builtin):
         rendered_call = rendered_call.split(stop)[0]
     start = min(i for i in (rendered_call.find("<tool_call>"), rendered_call.find("```json"),
                             rendered_call.find('{"name"')) if i >= 0)
-    r, c, calls = run(rendered_call[start:], [3] * 100, tool_format=facts.tool_format, reasoning=None)
+    r, c, calls = run(rendered_call[start:], [3] * 100, tool_format_name=facts.tool.name, reasoning=None)
     assert calls == [("get_weather", {"city": "Oslo"})]
 
 
@@ -234,16 +236,16 @@ def test_forced_call_grammar_is_valid_for_each_format(gemma_model):
 
     from ember.worker.text.chat_template import ChatTemplate
 
-    plan = tc.chat_plan(TOOLS + [{"type": "function", "function": {"name": "noop"}}], "required", None)
+    plan = tp.chat_plan(TOOLS + [{"type": "function", "function": {"name": "noop"}}], "required", None)
     for builtin in ("chatml", "llama3", "gemma"):
-        facts = _facts(ChatTemplate.builtin(builtin, gemma_model.tokenizer), gemma_model.tokenizer)
+        facts = resolve(ChatTemplate.builtin(builtin, gemma_model.tokenizer), gemma_model.tokenizer)
         for inside in (None, False, True):
-            g = tc.tool_grammar(plan, tc.ModelFacts(facts.tool_format, True, THINK, (), ()), reasoning_open=inside)
+            g = tool_grammar(plan, ModelFormats(facts.tool, True, THINK), reasoning_open=inside)
             assert llguidance.LLMatcher.validate_grammar(g) == ""
-    bad = tc.chat_plan([{"type": "function", "function": {"name": "f", "parameters": {
+    bad = tp.chat_plan([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}], "required", None)
     with pytest.raises(ApiError) as e:
-        tc.tool_grammar(bad, facts)
+        tool_grammar(bad, facts)
     assert e.value.status == 400 and e.value.param == "tools[0].function"
 
 
@@ -252,46 +254,61 @@ def test_forced_call_arguments_are_bounded_like_response_formats(gemma_model):
     model closes the call before the output cap (Claude Code's `max_results: number` ran away)."""
     from ember.worker.text.chat_template import ChatTemplate
 
-    plan = tc.anthropic_plan([{"name": "ToolSearch", "input_schema": {"type": "object", "properties": {
+    plan = tp.anthropic_plan([{"name": "ToolSearch", "input_schema": {"type": "object", "properties": {
         "query": {"type": "string"}, "max_results": {"type": "number", "default": 5}}, "required": ["query"]}}],
         {"type": "tool", "name": "ToolSearch"})
-    facts = _facts(ChatTemplate.builtin("gemma", gemma_model.tokenizer), gemma_model.tokenizer)
-    g = json.dumps(tc.tool_grammar(plan, facts))
+    facts = resolve(ChatTemplate.builtin("gemma", gemma_model.tokenizer), gemma_model.tokenizer)
+    g = json.dumps(tool_grammar(plan, facts))
     assert "maxLength" in g and "9007199254740991" in g and "additionalProperties" in g
+
+
+def test_formats_resolve_per_model_with_the_reasoning_setting(gemma_model):
+    """The worker's reasoning setting goes into each resolution: no process-wide state, so two
+    resolutions with different settings keep their own formats."""
+    from ember.worker.text.chat_template import ChatTemplate
+
+    tok = gemma_model.tokenizer
+    template = ChatTemplate.builtin("chatml", tok)
+    auto, off, magistral = resolve(template, tok), resolve(template, tok, "none"), resolve(template, tok, "mistral")
+    assert (auto.tool.name, auto.reasoning, off.reasoning) == ("hermes", None, None)
+    assert magistral.reasoning == rz.MistralThink() and magistral.tool.name == "hermes"
+    assert resolve(template, tok, "<r>,</r>").reasoning == rz.ReasoningFormat("<r>", "</r>")
+    with pytest.raises(rz.ReasoningConfigError):
+        resolve(template, tok, "sometimes")
 
 
 # -- request knobs ---------------------------------------------------------------------------------
 
 
 def test_reasoning_effort_and_thinking_map_to_budgets():
-    assert tc.effort_ask("low", "reasoning_effort").budget == rz.EFFORT_BUDGETS["low"]
-    assert tc.effort_ask("none", "reasoning_effort").disabled
-    assert tc.effort_ask(None, "reasoning_effort").budget is None
-    assert tc.anthropic_ask({"type": "enabled", "budget_tokens": 2048}, 4096).budget == 2048
-    assert tc.anthropic_ask({"type": "disabled"}, None).disabled
+    assert tp.effort_ask("low", "reasoning_effort").budget == tp.EFFORT_BUDGETS["low"]
+    assert tp.effort_ask("none", "reasoning_effort").disabled
+    assert tp.effort_ask(None, "reasoning_effort").budget is None
+    assert tp.anthropic_ask({"type": "enabled", "budget_tokens": 2048}, 4096).budget == 2048
+    assert tp.anthropic_ask({"type": "disabled"}, None).disabled
     for bad, param in ((("extreme", "reasoning_effort"), "reasoning_effort"),):
         with pytest.raises(ApiError) as e:
-            tc.effort_ask(*bad)
+            tp.effort_ask(*bad)
         assert e.value.param == param
     for thinking, param in (({"type": "enabled"}, "thinking.budget_tokens"),
                             ({"type": "enabled", "budget_tokens": 5000}, "thinking.budget_tokens"),
                             ({"type": "sometimes"}, "thinking.type")):
         with pytest.raises(ApiError) as e:
-            tc.anthropic_ask(thinking, 4096)
+            tp.anthropic_ask(thinking, 4096)
         assert e.value.status == 400 and e.value.param == param
 
 
 @pytest.mark.parametrize("fn,args,param", [
-    (tc.chat_plan, ([{"type": "function", "function": {"name": "a"}}], "sometimes", None), "tool_choice"),
-    (tc.chat_plan, ([{"type": "function", "function": {"name": "a"}}],
+    (tp.chat_plan, ([{"type": "function", "function": {"name": "a"}}], "sometimes", None), "tool_choice"),
+    (tp.chat_plan, ([{"type": "function", "function": {"name": "a"}}],
                     {"type": "function", "function": {"name": "b"}}, None), "tool_choice"),
-    (tc.chat_plan, (None, "required", None), "tool_choice"),
-    (tc.chat_plan, ([{"type": "function", "function": {"name": "bad name!"}}], None, None), "tools[0].function.name"),
-    (tc.chat_plan, ([{"type": "function", "function": {"name": "a", "parameters": []}}], None, None),
+    (tp.chat_plan, (None, "required", None), "tool_choice"),
+    (tp.chat_plan, ([{"type": "function", "function": {"name": "bad name!"}}], None, None), "tools[0].function.name"),
+    (tp.chat_plan, ([{"type": "function", "function": {"name": "a", "parameters": []}}], None, None),
      "tools[0].function"),
-    (tc.anthropic_plan, ([{"name": "a", "input_schema": {"type": "object"}}], {"type": "tool"}), "tool_choice.name"),
-    (tc.anthropic_plan, ([{"name": "a", "input_schema": {"type": "object"}}], {"type": "maybe"}), "tool_choice.type"),
-    (tc.responses_plan, ([{"type": "function", "name": "a"}], {"type": "function", "name": "zzz"}, None),
+    (tp.anthropic_plan, ([{"name": "a", "input_schema": {"type": "object"}}], {"type": "tool"}), "tool_choice.name"),
+    (tp.anthropic_plan, ([{"name": "a", "input_schema": {"type": "object"}}], {"type": "maybe"}), "tool_choice.type"),
+    (tp.responses_plan, ([{"type": "function", "name": "a"}], {"type": "function", "name": "zzz"}, None),
      "tool_choice"),
 ])
 def test_bad_tool_parameters_are_400s_naming_the_parameter(fn, args, param):
@@ -302,12 +319,12 @@ def test_bad_tool_parameters_are_400s_naming_the_parameter(fn, args, param):
 
 def test_tool_choice_modes():
     tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}]
-    assert tc.chat_plan(tools, "none", None).active is False
-    p = tc.chat_plan(tools, {"type": "function", "function": {"name": "b"}}, False)
+    assert tp.chat_plan(tools, "none", None).active is False
+    p = tp.chat_plan(tools, {"type": "function", "function": {"name": "b"}}, False)
     assert (p.mode, p.forced, p.parallel) == ("required", "b", False)
-    p = tc.anthropic_plan([{"name": "a", "input_schema": {}}], {"type": "any", "disable_parallel_tool_use": True})
+    p = tp.anthropic_plan([{"name": "a", "input_schema": {}}], {"type": "any", "disable_parallel_tool_use": True})
     assert (p.mode, p.parallel) == ("required", False)
-    p = tc.responses_plan([{"type": "function", "name": "a"}, {"type": "web_search"}],
+    p = tp.responses_plan([{"type": "function", "name": "a"}, {"type": "web_search"}],
                           {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "a"}]},
                           None)
     assert [t.name for t in p.tools] == ["a"] and p.mode == "required"

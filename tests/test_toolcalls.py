@@ -5,10 +5,18 @@ import random
 
 import pytest
 
-from ember.worker.text.toolcalls import (
-    ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, collect,
-    detect_format, mistral_call_id, openai_call_id, parse_tool_calls,
+from ember.worker.text.formats import (
+    ContentDelta, ToolCallArgsDelta, ToolCallStart, collect, detect_tool_format, tool_format,
 )
+from ember.worker.text.formats.events import mistral_call_id, openai_call_id
+
+
+def parse_tool_calls(text, fmt, id_factory=None):
+    return tool_format(fmt).parse(text, id_factory)
+
+
+def new_parser(fmt, id_factory, **kw):
+    return tool_format(fmt).parser(id_factory, **kw)
 
 
 def ids():
@@ -22,7 +30,7 @@ def parse(text, fmt):
 
 
 def stream(text, fmt, cuts):
-    p = ToolCallStreamParser(fmt, ids())
+    p = new_parser(fmt, ids())
     ev, last = [], 0
     for c in list(cuts) + [len(text)]:
         ev += p.feed(text[last:c])
@@ -31,7 +39,7 @@ def stream(text, fmt, cuts):
     return ev
 
 
-# --------------------------------------------------------------------------- detect_format
+# --------------------------------------------------------------------------- detect_tool_format
 
 @pytest.mark.parametrize("tpl,fmt", [
     ("{% for t in tools %}<tools>{{ t }}</tools>{% endfor %}<tool_call>\n{\"name\"...</tool_call>", "hermes"),
@@ -42,15 +50,15 @@ def stream(text, fmt, cuts):
     ("", "fenced"),
     (None, "fenced"),
 ])
-def test_detect_format(tpl, fmt):
-    assert detect_format(tpl) == fmt
+def test_detect_tool_format(tpl, fmt):
+    assert detect_tool_format(tpl).name == fmt
 
 
 def test_repo_templates_detect():
     import pathlib
     d = pathlib.Path(__file__).resolve().parents[1] / "worker" / "text" / "templates"
     for f in d.glob("*.jinja"):
-        assert detect_format(f.read_text()) in ("hermes", "llama3", "mistral", "fenced")
+        assert detect_tool_format(f.read_text()).name in ("hermes", "llama3", "mistral", "fenced")
 
 
 def test_ids():
@@ -162,7 +170,7 @@ def test_empty():
 
 def test_unknown_format():
     with pytest.raises(ValueError):
-        ToolCallStreamParser("nope")
+        tool_format("nope")
 
 
 # --------------------------------------------------------------------------- llama3
@@ -256,13 +264,13 @@ def test_fenced_other_code_blocks_are_content():
 
 
 def test_fenced_code_block_streams_before_it_closes():
-    p = ToolCallStreamParser("fenced", ids())
+    p = new_parser("fenced", ids())
     ev = p.feed("Here:\n```python\nprint(1)\n")
     assert collect(ev).content == "Here:\n```python\nprint(1)\n"
     ev = p.feed("```\nand ```json\n{\"tool\": \"t\", \"arguments\": {}}\n```")
     r = collect(ev + p.finish())
     assert r.content == "```\nand " and [c.name for c in r.tool_calls] == ["t"]
-    p = ToolCallStreamParser("fenced", ids())
+    p = new_parser("fenced", ids())
     assert collect(p.feed("```\nplain text")).content == "```\nplain text"
 
 
@@ -317,7 +325,7 @@ def test_stream_cut_at_every_position_never_leaks_markup(fmt, text):
     """A stream cut at any point: content never contains markup of a call that was parsed,
     and every emitted content delta is final (the content seen so far is a prefix of the final)."""
     for i in range(len(text) + 1):
-        p = ToolCallStreamParser(fmt, ids())
+        p = new_parser(fmt, ids())
         ev = []
         for ch in text[:i]:
             ev += p.feed(ch)
@@ -332,7 +340,7 @@ def test_stream_cut_at_every_position_never_leaks_markup(fmt, text):
 
 
 def test_stream_holds_partial_marker():
-    p = ToolCallStreamParser("hermes", ids())
+    p = new_parser("hermes", ids())
     assert collect(p.feed("Hello <tool")).content == "Hello "
     assert collect(p.feed("_call>{\"name\"")).content == ""
     ev = p.feed(': "f", "arguments": {"a": 1}}</tool_call>')
@@ -342,7 +350,7 @@ def test_stream_holds_partial_marker():
 
 
 def test_stream_name_once_then_arg_deltas():
-    p = ToolCallStreamParser("hermes", ids(), args_chunk=3)
+    p = new_parser("hermes", ids(), args_chunk=3)
     ev = p.feed('<tool_call>{"name": "f", "arguments": {"abc": "defgh"}}</tool_call>') + p.finish()
     starts = [e for e in ev if isinstance(e, ToolCallStart)]
     deltas = [e for e in ev if isinstance(e, ToolCallArgsDelta)]
@@ -358,13 +366,13 @@ def test_stream_parallel_indices():
 
 
 def test_content_streams_before_call_completes():
-    p = ToolCallStreamParser("hermes", ids())
+    p = new_parser("hermes", ids())
     ev = p.feed("Thinking about it")
     assert ev == [ContentDelta("Thinking about it")]
 
 
 def test_feed_after_finish_is_noop():
-    p = ToolCallStreamParser("hermes", ids())
+    p = new_parser("hermes", ids())
     p.feed("x")
     p.finish()
     assert p.feed("more") == [] and p.finish() == []
@@ -394,7 +402,7 @@ def test_a_forced_call_cut_short_is_never_content(fmt, cut):
     """With tool_choice required or named the grammar allows nothing but calls: what the output cap
     leaves unclosed is a call, dropped, never shown as the answer. Unforced, it stays content."""
     for cuts in ([], [3], [len(cut) // 2]):
-        p = ToolCallStreamParser(fmt, ids(), forced=True)
+        p = new_parser(fmt, ids(), forced=True)
         ev, last = [], 0
         for c in cuts + [len(cut)]:
             ev += p.feed(cut[last:c])
@@ -402,6 +410,6 @@ def test_a_forced_call_cut_short_is_never_content(fmt, cut):
         ev += p.finish()
         assert not [e for e in ev if isinstance(e, ContentDelta)], (cuts, ev)
     done = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    p = ToolCallStreamParser("hermes", ids(), forced=True)
+    p = new_parser("hermes", ids(), forced=True)
     assert collect(p.feed(done) + p.finish()).tool_calls[0].name == "f"
     assert collect(stream(cut, fmt, [])).content == cut

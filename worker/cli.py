@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-EX_USAGE = 2
-EX_CONFIG = 78  # the worker contract's "configuration error: do not restart"
+from ember.ops.contract import Event, ExitCode
+
+EX_USAGE = ExitCode.USAGE
+EX_CONFIG = ExitCode.CONFIG  # the worker contract's "configuration error: do not restart"
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -102,7 +104,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         cfg, sources = worker_config.load(args)
     except worker_config.ConfigError as e:
-        log("config_error", level="error", error=str(e))
+        log(Event.CONFIG_ERROR, level="error", error=str(e))
         return EX_CONFIG
     from .server import serve
 
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:
         return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from ember.ops import contract
 
 
 class ConfigError(ValueError):
@@ -36,7 +37,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     kv_disk_budget: str = "auto"  # bytes, or auto = a quarter of the free space, at most 50GiB
     kv_host_mem: str = "512MiB"
     kv_persist: str = "all"
-    prefill_chunk: int = 0  # 0 = the backend's own (AUTO_PREFILL_CHUNK)
+    prefill_chunk: int = 0  # 0 = auto: sized by measurement to prefill_step_ms, at most AUTO_PREFILL_CHUNK
+    prefill_step_ms: float = 25.0
     drain_seconds: float = 30.0
     stall_seconds: float = 60.0
     backend: str = "numpy"
@@ -86,7 +88,10 @@ HELP = {
     "max_queue": "requests that may wait for a slot before 429 (default 64)",
     "ctx": "context limit in tokens (default: the model's, within the KV budget)",
     "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
-    "prefill_chunk": "prompt tokens per engine step and sequence (default: 256 on numpy, 2048 on cuda)",
+    "prefill_chunk": "prompt tokens per engine step and sequence (default auto: sized by the measured prefill rate to "
+                     "--prefill-step-ms, between 256 and 2048 on cuda; 256 on numpy)",
+    "prefill_step_ms": "auto prefill chunks: the time a step that carries one should take, so decoding streams "
+                       "wait at most about this long for a prefill (default 25)",
     "kv_dir": "where KV blocks persist across restarts (default: <state dir>/kv)",
     "kv_disk_budget": "disk bytes for everything in the KV dir (every model, layout and worker sharing it, and "
                       "quarantine), e.g. 20GiB (default auto: 1/4 of free space, at most 50GiB)",
@@ -119,18 +124,11 @@ HELP = {
 }
 
 _SECRET = {"api_key"}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
 def parse_size(text: str | int, name: str = "size") -> int:
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"{name}: {text!r} is not a size (examples: 512MiB, 4GiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    """Bytes, as the contract spells sizes (512MiB, 4GiB, 1000000)."""
+    return contract.parse_size(text, name, ConfigError)
 
 
 def _fields() -> list[tuple[str, Any, Any]]:
@@ -153,7 +151,7 @@ def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = No
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source: dict[str, str] = {name: "default" for name, _, _ in _fields()}
-    path = (getattr(args, "config", None) if args else None) or env.get("EMBER_CONFIG")
+    path = (getattr(args, "config", None) if args else None) or env.get(contract.ENV_CONFIG)
     if path:
         try:
             data = tomllib.loads(Path(path).expanduser().read_text())
@@ -188,7 +186,9 @@ def validate(cfg: WorkerConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
     if cfg.prefill_chunk < 0:
-        raise ConfigError("prefill_chunk: must be 0 (the backend's default) or a positive number of tokens")
+        raise ConfigError("prefill_chunk: must be 0 (auto) or a positive number of tokens")
+    if not 1 <= cfg.prefill_step_ms <= 10_000:
+        raise ConfigError("prefill_step_ms: must be between 1 and 10000 milliseconds")
     if cfg.ctx < 0:
         raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
     if parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
@@ -210,7 +210,7 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("loop_guard_repeats: must be at least 2")
     if cfg.loop_guard_min_span < 0:
         raise ConfigError("loop_guard_min_span: must not be negative")
-    from .text.reasoning import ReasoningConfigError, parse_override
+    from .text.formats.reasoning import ReasoningConfigError, parse_override
 
     try:
         parse_override(cfg.reasoning_format)

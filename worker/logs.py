@@ -1,29 +1,29 @@
-"""The worker's log: one JSON object per line on stderr (`ts`, `level`, `event`, fields).
+"""The worker's log: one JSON object per line on stderr, in the contract's format (`ts`, `level`,
+`event`, fields: ember.ops.contract.log_line); the contract also names the events the daemon reads.
 
 The daemon reads these lines (DESIGN.md). Prompt text never goes here unless the user opts in.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from typing import Any, TextIO
+
+from ember.ops.contract import log_line
 
 _lock = threading.Lock()
-_stream = None  # None: whatever sys.stderr is at the time of writing
+_stream: TextIO | None = None  # None: whatever sys.stderr is at the time of writing
 
 
-def set_stream(stream) -> None:
+def set_stream(stream: TextIO | None) -> None:
     global _stream
     _stream = stream
 
 
-def log(event: str, level: str = "info", **fields) -> None:
-    record = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "level": level, "event": event}
-    record.update(fields)
-    line = json.dumps(record, default=str, ensure_ascii=False)
+def log(event: str, level: str = "info", **fields: Any) -> None:
+    line = log_line(event, level, **fields)
     with _lock:
         try:
             out = _stream or sys.stderr

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ember.ops.contract import OUTCOMES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-OUTCOMES = ("completed", "failed", "canceled", "refused")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 

@@ -18,10 +18,12 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ember.ops.contract import Event, ExitCode, HealthState
+
 from . import config as worker_config
 from .logs import log
 
-EX_OK, EX_POISONED, EX_CONFIG = 0, 75, 78
+EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
 POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
 
 
@@ -43,10 +45,10 @@ def _version() -> str:
 
 
 class _Loaded:
-    """What loading produces: the engine over the model, and the facts `ready` reports."""
+    """What loading produces: the engine over the model, its formats, and the facts `ready` reports."""
 
-    def __init__(self, engine, model, store, facts: dict):
-        self.engine, self.model, self.store, self.facts = engine, model, store, facts
+    def __init__(self, engine, model, store, facts: dict, formats=None):
+        self.engine, self.model, self.store, self.facts, self.formats = engine, model, store, facts, formats
 
 
 def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loaded:
@@ -79,10 +81,11 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         weights = load_weights(model.gguf, model.config)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
     faults.check_backend(backend)
-    from .api import toolcalling
+    from .text.formats import resolve as resolve_formats
 
-    toolcalling.configure(cfg.reasoning_format)  # validated with the rest of the config
+    formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model
     limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
+                          prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
                           max_step_tokens=max(chunk, cfg.max_seqs), context=ctx,
                           loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
                           loop_guard_min_span=cfg.loop_guard_min_span)
@@ -103,7 +106,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
                  kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk)
-    return _Loaded(engine, model, store, facts)
+    return _Loaded(engine, model, store, facts, formats)
 
 
 def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
@@ -123,20 +126,20 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     t0 = time.monotonic()
     # the daemon sends SIGUSR1 before killing a hung worker: every thread's stack lands in the log
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    log("config", version=_version(), pid=os.getpid(), config=worker_config.redacted(cfg),
+    log(Event.CONFIG, version=_version(), pid=os.getpid(), config=worker_config.redacted(cfg),
         sources={k: v for k, v in sources.items() if v != "default"})
     try:
         faults = FaultInjector(parse_faults(cfg.fault))
         model_path = resolve_model_path(cfg.model)
     except (ModelFileError, FaultSpecError) as e:
-        log("config_error", level="error", error=str(e))
+        log(Event.CONFIG_ERROR, level="error", error=str(e))
         return EX_CONFIG
-    state = ServerState("loading", stall_seconds=cfg.stall_seconds)
+    state = ServerState(HealthState.LOADING, stall_seconds=cfg.stall_seconds)
     metrics = Metrics()
     poisoned_exit = threading.Event()
 
     def on_poisoned(e) -> None:  # engine thread
-        state.set("poisoned")
+        state.set(HealthState.POISONED)
         poisoned_exit.set()
 
     guard = Guard(api_key=cfg.api_key or None, loopback_only=worker_config.is_loopback(cfg.host),
@@ -159,7 +162,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         return bool(loaded) and loaded[0].engine.busy
 
     async def drain() -> None:
-        state.set("draining")
+        state.set(HealthState.DRAINING)
         if loaded:
             loaded[0].engine.stop_accepting()
             e = loaded[0].engine
@@ -191,18 +194,18 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
         try:
             result = await asyncio.to_thread(_load, cfg, metrics, faults, on_poisoned)
         except (ModelFileError, ChatTemplateError, worker_config.ConfigError, FaultSpecError) as e:
-            log("config_error", level="error", error=str(e))
+            log(Event.CONFIG_ERROR, level="error", error=str(e))
             exit_code[0] = EX_CONFIG
             server.should_exit = True
             return
         loaded.append(result)
-        if state.state == "draining":  # SIGTERM while loading: nothing to drain
+        if state.state == HealthState.DRAINING:  # SIGTERM while loading: nothing to drain
             server.should_exit = True
             return
         result.engine.start()
-        state.attach(result.engine, result.model)
-        state.set("ready")
-        log("ready", host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
+        state.attach(result.engine, result.model, result.formats)
+        state.set(HealthState.READY)
+        log(Event.READY, host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

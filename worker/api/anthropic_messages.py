@@ -8,7 +8,7 @@ top_k (the current SDK no longer offers temperature; absent, it is the API's def
 max_tokens is clamped to the context (and may be left out). output_config.format (or the beta's
 top-level output_format) constrains the output to a JSON schema (structured.py). cache_control,
 metadata, output_config.effort and unknown fields are ignored: the prefix cache is automatic.
-tools / tool_choice and thinking ({type: enabled, budget_tokens}): see toolcalling.py; the output
+tools / tool_choice and thinking ({type: enabled, budget_tokens}): see tool_plan.py; the output
 then holds thinking blocks, a text block and tool_use blocks (stop_reason tool_use), streamed as
 thinking_delta and input_json_delta.
 
@@ -26,11 +26,16 @@ from typing import Any
 
 import msgspec
 
-from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started
-from . import common, structured, toolcalling
+from ..engine.requests import Delta, Finished, FinishReason, GenerationRequest, Started
+from ..text.formats import ToolCallArgsDelta, ToolCallStart
+from . import common, structured, tool_plan
+from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext, Collected, bad_request
 from .errors import ApiError, anthropic_error
+from .output_parser import parse_arguments, parse_result
+from .prepare import Prepared, apply, prepare
 from .sse import frame
+from .stream_base import ParsedStream
 
 PROTOCOL = "messages"
 
@@ -217,14 +222,13 @@ def template_messages(body: MessagesRequest) -> list[dict]:
 
 
 async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = False,
-                   bounded: bool = True) -> toolcalling.Prepared:
+                   bounded: bool = True) -> Prepared:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
     ctx.limits.tools(body.tools)
-    plan = toolcalling.anthropic_plan(body.tools, body.tool_choice)
-    ask = toolcalling.anthropic_ask(body.thinking, body.max_tokens)
-    return await toolcalling.prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured,
-                                     bounded=bounded)
+    plan = tool_plan.anthropic_plan(body.tools, body.tool_choice)
+    ask = tool_plan.anthropic_ask(body.thinking, body.max_tokens)
+    return await prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured, bounded=bounded)
 
 
 async def prompt_of(ctx: ApiContext, body: MessagesRequest) -> list[int]:
@@ -242,8 +246,8 @@ async def to_generation(ctx: ApiContext, body: MessagesRequest, request_id: str)
     prep = await prepared(ctx, body, structured=grammar is not None)
     prompt = prep.prompt
     max_tokens = common.output_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
-    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
-                                               grammar=grammar), prep)
+    return apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
+                                   grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
@@ -270,35 +274,35 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> Usage:
 def message(ctx: ApiContext, request_id: str, c: Collected, req: GenerationRequest | None = None) -> Message:
     f = c.finished
     assert f is not None
-    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    out = parse_result(ctx, req, c.text, c.tokens)
     blocks: list = []
     if out.reasoning or out.reasoning_open:
         blocks.append(ThinkingBlock(out.reasoning))
     if out.content or not out.calls:
         blocks.append(TextBlock(out.content))
     for call in out.calls:
-        blocks.append(ToolUseBlock(tool_use_id(call.id), call.name, toolcalling.parse_arguments(call.arguments)))
+        blocks.append(ToolUseBlock(tool_use_id(call.id), call.name, parse_arguments(call.arguments)))
     reason, seq = stop_reason(f, bool(out.calls))
     return Message(request_id, ctx.model_name, blocks, reason, seq,
                    usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
 
 
-class MessagesStream:
+class MessagesStream(ParsedStream):
     """Content blocks open as their first text arrives (thinking, text, tool_use) and each closes
     before the next opens; a stream cut inside thinking still closes its block."""
 
     def __init__(self, ctx: ApiContext, request_id: str, prompt_tokens: int, req: GenerationRequest | None = None):
-        self.ctx, self.id, self.prompt_tokens = ctx, request_id, prompt_tokens
-        self.started = False
-        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
+        super().__init__(ctx, req)
+        self.id, self.prompt_tokens = request_id, prompt_tokens
+        self.sent_start = False
         self.index = -1  # the last block opened
         self.kind: str | None = None  # the open block's type
         self.tool_use = False
 
     def _start(self, cached: int) -> list[bytes]:
-        if self.started:
+        if self.sent_start:
             return []
-        self.started = True
+        self.sent_start = True
         msg = Message(self.id, self.ctx.model_name, [], None, None, usage(self.prompt_tokens, cached, 0))
         return [frame(MessageStart(msg), "message_start")]
 
@@ -318,51 +322,65 @@ class MessagesStream:
     def _delta(self, delta: Any) -> bytes:
         return frame(ContentBlockDelta(self.index, delta), "content_block_delta")
 
-    def _events(self, events: list) -> list[bytes]:
-        out: list[bytes] = []
-        for e in events:
-            if isinstance(e, toolcalling.ReasoningDelta):
-                if self.kind != "thinking":
-                    out += self._open(ThinkingBlock(""))
-                out.append(self._delta(ThinkingDelta(e.text)))
-            elif isinstance(e, toolcalling.ContentDelta):
-                if self.kind != "text":
-                    out += self._open(TextBlock(""))
-                out.append(self._delta(TextDelta(e.text)))
-            elif isinstance(e, toolcalling.ToolCallStart):
-                self.tool_use = True
-                out += self._open(ToolUseBlock(tool_use_id(e.id), e.name, {}))
-            elif isinstance(e, toolcalling.ToolCallArgsDelta) and self.kind == "tool_use":
-                out.append(self._delta(InputJsonDelta(e.text)))
-        return out
+    def reasoning(self, text: str) -> list[bytes]:
+        out = [] if self.kind == "thinking" else self._open(ThinkingBlock(""))
+        return out + [self._delta(ThinkingDelta(text))]
 
-    def open(self) -> list[bytes]:
-        return []
+    def content(self, text: str) -> list[bytes]:
+        out = [] if self.kind == "text" else self._open(TextBlock(""))
+        return out + [self._delta(TextDelta(text))]
+
+    def call_start(self, e: ToolCallStart) -> list[bytes]:
+        self.tool_use = True
+        return self._open(ToolUseBlock(tool_use_id(e.id), e.name, {}))
+
+    def call_arguments(self, e: ToolCallArgsDelta) -> list[bytes]:
+        return [self._delta(InputJsonDelta(e.text))] if self.kind == "tool_use" else []
 
     def keepalive(self) -> bytes:
         return PING_FRAME
 
-    def on_event(self, e) -> list[bytes]:
-        if isinstance(e, Started):
-            self.prompt_tokens = e.prompt_tokens
-            return self._start(e.cached_tokens)
-        if isinstance(e, Delta):
-            if not e.text and not e.tokens:
-                return []
-            return self._start(0) + self._events(self.parser.feed_delta(e))
-        if isinstance(e, Finished):
-            reason, seq = stop_reason(e, self.tool_use)
-            out = self._start(e.cached_tokens) + self._events(self.parser.finish())
-            if self.index < 0:
-                out += self._open(TextBlock(""))  # an empty answer still has its text block
-            return out + self._close() + [
-                frame(MessageDelta(StopDelta(reason, seq), usage(e.prompt_tokens, e.cached_tokens,
-                                                                 e.completion_tokens)), "message_delta"),
-                frame(MessageStop(), "message_stop"),
-            ]
-        if isinstance(e, Failed):
-            return [frame(anthropic_error(common.failed_error(e)), "error")]
-        return []
+    def started(self, e: Started) -> list[bytes]:
+        self.prompt_tokens = e.prompt_tokens
+        return self._start(e.cached_tokens)
 
-    def internal_error(self, message: str) -> list[bytes]:
-        return [frame(anthropic_error(ApiError(500, message)), "error")]
+    def delta(self, e: Delta) -> list[bytes]:
+        if not e.text and not e.tokens:
+            return []
+        return self._start(0) + super().delta(e)
+
+    def finished(self, e: Finished) -> list[bytes]:
+        reason, seq = stop_reason(e, self.tool_use)
+        out = self._start(e.cached_tokens) + self.parsed(self.parser.finish())
+        if self.index < 0:
+            out += self._open(TextBlock(""))  # an empty answer still has its text block
+        return out + self._close() + [
+            frame(MessageDelta(StopDelta(reason, seq), usage(e.prompt_tokens, e.cached_tokens,
+                                                             e.completion_tokens)), "message_delta"),
+            frame(MessageStop(), "message_stop"),
+        ]
+
+    def error_frames(self, err: ApiError) -> list[bytes]:
+        return [frame(anthropic_error(err), "error")]
+
+
+class Messages(ProtocolAdapter):
+    path = "/v1/messages"
+    summary = "Anthropic messages"
+    body_type = MessagesRequest
+    id_prefix = "msg_"
+    protocol = PROTOCOL
+    prompt_param = "messages"
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        return {"request-id": request_id, "x-request-id": request_id}
+
+    async def to_generation(self, ctx: ApiContext, body: MessagesRequest,
+                            request_id: str) -> tuple[GenerationRequest, Any]:
+        return await to_generation(ctx, body, request_id), None
+
+    def renderer(self, s: Submitted) -> MessagesStream:
+        return MessagesStream(s.ctx, s.request_id, len(s.req.prompt), s.req)
+
+    def response(self, s: Submitted, result: Collected) -> Message:
+        return message(s.ctx, s.request_id, result, s.req)

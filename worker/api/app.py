@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -32,10 +32,13 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from ..logs import log
-from . import anthropic_messages, common, openai_chat, openai_completions, openai_responses, openapi, tokenize
+from ..text.formats import resolve as resolve_formats
+from . import anthropic_messages, common, openapi, tokenize
+from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext
 from .errors import ApiError, anthropic_error, openai_error
 from .limits import RequestLimits, too_large
+from .routes import ROUTES
 from .security import LOOPBACK_ORIGIN, Guard
 from .sse import SSE_HEADERS, stream
 from .state import ServerState
@@ -84,10 +87,10 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                keepalive_seconds: float = 2.0, limits: RequestLimits | None = None, guard: Guard | None = None,
                log_prompts: bool = False, version: str = "unknown") -> Litestar:
     """The Litestar app over `engine` (started by the caller). `engine` and `model` may be None while
-    loading; `state.attach(engine, model)` supplies them later (generation answers 503 meanwhile).
-    guard: who may call (default: loopback only, no key beyond `api_key`)."""
+    loading; `state.attach(engine, model, formats)` supplies them later (generation answers 503
+    meanwhile). guard: who may call (default: loopback only, no key beyond `api_key`)."""
     if engine is not None or model is not None:
-        state.attach(engine, model)
+        state.attach(engine, model, resolve_formats(model.template, model.tokenizer) if model is not None else None)
     guard = guard or Guard(api_key=api_key or None)
     ctx = ApiContext(state=state, api_key=guard.api_key, model_name=model_name, keepalive_seconds=keepalive_seconds,
                      limits=limits or RequestLimits(), log_prompts=log_prompts)
@@ -148,68 +151,25 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         return Stream(stream(handle, renderer, ctx.keepalive_seconds), media_type="text/event-stream",
                       headers={**SSE_HEADERS, **headers}, background=BackgroundTask(handle.cancel))
 
-    # -- generation endpoints ----------------------------------------------------------------------------------
+    # -- generation endpoints: one handler over the route table ------------------------------------------------
 
-    @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request) -> Response:
-        body = await body_of(request, openai_chat.ChatRequest)
-        rid = common.new_id("chatcmpl-")
-        common.check_accepting(ctx, rid, openai_chat.PROTOCOL)
-        req = await common.refusing(ctx, rid, openai_chat.PROTOCOL, openai_chat.to_generation(ctx, body, rid))
-        handle = common.submit(ctx, req, "messages")
-        created, want_lp = common.now(), bool(body.logprobs)
-        headers = {"x-request-id": rid}
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(handle, openai_chat.ChatStream(ctx, rid, created, include, want_lp, req), headers)
-        result = await common.collect(request.receive, handle)
-        return _json(openai_chat.completion(ctx, rid, created, result, want_lp, req), headers=headers)
+    def generation_route(adapter: ProtocolAdapter):
+        async def generate(request: Request) -> Response:
+            body = await body_of(request, adapter.body_type)
+            rid = common.new_id(adapter.id_prefix)
+            common.check_accepting(ctx, rid, adapter.protocol)
+            req, notes = await common.refusing(ctx, rid, adapter.protocol, adapter.to_generation(ctx, body, rid))
+            if adapter.reads_probe:
+                req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
+            handle = common.submit(ctx, req, adapter.prompt_param)
+            submitted = Submitted(ctx, body, rid, common.now(), req, notes)
+            headers = adapter.headers(rid)
+            if body.stream:
+                return sse(handle, adapter.renderer(submitted), headers)
+            result = await common.collect(request.receive, handle)
+            return _json(adapter.response(submitted, result), headers=headers)
 
-    @post("/v1/completions", status_code=200)
-    async def completions(request: Request) -> Response:
-        body = await body_of(request, openai_completions.CompletionRequest)
-        rid = common.new_id("cmpl-")
-        common.check_accepting(ctx, rid, openai_completions.PROTOCOL)
-        req, plan = await common.refusing(ctx, rid, openai_completions.PROTOCOL,
-                                          openai_completions.to_generation(ctx, body, rid))
-        req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
-        handle = common.submit(ctx, req, "prompt")
-        created = common.now()
-        headers = {"x-request-id": rid}
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(handle, openai_completions.CompletionStream(ctx, rid, created, plan, include), headers)
-        result = await common.collect(request.receive, handle)
-        return _json(openai_completions.completion(ctx, rid, created, plan, result), headers=headers)
-
-    @post("/v1/responses", status_code=200)
-    async def responses(request: Request) -> Response:
-        body = await body_of(request, openai_responses.ResponsesRequest)
-        rid = common.new_id("resp_")
-        common.check_accepting(ctx, rid, openai_responses.PROTOCOL)
-        req = await common.refusing(ctx, rid, openai_responses.PROTOCOL,
-                                    openai_responses.to_generation(ctx, body, rid))
-        handle = common.submit(ctx, req, "input")
-        created = common.now()
-        headers = {"x-request-id": rid}
-        if body.stream:
-            return sse(handle, openai_responses.ResponsesStream(ctx, body, rid, created, req), headers)
-        result = await common.collect(request.receive, handle)
-        return _json(openai_responses.completed(ctx, body, rid, created, result, req), headers=headers)
-
-    @post("/v1/messages", status_code=200)
-    async def messages(request: Request) -> Response:
-        body = await body_of(request, anthropic_messages.MessagesRequest)
-        rid = common.new_id("msg_")
-        common.check_accepting(ctx, rid, anthropic_messages.PROTOCOL)
-        req = await common.refusing(ctx, rid, anthropic_messages.PROTOCOL,
-                                    anthropic_messages.to_generation(ctx, body, rid))
-        handle = common.submit(ctx, req, "messages")
-        headers = {"request-id": rid, "x-request-id": rid}
-        if body.stream:
-            return sse(handle, anthropic_messages.MessagesStream(ctx, rid, len(req.prompt), req), headers)
-        result = await common.collect(request.receive, handle)
-        return _json(anthropic_messages.message(ctx, rid, result, req), headers=headers)
+        return post(adapter.path, status_code=200, name=adapter.protocol)(generate)
 
     @post("/v1/messages/count_tokens", status_code=200)
     async def count_tokens(request: Request) -> Response:
@@ -226,7 +186,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
     # -- models ------------------------------------------------------------------------------------------------
 
     def card() -> ModelCard:
-        stamp = datetime.fromtimestamp(created_unix, timezone.utc).isoformat().replace("+00:00", "Z")
+        stamp = datetime.fromtimestamp(created_unix, UTC).isoformat().replace("+00:00", "Z")
         context = ctx.engine.limits.context if ctx.engine is not None else 0
         return ModelCard(ctx.model_name, created_unix, stamp, ctx.model_name, context)
 
@@ -303,8 +263,8 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                                      "anthropic-beta", "openai-beta"],
                       expose_headers=["x-request-id", "request-id", "retry-after"])
     return Litestar(
-        route_handlers=[chat_completions, completions, responses, messages, count_tokens, list_models, get_model,
-                        tokenize_text, detokenize_ids, openapi_document, live, ready, metrics, stats],
+        route_handlers=[*(generation_route(a) for a in ROUTES), count_tokens, list_models, get_model, tokenize_text,
+                        detokenize_ids, openapi_document, live, ready, metrics, stats],
         before_request=check_caller,
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
         request_max_body_size=None,  # read_body applies the context's limit

@@ -8,17 +8,27 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
+from ember.ops.contract import HealthState
 
 from ..engine.requests import (
-    Delta, Failed, Finished, GenerationRequest, PromptLogprobs, RequestHandle, Started, TokenLogprob,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    PromptLogprobs,
+    RequestHandle,
+    Started,
+    TokenLogprob,
 )
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
 from ..logs import log
+from ..text.formats import ModelFormats
 from ..text.tokenizer import TooManyTokens
 from .errors import ApiError, bad_request, from_validation
 from .limits import RequestLimits, finite
@@ -68,6 +78,11 @@ class ApiContext:
     @property
     def tokenizer(self):
         return self.state.model.tokenizer
+
+    @property
+    def formats(self) -> ModelFormats:
+        """The model's tool-call and reasoning formats, resolved once when it loaded."""
+        return self.state.formats
 
     @property
     def context_limit(self) -> int:
@@ -224,17 +239,18 @@ def too_long(ctx: ApiContext, e: TooManyTokens, param: str) -> ApiError:
                          f"context limit is {ctx.context_limit} tokens", param=param, code="context_length_exceeded")
 
 
-async def chat_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict] | None, param: str,
-                      *, bounded: bool = True) -> list[int]:
-    """Render the chat template and tokenize, off the event loop (long prompts take a while).
-    bounded: refuse a prompt past the context, as soon as that is known."""
+async def render_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict] | None, param: str,
+                        *, bounded: bool = True, **template_kwargs: Any) -> tuple[str, list[int]]:
+    """Render the chat template and tokenize, off the event loop (long prompts take a while): the
+    prompt text and its ids. bounded: refuse a prompt past the context, as soon as that is known."""
     from ..text.chat_template import ChatTemplateError
 
     template = ctx.model.template
     limit = ctx.prompt_limit if bounded else None
 
-    def build() -> list[int]:
-        return template.encode(messages, add_generation_prompt=True, tools=tools or None, limit=limit)
+    def build() -> tuple[str, list[int]]:
+        return template.render_encode(messages, add_generation_prompt=True, tools=tools, limit=limit,
+                                      **template_kwargs)
 
     try:
         return await asyncio.to_thread(build)
@@ -313,9 +329,9 @@ def check_accepting(ctx: ApiContext, request_id: str = "", protocol: str = "") -
         return
     state = ctx.state.state
     message = {
-        "loading": "the model is still loading; retry shortly",
-        "draining": "the worker is shutting down and takes no new requests; retry shortly",
-        "poisoned": "the worker's compute context failed and it is restarting; retry shortly",
+        HealthState.LOADING: "the model is still loading; retry shortly",
+        HealthState.DRAINING: "the worker is shutting down and takes no new requests; retry shortly",
+        HealthState.POISONED: "the worker's compute context failed and it is restarting; retry shortly",
     }.get(state, f"the worker is not ready ({state})")
     err = ApiError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_UNAVAILABLE)
     raise refuse(ctx, request_id, protocol, err) if request_id else err

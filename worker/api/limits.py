@@ -41,7 +41,7 @@ class RequestLimits:
     max_json_depth: int = 64
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RequestLimits":
+    def from_config(cls, cfg: Any) -> RequestLimits:
         from ..config import parse_size
 
         return cls(max_output_tokens=cfg.max_output_tokens,

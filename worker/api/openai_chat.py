@@ -4,7 +4,7 @@ Request fields used: model (any name: one model is served), messages, stream, st
 include_usage, max_tokens / max_completion_tokens (the latter wins), temperature, top_p, seed,
 stop, logprobs / top_logprobs, n (only 1), presence_penalty, frequency_penalty, logit_bias, plus the
 common extensions top_k, min_p, repetition_penalty. tools / tool_choice / parallel_tool_calls and
-reasoning_effort: see toolcalling.py (tool calls come back as message.tool_calls, reasoning as
+reasoning_effort: see tool_plan.py and prepare.py (tool calls come back as message.tool_calls, reasoning as
 message.reasoning_content, both streamed as deltas). response_format json_object / json_schema constrain
 the output to the schema (see structured.py). Unknown fields are ignored.
 """
@@ -15,11 +15,15 @@ from typing import Any
 
 import msgspec
 
-from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest, Started, TokenLogprob
-from . import common, structured, toolcalling
+from ..engine.requests import Delta, Finished, FinishReason, GenerationRequest, Started, TokenLogprob
+from ..text.formats import ToolCallArgsDelta, ToolCallStart
+from . import common, structured, tool_plan
+from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext, Collected, bad_request
-from .errors import openai_error
-from .sse import KEEPALIVE_COMMENT, frame
+from .output_parser import parse_result
+from .prepare import apply, prepare
+from .sse import frame
+from .stream_base import ParsedStream, openai_error_frames, openai_stream_end
 
 PROTOCOL = "chat"
 
@@ -170,16 +174,8 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class _NullUsageChunk(msgspec.Struct):
+class _NullUsageChunk(ChatCompletionChunk, omit_defaults=False):
     """A chunk with `"usage": null`, as the API sends when include_usage is on."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChunkChoice]
-    usage: None = None
 
 
 def usage(finished: Finished, reasoning_tokens: int = 0) -> Usage:
@@ -277,16 +273,15 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
     stop = common.stop_list(ctx, body.stop)
     ctx.limits.tools(body.tools)
     messages = template_messages(body.messages)
-    plan = toolcalling.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-    prep = await toolcalling.prepare(ctx, messages, plan, toolcalling.effort_ask(body.reasoning_effort,
-                                                                                 "reasoning_effort"), "messages",
-                                     structured=grammar is not None)
+    plan = tool_plan.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    prep = await prepare(ctx, messages, plan, tool_plan.effort_ask(body.reasoning_effort, "reasoning_effort"),
+                         "messages", structured=grammar is not None)
     prompt = prep.prompt
     which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = common.output_tokens(ctx, limit, len(prompt), which)
-    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k,
-                                               protocol=PROTOCOL, grammar=grammar), prep)
+    return apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, logprobs=k, protocol=PROTOCOL,
+                                   grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
@@ -297,7 +292,7 @@ def completion(ctx: ApiContext, request_id: str, created: int, c: Collected, wan
     f = c.finished
     assert f is not None
     lps = ChoiceLogprobs(logprob_entries(ctx, c.logprobs)) if want_logprobs else None
-    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    out = parse_result(ctx, req, c.text, c.tokens)
     calls = [ToolCallOut(t.id, FunctionOut(t.name, t.arguments)) for t in out.calls] or None
     message = ChatMessageOut(out.content if out.content or not calls else None, tool_calls=calls,
                              reasoning_content=out.reasoning or None)
@@ -306,40 +301,23 @@ def completion(ctx: ApiContext, request_id: str, created: int, c: Collected, wan
                           usage(f, out.reasoning_tokens), ctx.fingerprint)
 
 
-class ChatStream:
+class ChatStream(ParsedStream):
     """Engine events -> chat.completion.chunk frames, then `data: [DONE]`."""
+
+    error_frames = staticmethod(openai_error_frames)
 
     def __init__(self, ctx: ApiContext, request_id: str, created: int, include_usage: bool, want_logprobs: bool,
                  req: GenerationRequest | None = None):
-        self.ctx, self.id, self.created = ctx, request_id, created
+        super().__init__(ctx, req)
+        self.id, self.created = request_id, created
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
         self.sent_role = False
-        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
         self.calls = 0
+        self.logprobs: ChoiceLogprobs | None = None  # rides on the next chunk
 
-    def _parsed(self, events: list, lps: ChoiceLogprobs | None = None) -> list[bytes]:
-        """Output events -> chunks (logprobs ride on the first one, or on an empty delta)."""
-        out = []
-        for e in events:
-            if isinstance(e, toolcalling.ReasoningDelta):
-                d = ChunkDelta(reasoning_content=e.text)
-            elif isinstance(e, toolcalling.ContentDelta):
-                d = ChunkDelta(content=e.text)
-            elif isinstance(e, toolcalling.ToolCallStart):
-                self.calls += 1
-                d = ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(e.name, ""), e.id, "function")])
-            elif isinstance(e, toolcalling.ToolCallArgsDelta):
-                d = ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(arguments=e.text))])
-            else:
-                continue
-            out.append(self._chunk(d, None, lps))
-            lps = None
-        if lps is not None:
-            out.append(self._chunk(ChunkDelta(), None, lps))
-        return out
-
-    def _chunk(self, delta: ChunkDelta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+    def _chunk(self, delta: ChunkDelta, finish: str | None = None) -> bytes:
         cls = _NullUsageChunk if self.include_usage else ChatCompletionChunk
+        logprobs, self.logprobs = self.logprobs, None
         return frame(cls(self.id, "chat.completion.chunk", self.created, self.ctx.model_name, self.ctx.fingerprint,
                          [ChunkChoice(0, delta, logprobs, finish)]))
 
@@ -349,31 +327,56 @@ class ChatStream:
         self.sent_role = True
         return [self._chunk(ChunkDelta(role="assistant", content=""))]
 
-    def open(self) -> list[bytes]:
-        return []
+    def reasoning(self, text: str) -> list[bytes]:
+        return [self._chunk(ChunkDelta(reasoning_content=text))]
 
-    def keepalive(self) -> bytes:
-        return KEEPALIVE_COMMENT
+    def content(self, text: str) -> list[bytes]:
+        return [self._chunk(ChunkDelta(content=text))]
 
-    def on_event(self, e) -> list[bytes]:
-        if isinstance(e, Started):
-            return self._role()
-        if isinstance(e, Delta):
-            lps = ChoiceLogprobs(logprob_entries(self.ctx, e.logprobs)) if self.want_logprobs and e.logprobs else None
-            if not e.text and not e.tokens and lps is None:
-                return []
-            return self._role() + self._parsed(self.parser.feed_delta(e), lps)
-        if isinstance(e, Finished):
-            out = self._role() + self._parsed(self.parser.finish())
-            out.append(self._chunk(ChunkDelta(), finish_reason(e, self.calls > 0)))
-            if self.include_usage:
-                out.append(frame(ChatCompletionChunk(self.id, "chat.completion.chunk", self.created,
-                                                     self.ctx.model_name, self.ctx.fingerprint, [],
-                                                     usage(e, self.parser.reasoning_tokens))))
-            return out + [b"data: [DONE]\n\n"]
-        if isinstance(e, Failed):
-            return [frame(openai_error(common.failed_error(e)))]
-        return []
+    def call_start(self, e: ToolCallStart) -> list[bytes]:
+        self.calls += 1
+        return [self._chunk(ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(e.name, ""), e.id,
+                                                                 "function")]))]
 
-    def internal_error(self, message: str) -> list[bytes]:
-        return [frame(openai_error(common.ApiError(500, message)))]
+    def call_arguments(self, e: ToolCallArgsDelta) -> list[bytes]:
+        return [self._chunk(ChunkDelta(tool_calls=[ChunkToolCall(e.index, ChunkFunction(arguments=e.text))]))]
+
+    def started(self, e: Started) -> list[bytes]:
+        return self._role()
+
+    def delta(self, e: Delta) -> list[bytes]:
+        lps = ChoiceLogprobs(logprob_entries(self.ctx, e.logprobs)) if self.want_logprobs and e.logprobs else None
+        if not e.text and not e.tokens and lps is None:
+            return []
+        out = self._role()
+        self.logprobs = lps  # logprobs ride on the first chunk of this delta, or on an empty one
+        out += self.parsed(self.parser.feed_delta(e))
+        if self.logprobs is not None:
+            out.append(self._chunk(ChunkDelta()))
+        return out
+
+    def finished(self, e: Finished) -> list[bytes]:
+        out = self._role() + self.parsed(self.parser.finish())
+        out.append(self._chunk(ChunkDelta(), finish_reason(e, self.calls > 0)))
+        usage_chunk = ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.ctx.model_name,
+                                          self.ctx.fingerprint, [], usage(e, self.parser.reasoning_tokens))
+        return out + openai_stream_end(usage_chunk if self.include_usage else None)
+
+
+class ChatCompletions(ProtocolAdapter):
+    path = "/v1/chat/completions"
+    summary = "OpenAI chat completions"
+    body_type = ChatRequest
+    id_prefix = "chatcmpl-"
+    protocol = PROTOCOL
+    prompt_param = "messages"
+
+    async def to_generation(self, ctx: ApiContext, body: ChatRequest, request_id: str) -> tuple[GenerationRequest, Any]:
+        return await to_generation(ctx, body, request_id), None
+
+    def renderer(self, s: Submitted) -> ChatStream:
+        include = bool(s.body.stream_options and s.body.stream_options.include_usage)
+        return ChatStream(s.ctx, s.request_id, s.created, include, bool(s.body.logprobs), s.req)
+
+    def response(self, s: Submitted, result: Collected) -> ChatCompletion:
+        return completion(s.ctx, s.request_id, s.created, result, bool(s.body.logprobs), s.req)

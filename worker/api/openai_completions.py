@@ -16,12 +16,13 @@ from typing import Any
 
 import msgspec
 
-from ..engine.requests import Delta, Failed, Finished, GenerationRequest, PromptLogprobs, Started, TokenLogprob
+from ..engine.requests import Delta, Finished, GenerationRequest, PromptLogprobs, Started, TokenLogprob
 from . import common
+from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext, Collected, bad_request
-from .errors import openai_error
 from .openai_chat import StreamOptions, Usage, finish_reason, usage
-from .sse import KEEPALIVE_COMMENT, frame
+from .sse import frame
+from .stream_base import StreamRenderer, openai_error_frames, openai_stream_end
 
 PROTOCOL = "completions"
 DEFAULT_MAX_TOKENS = 16
@@ -66,14 +67,8 @@ class Completion(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class _NullUsageCompletion(msgspec.Struct):
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: None = None
+class _NullUsageCompletion(Completion, omit_defaults=False):
+    """A chunk with `"usage": null`, as the API sends when include_usage is on."""
 
 
 class Prompt(msgspec.Struct):
@@ -145,7 +140,7 @@ class LogprobBuilder:
     def build(self, tokens: list[int], entries: list[TokenLogprob | None]) -> LegacyLogprobs:
         out = LegacyLogprobs([], [], [], [])
         tok = self.ctx.tokenizer
-        for t, lp in zip(tokens, entries):
+        for t, lp in zip(tokens, entries, strict=False):
             out.tokens.append(common.token_str(self.ctx, t))
             out.text_offset.append(self.offset)
             self.offset += len(tok.decode([t]))
@@ -189,7 +184,9 @@ def completion(ctx: ApiContext, request_id: str, created: int, plan: Plan, c: Co
                       [CompletionChoice(text, 0, lps, reason)], u)
 
 
-class CompletionStream:
+class CompletionStream(StreamRenderer):
+    error_frames = staticmethod(openai_error_frames)
+
     def __init__(self, ctx: ApiContext, request_id: str, created: int, plan: Plan, include_usage: bool):
         self.ctx, self.id, self.created, self.plan = ctx, request_id, created, plan
         self.include_usage = include_usage
@@ -210,42 +207,52 @@ class CompletionStream:
         self.lp.offset = len(self.plan.prompt.text)
         return [self._chunk(self.plan.prompt.text, lps, None)]
 
-    def open(self) -> list[bytes]:
+    def prompt_logprobs(self, e: PromptLogprobs) -> list[bytes]:
+        return [] if self.echoed else self._echo(e.entries)
+
+    def started(self, e: Started) -> list[bytes]:
+        # with prompt logprobs the echo waits for them (they come before the first token)
+        if not self.echoed and self.plan.logprobs is None:
+            return self._echo(None)
         return []
 
-    def keepalive(self) -> bytes:
-        return KEEPALIVE_COMMENT
-
-    def on_event(self, e) -> list[bytes]:
-        if isinstance(e, PromptLogprobs):
-            return [] if self.echoed else self._echo(e.entries)
-        if isinstance(e, Started):
-            # with prompt logprobs the echo waits for them (they come before the first token)
-            if not self.echoed and self.plan.logprobs is None:
-                return self._echo(None)
-            return []
-        if isinstance(e, Delta):
-            out = [] if self.echoed else self._echo(None)
-            if self.plan.zero:
-                return out
-            lps = self.lp.build(e.tokens, list(e.logprobs)) if self.plan.logprobs is not None and e.logprobs else None
-            if e.text or lps is not None:
-                out.append(self._chunk(e.text, lps, None))
+    def delta(self, e: Delta) -> list[bytes]:
+        out = [] if self.echoed else self._echo(None)
+        if self.plan.zero:
             return out
-        if isinstance(e, Finished):
-            out = [] if self.echoed else self._echo(None)
-            u = usage(e)
-            reason = finish_reason(e)
-            if self.plan.zero:
-                u.completion_tokens, u.total_tokens, reason = 0, u.prompt_tokens, "length"
-            out.append(self._chunk("", None, reason))
-            if self.include_usage:
-                out.append(frame(Completion(self.id, "text_completion", self.created, self.ctx.model_name,
-                                            self.ctx.fingerprint, [], u)))
-            return out + [b"data: [DONE]\n\n"]
-        if isinstance(e, Failed):
-            return [frame(openai_error(common.failed_error(e)))]
-        return []
+        lps = self.lp.build(e.tokens, list(e.logprobs)) if self.plan.logprobs is not None and e.logprobs else None
+        if e.text or lps is not None:
+            out.append(self._chunk(e.text, lps, None))
+        return out
 
-    def internal_error(self, message: str) -> list[bytes]:
-        return [frame(openai_error(common.ApiError(500, message)))]
+    def finished(self, e: Finished) -> list[bytes]:
+        out = [] if self.echoed else self._echo(None)
+        u = usage(e)
+        reason = finish_reason(e)
+        if self.plan.zero:
+            u.completion_tokens, u.total_tokens, reason = 0, u.prompt_tokens, "length"
+        out.append(self._chunk("", None, reason))
+        usage_chunk = Completion(self.id, "text_completion", self.created, self.ctx.model_name, self.ctx.fingerprint,
+                                 [], u)
+        return out + openai_stream_end(usage_chunk if self.include_usage else None)
+
+
+class Completions(ProtocolAdapter):
+    path = "/v1/completions"
+    summary = "OpenAI (legacy) completions"
+    body_type = CompletionRequest
+    id_prefix = "cmpl-"
+    protocol = PROTOCOL
+    prompt_param = "prompt"
+    reads_probe = True
+
+    async def to_generation(self, ctx: ApiContext, body: CompletionRequest,
+                            request_id: str) -> tuple[GenerationRequest, Plan]:
+        return await to_generation(ctx, body, request_id)
+
+    def renderer(self, s: Submitted) -> CompletionStream:
+        include = bool(s.body.stream_options and s.body.stream_options.include_usage)
+        return CompletionStream(s.ctx, s.request_id, s.created, s.notes, include)
+
+    def response(self, s: Submitted, result: Collected) -> Completion:
+        return completion(s.ctx, s.request_id, s.created, s.notes, result)

@@ -4,12 +4,13 @@ input: a string or a list of items: messages (role user/system/developer/assista
 string or input_text/output_text parts), function_call / function_call_output items (and the
 other *_call / *_call_output kinds, rendered as tool calls and tool results); reasoning items are
 skipped. tools (function tools) / tool_choice / parallel_tool_calls and reasoning.effort: see
-toolcalling.py; the output is then reasoning items, a message and function_call items, streamed with
-response.reasoning_text.delta and response.function_call_arguments.delta/.done events. instructions becomes a leading system message. max_output_tokens caps the output; when
-it is reached the response ends `incomplete` (reason max_output_tokens) with a
-`response.incomplete` event, as the API does. Responses are not stored: previous_response_id is
-refused (400). Extensions beyond the API: top_k, min_p, repetition_penalty, seed and stop.
-Streams carry typed events with an increasing sequence_number:
+tool_plan.py and prepare.py; the output is then reasoning items, a message and function_call items,
+streamed with response.reasoning_text.delta and response.function_call_arguments.delta/.done events.
+instructions becomes a leading system message. max_output_tokens caps the output; when it is
+reached the response ends `incomplete` (reason max_output_tokens) with a `response.incomplete`
+event, as the API does. Responses are not stored: previous_response_id is refused (400).
+Extensions beyond the API: top_k, min_p, repetition_penalty, seed and stop. Streams carry
+typed events with an increasing sequence_number:
 response.created, response.in_progress, response.output_item.added, response.content_part.added,
 response.output_text.delta..., response.output_text.done, response.content_part.done,
 response.output_item.done, then response.completed (or .incomplete); a failure ends the stream
@@ -22,11 +23,17 @@ from typing import Any
 
 import msgspec
 
-from ..engine.requests import Delta, Failed, Finished, FinishReason, GenerationRequest
-from . import common, structured, toolcalling
+from ..engine.requests import Finished, FinishReason, GenerationRequest
+from ..text.formats import ToolCallArgsDelta, ToolCallStart
+from . import common, structured, tool_plan
+from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext, Collected, bad_request
+from .errors import ApiError
 from .openai_chat import flatten_content
-from .sse import KEEPALIVE_COMMENT, frame
+from .output_parser import parse_result
+from .prepare import apply, prepare
+from .sse import frame
+from .stream_base import ParsedStream
 
 PROTOCOL = "responses"
 
@@ -151,86 +158,64 @@ class Response(msgspec.Struct):
     user: str | None = None
 
 
-# stream events
+# stream events: each names its type and a sequence number; most then the output item (and the
+# content part of it) they concern
 
 
-class LifecycleEvent(msgspec.Struct):
+class StreamEvent(msgspec.Struct):
     type: str
     sequence_number: int
+
+
+class LifecycleEvent(StreamEvent):
     response: Response
 
 
-class OutputItemEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
+class OutputItemEvent(StreamEvent):
     output_index: int
     item: OutputItem
 
 
-class ContentPartEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
+class ItemEvent(StreamEvent):
     item_id: str
     output_index: int
+
+
+class ContentEvent(ItemEvent):
     content_index: int
+
+
+class ContentPartEvent(ContentEvent):
     part: OutputText
 
 
-class TextDeltaEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
+class TextDeltaEvent(ContentEvent):
     delta: str
     logprobs: list[Any] = []
 
 
-class ItemDeltaEvent(msgspec.Struct):
+class TextDoneEvent(ContentEvent):
+    text: str
+    logprobs: list[Any] = []
+
+
+class ReasoningDeltaEvent(ContentEvent):
+    delta: str
+
+
+class ReasoningDoneEvent(ContentEvent):
+    text: str
+
+
+class ItemDeltaEvent(ItemEvent):
     """response.function_call_arguments.delta"""
 
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
+class ArgumentsDoneEvent(ItemEvent):
     arguments: str
     name: str
-
-
-class ReasoningDeltaEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-
-
-class ReasoningDoneEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-
-
-class TextDoneEvent(msgspec.Struct):
-    type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Any] = []
 
 
 # -- request -> GenerationRequest ------------------------------------------------------------------------------
@@ -293,15 +278,15 @@ async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str
         repetition_penalty=body.repetition_penalty, seed=body.seed)
     stop = common.stop_list(ctx, body.stop)
     ctx.limits.tools(body.tools)
-    plan = toolcalling.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    plan = tool_plan.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     if body.reasoning is not None and not isinstance(body.reasoning, dict):
         raise bad_request("reasoning must be an object", param="reasoning")
-    ask = toolcalling.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")
-    prep = await toolcalling.prepare(ctx, template_messages(body), plan, ask, "input", structured=grammar is not None)
+    ask = tool_plan.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")
+    prep = await prepare(ctx, template_messages(body), plan, ask, "input", structured=grammar is not None)
     prompt = prep.prompt
     max_tokens = common.output_tokens(ctx, body.max_output_tokens, len(prompt), "max_output_tokens")
-    return toolcalling.apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
-                                               grammar=grammar), prep)
+    return apply(GenerationRequest(request_id, prompt, params, max_tokens, stop=stop, protocol=PROTOCOL,
+                                   grammar=grammar), prep)
 
 
 # -- events -> response ----------------------------------------------------------------------------------------
@@ -346,7 +331,7 @@ def completed(ctx: ApiContext, body: ResponsesRequest, request_id: str, created:
     f = c.finished
     assert f is not None
     b = ResponseBuilder(ctx, body, request_id, created)
-    out = toolcalling.output_of(req).parser(ctx.tokenizer).parse_all(c.text, c.tokens)
+    out = parse_result(ctx, req, c.text, c.tokens)
     truncated = f.reason is FinishReason.LENGTH
     items: list = []
     if out.reasoning or out.reasoning_open:
@@ -359,15 +344,15 @@ def completed(ctx: ApiContext, body: ResponsesRequest, request_id: str, created:
     return b.final(items, f, out.reasoning_tokens)
 
 
-class ResponsesStream:
+class ResponsesStream(ParsedStream):
     """Output items open as their first text arrives (reasoning, then the message, then function
     calls) and each closes before the next opens, as the API streams them."""
 
     def __init__(self, ctx: ApiContext, body: ResponsesRequest, request_id: str, created: int,
                  req: GenerationRequest | None = None):
+        super().__init__(ctx, req)
         self.b = ResponseBuilder(ctx, body, request_id, created)
         self.seq = 0
-        self.parser = toolcalling.output_of(req).parser(ctx.tokenizer)
         self.items: list = []  # finished items, in output order
         self.cur: Any = None  # the open item
         self.text: list[str] = []  # the open item's text (reasoning, message or arguments)
@@ -381,9 +366,6 @@ class ResponsesStream:
         r = self.b.response("in_progress", [])
         return [self._emit(LifecycleEvent, "response.created", r),
                 self._emit(LifecycleEvent, "response.in_progress", r)]
-
-    def keepalive(self) -> bytes:
-        return KEEPALIVE_COMMENT
 
     @property
     def _index(self) -> int:
@@ -420,54 +402,66 @@ class ResponsesStream:
         self.cur = None
         return out
 
-    def _events(self, events: list) -> list[bytes]:
-        out: list[bytes] = []
-        for e in events:
-            if isinstance(e, toolcalling.ReasoningDelta):
-                if not isinstance(self.cur, ReasoningItem):
-                    out += self._open(ReasoningItem(self.b.new_id("rs_"), "in_progress", []))
-                self.text.append(e.text)
-                out.append(self._emit(ReasoningDeltaEvent, "response.reasoning_text.delta", self.cur.id,
-                                      self._index, 0, e.text))
-            elif isinstance(e, toolcalling.ContentDelta):
-                if not isinstance(self.cur, OutputMessage):
-                    out += self._open(OutputMessage(self.b.item_id, "in_progress", []))
-                self.text.append(e.text)
-                out.append(self._emit(TextDeltaEvent, "response.output_text.delta", self.cur.id, self._index, 0,
-                                      e.text))
-            elif isinstance(e, toolcalling.ToolCallStart):
-                out += self._open(FunctionCallItem(self.b.new_id("fc_"), e.id, e.name, "", "in_progress"))
-            elif isinstance(e, toolcalling.ToolCallArgsDelta) and isinstance(self.cur, FunctionCallItem):
-                self.text.append(e.text)
-                out.append(self._emit(ItemDeltaEvent, "response.function_call_arguments.delta", self.cur.id,
-                                      self._index, e.text))
-        return out
+    def reasoning(self, text: str) -> list[bytes]:
+        out = []
+        if not isinstance(self.cur, ReasoningItem):
+            out = self._open(ReasoningItem(self.b.new_id("rs_"), "in_progress", []))
+        self.text.append(text)
+        return out + [self._emit(ReasoningDeltaEvent, "response.reasoning_text.delta", self.cur.id, self._index, 0,
+                                 text)]
 
-    def on_event(self, e) -> list[bytes]:
-        if isinstance(e, Delta):
-            if not e.text and not e.tokens:
-                return []
-            return self._events(self.parser.feed_delta(e))
-        if isinstance(e, Finished):
-            truncated = e.reason is FinishReason.LENGTH
-            out = self._events(self.parser.finish())
-            if isinstance(self.cur, ReasoningItem) and self.parser.reasoning_open:
-                out += self._close("incomplete")  # the stream ended inside the reasoning block
-            elif isinstance(self.cur, OutputMessage) and truncated:
-                out += self._close("incomplete")
-            out += self._close()
-            if not any(isinstance(i, (OutputMessage, FunctionCallItem)) for i in self.items):
-                out += self._open(OutputMessage(self.b.item_id, "in_progress", []))  # an (empty) answer
-                out += self._close("incomplete" if truncated else "completed")
-            final = self.b.final(list(self.items), e, self.parser.reasoning_tokens)
-            return out + [self._emit(LifecycleEvent, f"response.{final.status}", final)]
-        if isinstance(e, Failed):
-            return self._failed(e.kind if e.kind != "overloaded" else "server_error", e.message)
-        return []
+    def content(self, text: str) -> list[bytes]:
+        out = []
+        if not isinstance(self.cur, OutputMessage):
+            out = self._open(OutputMessage(self.b.item_id, "in_progress", []))
+        self.text.append(text)
+        return out + [self._emit(TextDeltaEvent, "response.output_text.delta", self.cur.id, self._index, 0, text)]
 
-    def _failed(self, code: str, message: str) -> list[bytes]:
-        r = self.b.response("failed", [], error=ResponseError(code, message))
+    def call_start(self, e: ToolCallStart) -> list[bytes]:
+        return self._open(FunctionCallItem(self.b.new_id("fc_"), e.id, e.name, "", "in_progress"))
+
+    def call_arguments(self, e: ToolCallArgsDelta) -> list[bytes]:
+        if not isinstance(self.cur, FunctionCallItem):
+            return []
+        self.text.append(e.text)
+        return [self._emit(ItemDeltaEvent, "response.function_call_arguments.delta", self.cur.id, self._index,
+                           e.text)]
+
+    def finished(self, e: Finished) -> list[bytes]:
+        truncated = e.reason is FinishReason.LENGTH
+        out = self.parsed(self.parser.finish())
+        if isinstance(self.cur, ReasoningItem) and self.parser.reasoning_open:
+            out += self._close("incomplete")  # the stream ended inside the reasoning block
+        elif isinstance(self.cur, OutputMessage) and truncated:
+            out += self._close("incomplete")
+        out += self._close()
+        if not any(isinstance(i, (OutputMessage, FunctionCallItem)) for i in self.items):
+            out += self._open(OutputMessage(self.b.item_id, "in_progress", []))  # an (empty) answer
+            out += self._close("incomplete" if truncated else "completed")
+        final = self.b.final(list(self.items), e, self.parser.reasoning_tokens)
+        return out + [self._emit(LifecycleEvent, f"response.{final.status}", final)]
+
+    def error_frames(self, err: ApiError) -> list[bytes]:
+        # the engine's failure kind is the code ("overloaded" is a server error to this API)
+        code = err.code if err.code not in (None, "overloaded") else "server_error"
+        r = self.b.response("failed", [], error=ResponseError(code, err.message))
         return [self._emit(LifecycleEvent, "response.failed", r)]
 
-    def internal_error(self, message: str) -> list[bytes]:
-        return self._failed("server_error", message)
+
+class Responses(ProtocolAdapter):
+    path = "/v1/responses"
+    summary = "OpenAI Responses"
+    body_type = ResponsesRequest
+    id_prefix = "resp_"
+    protocol = PROTOCOL
+    prompt_param = "input"
+
+    async def to_generation(self, ctx: ApiContext, body: ResponsesRequest,
+                            request_id: str) -> tuple[GenerationRequest, Any]:
+        return await to_generation(ctx, body, request_id), None
+
+    def renderer(self, s: Submitted) -> ResponsesStream:
+        return ResponsesStream(s.ctx, s.body, s.request_id, s.created, s.req)
+
+    def response(self, s: Submitted, result: Collected) -> Response:
+        return completed(s.ctx, s.body, s.request_id, s.created, result, s.req)

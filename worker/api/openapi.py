@@ -12,14 +12,12 @@ from typing import Any
 
 import msgspec
 
-from . import anthropic_messages, openai_chat, openai_completions, openai_responses, tokenize
+from . import anthropic_messages, tokenize
+from .routes import ROUTES
 
 # path -> (request type, summary)
 POSTS: dict[str, tuple[type, str]] = {
-    "/v1/chat/completions": (openai_chat.ChatRequest, "OpenAI chat completions"),
-    "/v1/completions": (openai_completions.CompletionRequest, "OpenAI (legacy) completions"),
-    "/v1/responses": (openai_responses.ResponsesRequest, "OpenAI Responses"),
-    "/v1/messages": (anthropic_messages.MessagesRequest, "Anthropic messages"),
+    **{a.path: (a.body_type, a.summary) for a in ROUTES},
     "/v1/messages/count_tokens": (anthropic_messages.MessagesRequest, "Anthropic token count"),
     "/tokenize": (tokenize.TokenizeRequest, "text or chat messages to token ids"),
     "/detokenize": (tokenize.DetokenizeRequest, "token ids to text"),
@@ -46,7 +44,7 @@ _ERRORS = {
 def document(version: str) -> dict[str, Any]:
     types = list(dict.fromkeys(t for t, _ in POSTS.values()))
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
-    schema_of = dict(zip(types, schemas))
+    schema_of = dict(zip(types, schemas, strict=True))
     paths: dict[str, Any] = {}
     for path, (type_, summary) in POSTS.items():
         paths[path] = {"post": {

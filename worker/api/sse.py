@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 import msgspec
 

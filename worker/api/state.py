@@ -13,12 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-STATES = ("loading", "ready", "draining", "poisoned")
+from ember.ops.contract import Event, HealthState
+
+STATES = tuple(HealthState)
 DEFAULT_STALL_SECONDS = 60.0
 
 
 class ServerState:
-    def __init__(self, state: str = "loading", *, stall_seconds: float = DEFAULT_STALL_SECONDS):
+    def __init__(self, state: str = HealthState.LOADING, *, stall_seconds: float = DEFAULT_STALL_SECONDS):
         if state not in STATES:
             raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
         self._state = state
@@ -26,14 +28,15 @@ class ServerState:
         self.changed_at = time.monotonic()
         self.engine: Any = None  # set by create_app (or attach, when the model loads after the app starts)
         self.model: Any = None
+        self.formats: Any = None  # the model's tool-call and reasoning formats (text/formats), resolved at load
 
-    def attach(self, engine: Any, model: Any) -> None:
-        self.engine, self.model = engine, model
+    def attach(self, engine: Any, model: Any, formats: Any = None) -> None:
+        self.engine, self.model, self.formats = engine, model, formats
 
     def set(self, state: str) -> None:
         if state not in STATES:
             raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
-        if self._state == "poisoned":  # there is no way back from a lost compute context
+        if self._state == HealthState.POISONED:  # there is no way back from a lost compute context
             return
         if state != self._state:
             self._state = state
@@ -43,7 +46,7 @@ class ServerState:
     def state(self) -> str:
         engine = self.engine
         if engine is not None and getattr(engine, "poisoned", None) is not None:
-            return "poisoned"
+            return HealthState.POISONED
         return self._state
 
     def stalled_for(self) -> float | None:
@@ -62,13 +65,13 @@ class ServerState:
         return dict(watch.dead) if watch is not None else {}
 
     def accepting(self) -> bool:
-        return self.state == "ready" and self.engine is not None
+        return self.state == HealthState.READY and self.engine is not None
 
     def live_ok(self) -> bool:
-        return self.state != "poisoned" and self.stalled_for() is None and not self.dead_threads()
+        return self.state != HealthState.POISONED and self.stalled_for() is None and not self.dead_threads()
 
     def ready_ok(self) -> bool:
-        return self.state == "ready" and self.live_ok()
+        return self.state == HealthState.READY and self.live_ok()
 
     def describe(self) -> dict[str, Any]:
         """Facts for the health bodies: plain attribute reads, never the engine lock."""
@@ -83,7 +86,7 @@ class ServerState:
             dead = self.dead_threads()
             if dead:
                 out["dead_threads"] = [{"thread": name, "error": error} for name, error in sorted(dead.items())]
-                out["error"] = {"code": None, "name": "thread_died",  # what the daemon's probe log keeps
+                out["error"] = {"code": None, "name": Event.THREAD_DIED,  # what the daemon's probe log keeps
                                 "message": "; ".join(f"thread {n} died: {e}" for n, e in sorted(dead.items()))}
             p = getattr(engine, "poisoned", None)
             if p is not None:

@@ -48,7 +48,7 @@ class DetokenizeResponse(msgspec.Struct):
 async def tokenize(ctx: ApiContext, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         msgs = openai_chat.template_messages(body.messages)
-        ids = await common.chat_prompt(ctx, msgs, None, "messages", bounded=False)
+        _, ids = await common.render_prompt(ctx, msgs, None, "messages", bounded=False)
     else:
         text = body.content if body.content is not None else body.prompt
         if text is None:

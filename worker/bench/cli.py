@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from ember.ops.contract import ExitCode
+
 from .machine import machine_facts, peak_rss_bytes
 
 
@@ -120,7 +122,7 @@ def _speed_cuda(args: argparse.Namespace) -> int:
         result = run(args)
     except CudaUnavailable as e:
         print(f"ember bench speed: no usable CUDA device ({e})", file=sys.stderr)
-        return 78
+        return ExitCode.CONFIG
     result["machine"] = machine_facts()
     if args.json:
         print(json.dumps(result))

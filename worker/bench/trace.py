@@ -19,6 +19,8 @@ import os
 import sys
 from collections import defaultdict
 
+from ember.ops.contract import ExitCode
+
 # common.cuh TRACE_MARK: per marked kernel, its first mark (the wait returned) and what each next one ends
 PHASES = {
     "decode attention (attn_warp)": (0, ["q ready, new key stored", "K/V rows landed", "keys scored and summed",
@@ -51,7 +53,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         result = trace_step(args.model, keys=args.keys, rows=args.rows, replays=args.replays)
     except CudaUnavailable as e:
         print(f"ember bench trace: no usable CUDA device ({e})", file=sys.stderr)
-        return 78
+        return ExitCode.CONFIG
     if args.json:
         print(json.dumps(result))
         return 0

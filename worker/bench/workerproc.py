@@ -1,7 +1,11 @@
-"""Start and stop real worker processes for benchmarks and tests (loopback only)."""
+"""A real worker process on a free loopback port, read only from outside: its health endpoint, its
+Prometheus metrics and its JSON log file. The one launcher of `ember bench` and of the tests
+(tests/conftest.py adds a hermetic environment and the fixtures); it knows nothing of the engine."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -11,6 +15,9 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+LOG_TAIL = 3000  # characters of the worker's log that a start failure carries
 
 
 def free_port() -> int:
@@ -20,24 +27,37 @@ def free_port() -> int:
 
 
 class WorkerProcess:
-    """`python -m ember.worker worker` on a free loopback port, with its log in a file."""
+    """`python -m ember.worker worker` on a free loopback port, with its log in a file.
 
-    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None):
+    `env` is the worker's whole environment (default: this process's); `api_key` is passed as
+    `--api-key` and sent by `headers()`. With `own_session` (the bench) the worker runs in a session
+    of its own and a stop reaches anything it spawned; without it (the tests) it stays in the
+    caller's process group, so whatever ends a test run (Ctrl-C, a timeout) ends its workers too."""
+
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None,
+                 cwd: Path | None = None, api_key: str | None = None, own_session: bool = True):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        self.args = [sys.executable, "-m", "ember.worker", "worker", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.env = {**os.environ, **(env or {})}
+        self.api_key = api_key
+        auth = ["--api-key", api_key] if api_key else []
+        self.args = [sys.executable, "-m", "ember.worker", "worker", "--host", "127.0.0.1", "--port", str(self.port),
+                     *args, *auth]
+        self.env = dict(os.environ) if env is None else env
+        self.cwd = cwd
+        self.own_session = own_session
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 300.0) -> "WorkerProcess":
-        self._log = open(self.log_path, "ab")
+    def start(self, timeout: float = 300.0) -> WorkerProcess:
+        """Spawn the worker and wait until /health/ready answers 200."""
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the worker writes to it until `kill` closes it
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     cwd=self.cwd, start_new_session=self.own_session)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}\n"
+                                   f"{self.log_text()[-LOG_TAIL:]}")
             try:
                 if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
                     return self
@@ -45,25 +65,79 @@ class WorkerProcess:
                 pass
             time.sleep(0.1)
         self.kill()
-        raise TimeoutError(f"worker not ready after {timeout:.0f} s; see {self.log_path}")
+        raise TimeoutError(f"worker not ready after {timeout:.0f} s; see {self.log_path}\n"
+                           f"{self.log_text()[-LOG_TAIL:]}")
 
-    def kill(self, sig: int = signal.SIGKILL) -> int | None:
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 30.0) -> int | None:
+        """Send `sig` to the worker (its session, with `own_session`), SIGKILL it if it has not
+        exited after `timeout`; returns the exit code. Safe to call again, or before `start`."""
         if self.proc and self.proc.poll() is None:
+            self._signal(sig)
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(30)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self._signal(signal.SIGKILL)
                 self.proc.wait(10)
         if getattr(self, "_log", None):
             self._log.close()
         return self.proc.returncode if self.proc else None
 
-    def __enter__(self) -> "WorkerProcess":
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            if self.own_session:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """A clean stop: SIGTERM (the worker drains), SIGKILL after `timeout`."""
+        return self.kill(signal.SIGTERM, timeout)
+
+    def __enter__(self) -> WorkerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.kill(signal.SIGTERM)
+        self.stop()
+
+    # -- reading it from outside -------------------------------------------------------------------------------
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def events(self, event: str | None = None, **match) -> list[dict]:
+        """The log's JSON records, optionally only one event's, whose fields equal `match`."""
+        out = []
+        for line in self.log_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or (event is not None and rec.get("event") != event):
+                continue
+            if all(rec.get(k) == v for k, v in match.items()):
+                out.append(rec)
+        return out
+
+    def wait_event(self, event: str, timeout: float = 60.0, **match) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events(event, **match)
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no {event} {match} in the worker log within {timeout}s:\n"
+                             f"{self.log_text()[-LOG_TAIL:]}")
+
+    def metric_values(self) -> dict[str, float]:
+        """Every sample of GET /metrics, keyed `name{label=value}...` with the labels sorted."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers()).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
+                out[key] = s.value
+        return out

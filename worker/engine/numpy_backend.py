@@ -2,8 +2,9 @@
 
 Readable first, then fast where it is free: all chunks of a step are stacked into one matrix for
 the weight products (the part that costs), and attention runs per sequence over its own blocks.
-It follows llama.cpp's graph for each architecture (norm placement, rope flavour, gemma's scaled
-embeddings and sliding windows), since llama.cpp is the oracle the tests compare against.
+The layer is the family's recipe (model/arch/recipe.py: norm placement, q/k norms, biases, rope
+flavour, activation, scaled embeddings, sliding windows), computed as llama.cpp's graph computes
+it, since llama.cpp is the oracle the tests compare against. It never looks at the family's name.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
+from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights
-from .backend import Copied, Done, SampledToken, SeqChunk, kv_slots
+from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     name = kv_layout = "numpy"
     block_dtype = np.dtype(np.float32)
 
@@ -49,18 +51,18 @@ class NumpyBackend:
         if feed is not None:
             if len(feed) != len(chunks):
                 raise ValueError("feed needs one entry per chunk")
-            for c, j in zip(chunks, feed):
+            for c, j in zip(chunks, feed, strict=True):
                 if j is not None and (j not in self._drawn or len(c.tokens) != 1):
                     raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
             chunks = [c if j is None else SeqChunk(np.array([self._drawn[j]], np.int32), c.start, c.block_table,
-                                                   c.logits, c.sample) for c, j in zip(chunks, feed)]
+                                                   c.logits, c.sample) for c, j in zip(chunks, feed, strict=True)]
         return Done(self.forward(chunks))
 
     def forward(self, chunks: list[SeqChunk]) -> list:
         out = self._logits(chunks)
         self._drawn = {}
         if self.samples_on_device:
-            for i, (c, logits) in enumerate(zip(chunks, out)):
+            for i, (c, logits) in enumerate(zip(chunks, out, strict=True)):
                 if c.sample is not None and c.logits == "last":
                     s = c.sample
                     tokens, _ = ops.sample_rows(logits[-1:], [s.temperature], [s.top_k], [s.top_p], [s.min_p],
@@ -70,7 +72,7 @@ class NumpyBackend:
         return out
 
     def _logits(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
-        cfg, w = self.config, self.weights
+        cfg, w, recipe = self.config, self.weights, self.config.recipe
         tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         spans, at = [], 0
@@ -84,44 +86,45 @@ class NumpyBackend:
             x = x * np.float32(cfg.embed_scale)
         rope_global = ops.rope_tables(positions, self._inv_freq_global)
         rope_local = ops.rope_tables(positions, self._inv_freq_local) if cfg.sliding_window else rope_global
+        neox = recipe.rope is Rope.NEOX
 
         for li, lw in enumerate(w.layers):
             local = cfg.is_local_layer(li)
-            h = ops.rms_norm(x, lw["attn_norm"], cfg.norm_eps)
-            qkv = ops.linear(h, lw["wqkv"], lw.get("bqkv"))  # q, k and v stacked by rows
+            h = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
+            qkv = ops.linear(h, lw.wqkv, lw.bqkv)  # q, k and v stacked by rows (bqkv: None without biases)
             q = qkv[:, : cfg.q_dim].reshape(-1, cfg.n_heads, cfg.head_dim)
             k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = ops.rms_norm(q, lw["q_norm"], cfg.norm_eps)
-                k = ops.rms_norm(k, lw["k_norm"], cfg.norm_eps)
+            if recipe.qk_norm:
+                q = ops.rms_norm(q, lw.q_norm, cfg.norm_eps)
+                k = ops.rms_norm(k, lw.k_norm, cfg.norm_eps)
             cos, sin = rope_local if local else rope_global
-            q = ops.rope(q, cos, sin, neox=cfg.rope_neox)
-            k = ops.rope(k, cos, sin, neox=cfg.rope_neox)
+            q = ops.rope(q, cos, sin, neox=neox)
+            k = ops.rope(k, cos, sin, neox=neox)
             self.k_pool[li].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[slots] = k
             self.v_pool[li].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[slots] = v
 
             window = cfg.sliding_window if local else 0
             attn = np.empty((len(tokens), cfg.q_dim), dtype=np.float32)
-            for c, (a, b) in zip(chunks, spans):
+            for c, (a, b) in zip(chunks, spans, strict=True):
                 first = max(0, c.start - window + 1) if window else 0  # older keys: outside the window
                 keys, values, offset = self._gather(li, c.block_table, first, c.start + len(c.tokens))
                 attn[a:b] = ops.attention(
                     q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale, key_offset=offset
                 ).reshape(b - a, cfg.q_dim)
-            o = ops.linear(attn, lw["wo"])
-            if cfg.post_norms:
-                o = ops.rms_norm(o, lw["post_attn_norm"], cfg.norm_eps)
+            o = ops.linear(attn, lw.wo)
+            if recipe.post_norms:
+                o = ops.rms_norm(o, lw.post_attn_norm, cfg.norm_eps)
             x = x + o
 
-            h = ops.rms_norm(x, lw["ffn_norm"], cfg.norm_eps)
-            m = ops.gated_mlp_stacked(h, lw["w_gate_up"], lw["w_down"], act=cfg.act)
-            if cfg.post_norms:
-                m = ops.rms_norm(m, lw["post_ffn_norm"], cfg.norm_eps)
+            h = ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps)
+            m = ops.gated_mlp_stacked(h, lw.w_gate_up, lw.w_down, act=recipe.act)
+            if recipe.post_norms:
+                m = ops.rms_norm(m, lw.post_ffn_norm, cfg.norm_eps)
             x = x + m
 
         out: list[np.ndarray | None] = []
-        for c, (a, b) in zip(chunks, spans):
+        for c, (a, b) in zip(chunks, spans, strict=True):
             if c.logits == "none":
                 out.append(None)
                 continue
@@ -129,7 +132,8 @@ class NumpyBackend:
             out.append(ops.linear(ops.rms_norm(rows, w.output_norm, cfg.norm_eps), w.output))
         return out
 
-    def _gather(self, layer: int, block_table: list[int], first: int, length: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def _gather(self, layer: int, block_table: list[int], first: int,
+                length: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Keys and values of positions [first rounded down to a block, length), and that start."""
         bs, cfg = self.block_size, self.config
         b0, b1 = first // bs, -(-length // bs)

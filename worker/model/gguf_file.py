@@ -8,6 +8,7 @@ every malformed input into one `ModelFileError` line that names the file and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -201,7 +202,8 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[ggml_type]
             n_el = int(np.prod(shape, dtype=np.int64)) if shape else 1
             if shape and shape[0] % block:
-                raise ModelFileError(path, f"tensor {name}: row of {shape[0]} is not a multiple of the {ggml_type.name} block")
+                raise ModelFileError(path, f"tensor {name}: row of {shape[0]} is not a multiple of the "
+                                           f"{ggml_type.name} block")
             nbytes = n_el // block * type_size
             start = self.data_offset + offset
             if start + nbytes > self.size:
@@ -212,8 +214,9 @@ class GGUFFile:
 
     # -- access -------------------------------------------------------------------------------
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
+    def get(self, key: str | None, default: Any = None) -> Any:
+        """The metadata value of key, or default (also for key None: a family without that setting)."""
+        return default if key is None else self.metadata.get(key, default)
 
     @property
     def architecture(self) -> str:
@@ -243,7 +246,5 @@ class GGUFFile:
 
     def close(self) -> None:
         self._buf.release()
-        try:
+        with contextlib.suppress(BufferError):  # numpy views still alive; the mapping goes with them
             self._mmap.close()
-        except BufferError:  # numpy views still alive; the mapping goes with them
-            pass

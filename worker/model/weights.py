@@ -12,15 +12,16 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from ember.kernels.quants import UnsupportedQuantError, dequantize
 
 from ..paths import model_cache_dir
+from .arch import layer_tensors
 from .config import ModelConfig
 from .gguf_file import GGUFFile, ModelFileError
 
@@ -28,31 +29,29 @@ CACHE_VERSION = 2
 
 # Projections that read the same input are stacked into one matrix: one product instead of two or
 # three per layer (the decode step is a chain of small matrix-vector products, each with overhead).
-_FUSED = {
+_STACKS = {
     "wqkv": ("wq", "wk", "wv"),
     "bqkv": ("bq", "bk", "bv"),
     "w_gate_up": ("w_gate", "w_up"),
 }
 
-_LAYER_TENSORS = {
-    # our name: (gguf name, required)
-    "attn_norm": ("attn_norm.weight", True),
-    "wq": ("attn_q.weight", True),
-    "wk": ("attn_k.weight", True),
-    "wv": ("attn_v.weight", True),
-    "wo": ("attn_output.weight", True),
-    "bq": ("attn_q.bias", False),
-    "bk": ("attn_k.bias", False),
-    "bv": ("attn_v.bias", False),
-    "q_norm": ("attn_q_norm.weight", False),
-    "k_norm": ("attn_k_norm.weight", False),
-    "post_attn_norm": ("post_attention_norm.weight", False),
-    "ffn_norm": ("ffn_norm.weight", True),
-    "w_gate": ("ffn_gate.weight", True),
-    "w_up": ("ffn_up.weight", True),
-    "w_down": ("ffn_down.weight", True),
-    "post_ffn_norm": ("post_ffw_norm.weight", False),
-}
+
+@dataclass
+class LayerWeights:
+    """One layer's weights by role (arch/recipe.py's ROLES, stacked as _STACKS says); a role that
+    the family's recipe (or, for optional ones, the file) lacks is None."""
+
+    attn_norm: np.ndarray
+    wqkv: np.ndarray  # q, k and v stacked by rows
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate_up: np.ndarray  # gate and up stacked by rows
+    w_down: np.ndarray
+    bqkv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -60,7 +59,7 @@ class ModelWeights:
     token_embd: np.ndarray  # [vocab, hidden]
     output: np.ndarray  # [vocab, hidden]; the same array as token_embd when tied
     output_norm: np.ndarray
-    layers: list[dict[str, np.ndarray]]  # per layer: the names in _LAYER_TENSORS, or _FUSED stacks
+    layers: list[LayerWeights]
     rope_freqs: np.ndarray | None = None  # llama 3.1 style per-dimension frequency factors
     nbytes: int = field(default=0)
 
@@ -77,19 +76,14 @@ def load_weights(
     for stale in cache.parent.glob("weights-f32-v*"):  # caches of older layouts are dead weight
         if stale != cache:
             shutil.rmtree(stale, ignore_errors=True)
-    names = ["token_embd.weight", "output_norm.weight"]
+    names_of = config.family.tensors
+    names = [names_of.token_embd, names_of.output_norm]
     if not config.tied_output:
-        names.append("output.weight")
-    if "rope_freqs.weight" in g.tensors:
-        names.append("rope_freqs.weight")
-    for i in range(config.n_layers):
-        for gname, required in _LAYER_TENSORS.values():
-            full = f"blk.{i}.{gname}"
-            if full in g.tensors:
-                names.append(full)
-            elif required:
-                raise ModelFileError(g.path, f"missing tensor {full}")
-    total = sum(g.tensors[n].nbytes for n in names)
+        names.append(names_of.output)
+    if names_of.rope_freqs is not None and names_of.rope_freqs in g.tensors:
+        names.append(names_of.rope_freqs)
+    layer_names = [layer_tensors(g, config.family, i) for i in range(config.n_layers)]
+    total = sum(g.tensors[n].nbytes for n in names + [n for ln in layer_names for n in ln.values()])
     done = 0
 
     def tick(parts: list[str]) -> None:
@@ -100,30 +94,28 @@ def load_weights(
 
     arrays: dict[str, np.ndarray] = {}
     for name in names:
-        if not name.startswith("blk."):
-            arrays[name] = _load(g, [name], cache / f"{name}.npy")
-            tick([name])
+        arrays[name] = _load(g, [name], cache / f"{name}.npy")
+        tick([name])
     layers = []
-    for i in range(config.n_layers):
-        present = {ours: f"blk.{i}.{gname}" for ours, (gname, _) in _LAYER_TENSORS.items()
-                   if f"blk.{i}.{gname}" in g.tensors}
+    for i, named in enumerate(layer_names):
+        present = dict(named)
         t: dict[str, np.ndarray] = {}
-        for fused, members in _FUSED.items():
+        for stack, members in _STACKS.items():
             if all(m in present for m in members):
                 parts = [present.pop(m) for m in members]
-                t[fused] = _load(g, parts, cache / f"blk.{i}.{fused}.npy")
+                t[stack] = _load(g, parts, cache / f"blk.{i}.{stack}.npy")
                 tick(parts)
-        for ours, name in present.items():
-            t[ours] = _load(g, [name], cache / f"{name}.npy")
+        for role, name in present.items():
+            t[role] = _load(g, [name], cache / f"{name}.npy")
             tick([name])
-        layers.append(t)
-    embd = arrays["token_embd.weight"]
+        layers.append(LayerWeights(**t))
+    embd = arrays[names_of.token_embd]
     return ModelWeights(
         token_embd=embd,
-        output=arrays.get("output.weight", embd),
-        output_norm=arrays["output_norm.weight"],
+        output=arrays.get(names_of.output, embd),
+        output_norm=arrays[names_of.output_norm],
         layers=layers,
-        rope_freqs=arrays.get("rope_freqs.weight"),
+        rope_freqs=arrays.get(names_of.rope_freqs) if names_of.rope_freqs else None,
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
 
@@ -141,7 +133,7 @@ def _load(g: GGUFFile, names: list[str], path: Path) -> np.ndarray:
             pass  # a damaged cache entry is rebuilt below
     arr = np.empty(shape, dtype=np.float32)
     row = 0
-    for name, sh in zip(names, shapes):
+    for name, sh in zip(names, shapes, strict=True):
         info = g.tensors[name]
         try:
             arr[row : row + sh[0]] = dequantize(g.raw(name), info.ggml_type, sh)

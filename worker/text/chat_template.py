@@ -25,13 +25,12 @@ from importlib import resources
 from typing import Any
 
 import jinja2
-from jinja2 import meta, nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from ember.worker.model.gguf_file import GGUFFile
 from ember.worker.text.tokenizer import Tokenizer
+from jinja2 import meta, nodes
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES"]
 
@@ -131,7 +130,8 @@ def builtin_source(name: str) -> str:
 def pick_builtin(arch: str, tokenizer: Tokenizer | None) -> str | None:
     """The built-in template for a model without one: by the turn tokens its vocabulary has, then by arch."""
     if tokenizer is not None:
-        for token, name in (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml")):
+        turns = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"))
+        for token, name in turns:
             if tokenizer.id_of(token) is not None:
                 return name
     return _ARCH_TEMPLATES.get(arch)
@@ -156,7 +156,7 @@ class ChatTemplate:
         except (RecursionError, MemoryError, ValueError) as e:
             raise ChatTemplateError(_one_line(e)) from None
         # Templates that never read `tools` cannot show tools to the model: the API layer then
-        # describes them in a system message itself (worker/api/toolcalling.py).
+        # describes them in a system message itself (FencedJson.describe in worker/text/formats/fenced.py).
         try:
             self.variables = frozenset(meta.find_undeclared_variables(_environment().parse(source)))
         except jinja2.TemplateError:  # pragma: no cover - from_string already parsed it
@@ -167,7 +167,7 @@ class ChatTemplate:
         return "tools" in self.variables
 
     @classmethod
-    def from_gguf(cls, g: GGUFFile, tokenizer: Tokenizer) -> "ChatTemplate":
+    def from_gguf(cls, g: GGUFFile, tokenizer: Tokenizer) -> ChatTemplate:
         """The model's `tokenizer.chat_template`, or the built-in one for its vocabulary/architecture."""
         tokens = _special_token_strings(tokenizer)
         source = g.metadata.get("tokenizer.chat_template")
@@ -181,7 +181,7 @@ class ChatTemplate:
         return cls(builtin_source(name), name=name, tokenizer=tokenizer, **tokens)
 
     @classmethod
-    def builtin(cls, name: str, tokenizer: Tokenizer | None = None) -> "ChatTemplate":
+    def builtin(cls, name: str, tokenizer: Tokenizer | None = None) -> ChatTemplate:
         tokens = _special_token_strings(tokenizer) if tokenizer is not None else {}
         return cls(builtin_source(name), name=name, tokenizer=tokenizer, **tokens)
 

@@ -1,94 +1,24 @@
-"""Reasoning ("thinking") blocks: which markers a model uses, and splitting its output into
-reasoning text and answer text.
+"""Splitting a thinking model's output into reasoning text and answer text, incrementally.
 
-Thinking models write their reasoning first, between markers such as ``<think>``/``</think>``
-(Qwen 3, QwQ, DeepSeek R1), ``[THINK]``/``[/THINK]`` (Magistral), ``<seed:think>`` (Seed-OSS) or
-``<|START_THINKING|>``/``<|END_THINKING|>`` (Command A reasoning). `detect` picks the pair from the
-chat template (it mentions the start marker) or, failing that, the vocabulary (both markers are
-single tokens); `parse_override` reads an explicit choice (a name, "START,END", or "none").
-
-`ReasoningSplitter` is incremental. The block is recognised only at the very start of the output
-(after leading whitespace), so an answer that merely mentions ``<think>`` is left alone; when the
-prompt already opened the block (DeepSeek R1, Qwen 3 thinking templates end the generation prompt
-with ``<think>\\n``) the splitter starts inside it. Everything after the end marker is answer text,
-whatever it contains (so tool-call markup inside reasoning is never a tool call: the caller parses
-only the answer). Partial markers are held back, never leaked into either side; `finish()` flushes
-a stream cut at any point (reasoning left open is reported by `open`).
+The block is recognised only at the very start of the output (after leading whitespace), so an
+answer that merely mentions the start marker is left alone; when the prompt already opened the
+block (DeepSeek R1, Qwen 3 thinking templates end the generation prompt with ``<think>\\n``) the
+splitter starts inside it. Everything after the end marker is answer text, whatever it contains
+(so tool-call markup inside reasoning is never a tool call: the caller parses only the answer).
+Partial markers are held back, never leaked into either side; `finish()` flushes a stream cut at
+any point (reasoning left open is reported by `open`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-# (name, start, end), in detection order
-KNOWN_MARKERS: tuple[tuple[str, str, str], ...] = (
-    ("think", "<think>", "</think>"),
-    ("seed", "<seed:think>", "</seed:think>"),
-    ("mistral", "[THINK]", "[/THINK]"),
-    ("command", "<|START_THINKING|>", "<|END_THINKING|>"),
-)
-
-# reasoning_effort -> token budget. "none" closes the block at once (and asks the template not to
-# think, through enable_thinking=False).
-EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
+from .scan import partial_suffix
 
 
-@dataclass(frozen=True)
-class ReasoningFormat:
+class Markers(Protocol):
     start: str
     end: str
-    name: str = "custom"
-
-
-class ReasoningConfigError(ValueError):
-    pass
-
-
-def parse_override(value: str | None) -> ReasoningFormat | None | str:
-    """A configured reasoning format: "auto" (or empty: detect), "none" (no reasoning parsing),
-    a known name ("think", "mistral"...) or "START,END". Returns "auto", None or a format."""
-    v = (value or "").strip()
-    if not v or v.lower() == "auto":
-        return "auto"
-    if v.lower() in ("none", "off", "false"):
-        return None
-    for name, start, end in KNOWN_MARKERS:
-        if v.lower() == name:
-            return ReasoningFormat(start, end, name)
-    if "," in v:
-        start, end = (p.strip() for p in v.split(",", 1))
-        if start and end and start != end:
-            return ReasoningFormat(start, end)
-    raise ReasoningConfigError(f"reasoning format {value!r}: use auto, none, one of "
-                               f"{', '.join(n for n, _, _ in KNOWN_MARKERS)}, or START,END markers")
-
-
-def detect(template_source: str | None, tokenizer: Any = None) -> ReasoningFormat | None:
-    """The model's reasoning markers, or None for a model that does not think."""
-    src = template_source or ""
-    for name, start, end in KNOWN_MARKERS:
-        if start in src:
-            return ReasoningFormat(start, end, name)
-    if tokenizer is not None:
-        for name, start, end in KNOWN_MARKERS:
-            if tokenizer.id_of(start) is not None and tokenizer.id_of(end) is not None:
-                return ReasoningFormat(start, end, name)
-    return None
-
-
-def starts_inside(prompt_text: str, fmt: ReasoningFormat) -> bool:
-    """True when the rendered prompt ends inside an open reasoning block (the template opened it)."""
-    i = prompt_text.rfind(fmt.start)
-    return i >= 0 and i > prompt_text.rfind(fmt.end) and not prompt_text[i + len(fmt.start):].strip()
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 REASONING = "reasoning"
@@ -98,7 +28,7 @@ CONTENT = "content"
 class ReasoningSplitter:
     """Feed output text; get (kind, text) pieces back, kind REASONING or CONTENT."""
 
-    def __init__(self, fmt: ReasoningFormat | None, *, inside: bool = False):
+    def __init__(self, fmt: Markers | None, *, inside: bool = False):
         self.fmt = fmt
         self.buf = ""
         if fmt is None:
@@ -171,7 +101,7 @@ class ReasoningSplitter:
                     continue
                 if final:
                     return  # finish() flushes what is left
-                keep = _partial_suffix(self.buf, fmt.end)
+                keep = partial_suffix(self.buf, (fmt.end,))
                 body = self.buf[:len(self.buf) - keep]
                 ws = len(body) - len(body.rstrip())  # trailing whitespace may precede the end marker
                 emit = body[:len(body) - ws]
@@ -201,7 +131,7 @@ class ReasoningSplitter:
                         out.append((CONTENT, self.buf[:je]))
                     self.buf = self.buf[je + len(fmt.end):]
                     continue
-                keep = 0 if final else max(_partial_suffix(self.buf, fmt.start), _partial_suffix(self.buf, fmt.end))
+                keep = 0 if final else partial_suffix(self.buf, (fmt.start, fmt.end))
                 if keep < len(self.buf):
                     out.append((CONTENT, self.buf[:len(self.buf) - keep]))
                 self.buf = self.buf[len(self.buf) - keep:]

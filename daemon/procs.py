@@ -1,0 +1,110 @@
+"""Facts about, and actions on, OS processes: a process's creation time (a pid is only "ours" while
+that matches: pids are reused), killing a process tree, the cgroup's OOM kill count, and who holds a
+TCP port. psutil and /proc; nothing here knows about phases or incidents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+
+def ctime(pid: int | None) -> float | None:
+    """The process's creation time, or None when there is no such process."""
+    if not pid:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def kill_tree(pid: int, group: bool) -> None:
+    """SIGKILL a process and its children (and its process group, for the worker: supervisord made it
+    a group leader), then wait briefly for them."""
+    try:
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        p = psutil.Process(pid)
+        kids = p.children(recursive=True)
+        for k in kids:
+            with contextlib.suppress(psutil.Error):
+                k.kill()
+        p.kill()
+        psutil.wait_procs([p, *kids], timeout=5)
+    except (psutil.Error, OSError):
+        pass
+
+
+@dataclass(frozen=True)
+class OomCount:
+    """The oom_kill count in a cgroup's memory.events (cgroup v2 only), and where it was read."""
+
+    path: str | None = None
+    kills: int | None = None
+
+    def rose(self) -> bool:
+        """The count is higher now than when this reading was taken."""
+        if self.path is None or self.kills is None:
+            return False
+        now = oom_count(path=self.path).kills
+        return now is not None and now > self.kills
+
+
+def oom_count(pid: int | None = None, path: str | None = None) -> OomCount:
+    """The OOM kill count of `pid`'s cgroup (or of the memory.events file at `path`)."""
+    try:
+        if path is None:
+            if not pid:
+                return OomCount()
+            with open(f"/proc/{pid}/cgroup") as f:
+                rel = next((ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::")), None)
+            if rel is None:
+                return OomCount()
+            path = f"/sys/fs/cgroup{rel}/memory.events"
+        with open(path) as f:
+            for ln in f:
+                k, _, v = ln.partition(" ")
+                if k == "oom_kill":
+                    return OomCount(path, int(v))
+        return OomCount(path)
+    except (OSError, ValueError):
+        return OomCount(path)
+
+
+def port_owner(host: str, port: int, *, wait: float = 3.0, tick: Callable[[], None] = lambda: None) -> str | None:
+    """None when a server could bind host:port now; else, after waiting up to `wait` seconds for the
+    port to come free (calling `tick` meanwhile), a sentence saying who holds it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:  # bind as the server will (SO_REUSEADDR, like uvicorn): exactly its chance to succeed
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(fam, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+            return None
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return None  # not ours to judge (an address of another host, say)
+        if time.monotonic() >= deadline:
+            break
+        tick()
+        time.sleep(0.2)
+    who = ""
+    try:
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                who = f" by pid {c.pid} ({' '.join(psutil.Process(c.pid).cmdline()[:4])})"
+                break
+    except (psutil.Error, OSError):
+        pass
+    return f"port {port} on {host} is already in use{who}; stop that server or choose another port"

@@ -1,0 +1,200 @@
+"""The shapes `ember bench make-model` knows, and the tensor table (names, shapes, quantization
+types) it writes for each: llama.cpp's Q4_K_M type choice (llama-quant.cpp), or a table read from a
+real file. Only data and pure functions; the tokenizer and the weights are synth_vocab and
+synth_tensors, the file itself synth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+T = GGMLQuantizationType
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+class SynthError(ValueError):
+    """A bad request (unknown arch or shape, unusable output path); str() is one line."""
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    name: str
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx: int
+    rope_base: float
+    rms_eps: float
+    tokenizer: str  # "spm-llama" | "spm-gemma" | "bpe-qwen2" | "bpe-qwen3" | "bpe-llama3"
+    tied: bool  # no output.weight: logits through token_embd
+    sliding_window: int = 0  # gemma3: local attention window (5 local : 1 global layers)
+    rope_base_swa: float | None = None  # gemma3: rope base of the local layers, written when set
+    rope_scaling_linear: float | None = None  # linear rope scaling factor (gemma3 4B+)
+    mix: str = "q4_k_m"
+    size_label: str = ""
+    description: str = ""
+    real: bool = False  # the shape of a released model (multi-GB file)
+    # fixed per-tensor types (name -> type per layer) instead of the mix rule; see _GEMMA3_270M_TYPES
+    type_table: dict[str, tuple[str, ...]] | None = field(default=None, repr=False, compare=False, hash=False)
+
+
+# The tensor types of /work/models/gemma-3-270m-q4_k_m.gguf (read once from the file; the test
+# checks that this table, the Q4_K_M rule and the file agree). Per-layer entries list layers 0..17.
+_M, _L = "Q8_0", "Q5_0"  # attn_v: more bits (Q6_K -> Q8_0 fallback) / plain (Q4_K -> Q5_0 fallback)
+_GEMMA3_270M_TYPES: dict[str, tuple[str, ...]] = {
+    "output_norm.weight": ("F32",),
+    "token_embd.weight": ("Q8_0",),
+    "attn_k.weight": ("Q5_0",) * 18,
+    "attn_k_norm.weight": ("F32",) * 18,
+    "attn_norm.weight": ("F32",) * 18,
+    "attn_output.weight": ("Q4_K",) * 18,
+    "attn_q.weight": ("Q5_0",) * 18,
+    "attn_q_norm.weight": ("F32",) * 18,
+    "attn_v.weight": (_M, _M, _L, _L, _M, _L, _L, _M, _L, _L, _M, _L, _L, _M, _L, _M, _M, _M),
+    "ffn_down.weight": tuple("Q6_K" if t == _M else "Q4_K" for t in
+                             (_M, _M, _L, _L, _M, _L, _L, _M, _L, _L, _M, _L, _L, _M, _L, _M, _M, _M)),
+    "ffn_gate.weight": ("Q5_0",) * 18,
+    "ffn_norm.weight": ("F32",) * 18,
+    "ffn_up.weight": ("Q5_0",) * 18,
+    "post_attention_norm.weight": ("F32",) * 18,
+    "post_ffw_norm.weight": ("F32",) * 18,
+}
+del _M, _L
+
+SHAPES: dict[str, ShapeSpec] = {
+    s.name: s
+    for s in [
+        ShapeSpec("tiny-llama", "llama", n_vocab=512, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32,
+                  n_ff=256, n_ctx=2048, rope_base=10000.0, rms_eps=1e-5, tokenizer="spm-llama", tied=False,
+                  description="tiny llama test model, SentencePiece vocab, untied output"),
+        ShapeSpec("tiny-qwen2", "qwen2", n_vocab=768, n_embd=128, n_layer=3, n_head=4, n_head_kv=2, head_dim=32,
+                  n_ff=512, n_ctx=4096, rope_base=1000000.0, rms_eps=1e-6, tokenizer="bpe-qwen2", tied=False,
+                  description="tiny qwen2 test model, byte-level BPE vocab, qkv biases"),
+        ShapeSpec("tiny-qwen3", "qwen3", n_vocab=1000, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=64,
+                  n_ff=384, n_ctx=4096, rope_base=1000000.0, rms_eps=1e-6, tokenizer="bpe-qwen3", tied=True,
+                  description="tiny qwen3 test model, q/k norms, head_dim*heads != hidden, tied embeddings"),
+        ShapeSpec("tiny-gemma3", "gemma3", n_vocab=640, n_embd=128, n_layer=6, n_head=4, n_head_kv=1, head_dim=64,
+                  n_ff=512, n_ctx=2048, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma", tied=True,
+                  sliding_window=8, rope_base_swa=10000.0,
+                  description="tiny gemma3 test model, 5 local (window 8) : 1 global layers"),
+        ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
+                  head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
+                  tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,
+                  description="Gemma 3 270M, the embedded Q4_K_M file's tensor table"),
+        ShapeSpec("gemma3-4b", "gemma3", n_vocab=262208, n_embd=2560, n_layer=34, n_head=8, n_head_kv=4,
+                  head_dim=256, n_ff=10240, n_ctx=131072, rope_base=1000000.0, rms_eps=1e-6,
+                  tokenizer="spm-gemma", tied=True, sliding_window=1024, rope_base_swa=10000.0,
+                  rope_scaling_linear=8.0, size_label="4B", real=True,
+                  description="Gemma 3 4B (text part), Q4_K_M"),
+        ShapeSpec("llama-8b", "llama", n_vocab=128256, n_embd=4096, n_layer=32, n_head=32, n_head_kv=8,
+                  head_dim=128, n_ff=14336, n_ctx=8192, rope_base=500000.0, rms_eps=1e-5, tokenizer="bpe-llama3",
+                  tied=False, size_label="8B", real=True, description="Llama 3 8B, Q4_K_M, Llama 3 BPE vocab"),
+    ]
+}
+
+
+def resolve_shape(arch: str, shape: str) -> ShapeSpec:
+    """The ShapeSpec for `--arch arch --shape shape`; `tiny` means `tiny-<arch>`."""
+    if arch not in ARCHS:
+        raise SynthError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
+    spec = SHAPES.get(shape) or SHAPES.get(f"{shape}-{arch}")
+    if spec is None:
+        known = sorted({"tiny"} | {n for n in SHAPES if not n.startswith("tiny-")})
+        raise SynthError(f"unknown shape {shape!r} (known: {', '.join(known)})")
+    if spec.arch != arch:
+        raise SynthError(f"shape {spec.name} is a {spec.arch} shape, not {arch}")
+    return spec
+
+
+# -- the tensor plan ------------------------------------------------------------------------------
+
+
+class PlannedTensor(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # ggml order (shape[0] is the row length), as GGUFFile's TensorInfo
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape, dtype=np.int64)) // block * size
+
+
+def _use_more_bits(i_layer: int, n_layer: int) -> bool:
+    # llama-quant.cpp
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+
+
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def q4_k_m_type(kind: str, i_layer: int, n_layer: int, row_len: int, tied: bool) -> GGMLQuantizationType:
+    """llama.cpp's Q4_K_M choice for a 2-D weight (kind: token_embd, output, attn_v, ffn_down, ...)."""
+    more_bits = kind in ("attn_v", "ffn_down") and _use_more_bits(i_layer, n_layer)
+    t = T.Q6_K if kind == "output" or (kind == "token_embd" and tied) or more_bits else T.Q4_K
+    if row_len % GGML_QUANT_SIZES[t][0]:
+        t = _FALLBACK[t]
+        if row_len % GGML_QUANT_SIZES[t][0]:
+            t = T.F16
+    return t
+
+
+def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], list[tuple[str, tuple[int, ...]]]]:
+    """(global tensors, per-layer tensors) as (name, ggml shape); layer names without 'blk.N.'."""
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    glob = [("token_embd.weight", (s.n_embd, s.n_vocab)), ("output_norm.weight", (s.n_embd,))]
+    if not s.tied:
+        glob.append(("output.weight", (s.n_embd, s.n_vocab)))
+    layer = [
+        ("attn_norm.weight", (s.n_embd,)),
+        ("attn_q.weight", (s.n_embd, q_dim)),
+        ("attn_k.weight", (s.n_embd, kv_dim)),
+        ("attn_v.weight", (s.n_embd, kv_dim)),
+        ("attn_output.weight", (q_dim, s.n_embd)),
+        ("ffn_norm.weight", (s.n_embd,)),
+        ("ffn_gate.weight", (s.n_embd, s.n_ff)),
+        ("ffn_up.weight", (s.n_embd, s.n_ff)),
+        ("ffn_down.weight", (s.n_ff, s.n_embd)),
+    ]
+    if s.arch == "qwen2":
+        layer += [("attn_q.bias", (q_dim,)), ("attn_k.bias", (kv_dim,)), ("attn_v.bias", (kv_dim,))]
+    if s.arch in ("qwen3", "gemma3"):
+        layer += [("attn_q_norm.weight", (s.head_dim,)), ("attn_k_norm.weight", (s.head_dim,))]
+    if s.arch == "gemma3":
+        layer += [("post_attention_norm.weight", (s.n_embd,)), ("post_ffw_norm.weight", (s.n_embd,))]
+    return glob, layer
+
+
+def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
+    """The tensor table of a shape, in file order."""
+    glob, layer = _tensor_shapes(s)
+    if s.mix != "q4_k_m":
+        raise SynthError(f"unknown quantization mix {s.mix!r}")
+
+    def type_of(name: str, shape: tuple[int, ...], il: int) -> GGMLQuantizationType:
+        if s.type_table is not None:
+            types = s.type_table[name]
+            return T[types[il] if il >= 0 else types[0]]
+        if len(shape) == 1:
+            return T.F32
+        return q4_k_m_type(name.split(".")[0], il, s.n_layer, shape[0], s.tied)
+
+    # order: global tensors, then layer by layer, names sorted (as in the embedded Gemma file)
+    out = [PlannedTensor(n, sh, type_of(n, sh, -1)) for n, sh in sorted(glob)]
+    for il in range(s.n_layer):
+        out += [PlannedTensor(f"blk.{il}.{n}", sh, type_of(n, sh, il)) for n, sh in sorted(layer)]
+    return out
+
+
+def plan(arch: str, shape: str) -> list[PlannedTensor]:
+    """The tensor table (name, ggml-order shape, type) that make_model writes, in file order."""
+    return plan_spec(resolve_shape(arch, shape))

@@ -1,0 +1,159 @@
+"""The CUDA backend's weights: each layer uploaded in its GGUF block formats, with its variants
+decided once, here, from the family's recipe and the file's quant types.
+
+A CudaLayer says explicitly how its step runs: whether q, k and v are one stacked matrix, q and k
+one with v apart, or three; whether gate and up are one; which norms and biases it has (None where
+the recipe has none). The forward pass (cuda_backend.py) branches on these fields only. Upload order
+is the allocation order on the device, so it follows the recipe's ROLES, vectors first.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from ember.kernels import ops, quants
+from ember.kernels.cuda_runtime import Device, DeviceArray
+
+from ..model.arch import layer_tensors
+from ..model.arch.recipe import MATRIX_ROLES
+from ..model.config import ModelConfig
+from ..model.gguf_file import GGUFFile, ModelFileError
+
+# A stack of mixed legacy types is upcast to Q8_0 when that adds at most this many bytes to a step
+# (about a quarter of a microsecond of the H200's bandwidth, against a launch of 2-4 us it saves).
+STACK_UPCAST_MAX_BYTES = 1 << 20
+
+
+class QKV(enum.Enum):
+    """How a layer's q, k and v projections are held. Matrices that read the same input are stacked
+    into one (when their types agree): one launch and one pass over the input instead of three. A
+    Q4_K_M file's v is Q6_K in some layers, which then stack only q and k."""
+
+    STACKED = "q|k|v"  # wqkv: q, k and v are column slices of its output rows
+    QK_STACKED = "q|k, v"  # wqk, and wv on its own
+    APART = "q, k, v"  # wq, wk, wv
+
+
+@dataclass
+class CudaLayer:
+    qkv: QKV
+    gate_up_stacked: bool  # w_gu (gate rows, then up rows) rather than w_gate and w_up
+    attn_norm: DeviceArray
+    ffn_norm: DeviceArray
+    wo: ops.QuantMatrix
+    w_down: ops.QuantMatrix
+    wqkv: ops.QuantMatrix | None = None
+    wqk: ops.QuantMatrix | None = None
+    wq: ops.QuantMatrix | None = None
+    wk: ops.QuantMatrix | None = None
+    wv: ops.QuantMatrix | None = None
+    w_gu: ops.QuantMatrix | None = None
+    w_gate: ops.QuantMatrix | None = None
+    w_up: ops.QuantMatrix | None = None
+    bq: DeviceArray | None = None
+    bk: DeviceArray | None = None
+    bv: DeviceArray | None = None
+    q_norm: DeviceArray | None = None
+    k_norm: DeviceArray | None = None
+    post_attn_norm: DeviceArray | None = None
+    post_ffn_norm: DeviceArray | None = None
+
+    def matrices(self) -> list[ops.QuantMatrix]:
+        """Every matrix of the layer: the single ones in recipe order, then the stacks."""
+        mats = (self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down, self.wqkv, self.wqk, self.w_gu)
+        return [m for m in mats if m is not None]
+
+
+@dataclass
+class CudaWeights:
+    token_embd: ops.QuantMatrix
+    output: ops.QuantMatrix  # token_embd itself when tied
+    output_norm: DeviceArray
+    layers: list[CudaLayer]
+    inv_freq_global: DeviceArray  # RoPE inverse frequencies (float32), global and sliding-window layers
+    inv_freq_local: DeviceArray
+
+
+# The stacks a layer may take, in order of preference; a matrix joins at most one
+_STACKS = {"wqkv": ("wq", "wk", "wv"), "wqk": ("wq", "wk"), "w_gu": ("w_gate", "w_up")}
+
+
+class _Uploader:
+    def __init__(self, dev: Device, g: GGUFFile):
+        self.dev, self.g = dev, g
+
+    def matrix(self, name: str) -> ops.QuantMatrix:
+        info = self.g.tensors[name]
+        if len(info.shape) != 2:
+            raise ModelFileError(self.g.path, f"tensor {name} is not 2-D")
+        cols, rows = int(info.shape[0]), int(info.shape[1])
+        return ops.QuantMatrix.upload(self.dev, self.g.raw(name), info.ggml_type, rows, cols)
+
+    def vector(self, name: str) -> tuple[DeviceArray, np.ndarray]:
+        info = self.g.tensors[name]
+        shape = tuple(reversed(info.shape))
+        arr = np.asarray(quants.dequantize(self.g.raw(name), info.ggml_type, shape), dtype=np.float32)
+        return self.dev.to_device(arr.reshape(-1)), arr.reshape(-1)
+
+    def stackable(self, names: list[str]) -> bool:
+        infos = [self.g.tensors[n] for n in names]
+        if len({t.shape[0] for t in infos}) > 1:
+            return False
+        types = {t.ggml_type for t in infos}
+        if len(types) == 1:
+            return True
+        # mixed legacy types (Gemma 3 270M: q, k Q5_0, v Q8_0) stack as Q8_0, which holds them exactly,
+        # where the extra bytes cost less than the launch they save
+        if not types <= set(quants.Q8_0_EXACT):
+            return False
+        cols = int(infos[0].shape[0])
+        extra = sum(int(t.shape[1]) * (quants.row_nbytes(GGMLQuantizationType.Q8_0, cols)
+                                       - quants.row_nbytes(t.ggml_type, cols)) for t in infos)
+        return extra <= STACK_UPCAST_MAX_BYTES
+
+    def stacked(self, names: list[str]) -> ops.QuantMatrix:
+        infos = [self.g.tensors[n] for n in names]
+        same = len({t.ggml_type for t in infos}) == 1
+        raw = np.concatenate([np.asarray(self.g.raw(t.name)).view(np.uint8).reshape(-1) if same
+                              else quants.to_q8_0(self.g.raw(t.name), t.ggml_type) for t in infos])
+        return ops.QuantMatrix.upload(self.dev, raw, infos[0].ggml_type if same else GGMLQuantizationType.Q8_0,
+                                      sum(int(t.shape[1]) for t in infos), int(infos[0].shape[0]))
+
+    def layer(self, names: dict[str, str], stack: bool) -> CudaLayer:
+        """One layer: its vectors, then its matrices, each stack uploaded where its first member was."""
+        t: dict = {role: self.vector(name)[0] for role, name in names.items() if role not in MATRIX_ROLES}
+        joins: dict[str, str] = {}  # matrix -> the stack it joins
+        for name, parts in _STACKS.items():
+            if stack and not any(p in joins for p in parts) and self.stackable([names[p] for p in parts]):
+                joins.update(dict.fromkeys(parts, name))
+        for role in MATRIX_ROLES:  # uploaded after the stacking decision, so nothing is held twice
+            joined = joins.get(role)
+            if joined is None:
+                t[role] = self.matrix(names[role])
+            elif joined not in t:
+                t[joined] = self.stacked([names[p] for p in _STACKS[joined]])
+        qkv = QKV.STACKED if "wqkv" in t else QKV.QK_STACKED if "wqk" in t else QKV.APART
+        return CudaLayer(qkv=qkv, gate_up_stacked="w_gu" in t, **t)
+
+
+def upload_weights(dev: Device, g: GGUFFile, config: ModelConfig, *, stack: bool) -> CudaWeights:
+    """Every tensor the forward pass reads, on the device. stack: matrices may be stacked (the
+    host attention fallback reads q from a buffer of its own, so it needs them apart)."""
+    up, names = _Uploader(dev, g), config.family.tensors
+    token_embd = up.matrix(names.token_embd)
+    output = token_embd if config.tied_output else up.matrix(names.output)
+    output_norm, _ = up.vector(names.output_norm)
+    layers = [up.layer(layer_tensors(g, config.family, i), stack) for i in range(config.n_layers)]
+    half = config.head_dim // 2
+    exponents = np.arange(half, dtype=np.float64) * 2.0 / config.head_dim
+    freqs: float | np.ndarray = 1.0
+    if names.rope_freqs is not None and names.rope_freqs in g.tensors:
+        freqs = np.asarray(up.vector(names.rope_freqs)[1], np.float64)
+    inv_global = config.rope_scale / (config.rope_base**exponents) / freqs
+    inv_local = 1.0 / (config.rope_base_local**exponents)
+    return CudaWeights(token_embd, output, output_norm, layers, dev.to_device(inv_global.astype(np.float32)),
+                       dev.to_device(inv_local.astype(np.float32)))

@@ -1,0 +1,133 @@
+"""One CUDA step's host-side plumbing: where its inputs sit in the pinned staging buffer (StepLayout)
+and on the device (StepInputs), the handle of a launched step (PendingStep), and Gemma's post-norms
+held back until the matvecs that read them are known (PostNorms). cuda_backend.py drives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ember.kernels import ops
+from ember.kernels.cuda_runtime import DeviceArray
+
+if TYPE_CHECKING:
+    from .cuda_backend import CudaBackend
+
+
+@dataclass
+class StepLayout:
+    """Offsets (bytes) of a step's inputs in the pinned staging buffer and its device twin."""
+
+    rows: int  # row capacity (tokens per step)
+    seqs: int  # sequence capacity (chunks per step)
+    table_cap: int  # int32 entries for all block tables
+
+    def __post_init__(self):
+        r, s = self.rows, self.seqs
+        self.tok, self.pos, self.slots, self.seq = 0, 4 * r, 8 * r, 12 * r
+        self.out_rows = 16 * r  # the rows whose logits are wanted (r at most)
+        self.feed = 20 * r  # per row: the previous step's draw that is its token (run-ahead), or -1
+        self.sample = 24 * r  # SampleParams for up to r rows (8-byte aligned: r is a multiple of 8)
+        self.tiles = self.sample + ops.SampleParams.nbytes(r)  # flash attention's (row, count) pairs
+        self.tile_cap = r // ops.FLASH_ROWS + s + 1
+        self.tables = self.tiles + 8 * self.tile_cap
+        self.nbytes = self.tables + 4 * self.table_cap
+
+
+@dataclass
+class StepInputs:
+    """One slot's step inputs on the device: views of its buffer at the layout's offsets."""
+
+    tok: DeviceArray
+    pos: DeviceArray
+    slots: DeviceArray
+    seq: DeviceArray
+    out_rows: DeviceArray
+    feed: DeviceArray
+    tiles: DeviceArray
+    tables: DeviceArray
+    sample: DeviceArray
+
+    @classmethod
+    def of(cls, buf, lay: StepLayout) -> StepInputs:
+        def ints(off: int, n: int):
+            return buf.view_bytes(off, n, np.int32)
+
+        r = lay.rows
+        return cls(ints(lay.tok, r), ints(lay.pos, r), ints(lay.slots, r), ints(lay.seq, r), ints(lay.out_rows, r),
+                   ints(lay.feed, r), ints(lay.tiles, 2 * lay.tile_cap), ints(lay.tables, lay.table_cap),
+                   buf.view_bytes(lay.sample, ops.SampleParams.nbytes(r), np.uint8))
+
+
+class PendingStep:
+    """A launched step. result() waits for the device and returns what forward() would have."""
+
+    def __init__(self, backend: CudaBackend, slot: int, chunks, want, sampled, n_out):
+        self.backend, self.slot, self.chunks, self.n_out = backend, slot, chunks, n_out
+        starts = row_starts(want)
+        self.sampled = sampled
+        first = {si: r for r, (si, _, _) in zip(starts, want, strict=True)}
+        self.drawn_rows = {si: first[si] for si in sampled}  # chunk -> its row of d_tokens_out
+        self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(starts, want, strict=True)
+                          if si not in self.drawn_rows]
+        self._outputs: list | None = None
+        self._error: Exception | None = None
+
+    def result(self) -> list:
+        if self._error is not None:
+            raise self._error
+        if self._outputs is None:
+            try:
+                self._outputs = self.backend._collect(self)
+            except Exception as e:  # raised once more to whoever asks again, not to the next step
+                self._error = e
+                raise
+        return self._outputs
+
+
+class PostNorms:
+    """One step's Gemma post-norms (rms_norm_add_norm: the residual += rms_norm(o) * w1, h =
+    rms_norm(residual) * w2): each is held back (defer) until the matvecs that read h are known
+    (inputs); when every one of them can compute h itself (one row, ops.matvec_post_norm) they do, the
+    first writing the new residual to the other of two buffers (the rest of its grid still reads the
+    old one), which saves a launch per post-norm; otherwise rms_norm_add_norm runs in place first."""
+
+    def __init__(self, backend: CudaBackend, n: int, tc: bool):
+        self.b, self.n, self.tc = backend, n, tc
+        self.x, self.spare = backend.x, backend.x_alt  # the residual now, and the other buffer (or None)
+        self.pending: tuple | None = None
+
+    def defer(self, o, w1, w2) -> None:
+        self.pending = (o, w1, w2)
+
+    def inputs(self, mats: list, gated: bool = False) -> list:
+        """What each matrix in mats reads as h: a PostNorm each, or the h buffer (after the launch)."""
+        b = self.b
+        if self.pending is None:
+            return [b.h] * len(mats)
+        (o, w1, w2), self.pending = self.pending, None
+        if mats and self.spare is not None and all(b._takes_post_norm(w, self.n, self.tc, gated) for w in mats):
+            out = [ops.PostNorm(o, self.x, self.spare if i == 0 else None, w1, w2, b.config.norm_eps)
+                   for i in range(len(mats))]
+            self.x, self.spare = self.spare, self.x
+            return out
+        ops.rms_norm_add_norm(b.dev, o, w1, self.x, w2, b.h, eps=b.config.norm_eps, rows=self.n,
+                              cols=b.config.hidden, stream=b.stream)
+        return [b.h] * len(mats)
+
+
+def row_starts(want) -> list[int]:
+    starts, at = [], 0
+    for _, _, cnt in want:
+        starts.append(at)
+        at += cnt
+    return starts
+
+
+def host_view(buf: np.ndarray, offset: int, count: int, dtype) -> np.ndarray:
+    dt = np.dtype(dtype)
+    return buf[offset : offset + count * dt.itemsize].view(dt)
+

@@ -1,0 +1,211 @@
+"""What a model family is, as data: the vocabulary every `arch/<family>.py` file is written in.
+
+A family names its GGUF metadata keys (MetadataKeys), its tensors (TensorNames), how a layer is
+computed (Recipe) and the text formats it speaks by default (Formats). The loader reads a file
+through these, and both backends build their forward pass from the Recipe alone: neither looks at
+the architecture's name. This module holds no family itself; it says what a complete one holds.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class Presence(enum.Enum):
+    """Whether a family's files carry a tensor (group): never, where they choose to, or always."""
+
+    NONE = "none"
+    OPTIONAL = "optional"
+    REQUIRED = "required"
+
+
+class Norms(enum.Enum):
+    PRE = "pre"  # rms_norm before attention and before the MLP (llama)
+    PRE_AND_POST = "pre+post"  # also after each, before it joins the residual (gemma's "sandwich")
+
+
+class Rope(enum.Enum):
+    NORMAL = "normal"  # rotate adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM)
+    NEOX = "neox"  # rotate the two halves of a head against each other
+
+
+class RopeScaling(enum.Enum):
+    BY_TYPE = "by-type"  # the file's rope.scaling.type says linear (or none); a factor alone does nothing
+    LINEAR = "linear"  # a rope.scaling.factor always scales positions linearly (llama.cpp's gemma3)
+
+
+class Act(enum.StrEnum):
+    """The gated MLP's activation; the value is the name the kernels (and their numpy twins) take."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
+
+
+class EmbedScale(enum.Enum):
+    ONE = "1"
+    SQRT_HIDDEN = "sqrt(hidden)"  # gemma multiplies the token embeddings by sqrt(hidden size)
+
+
+class HalfType(enum.StrEnum):
+    """The 16-bit type a tensor-core matmul rounds activations (and weights) to on the GPU."""
+
+    F16 = "f16"
+    BF16 = "bf16"  # float32's exponent: for families whose activations outgrow float16 (gemma)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Some layers attend only to the last `window` keys (the file's attention.sliding_window) and
+    rotate with a RoPE base of their own. Which layers: the file's sliding_window_pattern, a period
+    (layer il is local when il % period < period - 1) or one flag per layer."""
+
+    period: int  # the pattern when the file has none
+    local_rope_base: float  # the local layers' base when the file has no rope.freq_base_swa
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one layer (and the ends of the stack) is computed. Decided per family, never per file:
+    the backends turn it into explicit per-layer choices once, when they load the weights."""
+
+    norms: Norms
+    qk_norm: bool  # rms_norm over each head of q and k before RoPE
+    attn_bias: Presence  # q, k and v biases (all three or none, per layer)
+    rope: Rope
+    rope_scaling: RopeScaling
+    act: Act
+    embed_scale: EmbedScale
+    output_weight: Presence  # OPTIONAL: the output projection is tied to token_embd when the file has none
+    half_type: HalfType
+    sliding_window: SlidingWindow | None = None
+    # Neither backend runs these yet; they are named so that a family needing one fails here, loudly
+    mlp_bias: bool = False
+    logit_softcap: float = 0.0  # 0: none
+
+    def __post_init__(self) -> None:
+        if self.mlp_bias:
+            raise ValueError("recipe asks for MLP biases: neither backend runs them yet")
+        if self.logit_softcap:
+            raise ValueError("recipe asks for a logit softcap: neither backend runs one yet")
+
+    @property
+    def post_norms(self) -> bool:
+        return self.norms is Norms.PRE_AND_POST
+
+    def layer_roles(self) -> dict[str, Presence]:
+        """Every tensor role a layer of this recipe has (ROLES), and whether a file must carry it."""
+        roles = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"),
+                              Presence.REQUIRED)
+        if self.attn_bias is not Presence.NONE:
+            roles |= dict.fromkeys(BIAS_ROLES, self.attn_bias)
+        if self.qk_norm:
+            roles |= dict.fromkeys(("q_norm", "k_norm"), Presence.REQUIRED)
+        if self.post_norms:
+            roles |= dict.fromkeys(("post_attn_norm", "post_ffn_norm"), Presence.REQUIRED)
+        return roles
+
+
+# The roles a layer's tensors play, in the order their weights are loaded (the CUDA backend's device
+# allocations follow it, so it is part of its memory layout).
+ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
+         "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm")
+MATRIX_ROLES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+BIAS_ROLES = ("bq", "bk", "bv")
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """GGUF tensor names: the model-wide ones, and per layer role the name after `blk.N.`."""
+
+    layer: Mapping[str, str]
+    token_embd: str = "token_embd.weight"
+    output_norm: str = "output_norm.weight"
+    output: str = "output.weight"
+    rope_freqs: str | None = None  # per-dimension RoPE frequency factors (llama 3.1), where the family has them
+
+    def layer_name(self, layer: int, role: str) -> str:
+        return f"blk.{layer}.{self.layer[role]}"
+
+
+# llama.cpp's names for the roles every pre-norm transformer has; families add their extras
+PRE_NORM_LAYER = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+QKV_BIAS_LAYER = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+QK_NORM_LAYER = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+POST_NORM_LAYER = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+
+
+@dataclass(frozen=True)
+class MetadataKeys:
+    """The GGUF metadata keys a family's settings are read from (None: the family has no such setting)."""
+
+    block_count: str
+    context_length: str
+    embedding_length: str
+    feed_forward_length: str
+    head_count: str
+    head_count_kv: str
+    key_length: str
+    value_length: str
+    rms_eps: str
+    rope_freq_base: str
+    rope_scaling_type: str
+    rope_scaling_factor: str
+    sliding_window: str | None = None
+    sliding_window_pattern: str | None = None
+    rope_freq_base_swa: str | None = None
+
+    @classmethod
+    def under(cls, prefix: str, *, sliding_window: bool = False) -> MetadataKeys:
+        """llama.cpp's keys for an architecture: `<prefix>.embedding_length` and so on."""
+        swa = {"sliding_window": f"{prefix}.attention.sliding_window",
+               "sliding_window_pattern": f"{prefix}.attention.sliding_window_pattern",
+               "rope_freq_base_swa": f"{prefix}.rope.freq_base_swa"} if sliding_window else {}
+        return cls(
+            block_count=f"{prefix}.block_count",
+            context_length=f"{prefix}.context_length",
+            embedding_length=f"{prefix}.embedding_length",
+            feed_forward_length=f"{prefix}.feed_forward_length",
+            head_count=f"{prefix}.attention.head_count",
+            head_count_kv=f"{prefix}.attention.head_count_kv",
+            key_length=f"{prefix}.attention.key_length",
+            value_length=f"{prefix}.attention.value_length",
+            rms_eps=f"{prefix}.attention.layer_norm_rms_epsilon",
+            rope_freq_base=f"{prefix}.rope.freq_base",
+            rope_scaling_type=f"{prefix}.rope.scaling.type",
+            rope_scaling_factor=f"{prefix}.rope.scaling.factor",
+            **swa,
+        )
+
+
+@dataclass(frozen=True)
+class Formats:
+    """The text formats a family speaks when its file does not say (names the text layer resolves):
+    the built-in chat template for a file without one, the tool-call format of that template, and
+    the reasoning markers of its thinking models (None: the family does not think)."""
+
+    chat: str
+    tool: str
+    reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: everything ember needs to know to load and run its GGUF files."""
+
+    name: str  # general.architecture
+    keys: MetadataKeys
+    tensors: TensorNames
+    recipe: Recipe
+    formats: Formats

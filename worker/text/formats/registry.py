@@ -1,0 +1,105 @@
+"""Which formats a model speaks, resolved once per model when it loads.
+
+TOOL_FORMATS lists the tool-call formats in detection order: the first whose signals appear in
+the chat template wins, and fenced JSON (any template) comes last. Reasoning formats are detected
+likewise (reasoning.py), unless the worker's `reasoning_format` setting names one. `resolve` reads
+the template and the vocabulary once and answers a ModelFormats, which the API keeps beside the
+model (api/state.py); nothing here is global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fenced import FencedJson
+from .hermes import Hermes
+from .lark import lark_literal
+from .llama3 import Llama3
+from .mistral import Mistral
+from .reasoning import ReasoningFormat, detect, parse_override
+from .tool_format import ToolFormat
+
+TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Hermes, Mistral, Llama3, FencedJson)
+
+
+def tool_format(name: str) -> ToolFormat:
+    for cls in TOOL_FORMATS:
+        if cls.name == name:
+            return cls()
+    raise ValueError(f"unknown tool-call format {name!r}")
+
+
+def detect_tool_format(template_source: str | None) -> ToolFormat:
+    source = template_source or ""
+    return next(cls for cls in TOOL_FORMATS if cls.detects(source))()
+
+
+@dataclass(frozen=True)
+class ModelFormats:
+    """The served model's tool-call and reasoning formats, and how their markers map onto its vocabulary."""
+
+    tool: ToolFormat
+    native_tools: bool  # the template reads `tools`
+    reasoning: ReasoningFormat | None
+    marker_tokens: tuple[tuple[int, str], ...] = ()  # special tokens the detokenizer hides but parsers must see
+    token_refs: tuple[tuple[str, int], ...] = ()  # markers that are one token: grammars reference them by id
+
+    @property
+    def hidden(self) -> set[str]:
+        return {m for _, m in self.marker_tokens}
+
+    def term(self, text: str) -> str:
+        """A markup string in Lark: a token reference when it is one special token of the vocabulary
+        (the model is trained to emit that token, and its text may be hidden), else a literal."""
+        if text in self.hidden:
+            return f"<[{dict(self.token_refs)[text]}]>"
+        return lark_literal(text)
+
+    def prompt_messages(self, messages: list[dict], tools: list[dict], forced: str | None = None,
+                        required: bool = False) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools) for the chat template. A template that reads `tools` gets both, with the
+        history as the model's format wants it; one that never does gets the tools described in a
+        system message with the fenced-JSON convention, and the history rewritten to match."""
+        if self.native_tools:
+            return self.tool.history(messages), tools or None
+        return FencedJson().describe(messages, tools, forced, required), None
+
+    def forced_calls_lark(self, schemas: list[tuple[str, str]], more: int, reasoning_open: bool | None) -> str:
+        """Lark that forces one call of the named tools (schema JSON texts), or up to `more` more, in the
+        model's format. reasoning_open: None (no reasoning), False (an optional reasoning block may
+        come first), True (the prompt opened the block: the output starts inside it)."""
+        rules = [f"args{i}: %json{schema}" for i, (_, schema) in enumerate(schemas)]
+        rules.append("obj: " + " | ".join(f'{lark_literal(self.tool.call_head(name))} args{i} "}}"'
+                                          for i, (name, _) in enumerate(schemas)))
+        call_rules, calls = self.tool.calls_lark(self.term, more)
+        rules += call_rules
+        if reasoning_open is None or self.reasoning is None:
+            start = f"start: {calls}"
+        else:
+            start, think_rules = self.reasoning.before_calls_lark(calls, reasoning_open, self.term, self.hidden)
+            rules += think_rules
+        return "\n".join([start, *rules])
+
+
+def resolve(template: Any, tokenizer: Any, reasoning_setting: str | None = None) -> ModelFormats:
+    """The formats of a model with this chat template and vocabulary. reasoning_setting: the worker's
+    `reasoning_format` ("auto" or None: detect; see reasoning.parse_override)."""
+    source = getattr(template, "source", "") or ""
+    choice = parse_override(reasoning_setting)
+    reasoning = detect(source, tokenizer) if choice == "auto" else choice
+    # every known format's markers, not only the model's: a hidden special token is put back into
+    # the text whichever format it belongs to
+    markers = {m for cls in TOOL_FORMATS for m in cls.markers}
+    if reasoning is not None:
+        markers |= {reasoning.start, reasoning.end}
+    hidden, refs = [], []
+    for m in sorted(markers):
+        i = tokenizer.id_of(m)
+        if i is None:
+            continue
+        refs.append((m, i))
+        if tokenizer.is_special(i):
+            hidden.append((i, m))
+    return ModelFormats(detect_tool_format(source), bool(getattr(template, "supports_tools", False)), reasoning,
+                        tuple(hidden), tuple(refs))
