@@ -10,6 +10,7 @@ device-to-device copy, bytes read + written.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -55,7 +56,8 @@ def copy_ceiling(dev: Device) -> float:
         t = timer.stop() / 1e3
         if i:
             ts.append(t)
-    a.free(); b.free()
+    a.free()
+    b.free()
     return 2 * n / statistics.median(ts)
 
 
@@ -191,7 +193,8 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
                             continue
                         t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=b, int8=True, unroll=u,
                                              prefetch=pf, rows_per_block=rpb)
-                        rec("matvec", f"{tname} {rows}x{cols} b{b} kq8{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
+                        variant = f"kq8{'p' if pf else ''} u{u} rpb{rpb or 'auto'}"
+                        rec("matvec", f"{tname} {rows}x{cols} b{b} {variant}", t, nb)
     if "batch" in sections:
         for b in (4, 8):
             t, nb = bench_matvec(dev, stream, rng, "q4_k", 14336, 4096, batch=b, variant="staged")
@@ -201,7 +204,7 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
         total = 0.0
         total_bytes = 0
         seen: dict = {}
-        for name, tname, rows, cols, count in LLAMA8B:
+        for _name, tname, rows, cols, count in LLAMA8B:
             key = (tname, rows, cols)
             if key not in seen:
                 seen[key] = bench_matvec(dev, stream, rng, tname, rows, cols)
@@ -210,7 +213,7 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
             total += t * count
             total_bytes += nb * count
         total8 = 0.0
-        for name, tname, rows, cols, count in LLAMA8B:
+        for _name, tname, rows, cols, count in LLAMA8B:
             if tname in ("q4_k", "q5_k", "q6_k"):  # every K-quant (Q6_K repacked on upload)
                 t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, int8=True)
                 rec("matvec", f"{tname} {rows}x{cols} b1 kq8 (default)", t, nb)
@@ -221,8 +224,9 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
         print(f"  8B step with int8 x: {total8 * 1e3:.3f} ms = {total_bytes / total8 / 1e9:.0f} GB/s")
         res["llama8b_matvec_ms"] = total * 1e3
         res["llama8b_matvec_GB"] = total_bytes / 1e9
-        print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = {total_bytes / total / 1e9:.0f} GB/s"
-              f" -> at most {1 / total:.0f} tok/s from the matvecs alone (bandwidth limit {ceil / total_bytes:.0f} tok/s)")
+        print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = "
+              f"{total_bytes / total / 1e9:.0f} GB/s -> at most {1 / total:.0f} tok/s from the matvecs alone "
+              f"(bandwidth limit {ceil / total_bytes:.0f} tok/s)")
 
     if "attention" in sections:
         # attention decode
@@ -232,20 +236,21 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
             nblk = B * (L // bs)
             kc = dev.empty((nblk * bs, hk, d), np.float16)
             vc = dev.empty((nblk * bs, hk, d), np.float16)
-            kc.fill_bytes(0x3C); vc.fill_bytes(0x3C)
+            kc.fill_bytes(0x3C)
+            vc.fill_bytes(0x3C)
             tables = dev.to_device(rng.permutation(nblk).astype(np.int32).reshape(B, L // bs))
             q = dev.to_device(rng.normal(0, 1, (B, hq, d)).astype(np.float32))
             seq = dev.to_device(np.arange(B, dtype=np.int32))
             pos = dev.to_device(np.full(B, L - 1, np.int32))
             out = dev.empty((B, hq, d))
 
-            def body():
-                ops.attention(dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq, kv_heads=hk, head_dim=d,
-                              block_size=bs, max_blocks=L // bs, max_keys=L, scale=0.088, stream=stream)
-
+            body = functools.partial(ops.attention, dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq,
+                                     kv_heads=hk, head_dim=d, block_size=bs, max_blocks=L // bs, max_keys=L,
+                                     scale=0.088, stream=stream)
             t = _time_graph(dev, stream, body, 1, replays=9)
             rec("attention", f"ctx {L} x {B} seqs", t, 2 * B * L * hk * d * 2)
-            kc.free(); vc.free()
+            kc.free()
+            vc.free()
 
     if "small" in sections:
         # small kernels: latency
@@ -254,30 +259,30 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
         w = dev.to_device(np.ones(4096, np.float32))
         y = dev.empty((64, 4096))
         for n in (1, 64):
-            t = _time_graph(dev, stream, lambda: [ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x, h_out=y,
-                                                                 stream=stream) for _ in range(20)], 20)
+            t = _time_graph(dev, stream, lambda n=n: [ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x,
+                                                                     h_out=y, stream=stream) for _ in range(20)], 20)
             rec("rms_norm", f"residual+norm 4096 x {n}", t, n * 4096 * 4 * 4)
         qkv = dev.to_device(rng.normal(0, 1, (64, 6144)).astype(np.float32))
         posd = dev.to_device(np.arange(64, dtype=np.int32) + 1000)
         invf = dev.to_device((1.0 / 500000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
         for n in (1, 64):
-            t = _time_graph(dev, stream, lambda: [ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n,
-                                                             hq=32, hk=8, head_dim=128, neox=False, ldq=6144, ldk=6144,
-                                                             stream=stream) for _ in range(20)], 20)
+            t = _time_graph(dev, stream, lambda n=n: [
+                ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n, hq=32, hk=8, head_dim=128,
+                         neox=False, ldq=6144, ldk=6144, stream=stream) for _ in range(20)], 20)
             rec("rope", f"32+8 heads x {n}", t, n * 40 * 128 * 8)
         logits = dev.to_device(rng.normal(0, 1, (8, 128256)).astype(np.float32))
         idx = dev.empty(8, np.int32)
         for n in (1, 8):
-            t = _time_graph(dev, stream, lambda: [ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
-                                                  for _ in range(20)], 20)
+            t = _time_graph(dev, stream, lambda n=n: [ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
+                                                      for _ in range(20)], 20)
             rec("argmax", f"vocab 128256 x {n}", t, n * 128256 * 4)
         emb_raw = _rand_weights(rng, "q4_k", 128256, 4096)
         emb = ops.QuantMatrix.upload(dev, emb_raw, "q4_k", 128256, 4096)
         ids = dev.to_device(rng.integers(0, 128256, 64).astype(np.int32))
         eo = dev.empty((64, 4096))
         for n in (1, 64):
-            t = _time_graph(dev, stream, lambda: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
-                                                  for _ in range(20)], 20)
+            t = _time_graph(dev, stream, lambda n=n: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
+                                                      for _ in range(20)], 20)
             rec("embed", f"q4_k rows 4096 x {n}", t, n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
 
     if "gemm" in sections:
@@ -287,13 +292,15 @@ def run(out_path: str | None = None, sections=SECTIONS) -> dict:
                 a = dev.to_device(rng.normal(0, 1, (m, k)).astype(np.float16).view(np.uint16))
                 b = dev.to_device(rng.normal(0, 0.02, (n, k)).astype(np.float16).view(np.uint16))
                 c = dev.empty((m, n))
-                t = _time_graph(dev, stream, lambda: ops.gemm(dev, a, b, c, m=m, n=n, k=k, stream=stream), 1)
+                t = _time_graph(dev, stream, functools.partial(ops.gemm, dev, a, b, c, m=m, n=n, k=k, stream=stream), 1)
                 nbytes = 2 * (m + n) * k + 4 * m * n
                 rec("gemm", f"ember {name} {m}x{n}x{k}", t, nbytes, TFLOPS=round(2 * m * n * k / t / 1e12, 1))
                 tc = cublas_seconds(m, n, k)
                 if tc is not None:
                     rec("gemm", f"cublas {name} {m}x{n}x{k}", tc, nbytes, TFLOPS=round(2 * m * n * k / tc / 1e12, 1))
-                a.free(); b.free(); c.free()
+                a.free()
+                b.free()
+                c.free()
 
     if "launch" in sections:
         res["launch"] = launch_probes(dev, stream)
@@ -315,7 +322,8 @@ def launch_probes(dev: Device, stream: Stream, links: int = 200, iters: int = 20
     out: dict[str, float] = {}
     n = 640
     x, y = dev.empty((2 * n,)), dev.empty((2 * n,))
-    x.zero(); y.zero()
+    x.zero()
+    y.zero()
     empty, chain = dev.kernel("probe", "probe_empty"), dev.kernel("probe", "probe_chain")
     timer = Timer()
 
@@ -345,8 +353,9 @@ def launch_probes(dev: Device, stream: Stream, links: int = 200, iters: int = 20
         out[f"grid barrier (640 floats), {grid} blocks"] = timer.stop(stream) * 1e3 / iters
     cbar = dev.kernel("probe", "probe_cluster_barrier")
     drv = _driver()
-    check(drv.cuFuncSetAttribute(cbar.handle, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                                 1), "cuFuncSetAttribute")
+    check(drv.cuFuncSetAttribute(
+        cbar.handle, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+        "cuFuncSetAttribute")
     for ctas in (2, 8, 16):
         stream.synchronize()
         timer.start(stream)

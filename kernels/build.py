@@ -1,12 +1,14 @@
 """Run-time compilation of ember's CUDA C++ kernels with NVRTC, and the on-disk cubin cache.
 
 Every kernel module is one source file under ``kernels/cuda/`` (plus the shared ``*.cuh`` headers,
-handed to NVRTC in memory) and a few ``-D`` options; ``MODULES`` lists them. A module is compiled for
-one real architecture (``sm_90`` on Hopper) straight to a cubin, so the driver never JIT-compiles
-PTX, and stored as ``<cache>/<module>.<arch>.<key>.cubin`` where ``key`` hashes the source, every
-header, the architecture, the NVRTC version and the options: any change compiles anew, and stale
-files are simply never read again. The cache lives in ``$EMBER_CACHE_DIR/kernels`` (else
-``$XDG_CACHE_HOME/ember/kernels``, else ``~/.cache/ember/kernels``), mode 0700; files are written
+handed to NVRTC in memory) and a few ``-D`` options; ``MODULES`` lists them. Every module also gets the
+kernel constants of ``constants.KERNEL_CONSTANTS`` as ``-DNAME=VALUE`` options (the sources define
+none of them). A module is compiled for one real architecture (``sm_90`` on Hopper) straight to a
+cubin, so the driver never JIT-compiles PTX, and stored as ``<cache>/<module>.<arch>.<key>.cubin``
+where ``key`` hashes the source, every header, the architecture, the NVRTC version and the options
+(the constants' defines among them): any change compiles anew, and stale files are simply never read
+again. The cache lives in ``<cache dir>/kernels`` (ember.ops.contract.cache_dir: ``$EMBER_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/ember``, else ``~/.cache/ember``), mode 0700; files are written
 atomically (temp file + rename), so concurrent builders never see half a cubin.
 
 NVRTC needs no GPU: ``ember kernels build --arch sm_90`` works on any machine with cuda-python and
@@ -15,6 +17,7 @@ NVRTC's library (the ``cuda`` extra: cuda-bindings + nvidia-cuda-nvrtc).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,25 +27,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.ops import contract
+
+from . import constants
+from .constants import GGML_TYPE_IDS
 from .errors import CompileError, CudaUnavailable
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 CACHE_FORMAT = 1  # bump when the cache layout or the meaning of a key changes
-
-# ggml type ids (gguf.GGMLQuantizationType), by the names used in module and kernel names
-GGML_TYPE_IDS: dict[str, int] = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q5_0": 6,
-    "q8_0": 8,
-    "q4_k": 12,
-    "q5_k": 13,
-    "q6_k": 14,
-    "bf16": 30,
-    "q6_kp": 1014,  # not a ggml type: Q6_K with blocks padded to 224 bytes on the device (quant.cuh)
-}
-GGML_TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPE_IDS.items()}
 
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo", "--ptxas-options=-v")
 
@@ -97,13 +89,7 @@ def check_arch(arch: str) -> str:
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
-    if override:
-        base = Path(override)
-    else:
-        root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
-        )
-        base = Path(root) / "kernels"
+    base = Path(override) if override else contract.cache_dir() / "kernels"
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     return base
 
@@ -115,7 +101,8 @@ def _nvrtc():
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise CudaUnavailable(f"cuda-python is not installed ({e}); install the cuda extra: pip install 'ember[cuda]'") from e
+        raise CudaUnavailable(
+            f"cuda-python is not installed ({e}); install the cuda extra: pip install 'ember[cuda]'") from e
     return nvrtc
 
 
@@ -166,17 +153,22 @@ def tracing() -> bool:
 
 def sweep_defines() -> list[str]:
     """EMBER_KERNEL_DEFINES="-DNAME=V ...": extra macros for every module, for measuring a kernel variant
-    beside the default on one machine (part of the cache key, like every option; never set in service)."""
+    beside the default on one machine (part of the cache key, like every option; never set in service).
+    A name of the constants table is refused: the launchers would still use the table's value."""
     opts = os.environ.get("EMBER_KERNEL_DEFINES", "").split()
     bad = [o for o in opts if not re.fullmatch(r"-D[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?", o)]
     if bad:
         raise ValueError(f"EMBER_KERNEL_DEFINES takes -DNAME or -DNAME=VALUE options, not {' '.join(bad)}")
+    owned = [o for o in opts if o[2:].split("=")[0] in constants.KERNEL_CONSTANTS]
+    if owned:
+        raise ValueError(f"EMBER_KERNEL_DEFINES cannot set {' '.join(owned)}: kernels/constants.py owns it "
+                         "(change it there, where the launchers read it too)")
     return opts
 
 
 def module_options(name: str, arch: str) -> list[str]:
     spec = MODULES[name]
-    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *spec.options,
+    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *constants.defines(), *spec.options,
             *(("-DEMBER_TRACE",) if tracing() else ()), *sweep_defines()]
 
 
@@ -271,14 +263,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
-def build_module(name: str, arch: str, *, cache: str | os.PathLike[str] | None = None, force: bool = False) -> BuildResult:
+def build_module(name: str, arch: str, *, cache: str | os.PathLike[str] | None = None,
+                 force: bool = False) -> BuildResult:
     """Compile one module for `arch` unless a cubin with the same key is cached; return where it is."""
     if name not in MODULES:
         raise KeyError(f"unknown kernel module {name!r} (known: {', '.join(MODULES)})")

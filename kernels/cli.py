@@ -3,9 +3,9 @@
     ember kernels build [--arch sm_90] [--cache-dir DIR] [--force] [--jobs N] [--module NAME ...] [-v]
     ember kernels list
 
-Hooked into the worker's parser with ``add_kernels_parser(subparsers)``; handlers return exit codes:
-0 built, 1 a module failed to compile, 78 (configuration error) when NVRTC / cuda-python is missing
-or the architecture is not one NVRTC knows.
+Hooked into the worker's parser with ``add_kernels_parser(subparsers)``; handlers return the
+contract's exit codes (ember.ops.contract.ExitCode): OK built, FAILURE a module failed to compile,
+CONFIG when NVRTC / cuda-python is missing or the architecture is not one NVRTC knows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import argparse
 import sys
 import time
 
-EX_OK, EX_FAIL, EX_CONFIG = 0, 1, 78
+from ember.ops.contract import ExitCode, cache_dir
+
+EX_OK, EX_FAIL, EX_CONFIG = ExitCode.OK, ExitCode.FAILURE, ExitCode.CONFIG
 
 
 def add_kernels_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,9 +27,10 @@ def add_kernels_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--arch", default=None, metavar="SM",
                    help="target architecture, e.g. sm_90 (default: the local GPU's, else sm_90)")
     b.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="cubin cache (default $EMBER_CACHE_DIR/kernels or ~/.cache/ember/kernels)")
+                   help=f"cubin cache (default {cache_dir() / 'kernels'})")
     b.add_argument("--force", action="store_true", help="compile even when a cached cubin matches")
-    b.add_argument("--jobs", "-j", type=int, default=None, metavar="N", help="parallel NVRTC processes (default: cores)")
+    b.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="parallel NVRTC processes (default: cores)")
     b.add_argument("--module", action="append", default=None, metavar="NAME", help="only this module (repeatable)")
     b.add_argument("-v", "--verbose", action="store_true", help="print registers / spills of every kernel")
     b.set_defaults(func=cmd_kernels_build)
@@ -65,10 +68,12 @@ def cmd_kernels_build(args: argparse.Namespace) -> int:
         return EX_CONFIG
     base = arch.rstrip("af")
     if base not in supported:
-        print(f"ember: NVRTC {major}.{minor} cannot target {arch} (it supports {', '.join(supported)})", file=sys.stderr)
+        print(f"ember: NVRTC {major}.{minor} cannot target {arch} (it supports {', '.join(supported)})",
+              file=sys.stderr)
         return EX_CONFIG
     cache = build.cache_dir(args.cache_dir)
-    print(f"building {len(args.module or build.MODULES)} kernel modules for {arch} with NVRTC {major}.{minor} into {cache}")
+    print(f"building {len(args.module or build.MODULES)} kernel modules for {arch} with NVRTC {major}.{minor} "
+          f"into {cache}")
     t = time.perf_counter()
     try:
         results = build.build_all(arch, cache=cache, force=args.force, modules=args.module, jobs=args.jobs)

@@ -19,12 +19,14 @@ import contextlib
 import ctypes
 import functools
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import build
+from .constants import KERNEL_CONSTANTS
 from .errors import CudaError, CudaUnavailable, StickyCudaError, cuda_error
 
 _lock = threading.Lock()
@@ -34,7 +36,8 @@ def _driver():
     try:
         from cuda.bindings import driver
     except ImportError as e:
-        raise CudaUnavailable(f"cuda-python is not installed ({e}); install the cuda extra: pip install 'ember[cuda]'") from e
+        raise CudaUnavailable(
+            f"cuda-python is not installed ({e}); install the cuda extra: pip install 'ember[cuda]'") from e
     return driver
 
 
@@ -94,8 +97,8 @@ def check(result: Any, call: str = "") -> Any:
 _NOT_AVAILABLE_CODES = {3, 34, 35, 100, 101, 804}  # not initialised, stub library, old driver, no device, ...
 
 
-TRACE_WORDS = 8192  # common.cuh EMBER_TRACE: the count, then (start, release) pairs
-TRACE_MARKS = 8064  # common.cuh TRACE_MARK: the SM clock at mark k in word TRACE_MARKS + k
+TRACE_WORDS = KERNEL_CONSTANTS["TRACE_WORDS"]  # common.cuh EMBER_TRACE: the count, then (start, release) pairs
+TRACE_MARKS = KERNEL_CONSTANTS["TRACE_MARKS"]  # common.cuh TRACE_MARK: the SM clock at mark k in word TRACE_MARKS + k
 
 
 class Device:
@@ -157,7 +160,7 @@ class Device:
         return int(free), int(total)
 
     # modules and kernels
-    def module(self, name: str) -> "Module":
+    def module(self, name: str) -> Module:
         with _lock:
             mod = self._modules.get(name)
             if mod is None:
@@ -166,20 +169,20 @@ class Device:
                 self._modules[name] = mod
             return mod
 
-    def kernel(self, module: str, function: str) -> "Kernel":
+    def kernel(self, module: str, function: str) -> Kernel:
         return self.module(module).function(function)
 
     # memory
-    def empty(self, shape: int | Sequence[int], dtype: Any = np.float32) -> "DeviceArray":
+    def empty(self, shape: int | Sequence[int], dtype: Any = np.float32) -> DeviceArray:
         return DeviceArray(self, shape, dtype)
 
-    def to_device(self, arr: np.ndarray) -> "DeviceArray":
+    def to_device(self, arr: np.ndarray) -> DeviceArray:
         arr = np.ascontiguousarray(arr)
         out = DeviceArray(self, arr.shape, arr.dtype)
         out.upload(arr)
         return out
 
-    def scratch(self, key: str, nbytes: int, zero: bool = False) -> "DeviceArray":
+    def scratch(self, key: str, nbytes: int, zero: bool = False) -> DeviceArray:
         """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials; zero:
         zeroed when (re)allocated (for users that leave it zeroed, like the sampler's counters)."""
         buf = self._scratch.get(key)
@@ -226,10 +229,11 @@ class Module:
                 value = np.array([device.trace.ptr], np.uint64)
                 check(_driver().cuMemcpyHtoD(ptr, value.ctypes.data, 8), "cuMemcpyHtoD")
 
-    def function(self, name: str) -> "Kernel":
+    def function(self, name: str) -> Kernel:
         k = self._functions.get(name)
         if k is None:
-            h = check(_driver().cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({self.name}.{name})")
+            h = check(_driver().cuModuleGetFunction(self.handle, name.encode()),
+                      f"cuModuleGetFunction({self.name}.{name})")
             k = Kernel(self, name, h)
             self._functions[name] = k
         return k
@@ -331,7 +335,8 @@ class Kernel:
             cfg.sharedMemBytes = int(smem)
             h = _stream_handle(stream)
             cfg.hStream = drv.CUstream(h) if isinstance(h, int) else h
-            cfg.attrs = ([_pdl_attribute()] if _pdl.active else []) + ([_cluster_attribute(*cluster)] if cluster else [])
+            cfg.attrs = (([_pdl_attribute()] if _pdl.active else [])
+                         + ([_cluster_attribute(*cluster)] if cluster else []))
             cfg.numAttrs = len(cfg.attrs)
             check(drv.cuLaunchKernelEx(cfg, self.handle, ctypes.addressof(ptrs), 0),
                   f"cuLaunchKernelEx({self.module.name}.{self.name})")
@@ -391,7 +396,7 @@ class DeviceArray:
     """A device allocation (or a view into one) with a numpy shape and dtype."""
 
     def __init__(self, device: Device, shape: int | Sequence[int], dtype: Any = np.float32, *,
-                 _base: "DeviceArray | None" = None, _ptr: int | None = None):
+                 _base: DeviceArray | None = None, _ptr: int | None = None):
         self.device = device
         self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
@@ -407,7 +412,7 @@ class DeviceArray:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
-    def view(self, offset_elements: int, shape: int | Sequence[int], dtype: Any = None) -> "DeviceArray":
+    def view(self, offset_elements: int, shape: int | Sequence[int], dtype: Any = None) -> DeviceArray:
         """A non-owning view starting offset_elements (of this array's dtype) in."""
         dt = np.dtype(dtype) if dtype is not None else self.dtype
         v = DeviceArray(self.device, shape, dt, _base=self, _ptr=self.ptr + offset_elements * self.dtype.itemsize)
@@ -415,7 +420,7 @@ class DeviceArray:
             raise ValueError("view exceeds the array")
         return v
 
-    def view_bytes(self, offset_bytes: int, count: int, dtype: Any) -> "DeviceArray":
+    def view_bytes(self, offset_bytes: int, count: int, dtype: Any) -> DeviceArray:
         """A non-owning view of `count` elements of `dtype` starting offset_bytes in."""
         dt = np.dtype(dtype)
         if offset_bytes % dt.itemsize:
@@ -425,7 +430,7 @@ class DeviceArray:
             raise ValueError("view exceeds the array")
         return v
 
-    def upload_from(self, host: "HostBuffer", nbytes: int, stream: Any, host_offset: int = 0) -> None:
+    def upload_from(self, host: HostBuffer, nbytes: int, stream: Any, host_offset: int = 0) -> None:
         """Asynchronous copy of nbytes from pinned host memory, ordered on `stream`."""
         if nbytes > self.nbytes or host_offset + nbytes > host.nbytes:
             raise ValueError("copy exceeds a buffer")
@@ -433,7 +438,7 @@ class DeviceArray:
             check(_driver().cuMemcpyHtoDAsync(self.ptr, host.ptr + host_offset, nbytes, _stream_handle(stream)),
                   "cuMemcpyHtoDAsync")
 
-    def download_into(self, host: "HostBuffer", nbytes: int, stream: Any, host_offset: int = 0) -> None:
+    def download_into(self, host: HostBuffer, nbytes: int, stream: Any, host_offset: int = 0) -> None:
         """Asynchronous copy of nbytes into pinned host memory; done once `stream` is synchronized."""
         if nbytes > self.nbytes or host_offset + nbytes > host.nbytes:
             raise ValueError("copy exceeds a buffer")
@@ -474,10 +479,8 @@ class DeviceArray:
 
     def __del__(self):
         if getattr(self, "_owned", False) and self.ptr and _poisoned is None:
-            try:
+            with contextlib.suppress(Exception):
                 _driver().cuMemFree(self.ptr)
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.shape}, {self.dtype}, 0x{self.ptr:x})"
@@ -514,10 +517,8 @@ class HostBuffer:
 
     def __del__(self):
         if getattr(self, "ptr", 0) and _poisoned is None:
-            try:
+            with contextlib.suppress(Exception):
                 _driver().cuMemFreeHost(self.ptr)
-            except Exception:
-                pass
 
 
 # -- timing -------------------------------------------------------------------------------------------
@@ -565,7 +566,7 @@ class Stream:
     def synchronize(self) -> None:
         check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
-    def wait(self, event: "Event") -> None:
+    def wait(self, event: Event) -> None:
         """Work queued on this stream from now on starts after `event` (recorded on another stream)."""
         check(_driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
 
@@ -585,10 +586,10 @@ class Graph:
         self.exec = None
 
     @classmethod
-    def capture(cls, stream: Stream) -> "Graph":
+    def capture(cls, stream: Stream) -> Graph:
         return cls(stream)
 
-    def __enter__(self) -> "Graph":
+    def __enter__(self) -> Graph:
         drv = _driver()
         check(drv.cuStreamBeginCapture(self.stream.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
               "cuStreamBeginCapture")
@@ -626,7 +627,7 @@ def try_device(ordinal: int = 0) -> tuple[Device | None, str]:
 
 
 __all__ = [
-    "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "HostBuffer", "copy_2d", "I32", "I64", "Kernel", "Module",
-    "Event", "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "pdl_launches", "poisoned",
-    "try_device",
+    "CudaError", "CudaUnavailable", "Device", "DeviceArray", "F32", "HostBuffer", "copy_2d", "I32", "I64", "Kernel",
+    "Module", "Event", "Graph", "Pointer", "Stream", "StickyCudaError", "Timer", "check", "error_name", "pdl_launches",
+    "poisoned", "try_device",
 ]

@@ -18,7 +18,7 @@ Gemma 3 270M needs its 640 MB of output and nothing near that on top).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -20,8 +20,10 @@
 #include "attn_common.cuh"
 #include "attn_warp.cuh"
 
-#define ATT_THREADS 128
-#define ATT_SPLIT_MAX 512
+// ATT_THREADS (threads a CTA), ATT_SPLIT_MAX (keys a CTA at most) and ATT_MAX_HEAD_DIM come from
+// kernels/constants.py
+static_assert(ATT_THREADS % 32 == 0 && ATT_THREADS >= ATT_MAX_HEAD_DIM / 2,
+              "attn_decode's prologue: a thread per rotation pair of a head");
 
 template <int D, int G, typename KV, bool FUSED>
 EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
@@ -262,8 +264,8 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
 
 // At most 64 registers a thread (two CTAs of 512 threads an SM fit): at 96 (what ptxas took
 // unbounded) a CTA needed three quarters of an SM's registers, so under programmatic dependent
-// launch it found no SM beside the q|k|v matvec's CTAs and started only as that kernel ended (by
-// `ember bench trace` on the H200: that matvec's share of the 270M's step 5.15 -> 3.96 us a layer).
+// launch it found no SM beside the q|k|v matvec's CTAs and started only as that kernel ended (seen
+// with `ember bench trace` on the H200: kernels/README.md).
 #define ATTN_WARP(D, G, KVN, KVT)                                                                      \
     extern "C" __global__ void __launch_bounds__(ATTW_WARPS * 32, 2) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
         DECODE_PROLOGUE;                                                                               \
@@ -354,14 +356,14 @@ extern "C" __global__ void kv_write_f32(const float* k, i64 ldk, const float* v,
 // kv_write_* in one launch. One warp per head: lane l holds the rotation pairs i = l + 32 j (neox:
 // elements i and i + D/2; normal: 2i and 2i + 1), so the norm is a warp sum and the rotation needs
 // no exchange. Angles in double, like rope_f32 and the twin.
-#define PRO_MAX_PAIRS 4  // D / 64: head_dim up to 256
+#define PRO_MAX_PAIRS (ATT_MAX_HEAD_DIM / 64)  // rotation pairs a lane holds: D / 64
 template <typename KV>
 EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restrict__ k, i64 ldk,
                           const float* __restrict__ v, i64 ldv, int hq, int hk, int D,
                           const float* __restrict__ qw, const float* __restrict__ kw, float eps,
                           const int* __restrict__ pos, const float* __restrict__ inv_freq, int neox,
                           KV* __restrict__ kc, KV* __restrict__ vc, const int* __restrict__ slots, int n) {
-    __shared__ float cs[128], sn[128];
+    __shared__ float cs[ATT_MAX_HEAD_DIM / 2], sn[ATT_MAX_HEAD_DIM / 2];
     const int t = blockIdx.x;
     const int half = D / 2, per = half / 32;
     // positions and frequencies come from the step's input copy, not from the kernel before this one:

@@ -14,9 +14,9 @@
 // memory: 2 * split * D elements as stored), so after the wait no key is read from global memory; a
 // split of up to ops.attention_split_warp's 128 KiB of rows (128 keys at D 256, f16) is the whole
 // context of a short decode, which then needs no attn_combine. Keys are taken KC at a time.
-#define ATTW_SPLIT_MAX 256
-#define ATTW_WARPS 16
-#define ATTW_CLUSTER_MAX 8  // splits merged inside one cluster, at most (a portable cluster size)
+// ATTW_SPLIT_MAX (keys a CTA at most), ATTW_WARPS and ATTW_CLUSTER_MAX (splits merged inside one
+// cluster, at most) come from kernels/constants.py
+static_assert(ATTW_CLUSTER_MAX <= 8, "a portable cluster size");
 
 // E elements of a K or V row as stored (f16 or float), held raw in 32-bit words until used
 template <int E, typename KV> struct KVRaw { u32 w[E * (int)sizeof(KV) / 4]; };

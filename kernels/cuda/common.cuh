@@ -28,13 +28,13 @@ typedef unsigned long long u64;
 // nanoseconds to the buffer ember_trace_buf points at (word 0 counts the words written; the host sets
 // the pointer in every module it loads): in a PDL chain the wait of kernel k + 1 returns when kernel k
 // is done, so the differences time each kernel where it runs (`ember bench trace`). The buffer holds
-// 8192 words (cuda_runtime.TRACE_WORDS).
+// TRACE_WORDS words (kernels/constants.py, as cuda_runtime allocates it).
 //
 // TRACE_MARK(k) (k < 64), in the same build: block 0's thread 0 stores its SM's clock64 at word
 // TRACE_MARKS + k where a phase of its kernel ends; the step's last launch to pass a
 // mark keeps it. Marks 0-7: decode attention (attn_warp.cuh); 8-10: the staged batch-1 matvec
 // (matvec.cu). `ember bench trace` prints the cycles between them (worker/bench/trace.py PHASES).
-#define TRACE_MARKS 8064
+static_assert(TRACE_MARKS + 64 <= TRACE_WORDS, "the 64 marks sit at the end of the trace buffer");
 #ifdef EMBER_TRACE
 __device__ unsigned long long* ember_trace_buf;
 EMBER_DEV unsigned long long global_ns() {

@@ -16,12 +16,16 @@
 // halves so ldmatrix's 8 row addresses fall in different banks.
 #include "mma.cuh"
 
-#define FA_WARPS 4
-#define FA_ROWS 64
+// FLASH_WARPS (warps a row group), FLASH_ROWS (query rows a tile), FLASH_TILE_KEYS(_D256) (keys a K/V
+// tile) and FLASH_PAD (halves of padding a shared-memory row) come from kernels/constants.py
+static_assert(FLASH_WARPS == 4 && FLASH_ROWS == 16 * FLASH_WARPS,
+              "a row group of 4 warps (d0 = threadIdx.x >> 7), 16 query rows a warp");
+static_assert(FLASH_TILE_KEYS % 16 == 0 && FLASH_TILE_KEYS_D256 % 16 == 0, "keys in 16-key mma steps");
+static_assert(FLASH_PAD % 8 == 0, "16-byte aligned shared-memory rows (cp.async, ldmatrix)");
 
 template <int D> struct FaShape {
-    static constexpr int KT = D <= 128 ? 64 : 32;  // keys per tile (D 256: registers and shared memory)
-    static constexpr int LD = D + 8;               // halves per shared-memory row
+    static constexpr int KT = D <= 128 ? FLASH_TILE_KEYS : FLASH_TILE_KEYS_D256;  // keys per tile
+    static constexpr int LD = D + FLASH_PAD;  // halves per shared-memory row
     // D 256: two warps per 16 rows, each accumulating half of the output dimensions (128 floats of
     // O per thread would spill); both compute the rows' full scores
     static constexpr int DSPLIT = D == 256 ? 2 : 1;
@@ -37,13 +41,13 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
     constexpr int KT = FaShape<D>::KT, LD = FaShape<D>::LD, DO = FaShape<D>::DO;
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) u16 smem[];
-    u16* sq = smem;                 // [FA_ROWS][LD]
-    u16* sk = sq + FA_ROWS * LD;    // [2][KT][LD]
-    u16* sv = sk + 2 * KT * LD;     // [2][KT][LD]
+    u16* sq = smem;                  // [FLASH_ROWS][LD]
+    u16* sk = sq + FLASH_ROWS * LD;  // [2][KT][LD]
+    u16* sv = sk + 2 * KT * LD;      // [2][KT][LD]
 
     const int h = blockIdx.y, hk = h / (Hq / Hk);
     const int row0 = tiles[2 * blockIdx.x], nr = tiles[2 * blockIdx.x + 1];
-    const int warp = (threadIdx.x >> 5) & (FA_WARPS - 1), lane = threadIdx.x & 31;  // warp: row group
+    const int warp = (threadIdx.x >> 5) & (FLASH_WARPS - 1), lane = threadIdx.x & 31;  // warp: row group
     const int d0 = (threadIdx.x >> 7) * DO;  // this warp's output dimensions [d0, d0 + DO)
     const int p0 = row_pos[row0], plast = row_pos[row0 + nr - 1];
     const int* table = tables + (i64)row_seq[row0] * max_blocks;
@@ -51,7 +55,7 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
     const u16* vbase = reinterpret_cast<const u16*>(vc);
 
     // Q rows of the tile, times scale * log2(e), as f16
-    for (int i = threadIdx.x; i < FA_ROWS * D / 4; i += blockDim.x) {
+    for (int i = threadIdx.x; i < FLASH_ROWS * D / 4; i += blockDim.x) {
         const int r = i / (D / 4), c = (i % (D / 4)) * 4;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (r < nr) v = *reinterpret_cast<const float4*>(q + (i64)(row0 + r) * ldq + (i64)h * D + c);
@@ -185,7 +189,7 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
 }
 
 #define FLASH(D)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * FaShape<D>::DSPLIT) flash_prefill_d##D(      \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32 * FaShape<D>::DSPLIT) flash_prefill_d##D(   \
         const float* q, i64 ldq, const f16_t* kc, const f16_t* vc, const int* tables, int max_blocks,         \
         const int* row_seq, const int* row_pos, const int* tiles, int Hq, int Hk, int BS, int window,         \
         float scale_log2, float* out, i64 ldo) {                                                              \

@@ -13,18 +13,21 @@
 // activations can exceed what f16 holds.
 #include "mma.cuh"
 
-#define GM_BM 128
-#define GM_BN 128
-#define GM_BK 32
-#define GM_LD 40  // halves per shared-memory row: 32 + 8 padding
-#define GM_THREADS 256
+// GEMM_TILE_M x GEMM_TILE_N (the CTA's tile of C), GEMM_TILE_K (the K slice a stage holds) and
+// GEMM_THREADS come from kernels/constants.py; the warp layout and load_tile are written for these:
+static_assert(GEMM_TILE_M == 2 * 64 && GEMM_TILE_N == 4 * 32 && GEMM_THREADS == 8 * 32,
+              "8 warps, 2 x 4, each 64 x 32 of the tile");
+static_assert(GEMM_TILE_K == 32 && GEMM_TILE_M * GEMM_TILE_K / 8 == 2 * GEMM_THREADS &&
+                  GEMM_TILE_N * GEMM_TILE_K / 8 == 2 * GEMM_THREADS,
+              "load_tile: four 16-byte pieces a row, two a thread");
+#define GM_LD (GEMM_TILE_K + 8)  // halves per shared-memory row: 8 of padding
 
 // Load one 128 x 32 slice of a row-major [rows, K] matrix into shared memory: 512 16-byte pieces,
 // two per thread.
 EMBER_DEV void load_tile(u16 (*dst)[GM_LD], const u16* __restrict__ src, int row0, int rows, int K, int k0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int piece = threadIdx.x + i * GM_THREADS;
+        const int piece = threadIdx.x + i * GEMM_THREADS;
         const int r = piece >> 2, c = (piece & 3) * 8;
         const int gr = row0 + r;
         const bool ok = gr < rows;
@@ -37,17 +40,17 @@ EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const 
                     int K, i64 ldc) {
     // split-K (gridDim.z > 1): this CTA multiplies one run of K and writes its partial tile to
     // C + z * M * ldc (a workspace; R is applied by gemm_splitk_reduce), so a small M still fills the GPU
-    const int nk_all = K / GM_BK, per = (nk_all + gridDim.z - 1) / gridDim.z;
+    const int nk_all = K / GEMM_TILE_K, per = (nk_all + gridDim.z - 1) / gridDim.z;
     const int kt0 = blockIdx.z * per, nk = max(0, min(nk_all, kt0 + per) - kt0);
     if (gridDim.z > 1) {
         C += (i64)blockIdx.z * M * ldc;
         R = nullptr;
     }
-    A += (i64)kt0 * GM_BK;
-    B += (i64)kt0 * GM_BK;
-    __shared__ __align__(16) u16 sa[2][GM_BM][GM_LD];
-    __shared__ __align__(16) u16 sb[2][GM_BN][GM_LD];
-    const int m0 = blockIdx.y * GM_BM, n0 = blockIdx.x * GM_BN;
+    A += (i64)kt0 * GEMM_TILE_K;
+    B += (i64)kt0 * GEMM_TILE_K;
+    __shared__ __align__(16) u16 sa[2][GEMM_TILE_M][GM_LD];
+    __shared__ __align__(16) u16 sb[2][GEMM_TILE_N][GM_LD];
+    const int m0 = blockIdx.y * GEMM_TILE_M, n0 = blockIdx.x * GEMM_TILE_N;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     float acc[4][4][4];
@@ -66,14 +69,14 @@ EMBER_DEV void gemm(const u16* __restrict__ A, const u16* __restrict__ B, const 
     for (int kt = 0; kt < nk; ++kt) {
         const int cur = kt & 1;
         if (kt + 1 < nk) {
-            load_tile(sa[cur ^ 1], A, m0, M, K, (kt + 1) * GM_BK);
-            load_tile(sb[cur ^ 1], B, n0, N, K, (kt + 1) * GM_BK);
+            load_tile(sa[cur ^ 1], A, m0, M, K, (kt + 1) * GEMM_TILE_K);
+            load_tile(sb[cur ^ 1], B, n0, N, K, (kt + 1) * GEMM_TILE_K);
         }
         asm volatile("cp.async.commit_group;");
         asm volatile("cp.async.wait_group 1;");
         __syncthreads();
 #pragma unroll
-        for (int ks = 0; ks < GM_BK; ks += 16) {
+        for (int ks = 0; ks < GEMM_TILE_K; ks += 16) {
             u32 af[4][4], bfr[4][2];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -125,13 +128,13 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_f16(const u16* A, const u16* B, const float* R,
-                                                                  float* C, int M, int N, int K, i64 ldc) {
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_f16(const u16* A, const u16* B, const float* R,
+                                                                    float* C, int M, int N, int K, i64 ldc) {
     grid_dependency_sync();
     gemm<false>(A, B, R, C, M, N, K, ldc);
 }
-extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_bf16(const u16* A, const u16* B, const float* R,
-                                                                   float* C, int M, int N, int K, i64 ldc) {
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_bf16(const u16* A, const u16* B, const float* R,
+                                                                     float* C, int M, int N, int K, i64 ldc) {
     grid_dependency_sync();
     gemm<true>(A, B, R, C, M, N, K, ldc);
 }

@@ -16,9 +16,10 @@
 #error "QTYPE must be defined"
 #endif
 
-#define MV_WARPS 4
-#define XPRO_COLS (8 * MV_WARPS * 32)  // columns of an x a block makes itself (XK): 8 a thread
-#define XSTAGE_COLS 2048               // batch 1 without XK: x staged in shared memory up to this many columns
+// MATVEC_WARPS (warps a block) and XPRO_COLS (columns of an x a block makes itself, XK) come from
+// kernels/constants.py
+static_assert(XPRO_COLS == 8 * MATVEC_WARPS * 32, "a block makes its x 8 columns a thread (norm.cuh, E = 8)");
+#define XSTAGE_COLS 2048  // batch 1 without XK: x staged in shared memory up to this many columns
 
 // Batch-1 matvecs whose every block makes its input x itself, into shared memory, saving the launch
 // of the kernel that would have made it (rows of at most XPRO_COLS columns):
@@ -43,8 +44,8 @@ template <> struct VecT<2> { typedef u16 T; };
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
 // row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
 // MLP's activation is computed once per column instead of in every block of the down projection.
-// SPLIT (batch 1, R rows a block): the block's warps share its rows, each taking every MV_WARPS-th
-// chunk of Q::CB / MV_WARPS blocks of all R, and add their sums through shared memory: a wide row's
+// SPLIT (batch 1, R rows a block): the block's warps share its rows, each taking every MATVEC_WARPS-th
+// chunk of Q::CB / MATVEC_WARPS blocks of all R, and add their sums through shared memory: a wide row's
 // decode (a chain of units per lane, latency-bound at one row a warp) is then a quarter as long, its
 // R rows side by side.
 template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE, bool SPLIT = false>
@@ -55,24 +56,24 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     constexpr bool XP = XK != XK_NONE;
     static_assert(!XP || B == 1, "a block makes one row of x");
     static_assert(!SPLIT || (B == 1 && !GATED && XK == XK_NONE), "split rows: batch 1");
-    static_assert(!SPLIT || QT<QTYPE>::CB % MV_WARPS == 0, "a chunk splits into MV_WARPS");
+    static_assert(!SPLIT || QT<QTYPE>::CB % MATVEC_WARPS == 0, "a chunk splits into MATVEC_WARPS");
     typedef QT<QTYPE> Q;
     typedef typename VecT<VEC>::T V;
-    constexpr int WS = SPLIT ? MV_WARPS : 1;  // warps a row
+    constexpr int WS = SPLIT ? MATVEC_WARPS : 1;  // warps a row
     constexpr int CB = Q::CB / WS;            // blocks a chunk
     constexpr int CHUNK = CB * Q::BYTES;
     constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
-    __shared__ __align__(16) u8 smem[MV_WARPS][R][NVR * 32 * VEC];
+    __shared__ __align__(16) u8 smem[MATVEC_WARPS][R][NVR * 32 * VEC];
     // XP: this block's x; XSTAGE (batch 1): x copied in once (a row of at most XSTAGE_COLS), so the
     // decode loop below does not wait on a global load of x every unit
     constexpr bool XSTAGE = !XP && B == 1;
     __shared__ __align__(16) float xnorm[XP ? XPRO_COLS : XSTAGE ? XSTAGE_COLS : 4];
-    __shared__ float scratch[XP ? 33 : SPLIT ? MV_WARPS * R : 1];
+    __shared__ float scratch[XP ? 33 : SPLIT ? MATVEC_WARPS * R : 1];
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int half = rows / 2;
     const int part = SPLIT ? warp : 0;  // SPLIT: this warp's chunks are part, part + WS, ...
-    const int row0 = SPLIT ? blockIdx.x * R : (blockIdx.x * MV_WARPS + warp) * (GATED ? 1 : R);  // GATED: gate row
+    const int row0 = SPLIT ? blockIdx.x * R : (blockIdx.x * MATVEC_WARPS + warp) * (GATED ? 1 : R);  // GATED: gate row
     const bool idle = row0 >= (GATED ? half : rows);
     float w1v[XP ? 8 : 1], w2v[XP ? 8 : 1];
     if constexpr (XK == XK_POST_NORM) {
@@ -118,16 +119,16 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     if constexpr (XSTAGE) {  // every warp takes part, idle or not
         if (cols <= XSTAGE_COLS) {  // block-uniform
             if ((cols & 3) == 0 && (reinterpret_cast<u64>(x) & 15) == 0) {  // every load issued, then stored
-                constexpr int XV = XSTAGE_COLS / (4 * MV_WARPS * 32);
+                constexpr int XV = XSTAGE_COLS / (4 * MATVEC_WARPS * 32);
                 float4 xv4[XV];
 #pragma unroll
                 for (int k = 0; k < XV; ++k) {
-                    const int c = 4 * (threadIdx.x + k * MV_WARPS * 32);
+                    const int c = 4 * (threadIdx.x + k * MATVEC_WARPS * 32);
                     if (c < cols) xv4[k] = __ldg(reinterpret_cast<const float4*>(x + c));
                 }
 #pragma unroll
                 for (int k = 0; k < XV; ++k) {
-                    const int c = 4 * (threadIdx.x + k * MV_WARPS * 32);
+                    const int c = 4 * (threadIdx.x + k * MATVEC_WARPS * 32);
                     if (c < cols) *reinterpret_cast<float4*>(xnorm + c) = xv4[k];
                 }
             } else {
@@ -228,7 +229,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
         for (int r = 0; r < R; ++r) {
             acc[0][r] = 0.0f;
 #pragma unroll
-            for (int w = 0; w < MV_WARPS; ++w) acc[0][r] += scratch[w * R + r];
+            for (int w = 0; w < MATVEC_WARPS; ++w) acc[0][r] += scratch[w * R + r];
         }
     }
     if (XSTAGE) TRACE_MARK(10);
@@ -253,7 +254,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
 }
 
 #define QMV(B, R, VEC)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                 \
         qmv_b##B##_r##R##_v##VEC(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,       \
                                  const float* __restrict__ x, int nb, const float* res, float* y) { \
         qmv<B, R, VEC>(W, row_bytes, rows, cols, x, nb, res, y);                                    \
@@ -267,7 +268,7 @@ QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
 
 // R wide rows a block, their chunks shared by the block's warps (16-byte rows)
 #define QMVS(R)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                          \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                      \
         qmvs_b1_r##R(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, \
                      const float* res, float* y) {                                                       \
         qmv<1, R, 16, false, XK_NONE, true>(W, row_bytes, rows, cols, x, 1, res, y);                    \
@@ -276,7 +277,7 @@ QMVS(1) QMVS(2) QMVS(4)
 
 // the gate|up projection with the activation in its epilogue (16-byte aligned rows only)
 #define QMVG(B)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                     \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                 \
         qmvg_b##B(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,                      \
                   const float* __restrict__ x, int nb, float* y, int act) {                         \
         qmv<B, 2, 16, true>(W, row_bytes, rows, cols, x, nb, nullptr, y, act);                      \
@@ -285,14 +286,14 @@ QMVG(1) QMVG(2) QMVG(4) QMVG(8)
 
 // batch 1 with the input normalised in the kernel (XPro): the 16-byte row path, and the gate|up one
 #define QMVX(R)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvx_b1_r##R(                           \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) qmvx_b1_r##R(                       \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res,  \
         float* res_out, const float* w1, const float* w2, float eps, float* y) {                        \
         const XPro xp{o, res, res_out, w1, w2, eps};                            \
         qmv<1, R, 16, false, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, 0, xp);    \
     }
 QMVX(1) QMVX(2) QMVX(4)
-extern "C" __global__ void __launch_bounds__(MV_WARPS * 32) qmvgx_b1(
+extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) qmvgx_b1(
     const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* o, const float* res, float* res_out,
     const float* w1, const float* w2, float eps, float* y, int act) {
     const XPro xp{o, res, res_out, w1, w2, eps};

@@ -1,8 +1,8 @@
 // y = x @ W.T for Q4_K / Q5_K weights at batch 1-2: the column-resident decode kernel ("kv2").
 //
 // matvec.cu stages rows through shared memory and re-reads x and the block scales for every 8
-// weights; measured on an H200 it is bound by load/store instructions, not bytes (about 1.1 TB/s
-// for Q4_K). Here each lane owns one fixed 64-column slice of the row -- sub-blocks (2c, 2c+1) of one
+// weights: it is bound by load/store instructions, not bytes (the H200 measurements:
+// kernels/README.md). Here each lane owns one fixed 64-column slice of the row -- sub-blocks (2c, 2c+1) of one
 // 256-element super-block, whose 64 weights sit in 32 contiguous qs bytes -- and keeps that slice of
 // x (and its two sub-block sums) in registers for every row it visits. Per row a lane issues three
 // 16-byte loads (block header: d, dmin, 12 scale bytes; the 32 qs bytes; Q5_K adds the 32 qh bytes),
@@ -22,8 +22,11 @@
 #error "matvec_k.cu handles Q4_K, Q5_K and (kq8 only) the repacked Q6_K"
 #endif
 
-#define KV2_MAX_WARPS 8  // cols <= 16384; wider rows use matvec.cu
-#define KV2_MAX_RPB 64
+// KV2_MAX_WARPS (warps a block: the widest rows; wider ones use matvec.cu), KV2_WARP_SUPERBLOCKS and
+// KV2_MAX_RPB (rows a block) come from kernels/constants.py
+static_assert(KV2_WARP_SUPERBLOCKS == 32 / 4, "a warp covers a super-block per four lanes (sb, c below)");
+static_assert(BLOCK_ELEMS_Q4_K == 256 && BLOCK_ELEMS_Q5_K == 256 && BLOCK_ELEMS_Q6_KP == 256,
+              "a lane's slice is a quarter of a 256-column super-block");
 
 EMBER_DEV u32 hdr_byte(const uint4& h, int k) {
     const u32 w = (k & 8) ? ((k & 4) ? h.w : h.z) : ((k & 4) ? h.y : h.x);
@@ -136,7 +139,7 @@ EMBER_DEV void kv2(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int nsb = cols / 256;
-    const int sb = warp * 8 + (lane >> 2), c = lane & 3;
+    const int sb = warp * KV2_WARP_SUPERBLOCKS + (lane >> 2), c = lane & 3;
     const bool active = sb < nsb;
     const int row_base = blockIdx.x * rows_per_block;
 
@@ -232,7 +235,7 @@ EMBER_DEV void kv2(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
 }
 
 #define KV2(NAME, B, RU, PF)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                             \
+    extern "C" __global__ void __launch_bounds__(KV2_MAX_WARPS * 32, 1) NAME(                              \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, int nb, \
         const float* res, float* y, int rows_per_block) {                                                 \
         grid_dependency_sync();                                                                           \
@@ -278,7 +281,7 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int nsb = cols / 256;
-    const int sb = warp * 8 + (lane >> 2), c = lane & 3;
+    const int sb = warp * KV2_WARP_SUPERBLOCKS + (lane >> 2), c = lane & 3;
     const bool active = sb < nsb;
     const int row_base = blockIdx.x * rows_per_block;
     const int half = rows / 2, pair = rows_per_block / 2, gate_base = blockIdx.x * pair;
@@ -453,7 +456,7 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
 }
 
 #define KQ8_(NAME, B, RU, PF, GATED)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                                \
+    extern "C" __global__ void __launch_bounds__(KV2_MAX_WARPS * 32) NAME(                                 \
         const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, i64 ldx, \
         i64 uoff, int act, int nb, const float* res, float* y, int rows_per_block) {                       \
         kq8<B, RU, PF, GATED>(W, row_bytes, rows, cols, x, ldx, uoff, act, nb, res, y, rows_per_block);     \

@@ -7,7 +7,8 @@
 // A row lives in registers: thread t holds columns t + i * blockDim.x (i < E), so each
 // element is read once and the reductions wait on no second pass through memory. The weights depend
 // on no earlier kernel: they are loaded before the PDL wait (grid_dependency_sync).
-// Two sizes (ops picks): E = 4 columns per thread up to 4096 columns, E = 8 up to 8192.
+// Two sizes (ops picks): E = 4 or 8 columns per thread, NORM_MAX_THREADS (kernels/constants.py)
+// threads at most: up to 4096 and 8192 columns.
 
 template <int E>
 EMBER_DEV void rms_norm_row(const float* x, const float* res, float* h_out, const float* __restrict__ w, float* y,
@@ -100,8 +101,8 @@ EMBER_DEV void rms_norm_add_norm_row(const float* __restrict__ x, const float* _
         float* __restrict__ h, int n_rows, int cols, float eps) {                                          \
         rms_norm_add_norm_row<E>(x, w1, out, w2, h, n_rows, cols, eps);                                    \
     }
-NORM_KERNELS(4, 1024)
-NORM_KERNELS(8, 1024)
+NORM_KERNELS(4, NORM_MAX_THREADS)
+NORM_KERNELS(8, NORM_MAX_THREADS)
 
 // Elementwise h = a + b (the residual add when no norm follows).
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) {

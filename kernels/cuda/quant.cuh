@@ -9,23 +9,18 @@
 // Integers become floats without the slow I2F instruction: a byte b is placed in the low mantissa
 // bits of 2^23 (one PRMT), and 2^23 (+ offset) subtracted (one FADD): exact for 0 <= b < 2^23.
 //
-// Layouts follow ggml-common.h byte for byte; block sizes in bytes: Q4_0 18, Q5_0 22, Q8_0 34,
-// Q4_K 144, Q5_K 176, Q6_K 210. Blocks of the 32-element types and Q6_K are only 2-byte aligned,
-// so their fields are read with 16-bit loads unless the caller knows better (ALIGNED).
+// Layouts follow ggml-common.h byte for byte; the block sizes (BLOCK_ELEMS_*, BLOCK_BYTES_*) and the
+// ggml type ids (GT_*) come from kernels/constants.py. Blocks of the 32-element types and Q6_K are
+// only 2-byte aligned, so their fields are read with 16-bit loads unless the caller knows better
+// (ALIGNED).
 #pragma once
 #include "common.cuh"
 
-// ggml type ids (gguf GGMLQuantizationType)
-#define GT_F32 0
-#define GT_F16 1
-#define GT_Q4_0 2
-#define GT_Q5_0 6
-#define GT_Q8_0 8
-#define GT_Q4_K 12
-#define GT_Q5_K 13
-#define GT_Q6_K 14
-#define GT_BF16 30
-#define GT_Q6_KP 1014  // not a ggml type: Q6_K blocks padded to 224 bytes on the device (16-byte aligned)
+// the type ids are compared in #if (matvec_k.cu), where a missing macro would silently be 0
+#if !defined(GT_F32) || !defined(GT_F16) || !defined(GT_BF16) || !defined(GT_Q4_0) || !defined(GT_Q5_0) || \
+    !defined(GT_Q8_0) || !defined(GT_Q4_K) || !defined(GT_Q5_K) || !defined(GT_Q6_K) || !defined(GT_Q6_KP)
+#error "the GT_* type ids come from kernels/constants.py (kernels/build.py passes them as -D options)"
+#endif
 
 // byte b of `word` (0..3) as float(b) + 2^23: subtract BIAS to get the integer back.
 // The 0x4B000000 operand comes from a register so that PRMT can take its selector as an immediate
@@ -113,7 +108,7 @@ template <> struct QT<GT_BF16> {
 // --- 32-element legacy blocks ---------------------------------------------------------------------
 // Q4_0: d, qs[16]; element j = low nibble of qs[j], element j+16 = high nibble; w = d * (q - 8)
 template <> struct QT<GT_Q4_0> {
-    static constexpr int ELEMS = 32, BYTES = 18, UNITS = 4, CB = 64;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q4_0, BYTES = BLOCK_BYTES_Q4_0, UNITS = 4, CB = 64;
     static constexpr bool HAS_MIN = false, IS_FLOAT = false, SMEM_A8 = false;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -126,7 +121,7 @@ template <> struct QT<GT_Q4_0> {
 
 // Q5_0: d, qh (u32), qs[16]; as Q4_0 plus bit e of qh as bit 4 of element e; w = d * (q - 16)
 template <> struct QT<GT_Q5_0> {
-    static constexpr int ELEMS = 32, BYTES = 22, UNITS = 4, CB = 64;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q5_0, BYTES = BLOCK_BYTES_Q5_0, UNITS = 4, CB = 64;
     static constexpr bool HAS_MIN = false, IS_FLOAT = false, SMEM_A8 = false;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -143,7 +138,7 @@ template <> struct QT<GT_Q5_0> {
 
 // Q8_0: d, qs[32] signed; w = d * q
 template <> struct QT<GT_Q8_0> {
-    static constexpr int ELEMS = 32, BYTES = 34, UNITS = 4, CB = 32;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q8_0, BYTES = BLOCK_BYTES_Q8_0, UNITS = 4, CB = 32;
     static constexpr bool HAS_MIN = false, IS_FLOAT = false, SMEM_A8 = false;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -168,7 +163,7 @@ EMBER_DEV void scale_min_k4(const u8* sc, int j, u32& d, u32& m) {
 // Q4_K: d, dmin, scales[12], qs[128]. Sub-block j (32 elements): qs bytes [32c, 32c+32) with c = j/2,
 // low nibbles for even j, high for odd; w = (d * sc) * q - (dmin * m)
 template <> struct QT<GT_Q4_K> {
-    static constexpr int ELEMS = 256, BYTES = 144, UNITS = 32, CB = 8;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q4_K, BYTES = BLOCK_BYTES_Q4_K, UNITS = 32, CB = 8;
     static constexpr bool HAS_MIN = true, IS_FLOAT = false, SMEM_A8 = true;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -186,7 +181,7 @@ template <> struct QT<GT_Q4_K> {
 // Q5_K: d, dmin, scales[12], qh[32], qs[128]; as Q4_K plus bit j of qh[l] as bit 4 of element l of
 // sub-block j
 template <> struct QT<GT_Q5_K> {
-    static constexpr int ELEMS = 256, BYTES = 176, UNITS = 32, CB = 8;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q5_K, BYTES = BLOCK_BYTES_Q5_K, UNITS = 32, CB = 8;
     static constexpr bool HAS_MIN = true, IS_FLOAT = false, SMEM_A8 = true;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -208,7 +203,7 @@ template <> struct QT<GT_Q5_K> {
 // (e / 64) of ql[64h + e % 64] and bits 2*(e / 32).. of qh[32h + e % 32] as its top 2 bits;
 // sub-blocks of 16 with a signed scale; w = (d * sc) * (q - 32)
 template <> struct QT<GT_Q6_K> {
-    static constexpr int ELEMS = 256, BYTES = 210, UNITS = 32, CB = 8;
+    static constexpr int ELEMS = BLOCK_ELEMS_Q6_K, BYTES = BLOCK_BYTES_Q6_K, UNITS = 32, CB = 8;
     static constexpr bool HAS_MIN = false, IS_FLOAT = false, SMEM_A8 = false;
     template <bool A8>
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
@@ -227,6 +222,7 @@ template <> struct QT<GT_Q6_K> {
 // Q6_K as the device stores it (ops.QuantMatrix.upload): each 210-byte block followed by 14 bytes of
 // padding, so every block and each of its fields is 16-byte aligned and can be read in 16-byte loads.
 template <> struct QT<GT_Q6_KP> : QT<GT_Q6_K> {
-    static constexpr int BYTES = 224;
+    static_assert(BLOCK_ELEMS_Q6_KP == BLOCK_ELEMS_Q6_K && BLOCK_BYTES_Q6_KP % 16 == 0, "a Q6_K block, padded");
+    static constexpr int BYTES = BLOCK_BYTES_Q6_KP;
     static constexpr bool SMEM_A8 = true;
 };

@@ -3,9 +3,8 @@
 // double, as the twin does (reference.rope_tables), then rounded cos/sin to float: once per token into
 // shared memory, then all heads' pairs are rotated in parallel.
 // neox rotates the pairs (i, i + D/2); the "normal" (llama) flavour the pairs (2i, 2i + 1).
+// ROPE_MAX_HALF (rotation pairs a head at most) comes from kernels/constants.py
 #include "common.cuh"
-
-#define ROPE_MAX_HALF 256
 
 extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk, int hk,
                                     const int* __restrict__ pos, const float* __restrict__ inv_freq,

@@ -41,15 +41,15 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, i64 ld, int V
 }
 
 // Two-phase argmax for long rows: argmax_part_f32 reduces chunks of ARGMAX_CHUNK elements (grid:
-// chunks x rows, 256 threads, float4 loads) to (value, index) pairs; argmax_final_f32 (one warp per
-// row) reduces the pairs. Same result and tie rule as argmax_f32.
-#define ARGMAX_CHUNK 8192
+// chunks x rows, ARGMAX_THREADS threads, float4 loads; both from kernels/constants.py) to (value,
+// index) pairs; argmax_final_f32 (one warp per row) reduces the pairs. Same result and tie rule as
+// argmax_f32.
 
 extern "C" __global__ void argmax_part_f32(const float* __restrict__ x, i64 ld, int V, float* __restrict__ pv,
                                            int* __restrict__ pi) {
     grid_dependency_sync();
-    __shared__ float sv[8];
-    __shared__ int si[8];
+    __shared__ float sv[ARGMAX_THREADS / 32];
+    __shared__ int si[ARGMAX_THREADS / 32];
     const int row = blockIdx.y, chunk = blockIdx.x, nchunks = gridDim.x;
     const float* xr = x + (i64)row * ld;
     const int c0 = chunk * ARGMAX_CHUNK, c1 = min(V, c0 + ARGMAX_CHUNK);
@@ -127,11 +127,11 @@ extern "C" __global__ void softmax_f32(const float* __restrict__ x, i64 ldx, flo
 // The draw is the Gumbel-max trick: argmax of x / T + Gumbel noise over the kept values, the noise
 // from a counter-based hash of (seed, step, index), so a row's token does not depend on the batch.
 // temperature <= 0 is greedy: one argmax pass, split over the grid's blocks of the row (gridDim.y
-// parts; the block that finishes last merges their bests: one SM streaming a 262144-entry row took 14
-// us). A sampled row is one block's work (the other blocks of its row leave). Every pass reads the row
+// parts; the block that finishes last merges their bests: one SM streaming a long row is slow; see
+// kernels/README.md). A sampled row is one block's work (the other blocks of its row leave). Every pass reads the row
 // with float4 loads, several in flight per thread.
-// Twin: reference.sample_rows (same thresholds and the same noise).
-#define SAMPLE_THREADS 1024
+// Twin: reference.sample_rows (same thresholds and the same noise). SAMPLE_THREADS (the block) comes
+// from kernels/constants.py.
 
 EMBER_DEV u32 order_key(float f) {  // larger float -> larger key; NaN sorts lowest
     if (f != f) return 0u;
@@ -163,7 +163,7 @@ EMBER_DEV void each(const float* __restrict__ xr, int V, F&& f) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
         const int n4 = V >> 2;
         // EACH_UNROLL float4 loads in flight per thread: a row streams through one SM, so its speed is
-        // what one SM keeps in flight (4: 19 us for a 262144-entry row on the H200)
+        // what one SM keeps in flight (4 were measurably slower on the H200: kernels/README.md)
         int i = t;
         for (; i + (EACH_UNROLL - 1) * nt < n4; i += EACH_UNROLL * nt) {
             float4 v[EACH_UNROLL];

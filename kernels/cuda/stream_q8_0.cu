@@ -1,8 +1,8 @@
 // y = x @ W.T (+ res) for one row x and a tall Q8_0 matrix W of short rows: the output projection of
 // models whose tied embedding is Q8_0 (Gemma 3 270M: 262144 x 640, 178 MB a token).
 //
-// The staged matvec (matvec.cu) streams such a matrix at about 2.3 TB/s on an H200, bound by
-// instructions, not bytes: per 8 weights it turns bytes into floats out of 2-byte aligned shared
+// The staged matvec (matvec.cu) streams such a matrix well below the memory's bandwidth (the H200
+// measurements: kernels/README.md), bound by instructions, not bytes: per 8 weights it turns bytes into floats out of 2-byte aligned shared
 // memory and reads x again. Here every block quantizes x to int8 once (per 32 columns, as ggml's q8_1
 // and the kq8 kernels do: d = max|x| / 127, q = roundf(x / d); twin: reference.linear_q8), so a
 // weight block costs 8 dp4a. The grid is persistent: each warp walks groups of SQ_ROWS consecutive
@@ -18,9 +18,10 @@
 // last merges them into best_v[0], best_i[0], so the sampler needs no pass over the logits.
 #include "argmax.cuh"
 
-#define SQ_WARPS 8
-#define SQ_ROWS 8    // rows a warp stages at a time: four lanes a row
-#define SQ_VECS 12   // 16-byte loads a lane holds, so rows of at most 32 * 16 * SQ_VECS / SQ_ROWS = 768 bytes
+// SQ_WARPS (warps a block), SQ_ROWS (rows a warp stages at a time) and SQ_VECS (16-byte loads a lane
+// holds, so rows of at most 32 * 16 * SQ_VECS / SQ_ROWS bytes) come from kernels/constants.py
+static_assert(SQ_ROWS == 32 / 4, "four lanes a row: lane / 4 is the row, lane % 4 its block pairs");
+static_assert(BLOCK_ELEMS_Q8_0 == 32 && BLOCK_BYTES_Q8_0 == 34, "a pair of Q8_0 blocks is 68 bytes, 17 words");
 
 // a 16-byte load that skips L1 and is the first out of L2 (policy: evict_first_policy())
 EMBER_DEV u64 evict_first_policy() {

@@ -291,7 +291,9 @@ async def token_prompt(ctx: ApiContext, ids: list[Any], param: str) -> list[int]
     n = ctx.tokenizer.vocab_size
 
     def check() -> list[int]:
-        for i, t in enumerate(ids):
+        if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < n:  # C loops: the common case
+            return ids
+        for i, t in enumerate(ids):  # which one is wrong
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n:
                 raise bad_request(f"token id {t!r} at {param}[{i}] is not in the vocabulary (0..{n - 1})",
                                   param=param, code="invalid_value")

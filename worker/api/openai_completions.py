@@ -73,17 +73,23 @@ class _NullUsageCompletion(Completion, omit_defaults=False):
 
 class Prompt(msgspec.Struct):
     ids: list[int]
-    text: str  # what echo prints
+    text: str  # what echo prints ("" for token ids without echo)
 
 
-async def prompt_of(ctx: ApiContext, p: Any) -> Prompt:
+async def prompt_of(ctx: ApiContext, p: Any, echo: bool = True) -> Prompt:
+    """The prompt's ids, and its text where echo prints it: decoding a long token-id prompt costs the
+    interpreter milliseconds an agent's every request would pay for nothing."""
+
+    async def text_of(ids: list[int]) -> str:
+        return await asyncio.to_thread(ctx.tokenizer.decode, ids) if echo else ""
+
     if isinstance(p, str):
         return Prompt(await common.text_prompt(ctx, p), p)
     if not p:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in p):
         ids = await common.token_prompt(ctx, list(p), "prompt")
-        return Prompt(ids, await asyncio.to_thread(ctx.tokenizer.decode, ids))
+        return Prompt(ids, await text_of(ids))
     if len(p) > 1:
         raise bad_request(f"prompt holds {len(p)} prompts; this worker takes one prompt per request",
                           param="prompt", code="unsupported_value")
@@ -92,7 +98,7 @@ async def prompt_of(ctx: ApiContext, p: Any) -> Prompt:
         return Prompt(await common.text_prompt(ctx, one), one)
     if isinstance(one, list):
         ids = await common.token_prompt(ctx, list(one), "prompt[0]")
-        return Prompt(ids, await asyncio.to_thread(ctx.tokenizer.decode, ids))
+        return Prompt(ids, await text_of(ids))
     raise bad_request("prompt must be a string, a list of token ids, or a list holding one of them", param="prompt")
 
 
@@ -119,7 +125,7 @@ async def to_generation(ctx: ApiContext, body: CompletionRequest, request_id: st
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=body.logit_bias)
     stop = common.stop_list(ctx, body.stop)
-    prompt = await prompt_of(ctx, body.prompt)
+    prompt = await prompt_of(ctx, body.prompt, echo=bool(body.echo))
     zero = body.max_tokens == 0
     max_tokens = 1 if zero else common.output_tokens(ctx, body.max_tokens, len(prompt.ids), "max_tokens")
     want_prompt_lp = body.echo and body.logprobs is not None

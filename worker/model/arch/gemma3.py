@@ -12,7 +12,6 @@ from .recipe import (
     HalfType,
     MetadataKeys,
     Norms,
-    Presence,
     Recipe,
     Rope,
     RopeScaling,
@@ -27,12 +26,10 @@ FAMILY = Family(
     recipe=Recipe(
         norms=Norms.PRE_AND_POST,
         qk_norm=True,
-        attn_bias=Presence.NONE,
         rope=Rope.NEOX,
         rope_scaling=RopeScaling.LINEAR,
         act=Act.GELU_TANH,
         embed_scale=EmbedScale.SQRT_HIDDEN,
-        output_weight=Presence.OPTIONAL,
         half_type=HalfType.BF16,  # its activations outgrow float16's range
         # llama.cpp's defaults: period 6, and 10k for the local layers whatever the global base
         sliding_window=SlidingWindow(period=6, local_rope_base=10000.0),

@@ -70,15 +70,16 @@ class Recipe:
     """How one layer (and the ends of the stack) is computed. Decided per family, never per file:
     the backends turn it into explicit per-layer choices once, when they load the weights."""
 
-    norms: Norms
-    qk_norm: bool  # rms_norm over each head of q and k before RoPE
-    attn_bias: Presence  # q, k and v biases (all three or none, per layer)
-    rope: Rope
-    rope_scaling: RopeScaling
-    act: Act
-    embed_scale: EmbedScale
-    output_weight: Presence  # OPTIONAL: the output projection is tied to token_embd when the file has none
-    half_type: HalfType
+    # the defaults are Llama's pre-norm decoder layer: a family states where it differs
+    norms: Norms = Norms.PRE
+    qk_norm: bool = False  # rms_norm over each head of q and k before RoPE
+    attn_bias: Presence = Presence.NONE  # q, k and v biases (all three or none, per layer)
+    rope: Rope = Rope.NORMAL
+    rope_scaling: RopeScaling = RopeScaling.BY_TYPE
+    act: Act = Act.SILU
+    embed_scale: EmbedScale = EmbedScale.ONE
+    output_weight: Presence = Presence.OPTIONAL  # OPTIONAL: tied to token_embd when the file has none
+    half_type: HalfType = HalfType.F16
     sliding_window: SlidingWindow | None = None
     # Neither backend runs these yet; they are named so that a family needing one fails here, loudly
     mlp_bias: bool = False

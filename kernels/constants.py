@@ -1,0 +1,127 @@
+"""The kernels' shared constants, in one table: tile sizes, block dimensions, warp counts, head-dim
+limits, quant block sizes and type ids.
+
+`build.py` hands every entry of `KERNEL_CONSTANTS` to NVRTC as ``-DNAME=VALUE`` (so each is part of
+every module's options, and of its cubin cache key); the ``.cu`` files never define these names, they
+use them and ``static_assert`` what their code assumes of them. The launchers (``ops/``) read the same
+names from here. ``tests/test_kernels_constants.py`` checks both ways: every source compiles with this
+table, and no source defines a name the table owns.
+
+Not here: launch policy that only the launchers decide (splits, grids sized to the device, variant
+choices), and a kernel's private details that no launcher needs to know.
+"""
+
+from __future__ import annotations
+
+KERNEL_CONSTANTS: dict[str, int] = {
+    # ggml type ids (gguf GGMLQuantizationType): quant.cuh's QT<T>, the matvec modules' QTYPE
+    "GT_F32": 0,
+    "GT_F16": 1,
+    "GT_Q4_0": 2,
+    "GT_Q5_0": 6,
+    "GT_Q8_0": 8,
+    "GT_Q4_K": 12,
+    "GT_Q5_K": 13,
+    "GT_Q6_K": 14,
+    "GT_BF16": 30,
+    "GT_Q6_KP": 1014,  # not a ggml type: Q6_K with its blocks padded to 16-byte alignment on the device
+    # quantized block formats (ggml-common.h), elements and bytes a block: quant.cuh QT<T>::ELEMS, BYTES
+    "BLOCK_ELEMS_Q4_0": 32,
+    "BLOCK_BYTES_Q4_0": 18,
+    "BLOCK_ELEMS_Q5_0": 32,
+    "BLOCK_BYTES_Q5_0": 22,
+    "BLOCK_ELEMS_Q8_0": 32,
+    "BLOCK_BYTES_Q8_0": 34,
+    "BLOCK_ELEMS_Q4_K": 256,
+    "BLOCK_BYTES_Q4_K": 144,
+    "BLOCK_ELEMS_Q5_K": 256,
+    "BLOCK_BYTES_Q5_K": 176,
+    "BLOCK_ELEMS_Q6_K": 256,
+    "BLOCK_BYTES_Q6_K": 210,
+    "BLOCK_ELEMS_Q6_KP": 256,
+    "BLOCK_BYTES_Q6_KP": 224,  # 210 + 14 zero bytes (ops.repack_q6_k)
+    # matvec.cu (the staged matvec)
+    "MATVEC_WARPS": 4,  # warps a block
+    "XPRO_COLS": 1024,  # columns of x a qmvx / qmvgx block makes itself: 8 a thread
+    # matvec_k.cu (kv2, kq8: column-resident)
+    "KV2_MAX_WARPS": 8,  # warps a block at most, so rows of at most 8 * 2048 columns
+    "KV2_WARP_SUPERBLOCKS": 8,  # 256-column super-blocks a warp covers, four lanes each
+    "KV2_MAX_RPB": 64,  # rows a block at most
+    # stream_q8_0.cu (sq8_b1)
+    "SQ_WARPS": 8,  # warps a block
+    "SQ_ROWS": 8,  # rows a warp stages at a time (four lanes a row)
+    "SQ_VECS": 12,  # 16-byte loads a lane holds: rows of at most 32 * 16 * SQ_VECS / SQ_ROWS bytes
+    # attention.cu (attn, attn_decode, qk_rope_kv)
+    "ATT_THREADS": 128,  # threads of an attn / attn_decode CTA
+    "ATT_SPLIT_MAX": 512,  # keys an attn / attn_decode CTA takes at most
+    "ATT_MAX_HEAD_DIM": 256,  # the largest head_dim any attention kernel is built for
+    # attn_warp.cuh
+    "ATTW_WARPS": 16,  # warps of an attn_warp CTA
+    "ATTW_SPLIT_MAX": 256,  # keys an attn_warp CTA takes at most
+    "ATTW_CLUSTER_MAX": 8,  # attn_warp splits merged inside one cluster, at most (a portable cluster size)
+    # flash.cu (prefill attention on the tensor cores)
+    "FLASH_WARPS": 4,  # warps a row group (head_dim 256: two row groups)
+    "FLASH_ROWS": 64,  # query rows a tile, 16 a warp
+    "FLASH_TILE_KEYS": 64,  # keys a K/V tile up to head_dim 128
+    "FLASH_TILE_KEYS_D256": 32,  # keys a K/V tile at head_dim 256 (registers and shared memory)
+    "FLASH_PAD": 8,  # halves of padding a shared-memory row (ldmatrix's rows in different banks)
+    # rope.cu
+    "ROPE_MAX_HALF": 256,  # rotation pairs a head at most: head_dim up to 512
+    # norm.cu
+    "NORM_MAX_THREADS": 1024,  # threads a row at most (each holds NORM_COLS_PER_THREAD columns)
+    # sampling.cu
+    "ARGMAX_CHUNK": 8192,  # entries of a row one argmax_part_f32 block reduces
+    "ARGMAX_THREADS": 256,  # threads of an argmax_part_f32 block
+    "SAMPLE_THREADS": 1024,  # threads of a sample_f32 block
+    # gemm.cu (the prefill matmul)
+    "GEMM_TILE_M": 128,  # rows of C a CTA computes
+    "GEMM_TILE_N": 128,  # columns of C a CTA computes
+    "GEMM_TILE_K": 32,  # the K slice a pipeline stage holds; K must be a multiple of it
+    "GEMM_THREADS": 256,  # 8 warps, 2 x 4, each 64 x 32 of the tile
+    # common.cuh EMBER_TRACE (the profiling build): cuda_runtime's trace buffer
+    "TRACE_WORDS": 8192,  # words of the buffer: the count, then (start, release) pairs
+    "TRACE_MARKS": 8064,  # TRACE_MARK(k), k < 64, stores its clock at word TRACE_MARKS + k
+}
+
+# The variants the .cu files instantiate by macro (kernel names carry them); a CPU test finds each in
+# the compiled modules.
+ATTN_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)  # attention.cu, flash.cu
+ATTN_GROUPS: tuple[int, ...] = (1, 2, 4, 8)  # query heads a kv head: attn, attn_decode, attn_warp
+NORM_COLS_PER_THREAD: tuple[int, ...] = (4, 8)  # norm.cu rms_norm*_e{4,8}
+
+# The device types the kernels read, by the names used in module and kernel names (matvec_<name>).
+KERNEL_TYPES: tuple[str, ...] = ("f32", "f16", "q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "bf16", "q6_kp")
+GGML_TYPE_IDS: dict[str, int] = {name: KERNEL_CONSTANTS[f"GT_{name.upper()}"] for name in KERNEL_TYPES}
+GGML_TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPE_IDS.items()}
+
+# (elements, bytes) a block of each type, the float types first (a float type's block is one element)
+BLOCK_SIZES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2)} | {
+    name: (KERNEL_CONSTANTS[f"BLOCK_ELEMS_{name.upper()}"], KERNEL_CONSTANTS[f"BLOCK_BYTES_{name.upper()}"])
+    for name in KERNEL_TYPES
+    if f"BLOCK_ELEMS_{name.upper()}" in KERNEL_CONSTANTS
+}
+
+
+def defines() -> tuple[str, ...]:
+    """The table as NVRTC options, in table order: ``-DNAME=VALUE`` each."""
+    return tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())
+
+
+def check_table() -> None:
+    """What the table's own entries assume of each other; ValueError naming the first that fails."""
+    c = KERNEL_CONSTANTS
+    rules = {
+        "XPRO_COLS == 8 * MATVEC_WARPS * 32": c["XPRO_COLS"] == 8 * c["MATVEC_WARPS"] * 32,
+        "max(ATTN_HEAD_DIMS) == ATT_MAX_HEAD_DIM": max(ATTN_HEAD_DIMS) == c["ATT_MAX_HEAD_DIM"],
+        "FLASH_ROWS == 16 * FLASH_WARPS": c["FLASH_ROWS"] == 16 * c["FLASH_WARPS"],
+        "TRACE_MARKS + 64 <= TRACE_WORDS": c["TRACE_MARKS"] + 64 <= c["TRACE_WORDS"],
+        "BLOCK_BYTES_Q6_KP % 16 == 0": c["BLOCK_BYTES_Q6_KP"] % 16 == 0,
+        "BLOCK_BYTES_Q6_KP >= BLOCK_BYTES_Q6_K": c["BLOCK_BYTES_Q6_KP"] >= c["BLOCK_BYTES_Q6_K"],
+        "ARGMAX_THREADS % 32 == 0": c["ARGMAX_THREADS"] % 32 == 0,
+    }
+    broken = [rule for rule, ok in rules.items() if not ok]
+    if broken:
+        raise ValueError(f"kernels/constants.py: {broken[0]} does not hold")
+
+
+check_table()
