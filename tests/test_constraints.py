@@ -18,11 +18,22 @@ import numpy as np
 import pytest
 
 from ember.worker import logs
+from ember.worker.engine.backend import Backend
 from ember.worker.engine.constraints import (
-    Constraints, ConstraintError, GrammarError, grammar_from_json_schema, grammar_from_lark,
+    ConstraintError,
+    Constraints,
+    GrammarError,
+    grammar_from_json_schema,
+    grammar_from_lark,
 )
 from ember.worker.engine.requests import (
-    Delta, Failed, Finished, FinishReason, GenerationRequest, ReasoningBudget, RequestHandle,
+    Delta,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    ReasoningBudget,
+    RequestHandle,
 )
 from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import Sampler, SamplingParams
@@ -66,7 +77,7 @@ class _Lines(io.TextIOBase):
         return [r for r in map(json.loads, text.splitlines()) if r["event"] == name]
 
 
-class Steered:
+class Steered(Backend):
     """The real numpy backend, with each returned logits row rewritten by `steer(generated_index,
     logits)` (generated_index: which output token the row is for, counted from 0)."""
 
@@ -78,7 +89,7 @@ class Steered:
 
     def forward(self, chunks):
         outs = self.inner.forward(chunks)
-        for c, out in zip(chunks, outs):
+        for c, out in zip(chunks, outs, strict=True):
             if out is not None:
                 index = c.start + len(c.tokens) - self.prompt_len
                 if index >= 0:
@@ -157,7 +168,7 @@ def _run_all(engine, reqs):
 def test_sampler_never_picks_a_masked_token(params):
     rng = np.random.default_rng(0)
     vocab = 5000
-    for trial in range(50):
+    for _trial in range(50):
         logits = rng.normal(size=vocab).astype(np.float32)
         allowed = rng.choice(vocab, size=rng.integers(1, 20), replace=False)
         bias = np.full(vocab, -np.inf, np.float32)
@@ -244,7 +255,7 @@ def test_constrained_outputs_parse_and_validate(runtime, tok):
                 g = grammar_from_json_schema(schema, whitespace_flexible=(j == 0 and i % 2 == 0))
                 reqs.append(_req(tok, "Here is the JSON:\n", n=96, rid=f"s{i}-{j}", params=params, grammar=g))
                 cases.append(schema)
-        for (text, tokens, last), schema in zip(_run_all(engine, reqs), cases):
+        for (text, _tokens, last), schema in zip(_run_all(engine, reqs), cases, strict=True):
             assert isinstance(last, Finished) and last.reason is FinishReason.STOP, (text, last)
             jsonschema.validate(json.loads(text), schema)
     finally:

@@ -81,6 +81,10 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         weights = load_weights(model.gguf, model.config)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
     faults.check_backend(backend)
+    if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see engine/faults.py
+        from .engine.faults import FaultyBackend
+
+        backend = FaultyBackend(backend, faults)
     from .text.formats import resolve as resolve_formats
 
     formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model

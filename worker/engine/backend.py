@@ -43,6 +43,7 @@ class SeqChunk:
     block_table: list[int]  # covers at least start + n positions
     logits: str = "last"  # "last", "all" or "none"
     sample: DeviceSample | None = None  # with "last": the backend may return a SampledToken instead
+    prefill: bool = False  # part of a prompt (what fault injection's phase=prefill matches)
 
 
 def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarray:
@@ -73,7 +74,7 @@ class BlockCopy(Protocol):
 
     owned: bool  # the payloads are the caller's to keep (else views, gone after release())
 
-    def wait(self) -> "list[np.ndarray] | np.ndarray | None":
+    def wait(self) -> list[np.ndarray] | np.ndarray | None:
         """Their payloads, one [2, layers, block_size, kv_heads, head_dim] array a block in the
         backend's block_dtype, once landed (any thread may wait); None when the device failed."""
         ...
@@ -108,43 +109,64 @@ class Done:
         return self.outputs
 
 
-class Backend(Protocol):
+class Backend:
+    """The base every backend inherits: the attributes it must set, the methods it must implement
+    (forward, read_block, write_block, save_blocks, load_blocks), and the defaults of what is
+    optional (run-ahead, sampling on the device, injected device faults). The engine uses nothing
+    else and never probes for a capability."""
+
     name: str
     config: ModelConfig
     block_size: int
     n_blocks: int
     block_dtype: np.dtype  # the KV blocks' dtype, as save_blocks hands them out and load_blocks takes them
     kv_layout: str  # names the blocks' layout and dtype in the KV salt (kv_blocks.kv_salt)
+    runs_ahead: bool = False  # submit() returns before the step ends and can feed a step from the last one's draws
+    samples_on_device: bool = False  # chunks with `sample` set may come back as SampledToken
+    fault_kinds: tuple[str, ...] = ()  # device faults inject_fault() can cause (faults.py)
 
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray | SampledToken | None]:
         """Run one step. Returns, per chunk, float32 logits [rows, vocab] (rows = 1 for "last",
         n for "all"), None for "none", or a SampledToken where the chunk asked for a draw and the
         backend can make it (backends may always return logits instead)."""
-        ...
+        raise NotImplementedError
 
-    # Optional (`runs_ahead = True`): submit(chunks, feed=None) launches a step and returns an object
-    # whose result() is what forward() returns. feed[i] = j makes chunk i's single token the draw of
-    # chunk j of the step submitted just before, taken where it was drawn, so the scheduler can launch
-    # step n + 1 before it has read step n's tokens (run-ahead decoding).
+    def submit(self, chunks: list[SeqChunk], feed: list[int | None] | None = None):
+        """Launch a step; result() of what it returns is what forward() returns. feed[i] = j makes
+        chunk i's single token the draw of chunk j of the step submitted just before, taken where it
+        was drawn, so the scheduler can launch step n + 1 before it has read step n's tokens
+        (run-ahead decoding). Only called when `runs_ahead`; the default computes at once."""
+        if feed is not None and any(j is not None for j in feed):
+            raise NotImplementedError(f"{self.name} does not run ahead")
+        return Done(self.forward(chunks))
 
     def read_block(self, block: int) -> np.ndarray:
         """A copy of one block's K and V for every layer: float32 [2, layers, block_size, kv_heads, head_dim]."""
-        ...
+        raise NotImplementedError
 
     def write_block(self, block: int, data: np.ndarray) -> None:
         """Fill one block from read_block's layout (restoring a cached prefix)."""
-        ...
+        raise NotImplementedError
 
     def save_blocks(self, blocks: list[int]) -> BlockCopy | None:
         """Start copying these blocks to the host for the KV store, without waiting for the device:
         a later step may reuse them, never before they were read. None when the backend has no room
         for more copies in flight (the caller drops them from persistence rather than wait)."""
-        ...
+        raise NotImplementedError
 
     def load_blocks(self, blocks: list[int], payloads) -> None:
         """Fill these blocks from save_blocks' payloads (a list of one array a block, or an array of
         them), restoring a cached prefix, before the next step runs, without waiting for the device."""
-        ...
+        raise NotImplementedError
+
+    def inject_fault(self, kind: str) -> None:
+        """Cause one of `fault_kinds` for real (it raises ContextPoisoned from the device's error)."""
+        raise NotImplementedError(f"{self.name} cannot inject {kind}")
+
+    def unhooked(self) -> Backend:
+        """This backend without wrappers (faults.FaultyBackend): for calibration and for reruns of a
+        step that already counted."""
+        return self
 
 
 class ContextPoisoned(RuntimeError):

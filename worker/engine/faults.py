@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .backend import ContextPoisoned
+from .backend import Backend, ContextPoisoned, SeqChunk
 
 KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address", "thread-die")
 THREADS = ("engine", "kv-writer", "kv-reader", "mask")  # thread-die targets: ember-<name>...
@@ -85,7 +85,7 @@ class FaultInjector:
     def check_backend(self, backend) -> None:
         """Refuse faults the backend cannot inject (a configuration error, exit 78)."""
         for f in self.faults:
-            if f.kind == "cuda-illegal-address" and not hasattr(backend, "inject_illegal_address"):
+            if f.kind == "cuda-illegal-address" and f.kind not in backend.fault_kinds:
                 raise FaultSpecError(f"fault cuda-illegal-address needs --backend cuda (this is {backend.name})")
 
     def arm_threads(self, watch) -> None:
@@ -108,10 +108,11 @@ class FaultInjector:
                 continue
             f.fired = True
             if f.kind == "cuda-illegal-address":
-                backend.inject_illegal_address()  # raises ContextPoisoned from the real sticky error
+                backend.inject_fault(f.kind)  # raises ContextPoisoned from the real sticky error
                 return
             if f.kind == "poison":
-                raise ContextPoisoned(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered (injected)")
+                raise ContextPoisoned(700, "CUDA_ERROR_ILLEGAL_ADDRESS",
+                                      "an illegal memory access was encountered (injected)")
             while not self.stop_hang.wait(3600):  # hang: the loop stops, the process lives on
                 pass
 
@@ -120,3 +121,55 @@ class FaultInjector:
             if f.kind == "raise" and not f.fired and request_number == f.request:
                 f.fired = True
                 raise InjectedRequestError(f"injected failure in request #{request_number}")
+
+
+class FaultyBackend(Backend):
+    """A backend with the step faults (poison, hang, slow, cuda-illegal-address) in its way: each step
+    the engine launches (forward or submit) runs the injector's before_step first. Calibration and
+    the reruns of a step that failed go to unhooked(), so the steps counted are the engine's."""
+
+    def __init__(self, inner: Backend, injector: FaultInjector):
+        self.inner, self.injector = inner, injector
+        self.steps = 0
+        self.name, self.config, self.kv_layout = inner.name, inner.config, inner.kv_layout
+        self.block_size, self.n_blocks, self.block_dtype = inner.block_size, inner.n_blocks, inner.block_dtype
+        self.fault_kinds = inner.fault_kinds
+
+    @property
+    def runs_ahead(self) -> bool:  # type: ignore[override]  # read through: the server (--no-run-ahead) and tests may set it later
+        return self.inner.runs_ahead
+
+    @property
+    def samples_on_device(self) -> bool:  # type: ignore[override]
+        return self.inner.samples_on_device
+
+    def _before(self, chunks: list[SeqChunk]) -> None:
+        self.steps += 1
+        phases = {"prefill" if c.prefill else "decode" for c in chunks}
+        self.injector.before_step(self.steps, phases, self.inner)
+
+    def forward(self, chunks):
+        self._before(chunks)
+        return self.inner.forward(chunks)
+
+    def submit(self, chunks, feed=None):
+        self._before(chunks)
+        return self.inner.submit(chunks, feed=feed)
+
+    def read_block(self, block):
+        return self.inner.read_block(block)
+
+    def write_block(self, block, data):
+        self.inner.write_block(block, data)
+
+    def save_blocks(self, blocks):
+        return self.inner.save_blocks(blocks)
+
+    def load_blocks(self, blocks, payloads):
+        self.inner.load_blocks(blocks, payloads)
+
+    def inject_fault(self, kind):
+        self.inner.inject_fault(kind)
+
+    def unhooked(self) -> Backend:
+        return self.inner.unhooked()

@@ -79,7 +79,9 @@ class BlockPool:
                 b = self._free.pop()
             else:
                 b, _ = self._cached.popitem(last=False)
-                del self.by_hash[self.block_hash[b]]
+                h = self.block_hash[b]
+                if h is not None:  # always: a cached block is a registered one
+                    del self.by_hash[h]
                 self.block_hash[b] = None
                 self.evictions += 1
             self.refs[b] = 1
@@ -109,6 +111,15 @@ class BlockPool:
         self.by_hash[h] = block
         return block
 
+    def share(self, block: int, h: bytes) -> int:
+        """Register a just-completed block held by the caller; where an identical block is cached
+        already, hand back that one (retained) and release the caller's. Returns the block to use."""
+        canonical = self.register(block, h)
+        if canonical != block:
+            self.retain(canonical)
+            self.release([block])
+        return canonical
+
     def match(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
         """The longest chain of cached full blocks that prefixes `tokens` (at most max_blocks).
         Returns the blocks (each retained for the caller) and the chain hashes of all full blocks
@@ -123,12 +134,13 @@ class BlockPool:
             b = self.by_hash.get(h)
             if b is None:
                 break
-            self._retain(b)
+            self.retain(b)
             blocks.append(b)
         self.hits += len(blocks)
         return blocks, hashes
 
-    def _retain(self, b: int) -> None:
+    def retain(self, b: int) -> None:
+        """One more reference to block b (a cached one is in use again)."""
         if self.refs[b] == 0:
             self._cached.pop(b, None)
         self.refs[b] += 1

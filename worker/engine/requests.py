@@ -7,6 +7,7 @@ from the engine thread to the request's asyncio queue on the HTTP event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from ..logs import log
 from .sampling import SamplingParams
 
 
-class Outcome(str, enum.Enum):
+class Outcome(str, enum.Enum):  # noqa: UP042 (StrEnum would change str() of a member)
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELED = "canceled"
@@ -35,7 +36,7 @@ class ReasoningBudget:
     starts_inside: bool = False
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 (as Outcome)
     STOP = "stop"  # an end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens, the context limit, or the loop guard (a repeating n-gram)
 
@@ -136,10 +137,8 @@ class RequestHandle:
 
     def push(self, events: list[Event]) -> None:
         """Called from the engine thread."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is going down
             self.loop.call_soon_threadsafe(self._put_all, events)
-        except RuntimeError:  # the event loop is closed: the server is going down
-            pass
 
     def _put_all(self, events: list[Event]) -> None:
         for e in events:

@@ -1,0 +1,209 @@
+"""The KV manager: the block pool, prefix matching, and the KV store's offers and restores.
+
+It answers the engine with data: the blocks a prompt can start from (or None: not enough room),
+whether a sequence could grow (yes, or no and nothing taken), which restores finished. It owns
+each sequence's `KVState` and never decides what to preempt or fail: that is the scheduler's and
+the loop's. It reaches the pool only through BlockPool's public methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..logs import log
+from ..metrics import Metrics
+from .backend import Backend, ContextPoisoned
+from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
+from .restore_policy import RestoreCosts
+from .sequence import Seq
+
+RESTORE_BYTES_PER_STEP = 32 << 20  # KV a step restores while other streams decode (a few ms of host copies)
+
+
+@dataclass
+class Prefix:
+    """What admission found for a prompt: cached blocks (retained), every full block's chain hash,
+    and where the KV store holds the blocks after them ("host" or "disk" each)."""
+
+    blocks: list[int]
+    hashes: list[bytes]
+    stored: list[str]
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, backend: Backend, store, metrics: Metrics, costs: RestoreCosts):
+        self.pool, self.backend, self.store, self.metrics, self.costs = pool, backend, store, metrics, costs
+        self.bs = backend.block_size
+        self._offers: list[tuple[bytes, bytes, list[int], int]] = []  # full blocks for the store, this step
+
+    # -- admission and growth ------------------------------------------------------------------------
+
+    def find_prefix(self, s: Seq) -> Prefix | None:
+        """The prompt's cached prefix, if the rest of it fits in the pool now (else None, nothing held)."""
+        bs = self.bs
+        reuse = 0 if s.req.prompt_logprobs else (len(s.tokens) - 1) // bs
+        blocks, hashes = self.pool.match(s.tokens, reuse)  # retained: each path below hands them on
+        stored = self._stored(hashes[len(blocks) : reuse]) if self.store and len(blocks) < reuse else []
+        need = -(-(len(s.tokens) + 1) // bs) - len(blocks)
+        if need > self.pool.available:
+            self.pool.release(blocks)
+            return None
+        return Prefix(blocks, hashes, stored)
+
+    def take_prefix(self, s: Seq, p: Prefix) -> None:
+        kv = s.kv
+        kv.blocks, kv.hashes = p.blocks, p.hashes
+        kv.n_computed, kv.n_registered = len(p.blocks) * self.bs, len(p.blocks)
+        kv.n_offered = max(kv.n_offered, kv.n_registered)  # matched blocks are known to the store
+
+    def start_restore(self, s: Seq, p: Prefix) -> None:
+        kv = s.kv
+        kv.restore_blocks = self.pool.allocate(len(p.stored))
+        kv.restoring = job = self.store.restore(p.hashes[len(p.blocks) : len(p.blocks) + len(p.stored)])
+        job.tiers = p.stored
+        kv.restore_used = 0
+
+    def grow(self, s: Seq, length: int) -> bool:
+        """Blocks for `length` positions: True once held, False if the pool is short (nothing taken)."""
+        need = -(-length // self.bs) - len(s.kv.blocks)
+        if need > 0:
+            try:
+                s.kv.blocks.extend(self.pool.allocate(need))
+            except OutOfBlocks:
+                return False
+        return True
+
+    def free(self, s: Seq) -> None:
+        """Release every block the sequence holds (its registered ones stay cached)."""
+        kv = s.kv
+        if kv.blocks:
+            self.pool.release(kv.blocks)
+            kv.blocks = []
+        if kv.restore_blocks:
+            self.pool.release(kv.restore_blocks[kv.restore_used :])
+            kv.restore_blocks, kv.restoring = [], None
+
+    def preempted(self, s: Seq) -> None:
+        self.register_full_blocks(s)
+        self.flush_offers()  # copied off before the pool may hand its blocks out again
+        self.pool.release(s.kv.blocks)
+        s.kv.blocks, s.kv.n_computed, s.kv.n_registered = [], 0, 0
+
+    def finished(self, s: Seq) -> None:
+        """A running sequence ends: its last full blocks registered (and offered where the store
+        persists finished ones) and copied off before its blocks are released."""
+        self.register_full_blocks(s)
+        if self.store is not None and self.store.persist == "finished":
+            self._offer(s)
+        self.flush_offers()
+
+    # -- the prefix cache and the store ---------------------------------------------------------------
+
+    def register_full_blocks(self, s: Seq) -> None:
+        bs, kv = self.bs, s.kv
+        full = kv.n_computed // bs
+        while len(kv.hashes) < full:
+            i = len(kv.hashes)
+            parent = kv.hashes[-1] if kv.hashes else ROOT_HASH
+            kv.hashes.append(chain_hash(parent, s.tokens[i * bs : (i + 1) * bs], self.pool.salt))
+        for i in range(kv.n_registered, full):  # an identical block computed meanwhile is shared
+            kv.blocks[i] = self.pool.share(kv.blocks[i], kv.hashes[i])
+        kv.n_registered = max(kv.n_registered, full)
+        if self.store is not None and self.store.persist == "all":
+            self._offer(s)
+
+    def _offer(self, s: Seq) -> None:
+        """Queue newly registered full blocks for the KV store; flush_offers copies them."""
+        bs, kv = self.bs, s.kv
+        for i in range(kv.n_offered, kv.n_registered):
+            parent = kv.hashes[i - 1] if i else ROOT_HASH
+            self._offers.append((kv.hashes[i], parent, s.tokens[i * bs : (i + 1) * bs], kv.blocks[i]))
+        kv.n_offered = kv.n_registered
+
+    def flush_offers(self, poisoned: bool = False) -> None:
+        """The step's offered blocks off the device in one batch (save_blocks never makes the engine
+        wait), before any of them can be released and written again. Those the store does not want
+        (known already, or its writer is behind) are never copied."""
+        offers, self._offers = self._offers, []
+        if not offers or self.store is None or poisoned:
+            return
+        wanted = set(self.store.accept([(h, parent) for h, parent, _, _ in offers]))
+        batch = []
+        for h, parent, tokens, block in offers:
+            if h in wanted:
+                wanted.discard(h)
+                batch.append((h, parent, tokens, block))
+        if not batch:
+            return
+        try:
+            copy = self.backend.save_blocks([block for _, _, _, block in batch])
+        except ContextPoisoned:
+            self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], None)
+            raise
+        except Exception as e:  # persistence is best effort: the request goes on
+            log("kv_offer_error", level="warning", error=f"{type(e).__name__}: {e}")
+            copy = None
+        self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], copy)
+
+    def _stored(self, hashes: list[bytes]) -> list[str]:
+        """Where the KV store holds the leading `hashes` ("host" or "disk"). It never raises: a store
+        that fails (an I/O error it did not absorb, a bug) answers none, and the prompt is computed."""
+        try:
+            return self.store.where(hashes)
+        except Exception as e:
+            log("kv_lookup_error", level="warning", error=f"{type(e).__name__}: {e}")
+            return []
+
+    def worth_restoring(self, s: Seq, tiers: list[str]) -> bool:
+        """Restore the stored blocks, or compute them again: whichever this worker measured faster."""
+        host = tiers.count("host") * self.store.block_bytes
+        c = self.costs.choose(len(tiers) * self.bs, host, len(tiers) * self.store.block_bytes - host)
+        self.metrics.restore_choices.labels("restore" if c.restore else "recompute").inc()
+        log("kv_restore_choice", request_id=s.req.request_id, seq=s.number,
+            choice="restore" if c.restore else "recompute", blocks=len(tiers), host_blocks=tiers.count("host"),
+            restore_seconds=round(c.restore_seconds, 4),
+            compute_seconds=None if c.compute_seconds is None else round(c.compute_seconds, 4))
+        return c.restore
+
+    def progress_restores(self, running: list[Seq]) -> Iterator[Seq]:
+        """Copy blocks the store has read into the pool, in chain order; a miss ends the chain
+        (the rest of the prompt is computed). Yields each sequence whose restore is over."""
+        for s in [s for s in running if s.kv.restoring is not None]:
+            kv = s.kv
+            job = kv.restoring
+            assert job is not None
+            if not job.done.is_set() and running and all(r.kv.restoring is not None for r in running):
+                job.done.wait(0.05)  # nothing else to run: do not spin
+            results = list(job.results)
+            # the payloads read so far, in chain order, up to the first miss; while other streams
+            # decode, a step loads a bounded share, so a long restore never stalls them
+            most = len(results) if len(running) == 1 else max(1, RESTORE_BYTES_PER_STEP // self.store.block_bytes)
+            ready = []
+            for payload in results[kv.restore_used:kv.restore_used + most]:
+                if payload is None:
+                    break
+                ready.append(payload)
+            if ready:  # into the pool in one batch: the backend copies them without a host wait
+                first = kv.restore_used
+                self.backend.load_blocks(kv.restore_blocks[first:first + len(ready)], ready)
+                for k in range(first, first + len(ready)):
+                    kv.blocks.append(self.pool.share(kv.restore_blocks[k], job.hashes[k]))
+                kv.restore_used += len(ready)
+                kv.n_computed += len(ready) * self.bs
+                kv.n_registered += len(ready)
+                kv.n_offered = kv.n_registered
+            finished = job.done.is_set() and (kv.restore_used == len(job.results) or
+                                              job.results[kv.restore_used] is None)
+            if finished:
+                self.pool.release(kv.restore_blocks[kv.restore_used :])
+                seconds = time.monotonic() - job.started
+                tiers = job.tiers[: kv.restore_used]
+                if kv.restore_used:
+                    self.costs.observe_restore("disk" if "disk" in tiers else "host",
+                                               kv.restore_used * self.store.block_bytes, seconds)
+                log("kv_restore", request_id=s.req.request_id, seq=s.number, blocks=kv.restore_used,
+                    tokens=kv.restore_used * self.bs, seconds=round(seconds, 3))
+                kv.restoring, kv.restore_blocks = None, []
+                yield s

@@ -1,0 +1,79 @@
+"""The step planner: which running sequences a backend step computes, in which chunks.
+
+`Scheduler.plan` returns a `StepPlan` and changes no queue: decode tokens first (one per running
+sequence, so streams never wait behind a prefill), then prefill chunks up to the step's token
+budget. Where the pool is short it preempts the youngest sequence not yet planned (its blocks go
+back through the KV manager at once, so the plan can use them) and names it in the plan; the loop
+requeues it. Admission, sampling and settling are the loop's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import SeqChunk
+from .kv_manager import KVManager
+from .output import OutputProcessor
+from .sequence import Seq
+
+
+@dataclass
+class StepPlan:
+    chunks: list[SeqChunk] = field(default_factory=list)
+    members: list[Seq] = field(default_factory=list)  # chunks[i] is members[i]'s
+    preempted: list[Seq] = field(default_factory=list)  # blocks released: requeue first, in this order
+    failed: list[Seq] = field(default_factory=list)  # the KV cache cannot hold them even alone
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, output: OutputProcessor, max_step_tokens: int, max_seqs: int,
+                 sized: bool):
+        self.kv, self.output = kv, output
+        self.max_step_tokens, self.max_seqs, self.sized = max_step_tokens, max_seqs, sized
+
+    def plan(self, running: list[Seq], chunk: int) -> StepPlan:
+        """chunk: the prompt tokens a sequence may prefill in this step (Engine.prefill_chunk)."""
+        budget = max(chunk, self.max_seqs) if self.sized else self.max_step_tokens
+        plan = StepPlan()
+        live = list(running)  # running, less what this plan preempts or fails
+        order = sorted(running, key=lambda s: (s.kv.n_computed < len(s.tokens) - 1, s.number))
+        for s in order:
+            if budget <= 0:
+                break
+            if s not in live or s.kv.restoring is not None:  # preempted, or still restoring
+                continue
+            todo = len(s.tokens) - s.kv.n_computed
+            if todo <= 0:
+                continue
+            n = min(todo, budget, chunk) if todo > 1 else 1
+            if not self._ensure_blocks(s, s.kv.n_computed + n, plan, live):
+                continue
+            at = s.kv.n_computed
+            want = "all" if s.req.prompt_logprobs and s.out.generated == 0 else (
+                "last" if at + n == len(s.tokens) else "none")
+            plan.chunks.append(SeqChunk(np.asarray(s.tokens[at : at + n], np.int32), at, s.kv.blocks, want,
+                                        sample=self.output.device_sample(s) if want == "last" else None,
+                                        prefill=n > 1 or s.out.generated == 0))
+            plan.members.append(s)
+            budget -= n
+        return plan
+
+    def _ensure_blocks(self, s: Seq, length: int, plan: StepPlan, live: list[Seq]) -> bool:
+        """Get blocks for `length` positions, preempting the youngest sequence not yet planned in
+        this step if the pool is short. False: `s` sits this step out (or fails, if alone)."""
+        while not self.kv.grow(s, length):
+            candidates = [r for r in live if r is not s and r not in plan.members and r.kv.restoring is None]
+            if candidates:
+                victim = max(candidates, key=lambda r: r.number)
+                self.kv.preempted(victim)
+                live.remove(victim)
+                plan.preempted.append(victim)
+            elif plan.members:
+                return False  # the planned ones free or grow first; try again next step
+            else:
+                live.remove(s)
+                plan.failed.append(s)
+                return False
+        return True
