@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ember.ops.contract import parse_log_line
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
+
+from ember.ops.contract import parse_log_line
 
 from .detect import poison_in_line
 

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
+
 from ember.ops.contract import PROBE_HEADER, HealthState, iso_utc
 
 

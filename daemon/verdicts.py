@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+
 from ember.ops.contract import Event, HealthState
 
 from .detect import HANG, POISONED, UNHEALTHY, UNRESPONSIVE

@@ -513,7 +513,7 @@ class HostBuffer:
     def free(self) -> None:
         if self.ptr and _poisoned is None:
             check(_driver().cuMemFreeHost(self.ptr), "cuMemFreeHost")
-        self.ptr, self.array = 0, None
+        self.ptr, self.array = 0, np.zeros(0, np.uint8)  # a freed buffer has nothing to view
 
     def __del__(self):
         if getattr(self, "ptr", 0) and _poisoned is None:

@@ -18,6 +18,7 @@ not a general HTTP proxy (no TLS, no upgrades, loopback only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -53,10 +54,8 @@ class Exchange:
             if line.startswith("data:"):
                 line = line[5:].strip()
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(ValueError):
                     docs.append(json.loads(line))
-                except ValueError:
-                    pass
         found: list[tuple[str, str]] = []
         for doc in docs:
             _walk_calls(doc, found)
@@ -248,8 +247,9 @@ class ForcingProxy:
             rlines = rhead.decode("latin-1").split("\r\n")
             ex.status = int(rlines[0].split(" ", 2)[1])
             names = [x.split(":", 1)[0].strip().lower() for x in rlines[1:]]
-            ex.chunked = any(n == "transfer-encoding" and "chunked" in x.lower() for n, x in zip(names, rlines[1:]))
-            kept = [x for n, x in zip(names, rlines[1:]) if x and n not in ("connection", "keep-alive")]
+            ex.chunked = any(n == "transfer-encoding" and "chunked" in x.lower()
+                             for n, x in zip(names, rlines[1:], strict=True))
+            kept = [x for n, x in zip(names, rlines[1:], strict=True) if x and n not in ("connection", "keep-alive")]
             writer.write(("\r\n".join([rlines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1"))
             await writer.drain()
             while True:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from ember.worker.bench.workerproc import WorkerProcess
 
 
@@ -49,6 +50,18 @@ def start_worker(default_model_path, tmp_path_factory):
     yield start
     for w in started:
         w.stop(timeout=10)
+
+
+@pytest.fixture
+def ember(tmp_path):
+    """The real CLI, daemon and supervisord against a private state dir (tests/test_daemon_support.py's `Ember`);
+    fails the test if any process it started outlives `ember stop`."""
+    from test_daemon_support import Ember
+
+    e = Ember(tmp_path)
+    yield e
+    left = e.stop_and_check()
+    assert not left, f"processes left behind after ember stop: {left}"
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ whole system prompt and tool list, thousands of tokens, on the numpy backend).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 from agent_proxy import Exchange, ForcingProxy
+
 from ember.worker.bench.workerproc import WorkerProcess
 
 AGENTS = Path(__file__).parent / "agents"
@@ -206,10 +208,8 @@ class Run:
 
 
 def _kill(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     try:
         return proc.communicate(timeout=10)
     except (subprocess.TimeoutExpired, ValueError):

@@ -9,7 +9,6 @@ import uuid
 import anthropic
 import httpx
 import pytest
-
 from test_api_openai import system_prompt
 
 MODEL = "claude-sonnet-4-5"  # what Claude Code asks for; one model is served, so any name is accepted

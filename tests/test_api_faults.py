@@ -13,7 +13,6 @@ import openai
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def fault_worker(start_worker):
     # requests #2..#6 (in arrival order) fail inside the engine, one per protocol and mode below
@@ -43,9 +42,9 @@ def test_a_failing_request_fails_alone(fault_worker, openai_factory):
                                         stream=True))
     assert "injected failure" in str(e.value.message)
     # #3 anthropic stream: `event: error`
-    with pytest.raises(anthropic.APIStatusError) as e2:
-        with ac.messages.stream(model="c", max_tokens=4, messages=[{"role": "user", "content": "b"}]) as s:
-            list(s)
+    with (pytest.raises(anthropic.APIStatusError) as e2,
+          ac.messages.stream(model="c", max_tokens=4, messages=[{"role": "user", "content": "b"}]) as s):
+        list(s)
     assert e2.value.body["type"] == "error" and e2.value.body["error"]["type"] == "api_error"
     # #4 responses stream: response.failed
     events = list(oc.responses.create(model="m", input="c", max_output_tokens=4, stream=True))

@@ -22,11 +22,10 @@ import os
 import httpx
 import pytest
 import schemathesis
+from conftest import API_KEY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-
-from conftest import API_KEY
 
 SCALE = float(os.environ.get("EMBER_FUZZ_EXAMPLES", "1"))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import API_KEY
 
 GENERATION = {
@@ -57,7 +56,7 @@ class LiveProbe:
                 self.failures += not ok
                 time.sleep(0.05)
 
-    def __enter__(self) -> "LiveProbe":
+    def __enter__(self) -> LiveProbe:
         self._thread.start()
         return self
 

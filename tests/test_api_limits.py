@@ -12,7 +12,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from test_api_disconnect import RawClient, chat_body, wait_canceled
 
 

@@ -135,7 +135,8 @@ def test_developer_role_and_content_parts(openai_client):
 
 def test_tools_and_tool_messages_are_rendered(openai_client):
     params = {"type": "object", "properties": {"path": {"type": "string"}}}
-    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": params}}]
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                               "parameters": params}}]
     call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.txt"}'}}
     user = {"role": "user", "content": "Open a.txt"}
     with_calls = [user, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -7,7 +7,6 @@ import uuid
 
 import openai
 import pytest
-
 from test_api_openai import system_prompt
 
 STREAM_ORDER = ["response.created", "response.in_progress", "response.output_item.added",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from ember.worker.bench.soak_load import ABANDONED, COMPLETED, LOST, Record
 from ember.worker.bench.soak_report import (
     Phase,

@@ -165,7 +165,8 @@ def test_helpers_and_extensions():
 
 
 def test_raise_exception_is_a_chat_template_error():
-    t = _plain("{% if messages[0].role != 'system' %}{{ raise_exception('System message required.\\nReally.') }}{% endif %}")
+    t = _plain("{% if messages[0].role != 'system' %}"
+               "{{ raise_exception('System message required.\\nReally.') }}{% endif %}")
     with pytest.raises(ChatTemplateError) as err:
         t.render(USER)
     assert str(err.value) == "System message required. Really."

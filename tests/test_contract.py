@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ember.ops import contract
 from ember.ops.contract import OUTCOMES, REQUIRED_FIELDS, Event, ExitCode, HealthState
 

@@ -76,34 +76,34 @@ def _backends(model, dev, n_blocks=24, mode="exact"):
 def _run(backend, prompts, tables, prefill):
     """Teacher-forced logits of every position after the first `prefill`-1, per sequence."""
     out = [[] for _ in prompts]
-    steps = [[SeqChunk(p[:prefill], 0, t, "all")] for p, t in zip(prompts, tables)]
+    steps = [[SeqChunk(p[:prefill], 0, t, "all")] for p, t in zip(prompts, tables, strict=True)]
     res = backend.forward([s[0] for s in steps])  # both prompts' prefill chunks in one step
     for i, r in enumerate(res):
         out[i].append(r)
     for pos in range(prefill, max(len(p) for p in prompts)):
         chunks, who = [], []
-        for i, (p, t) in enumerate(zip(prompts, tables)):
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
             if pos < len(p):
                 chunks.append(SeqChunk(p[pos : pos + 1], pos, t, "last"))
                 who.append(i)
-        for i, r in zip(who, backend.forward(chunks)):
+        for i, r in zip(who, backend.forward(chunks), strict=True):
             out[i].append(r)
     return [np.concatenate(o) for o in out]
 
 
 def _compare(ref_logits, cuda_logits, label, min_corr=0.999):
     agree, checked, worst = 0, 0, 1.0
-    for a, b in zip(ref_logits, cuda_logits):
+    for a, b in zip(ref_logits, cuda_logits, strict=True):
         assert a.shape == b.shape
         assert np.isfinite(b).all(), f"{label}: non-finite logits"
-        for ra, rb in zip(a.astype(np.float64), b.astype(np.float64)):
+        for ra, rb in zip(a.astype(np.float64), b.astype(np.float64), strict=True):
             corr = float(np.corrcoef(ra, rb)[0, 1])
             worst = min(worst, corr)
             top2 = np.sort(ra)[-2:]
             if top2[1] - top2[0] >= 0.5:
                 checked += 1
                 agree += int(np.argmax(ra) == np.argmax(rb))
-    maxdiff = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits, cuda_logits))
+    maxdiff = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits, cuda_logits, strict=True))
     print(f"{label}: rows={sum(len(a) for a in ref_logits)} gap>=0.5 rows={checked} argmax agree={agree} "
           f"min corr={worst:.7f} max |diff|={maxdiff:.4g}")
     assert agree == checked, f"{label}: argmax differs on {checked - agree} of {checked} confident rows"
@@ -188,7 +188,7 @@ def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     runs = []
     for run_ahead in (False, True, True):  # twice: the second replays the graphs the first captured
-        firsts = cud.forward([SeqChunk(p, 0, t, "last", sample=GREEDY) for p, t in zip(prompts, tables)])
+        firsts = cud.forward([SeqChunk(p, 0, t, "last", sample=GREEDY) for p, t in zip(prompts, tables, strict=True)])
         runs.append(decode(cud, [int(t) for t in firsts], 20, tables, 12, run_ahead))
     assert runs[0] == runs[1] == runs[2]
     assert cud.graph_replays > 0
@@ -282,11 +282,12 @@ def test_fixture_prompts_agree_teacher_forced(dev, model_dir, fixture):
     longest = int(np.diff(offsets).max())
     ref, cud = _backends(model, dev, n_blocks=-(-longest // BLOCK) + 1, mode="fast")
     a, b = [], []
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
+    for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
         prompt = tokens[lo:hi]
         table = list(range(-(-len(prompt) // BLOCK)))
         for backend, out in ((ref, a), (cud, b)):
-            rows = [backend.forward([SeqChunk(prompt[s : s + 64], s, table, "all")])[0] for s in range(0, len(prompt), 64)]
+            rows = [backend.forward([SeqChunk(prompt[s : s + 64], s, table, "all")])[0]
+                    for s in range(0, len(prompt), 64)]
             out.append(np.concatenate(rows))
     _compare(a, b, f"fixture {fixture}", min_corr=0.99)
 
@@ -308,11 +309,11 @@ def test_wide_decode_batches_agree_with_numpy(dev, model_dir):
     tables = [[2 * i, 2 * i + 1] for i in range(n_seq)]
     prompts = rng.integers(0, cfg.vocab_size, (n_seq, prompt_len + steps)).astype(np.int32)
     for be in (ref, cud):
-        be.forward([SeqChunk(p[:prompt_len], 0, t, "none") for p, t in zip(prompts, tables)])
+        be.forward([SeqChunk(p[:prompt_len], 0, t, "none") for p, t in zip(prompts, tables, strict=True)])
     a, b = [[] for _ in range(n_seq)], [[] for _ in range(n_seq)]
     for step in range(steps):
         pos = prompt_len + step
-        chunks = [SeqChunk(p[pos : pos + 1], pos, t, "last") for p, t in zip(prompts, tables)]
+        chunks = [SeqChunk(p[pos : pos + 1], pos, t, "last") for p, t in zip(prompts, tables, strict=True)]
         for out, be in ((a, ref), (b, cud)):
             for i, r in enumerate(be.forward(chunks)):
                 out[i].append(r)

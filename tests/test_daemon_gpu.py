@@ -10,8 +10,7 @@ Marked gpu: skipped where no CUDA device exists (CI). The model is the shape-fai
 from __future__ import annotations
 
 import pytest
-
-from test_daemon_support import Ember, ember  # noqa: F401  (ember is a fixture)
+from test_daemon_support import Ember
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from test_daemon_support import Ember, ember  # noqa: F401  (ember is a fixture)
+from test_daemon_support import Ember
 
 
 def _complete_in_background(e: Ember, timeout: float) -> tuple[threading.Thread, list]:

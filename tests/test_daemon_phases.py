@@ -5,6 +5,7 @@ The same transitions with real processes: test_daemon_supervision.py."""
 from __future__ import annotations
 
 import pytest
+
 from ember.daemon import detect
 from ember.daemon.incident import ExitInfo, Incident, classify, exit_incident
 from ember.daemon.phases import ALLOWED, IllegalTransition, Phase, PhaseMachine, Status, status_of

@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
@@ -68,7 +68,7 @@ def log(event: str, level: str = "info", **fields) -> None:
         msg = " ".join(f"{k}={v}" for k, v in fields.items())
         line = f"srv  {event}: {msg}"
     else:
-        rec = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "level": level, "event": event}
+        rec = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "level": level, "event": event}
         rec.update(fields)
         line = json.dumps(rec)
     with LOCK:
@@ -86,9 +86,7 @@ def fault_armed() -> bool:
     if not FAULT:
         return False
     once = ARGS.once
-    if once and os.path.exists(once):
-        return False
-    return True
+    return not (once and os.path.exists(once))
 
 
 def fire() -> None:
@@ -166,7 +164,8 @@ class Handler(BaseHTTPRequestHandler):
     def _get(self) -> None:
         h = self._health()
         if self.path in ("/health/live", "/health") and ARGS.raw and self.path == "/health":
-            return self._send(200 if h["state"] == "ready" else 503, {"status": "ok" if h["state"] == "ready" else "loading"})
+            return self._send(200 if h["state"] == "ready" else 503,
+                              {"status": "ok" if h["state"] == "ready" else "loading"})
         if self.path == "/health/live":
             bad = h["state"] == "poisoned" or h.get("stalled")
             return self._send(503 if bad else 200, h)

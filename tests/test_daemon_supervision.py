@@ -16,8 +16,7 @@ import time
 
 import psutil
 import pytest
-
-from test_daemon_support import Ember, ember, kill  # noqa: F401  (ember is a fixture)
+from test_daemon_support import Ember, kill
 
 SECRET_PROMPT = "my-private-prompt-words"
 API_KEY = "sekrit-key-0123456789"
@@ -76,7 +75,8 @@ def test_poisoned_context_from_log_restarts_and_archives(ember: Ember):
     assert m["cuda_error"]["code"] == 700 and m["cuda_error"]["name"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
     assert m["exit_code"] == 75
     assert m["detection"]["source"] == "log"
-    assert m["restart"] == {"restart": True, "delay": 0.2, "reason": "poisoned-context: restart after the minimum delay"}
+    assert m["restart"] == {"restart": True, "delay": 0.2,
+                            "reason": "poisoned-context: restart after the minimum delay"}
     assert m["log_window"]["affected_requests"] == ["cmpl-3"]
     assert m["log_window"]["last_healthy_request"] == "cmpl-2"
     # the window runs from the last healthy request to the crash line and the exit
@@ -290,7 +290,7 @@ def test_systemd_notify_and_watchdog(ember: Ember):
         while not done.is_set():
             try:
                 msgs.extend(s.recv(4096).decode().split("\n"))
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -1,9 +1,10 @@
-"""Shared helpers for the daemon tests (no tests here): an `ember` fixture that runs the real CLI,
-real daemon and real supervisord against a private EMBER_STATE_DIR and a free loopback port, and
-that fails the test if any process it started outlives `ember stop`."""
+"""Shared helpers for the daemon tests (no tests here): `Ember` runs the real CLI, real daemon and real
+supervisord against a private EMBER_STATE_DIR and a free loopback port; conftest's `ember` fixture wraps it
+and fails the test if any process it started outlives `ember stop`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,11 +13,11 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
-import pytest
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "test_daemon_standin.py"
@@ -202,21 +203,11 @@ class Ember:
             time.sleep(0.1)
         names = [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in left if p.is_running()]
         for p in left:  # clean up what we started, by pid, before failing
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
         psutil.wait_procs(left, timeout=5)
         assert r.returncode == 0, r.stderr
         return names
-
-
-@pytest.fixture
-def ember(tmp_path):
-    e = Ember(tmp_path)
-    yield e
-    left = e.stop_and_check()
-    assert not left, f"processes left behind after ember stop: {left}"
 
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from ember.daemon import bundle as B
 from ember.daemon import detect, logwatch, probes, settings, supctl, verdicts
 from ember.daemon.logwatch import Line, LogWatcher

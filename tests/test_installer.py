@@ -9,6 +9,7 @@ Every process started is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,10 +63,8 @@ def _kill_ours(home: Path) -> list[str]:
     left = _ours(home)
     names = [" ".join(p.cmdline()[:4]) for p in left if p.is_running()]
     for p in left:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     psutil.wait_procs(left, timeout=10)
     return names
 
@@ -89,7 +88,8 @@ class Install:
                               capture_output=True, text=True, timeout=600, cwd=self.home)
 
     def ember(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.link), *args], env=_env(self.home), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([str(self.link), *args], env=_env(self.home), capture_output=True, text=True,
+                              timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,8 @@ def test_fresh_install(inst):
     assert rec["paths"]["venv"] == str(inst.venv) and rec["paths"]["config"] == str(inst.conf)
     assert rec["options"]["model"] == str(inst.model)
     # what the installer made, so that --purge removes only that
-    assert {str(inst.prefix), str(inst.conf.parent), str(inst.prefix / "kv"), str(inst.prefix / "logs")} <= set(rec["created"])
+    assert {str(inst.prefix), str(inst.conf.parent), str(inst.prefix / "kv"),
+            str(inst.prefix / "logs")} <= set(rec["created"])
     text = inst.conf.read_text()
     assert "[daemon]" in text and f"port = {inst.port}" in text and f'model = "{inst.model}"' in text
     # the installed ember is a copy, not the checkout: the source tree got no build output
@@ -195,14 +196,15 @@ def test_start_fallback_without_ember_start(inst):
     """An ember whose CLI has no `start` yet: the worker runs under nohup with a pid file, and says so.
     --port is a flag and beats EMBER_PORT, as everywhere in ember."""
     other = _free_port()
-    r = inst.run("--no-service", "--start", "--source", str(ROOT), "--port", str(inst.port), EMBER_INSTALL_START="nohup",
-                 EMBER_PORT=str(other))
+    r = inst.run("--no-service", "--start", "--source", str(ROOT), "--port", str(inst.port),
+                 EMBER_INSTALL_START="nohup", EMBER_PORT=str(other))
     pidfile = inst.prefix / "run" / "worker-nohup.pid"
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "starting the worker directly in the background with nohup" in r.stdout
         assert f"ember is serving at {inst.url}" in r.stdout
-        resp = httpx.post(inst.url + "/v1/completions", timeout=120, json={"model": "x", "prompt": "Hi", "max_tokens": 2})
+        resp = httpx.post(inst.url + "/v1/completions", timeout=120, json={"model": "x", "prompt": "Hi",
+                                                                           "max_tokens": 2})
         assert resp.status_code == 200
         assert not _serves(other)
     finally:

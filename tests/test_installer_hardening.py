@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from ember.daemon.paths import Layout, UnsafeSocketDir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from ember.kernels import ops, quants, reference
 from ember.kernels.quants import BLOCK_DTYPES
@@ -408,7 +409,8 @@ def test_rms_norm_fused_residual(dev, rng, cols):
     w = rng.normal(1, 0.1, cols).astype(np.float32)
     xd, rd, wd = dev.to_device(x), dev.to_device(r), dev.to_device(w)
     h, y = dev.empty((rows, cols)), dev.empty((rows, cols))
-    h.poison(); y.poison()
+    h.poison()
+    y.poison()
     ops.rms_norm(dev, xd, wd, y, eps=eps, rows=rows, cols=cols, res=rd, h_out=h)
     assert rel_err(h.to_host(), x + r) == 0.0
     assert rel_err(y.to_host(), reference.rms_norm(x + r, w, eps)) < FP32_BAR
@@ -467,7 +469,8 @@ def test_embed_feeds_looks_up_and_norms(dev, rng, tname, fed, normed):
     tokens = rng.integers(0, vocab, n).astype(np.int32)
     nw = rng.normal(1, 0.1, cols).astype(np.float32)
     td, x, h = dev.to_device(tokens), dev.empty((n, cols)), dev.empty((n, cols))
-    x.poison(); h.poison()
+    x.poison()
+    h.poison()
     ops.embed(dev, w, x, td, n=n, scale=25.3, feed=(dev.to_device(drawn), dev.to_device(source)) if fed else None,
               norm=(dev.to_device(nw), 1e-6, h) if normed else None)
     ids = np.where(source >= 0, drawn[np.maximum(source, 0)], tokens)
@@ -554,7 +557,8 @@ def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, d, hq
     qw, kw = (rng.normal(1, 0.1, d).astype(np.float32) for _ in range(2))
     buf = dev.to_device(qkv)
     kc, vc = dev.empty((n_slots, hk, d), kv), dev.empty((n_slots, hk, d), kv)
-    kc.poison(); vc.poison()
+    kc.poison()
+    vc.poison()
     ops.qk_rope_kv(dev, buf, buf.view(hq * d, n * width - hq * d), buf.view((hq + hk) * d, n * width - (hq + hk) * d),
                    kc, vc, dev.to_device(slots), dev.to_device(pos), dev.to_device(inv_freq), n=n, heads=hq,
                    kv_heads=hk, head_dim=d, neox=neox, q_norm=dev.to_device(qw) if qk_norm else None,
@@ -626,14 +630,16 @@ def _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype):
         used += nb
     kc = dev.empty((n_blocks * bs, hk, d), kv_dtype)
     vc = dev.empty((n_blocks * bs, hk, d), kv_dtype)
-    kc.poison(); vc.poison()
+    kc.poison()
+    vc.poison()
     keys, values = [], []
     for s, L in enumerate(lens):
         k = rng.normal(0, 1, (L, hk, d)).astype(np.float32)
         v = rng.normal(0, 1, (L, hk, d)).astype(np.float32)
         p = np.arange(L)
         slots = (tables[s, p // bs] * bs + p % bs).astype(np.int32)
-        ops.kv_write(dev, dev.to_device(k), dev.to_device(v), kc, vc, dev.to_device(slots), n=L, kv_heads=hk, head_dim=d)
+        ops.kv_write(dev, dev.to_device(k), dev.to_device(v), kc, vc, dev.to_device(slots), n=L, kv_heads=hk,
+                     head_dim=d)
         # what the cache holds (fp16-rounded when the cache is fp16) is what the twin sees
         keys.append(k.astype(kv_dtype).astype(np.float32))
         values.append(v.astype(kv_dtype).astype(np.float32))
@@ -703,7 +709,8 @@ def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, wind
     host_tables = tables.to_host()
     slots = (host_tables[np.arange(n), pos // bs] * bs + pos % bs).astype(np.int32)
     nan = np.full((n, hk, d), np.nan, np.float32)
-    ops.kv_write(dev, dev.to_device(nan), dev.to_device(nan), kc, vc, dev.to_device(slots), n=n, kv_heads=hk, head_dim=d)
+    ops.kv_write(dev, dev.to_device(nan), dev.to_device(nan), kc, vc, dev.to_device(slots), n=n, kv_heads=hk,
+                 head_dim=d)
     width = (hq + 2 * hk) * d
     qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
     inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
@@ -749,7 +756,7 @@ def test_paged_prefill_attention_rows(dev, rng, window):
     out.poison()
     ops.attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(np.zeros(n, np.int32)), dev.to_device(pos),
                   out, rows=n, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
-                  max_keys=L if not window else window, window=window, scale=0.1)
+                  max_keys=window if window else L, window=window, scale=0.1)
     ref = reference.attention(q, keys[0], values[0], pos, window=window, scale=0.1)
     assert rel_err(out.to_host(), ref) < FP32_BAR
 
@@ -774,7 +781,7 @@ def test_flash_prefill_attention(dev, rng, d, hq, hk, window):
     seq_a, pos_a = np.asarray(seq, np.int32), np.asarray(pos, np.int32)
     scale = 1.0 / np.sqrt(d)
     ref = np.concatenate([reference.attention(q[a:b], keys[s_], values[s_], pos_a[a:b], window=window, scale=scale)
-                          for (s_, _, _), (a, b) in zip(chunks, spans)])
+                          for (s_, _, _), (a, b) in zip(chunks, spans, strict=True)])
     tiles = ops.flash_tiles(spans)
     assert [int(c) for c in tiles[:, 1]] == [64, 64, 64, 58, 37, 1, 60]
     out = dev.empty((n, hq, d))
@@ -797,7 +804,8 @@ def test_argmax_first_index_of_ties(dev, rng):
     x[2, :] = -np.inf
     x[3, vocab - 1] = 1e30
     idx, val = dev.empty(rows, np.int32), dev.empty(rows)
-    idx.poison(); val.poison()
+    idx.poison()
+    val.poison()
     ops.argmax(dev, dev.to_device(x), idx, rows=rows, vocab=vocab, out_val=val)
     np.testing.assert_array_equal(idx.to_host(), np.argmax(x, axis=1))
     np.testing.assert_array_equal(val.to_host(), x[np.arange(rows), np.argmax(x, axis=1)])

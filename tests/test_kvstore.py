@@ -332,7 +332,7 @@ def test_a_steps_full_blocks_leave_the_device_in_one_batch(runtime, tmp_path):
 def test_a_writer_that_is_behind_drops_blocks_and_never_waits(runtime, tmp_path):
     store = _store(runtime, tmp_path, host_budget=3 * _store_block_bytes(runtime))
     hashes = [bytes([i + 1]) * 16 for i in range(5)]
-    chain = list(zip(hashes, [b"\0" * 16] + hashes[:-1]))  # each block's parent is the one before it
+    chain = list(zip(hashes, [b"\0" * 16] + hashes[:-1], strict=True))  # each block's parent is the one before it
     taken = store.accept(chain)
     assert taken == hashes[:3] and store.stats.write_drops == 2
     assert store.accept(chain) == []  # the three are on their way; the writer has no more room

@@ -73,7 +73,8 @@ def test_two_layouts_share_a_directory_without_touching_each_other(tmp_path):
         for store, hashes, payloads in ((a2, ha, pa), (b2, hb, pb)):
             job = store.restore(hashes)
             assert job.done.wait(10)
-            assert len(job.results) == 5 and all(np.array_equal(r, p) for r, p in zip(job.results, payloads))
+            assert len(job.results) == 5
+            assert all(np.array_equal(r, p) for r, p in zip(job.results, payloads, strict=True))
         assert (a2.dir / "layout").read_text().strip() == "m:numpy:kv1"
         assert int((a2.dir / "usage").read_text()) == 5 * FILE == a2.disk_bytes
     finally:
@@ -194,7 +195,8 @@ import numpy as np
 from ember.worker.engine.kv_blocks import ROOT_HASH, chain_hash
 from ember.worker.kvstore.store import KVStore
 
-root, salt, n, budget, seed, go = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+root, salt, n, budget, seed, go = (sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), int(sys.argv[4]),
+                                   int(sys.argv[5]), Path(sys.argv[6]))
 store = KVStore(root, salt=salt, model_key="0123456789abcdef0123456789abcdef", block_shape=(2, 2, 16, 8),
                 block_tokens=16, chain_hash=chain_hash, disk_budget=budget, host_budget=64 << 20)
 store.scan_done.wait(10)
@@ -233,7 +235,7 @@ def _two_writers(root, go, specs):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0 and out.startswith("flushed"), err[-2000:]
     return [out.split() for out, _ in outs]
 

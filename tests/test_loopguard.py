@@ -128,7 +128,8 @@ def test_worker_config_loop_guard_flag_env_and_file(tmp_path):
     assert (cfg.loop_guard, cfg.loop_guard_repeats, cfg.loop_guard_min_span) == (True, 8, 128)
     toml = tmp_path / "ember.toml"
     toml.write_text("[worker]\nloop_guard_repeats = 5\nloop_guard_min_span = 40\n")
-    cfg, src = wc.load(p.parse_args(["--config", str(toml), "--no-loop-guard"]), env={"EMBER_LOOP_GUARD_MIN_SPAN": "64"})
+    cfg, src = wc.load(p.parse_args(["--config", str(toml), "--no-loop-guard"]),
+                       env={"EMBER_LOOP_GUARD_MIN_SPAN": "64"})
     assert (cfg.loop_guard, cfg.loop_guard_repeats, cfg.loop_guard_min_span) == (False, 5, 64)
     assert src["loop_guard"] == "flag --loop-guard" and src["loop_guard_min_span"] == "env EMBER_LOOP_GUARD_MIN_SPAN"
     cfg, _ = wc.load(p.parse_args([]), env={"EMBER_LOOP_GUARD": "false"})

@@ -71,7 +71,8 @@ def bad_files(tmp_path_factory, default_model_path) -> dict[str, tuple[Path, str
     return files
 
 
-@pytest.mark.parametrize("case", ["missing", "directory", "empty", "magic", "header", "data", "garbage", "arch", "quant"])
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "magic", "header", "data", "garbage", "arch",
+                                  "quant"])
 def test_bad_model_file_is_one_clear_line(bad_files, case):
     path, problem = bad_files[case]
     proc = _run_generate(path)

@@ -26,7 +26,8 @@ def _bundle(root: Path, name: str, cls: str, sig: str, **meta) -> Path:
          "events": {"count": 1}, "health": {"count": 1}, **meta}
     (d / "meta.json").write_text(json.dumps(m))
     home = os.path.expanduser("~")
-    (d / "worker.log").write_text(f'{{"event": "completed", "request_id": "r0"}}\nloading {home}/models/x.gguf on gpubox-7\n'
+    (d / "worker.log").write_text('{"event": "completed", "request_id": "r0"}\n'
+                                  f"loading {home}/models/x.gguf on gpubox-7\n"
                                   "Authorization: Bearer abcdefghijklmnop\n")
     (d / "events.jsonl").write_text('{"event": "admit", "request_id": "r1", "new_tokens": 10}\n')
     (d / "health.jsonl").write_text('{"probe": "live", "ok": true}\n')

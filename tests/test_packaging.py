@@ -56,7 +56,9 @@ def test_cli_help_and_version():
 
 
 def test_worker_verbs_reach_the_worker():
-    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "generate", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "generate", "--help"], capture_output=True,
+                         text=True)
     assert out.returncode == 0 and "--max-tokens" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "--help"], capture_output=True,
+                         text=True)
     assert out.returncode == 0 and "make-model" in out.stdout and "speed" in out.stdout

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import quants as peer
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from ember.kernels import quants, reference
 from ember.kernels.quants import (
@@ -47,7 +48,8 @@ def random_blocks(t: T, n_blocks: int, seed: int) -> np.ndarray:
     if t in (T.F16, T.BF16):
         vals = rng.normal(0, 1, size=n_blocks).astype(np.float32)
         vals[::7] *= 1e-30  # tiny values (fp16 subnormal / zero; bf16 keeps them)
-        return (vals.astype(np.float16) if t == T.F16 else (vals.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
+        half = vals.astype(np.float16) if t == T.F16 else (vals.view(np.uint32) >> 16).astype(np.uint16)
+        return half.view(np.uint8)
     if t == T.F32:
         return rng.normal(0, 1, size=n_blocks).astype(np.float32).view(np.uint8)
     blocks = raw.view(BLOCK_DTYPES[t])

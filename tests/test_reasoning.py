@@ -14,7 +14,12 @@ from ember.worker.api.errors import ApiError
 from ember.worker.api.output_parser import OutputParser, OutputPlan, ReasoningDelta
 from ember.worker.api.prepare import tool_grammar
 from ember.worker.text.formats import (
-    ContentDelta, ModelFormats, ToolCallArgsDelta, ToolCallStart, resolve, tool_format,
+    ContentDelta,
+    ModelFormats,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    resolve,
+    tool_format,
 )
 from ember.worker.text.formats import reasoning as rz
 from ember.worker.text.formats.reasoning_stream import CONTENT, REASONING, ReasoningSplitter
@@ -166,7 +171,7 @@ def test_parallel_calls_after_reasoning_started_by_the_template():
     rng = random.Random(3)
     for _ in range(100):
         cuts = sorted(rng.sample(range(len(text)), 6))
-        chunks = [b - a for a, b in zip([0] + cuts, cuts)]
+        chunks = [b - a for a, b in zip([0] + cuts, cuts, strict=False)]
         assert run(text, chunks, inside=True) == want
 
 

@@ -13,7 +13,13 @@ import pytest
 from ember.worker.engine.backend import DeviceSample, SampledToken, SeqChunk
 from ember.worker.engine.numpy_backend import NumpyBackend
 from ember.worker.engine.requests import (
-    Delta, Failed, Finished, FinishReason, GenerationRequest, ReasoningBudget, RequestHandle,
+    Delta,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    ReasoningBudget,
+    RequestHandle,
 )
 from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
@@ -79,7 +85,8 @@ def _both(runtime, reqs_fn, cancel=None, **limits):
 def test_batched_greedy_tokens_equal_the_waiting_engine(runtime):
     lengths = [5, 12, 9, 16]  # sequences end at different steps: the step ahead leaves out those that end
     plain, fast, steps, dropped = _both(
-        runtime, lambda: [_req(runtime, p, n=n, rid=f"r{i}", ignore_eos=True) for i, (p, n) in enumerate(zip(PROMPTS, lengths))])
+        runtime, lambda: [_req(runtime, p, n=n, rid=f"r{i}", ignore_eos=True)
+                          for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))])
     assert [t for t, _ in fast] == [t for t, _ in plain]
     assert [len(t) for t, _ in fast] == lengths
     assert all(isinstance(last, Finished) and last.reason is FinishReason.LENGTH for _, last in fast)
@@ -208,6 +215,6 @@ def test_the_benchmark_decode_loop_runs_ahead_to_the_same_tokens(runtime):
         be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=16, block_size=16, draws=True)
         tables = [list(range(0, 8)), list(range(8, 16))]
         firsts = be.forward([SeqChunk(p[:length], 0, t, "last", sample=DeviceSample(0.0, 0, 1.0, 0.0, 0, 0))
-                             for p, t in zip(prompts, tables)])
+                             for p, t in zip(prompts, tables, strict=True)])
         results.append(decode(be, [int(t) for t in firsts], length, tables, 6, run_ahead))
     assert results[0] == results[1] and len(results[0]) == 6  # every step's tokens

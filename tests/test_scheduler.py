@@ -74,7 +74,8 @@ def test_batched_outputs_equal_solo_outputs(runtime):
         solo = [asyncio.run(_collect(engine, _req(runtime, p, rid=f"s{i}")))[1] for i, p in enumerate(PROMPTS)]
 
         async def together():
-            return await asyncio.gather(*[_collect(engine, _req(runtime, p, rid=f"b{i}")) for i, p in enumerate(PROMPTS)])
+            return await asyncio.gather(*[_collect(engine, _req(runtime, p, rid=f"b{i}"))
+                                          for i, p in enumerate(PROMPTS)])
 
         batched = [r[1] for r in asyncio.run(together())]
         assert batched == solo
@@ -143,7 +144,8 @@ def test_injected_request_error_fails_only_that_request(runtime):
     engine = _engine(runtime, faults="raise:request=2")
     try:
         async def run():
-            return await asyncio.gather(*[_collect(engine, _req(runtime, p, rid=f"f{i}")) for i, p in enumerate(PROMPTS[:3])])
+            return await asyncio.gather(*[_collect(engine, _req(runtime, p, rid=f"f{i}"))
+                                          for i, p in enumerate(PROMPTS[:3])])
 
         results = asyncio.run(run())
         kinds = [type(r[2][-1]).__name__ for r in results]

@@ -48,7 +48,7 @@ def test_dry_run_user_unit(tmp_path):
     unit = tmp_path / ".config/systemd/user/ember.service"
     assert f"would write {unit}:" in r.stdout
     lines = _unit_lines(r.stdout)
-    assert REQUIRED <= lines
+    assert lines >= REQUIRED
     assert f"ExecStart={_ember_exe()} daemon run" in lines
     assert f"EnvironmentFile=-{tmp_path}/.config/ember/ember.env" in lines
     assert f"Environment=EMBER_CONFIG={tmp_path}/.config/ember/ember.toml" in lines
@@ -65,7 +65,7 @@ def test_dry_run_system_unit(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "would write /etc/systemd/system/ember.service:" in r.stdout
     lines = _unit_lines(r.stdout)
-    assert REQUIRED <= lines
+    assert lines >= REQUIRED
     assert {"User=ember", "Group=ember", "WantedBy=multi-user.target", "After=network-online.target",
             "Environment=EMBER_CONFIG=/etc/ember/ember.toml", "Environment=EMBER_STATE_DIR=/var/lib/ember",
             "EnvironmentFile=-/etc/ember/ember.env"} <= lines
@@ -235,7 +235,7 @@ def _analyze(unit: Path, *args: str) -> subprocess.CompletedProcess:
 def test_system_unit_is_sandboxed_and_keeps_the_gpu(tmp_path, monkeypatch):
     text = _system_unit(tmp_path, monkeypatch)
     lines = _unit_lines(text)
-    assert HARDENING <= lines, HARDENING - lines
+    assert lines >= HARDENING, HARDENING - lines
     # the GPU stays reachable: no private /dev, no device allow-list (ProtectClock= implies one on older systemd)
     for key in ("PrivateDevices=", "DevicePolicy=", "DeviceAllow=", "ProtectClock="):
         assert not any(ln.startswith(key) for ln in lines), key

@@ -13,7 +13,7 @@ import enum
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, Optional
+from typing import Literal
 
 import anthropic
 import httpx
@@ -311,7 +311,8 @@ def test_a_looping_list_still_closes(openai_client):
         "dates": {"type": "array", "items": {"type": "string", "format": "date"}}}}
     r = openai_client.chat.completions.create(
         model="m", messages=prompt("Paris, 2020-01-01: Ann met Bob in Rome."), temperature=0,
-        max_tokens=SWEEP_MAX_TOKENS, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        max_tokens=SWEEP_MAX_TOKENS, response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                             "schema": schema}})
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     validator(schema).validate(json.loads(r.choices[0].message.content))
 
@@ -337,7 +338,7 @@ def test_too_few_tokens_end_with_length(openai_client):
 # -- the official clients' parse() helpers -----------------------------------------------------------------------
 
 
-class Color(str, enum.Enum):
+class Color(enum.StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
@@ -357,7 +358,7 @@ class Event(pydantic.BaseModel):
     color: Color
     kind: Literal["meeting", "call"]
     tags: list[str] = pydantic.Field(min_length=1, max_length=3)
-    location: Optional[City]
+    location: City | None
 
 
 def test_chat_parse_returns_a_pydantic_object(openai_client):

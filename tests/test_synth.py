@@ -16,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as T
+
 from ember.kernels.quants import dequantize
 from ember.worker.bench import synth
 from ember.worker.bench.synth import SHAPES, SynthError, make_model, plan, resolve_shape
 from ember.worker.bench.synth_shapes import plan_spec
 from ember.worker.bench.synth_tensors import random_rows
 from ember.worker.model.gguf_file import GGUFFile
-from gguf.constants import GGMLQuantizationType as T
 
 TINY = {s.arch: s for s in SHAPES.values() if s.name.startswith("tiny-")}
 REAL = [s for s in SHAPES.values() if s.real]
@@ -272,7 +273,7 @@ def test_progress_reports_bytes(tmp_path):
     make_model("llama", "tiny", tmp_path / "m.gguf", progress=lambda d, t: calls.append((d, t)))
     total = sum(t.nbytes for t in plan("llama", "tiny"))
     assert calls[0] == (0, total) and calls[-1] == (total, total)
-    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:], strict=False))
 
 
 def _cli(argv):

@@ -22,8 +22,8 @@ from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.scheduler import Engine, EngineLimits, NotAccepting
 from ember.worker.kvstore.store import KVStore
-from ember.worker.threads import GuardedPool, ThreadDied, ThreadWatch
 from ember.worker.metrics import Metrics
+from ember.worker.threads import GuardedPool, ThreadDied, ThreadWatch
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = ("The lighthouse keeper wrote in his log every evening. The storm had lasted three days, "
@@ -246,7 +246,8 @@ def _chat(w, **kw):
 
 
 def test_a_worker_whose_kv_writer_dies_says_so(start_worker):
-    w = start_worker("--ctx", "512", "--kv-mem", "32MiB", "--kv-persist", "all", "--fault", "thread-die:thread=kv-writer")
+    w = start_worker("--ctx", "512", "--kv-mem", "32MiB", "--kv-persist", "all", "--fault",
+                     "thread-die:thread=kv-writer")
     try:
         assert httpx.get(w.url + "/health/live", timeout=5).status_code == 200
         r = _chat(w)  # its blocks go to the writer, which dies taking the first; the request is fine

@@ -6,7 +6,12 @@ import random
 import pytest
 
 from ember.worker.text.formats import (
-    ContentDelta, ToolCallArgsDelta, ToolCallStart, collect, detect_tool_format, tool_format,
+    ContentDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    collect,
+    detect_tool_format,
+    tool_format,
 )
 from ember.worker.text.formats.events import mistral_call_id, openai_call_id
 
@@ -91,7 +96,8 @@ def test_hermes_braces_and_markup_in_strings():
 
 def test_hermes_unicode():
     args = {"text": "héllo 世界 🚀", "esc": "\u00e9"}
-    t = "Résumé → <tool_call>" + json.dumps({"name": "translate", "arguments": args}, ensure_ascii=False) + "</tool_call>"
+    t = "Résumé → <tool_call>" + json.dumps({"name": "translate", "arguments": args},
+                                            ensure_ascii=False) + "</tool_call>"
     c, calls = parse(t, "hermes")
     assert c == "Résumé → " and calls == [("translate", args)]
     r = parse_tool_calls(t, "hermes")
@@ -99,7 +105,8 @@ def test_hermes_unicode():
 
 
 def test_hermes_arguments_as_string_and_parameters_key():
-    t = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call><tool_call>{"name": "g", "parameters": {"b": 3}}</tool_call>'
+    t = ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>'
+         '<tool_call>{"name": "g", "parameters": {"b": 3}}</tool_call>')
     assert parse(t, "hermes")[1] == [("f", {"a": 2}), ("g", {"b": 3})]
 
 
@@ -282,11 +289,13 @@ def test_fenced_cut_mid_call():
 # --------------------------------------------------------------------------- streaming
 
 EXAMPLES = [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"s": "x}</tool_call>y", "u": "世界"}}\n</tool_call>\n'
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "a", "arguments": '
+               '{"s": "x}</tool_call>y", "u": "世界"}}\n</tool_call>\n'
                '<tool_call>{"name": "b", "arguments": {}}</tool_call>'),
     ("hermes", 'a <tool_call>{bad}</tool_call> b <tool_c'),
     ("hermes", 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}}'),
-    ("hermes", '<tool_call>{"name": "w"}} junk</tool_call>ok <tool_call>{"name": "v", "arguments": {"a": "</tool_call>"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "w"}} junk</tool_call>ok '
+               '<tool_call>{"name": "v", "arguments": {"a": "</tool_call>"}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_'),
     ("llama3", '<|python_tag|>{"name": "s", "parameters": {"q": "}{"}}; {"name": "t", "parameters": {}}'),
     ("llama3", '  {"answer": 1} and more'),
@@ -295,7 +304,8 @@ EXAMPLES = [
     ("fenced", 'List:\n```json\n{"tool": "ls", "arguments": {"p": "/é"}}\n```\nthen ```py\nx\n```'),
     ("fenced", '```\ncode\n``` then ```json\n{"answer": 1}\n``` ```{"tool": "a", "arguments": {}}``` ```json\n[1]'),
     ("fenced", 'use ``` inline and ```tool\n{"name": "n", "arguments": {"x": "y"}}\n```'),
-    ("fenced", 'a ``` b ``` c\n```json\n{"name": "n", "arguments": {"x": "```"}}\n```\n```tool\n{"tool": "m", "arguments": {}}\n```'),
+    ("fenced", 'a ``` b ``` c\n```json\n{"name": "n", "arguments": {"x": "```"}}\n```\n'
+               '```tool\n{"tool": "m", "arguments": {}}\n```'),
 ]
 
 

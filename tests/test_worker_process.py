@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+
 from ember.worker.bench.workerproc import free_port
 
 KV_MEM = ("--kv-mem", "64MiB")

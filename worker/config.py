@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from ember.ops import contract
 
 
@@ -100,7 +101,8 @@ HELP = {
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish (default 30)",
     "stall_seconds": "an engine loop with work and no progress this long fails /health/live (default 60)",
     "backend": "compute backend: numpy (default) or cuda",
-    "f16_weights": "cuda: keep a 16-bit copy of the weights for prefill and large batches: auto (default: when it fits), on, off",
+    "f16_weights": "cuda: keep a 16-bit copy of the weights for prefill and large batches: "
+                   "auto (default: when it fits), on, off",
     "run_ahead": "cuda: launch each decode step before the previous step's tokens are read (default on)",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
@@ -146,7 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=HELP[name])
 
 
-def load(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> tuple[WorkerConfig, dict[str, str]]:
+def load(args: argparse.Namespace | None = None,
+         env: dict[str, str] | None = None) -> tuple[WorkerConfig, dict[str, str]]:
     """The effective config and, per setting, where it came from (default, file, env, flag)."""
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}

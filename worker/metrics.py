@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ember.ops.contract import OUTCOMES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ember.ops.contract import OUTCOMES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -17,7 +18,8 @@ class Metrics:
         for o in OUTCOMES:
             self.outcomes.labels(o)
         self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.cached_tokens = Counter("ember_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter("ember_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
         self.generated_tokens = Counter("ember_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("ember_time_to_first_token_seconds", "Time from arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -28,7 +30,8 @@ class Metrics:
         self.running = Gauge("ember_running_sequences", "Sequences in the running batch", registry=r)
         self.kv_blocks_total = Gauge("ember_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.kv_blocks_used = Gauge("ember_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
-        self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse", registry=r)
+        self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse",
+                                      registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
         self.restore_choices = Counter("ember_kv_restore_choices", "Warm admits whose stored blocks were restored "
                                        "or computed again (whichever measured faster)", ["choice"], registry=r)

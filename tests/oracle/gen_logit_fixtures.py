@@ -53,10 +53,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import gguf
 import llama_cpp
+import numpy as np
 
 FIXTURE_VERSION = 1
 GEN_TOKENS = 32
@@ -328,7 +327,8 @@ def rowwise_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def top_sorted(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest entries of each row, largest first (ties broken by lower id)."""
-    part = np.argpartition(-x, k - 1, axis=-1)[:, :k] if k < x.shape[-1] else np.tile(np.arange(x.shape[-1]), (len(x), 1))
+    part = (np.argpartition(-x, k - 1, axis=-1)[:, :k] if k < x.shape[-1]
+            else np.tile(np.arange(x.shape[-1]), (len(x), 1)))
     vals = np.take_along_axis(x, part, -1)
     order = np.lexsort((part, -vals), axis=-1)
     return np.take_along_axis(part, order, -1)
@@ -347,7 +347,8 @@ class FixtureBuilder:
             self.top_k = TOP_K
             self.rand_ids = np.sort(rng.choice(vocab, size=N_RANDOM, replace=False)).astype(np.int32)
         self.rows: dict[str, list[np.ndarray]] = {
-            k: [] for k in ("tokens", "top_ids", "sub_logits", "top8_ids", "top8_logits", "gap", "self_corr", "self_corr_full")
+            k: [] for k in ("tokens", "top_ids", "sub_logits", "top8_ids", "top8_logits", "gap", "self_corr",
+                            "self_corr_full")
         }
         self.extra_summary: dict[str, dict] = {}
         self.prompts: list[dict] = []
@@ -373,7 +374,7 @@ class FixtureBuilder:
             self_corr = rowwise_corr(sub_logits, np.take_along_axis(seq, sub, -1)).astype(np.float32)
             self_corr_full = rowwise_corr(logits, seq).astype(np.float32)
             seq_top5 = top_sorted(seq, 5)
-            overlap = np.array([len(set(a[:5]) & set(b)) for a, b in zip(top8, seq_top5)])
+            overlap = np.array([len(set(a[:5]) & set(b)) for a, b in zip(top8, seq_top5, strict=True)])
             big = gap >= 0.5
             summary = {
                 "self_corr_min": float(self_corr.min()),
@@ -409,7 +410,7 @@ class FixtureBuilder:
         mine = self.rows["top8_ids"][k]
         gap = self.rows["gap"][k]
         big = gap >= 0.5
-        overlap = np.array([len(set(a[:5]) & set(b[:5])) for a, b in zip(mine, ref_top8)])
+        overlap = np.array([len(set(a[:5]) & set(b[:5])) for a, b in zip(mine, ref_top8, strict=True)])
         summary = {
             "xf32_corr_min": float(corr.min()),
             "xf32_argmax_equal_gap_ge_0.5": f"{int((mine[big, 0] == ref_top8[big, 0]).sum())}/{int(big.sum())}",
@@ -471,7 +472,8 @@ def write_f32_copy(src: Path, dst: Path) -> None:
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order
         shapes[t.name] = shape
-        writer.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4, gguf.GGMLQuantizationType.F32)
+        writer.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4,
+                               gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -584,7 +586,7 @@ def synth_fixture(arch: str, out: Path, tmp: Path, ember_python: str) -> dict:
     del probe
     fb = None
     paths = []
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         m = open_llama(path, len(prompt) + GEN_TOKENS)
         if fb is None:
             fb = FixtureBuilder(m.n_vocab())
@@ -632,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
                     "located through EMBER_PYTHON)")
     ap.add_argument("--ember-python", default=os.environ.get("EMBER_PYTHON", "/work/venv/bin/python"),
                     help="a python with ember installed, used only as a subprocess (make-model, embedded model path)")
-    ap.add_argument("--only", default="gemma,llama,qwen2,qwen3", help="comma-separated subset of gemma,llama,qwen2,qwen3")
+    ap.add_argument("--only", default="gemma,llama,qwen2,qwen3",
+                    help="comma-separated subset of gemma,llama,qwen2,qwen3")
     ap.add_argument("--no-self-check-long", action="store_true",
                     help="skip llama.cpp's token-by-token self-consistency run on prompts over 512 tokens")
     args = ap.parse_args(argv)
@@ -658,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {
         "fixture_version": FIXTURE_VERSION,
         "generated_by": "tests/oracle/gen_logit_fixtures.py",
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d"),
         "llama_cpp_python": llama_cpp.__version__,
         "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
         "numpy": np.__version__,

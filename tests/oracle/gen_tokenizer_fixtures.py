@@ -21,8 +21,9 @@ Output: tests/fixtures/tokenizer/<name>.jsonl, one line per corpus string
     {"id", "text", "ids_text", "ids_parsed", "dec_text", "dec_text_sp", "dec_parsed", "dec_parsed_sp"}
 (ids_text: parse_special=false; ids_parsed: parse_special=true; dec_*: detokenized with
 special=false, dec_*_sp: special=true; a dec_* key is left out when the detokenized text equals
-"text", ids_parsed is left out when it equals ids_text, and a "<key>_hex" twin appears when the bytes are not valid UTF-8), and <name>.meta.json with the vocabulary's flags, its end-of-generation ids and the
-llama-cpp-python version.
+"text", ids_parsed is left out when it equals ids_text, and a "<key>_hex" twin appears when the
+bytes are not valid UTF-8), and <name>.meta.json with the vocabulary's flags, its end-of-generation
+ids and the llama-cpp-python version.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def gen(model: Path, name: str, corpus: list[dict], extra_meta: dict) -> None:
         for row in rows:
             line = json.dumps(row, ensure_ascii=False, separators=(",", ":"))
             for ch in "\u2028\u2029\x85":  # line breaks to some readers: keep them escaped
-                line = line.replace(ch, "\\u%04x" % ord(ch))
+                line = line.replace(ch, f"\\u{ord(ch):04x}")
             f.write(line + "\n")
     with open(FIXTURES / f"{name}.meta.json", "w", encoding="utf-8", newline="\n") as f:
         json.dump(meta, f, indent=1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+
 from ember.ops.contract import HealthState
 
 from ..engine.requests import (

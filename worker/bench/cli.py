@@ -24,8 +24,10 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--backend", choices=("numpy", "cuda"), default="numpy", help="compute backend (default numpy)")
     s.add_argument("--streams", type=int, default=1, metavar="N",
                    help="cuda: also decode N streams together and report total tok/s (default 1: single stream only)")
-    s.add_argument("--stream-prompt", type=int, default=128, metavar="N", help="cuda: prompt tokens per stream (default 128)")
-    s.add_argument("--prefill-chunk", type=int, default=2048, metavar="N", help="cuda: prompt tokens per step (default 2048)")
+    s.add_argument("--stream-prompt", type=int, default=128, metavar="N",
+                   help="cuda: prompt tokens per stream (default 128)")
+    s.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
+                   help="cuda: prompt tokens per step (default 2048)")
     s.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="cuda: KV cache precision (default f16)")
     s.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
                    help="cuda: keep a 16-bit copy of the weights for prefill and large batches (default auto)")

@@ -87,7 +87,7 @@ def run(args) -> dict:
         prompt = rng.integers(1, vocab, args.prompt_tokens).astype(np.int32)
         table = seqs.table(per_seq)
         result: dict = {}
-        secs = timed(lambda: result.setdefault("tok", prefill(prompt, table)))
+        secs = timed(lambda: result.setdefault("tok", prefill(prompt, table)))  # noqa: B023  (called right here)
         tok = int(result["tok"])
         if r:
             pp.append(args.prompt_tokens / secs)
@@ -96,7 +96,7 @@ def run(args) -> dict:
             nonlocal tok
             tok = decode(backend, [tok], start, [tab], args.gen_tokens, args.run_ahead)[-1][0]
 
-        secs = timed(lambda: decode_one(args.prompt_tokens, table))
+        secs = timed(lambda: decode_one(args.prompt_tokens, table))  # noqa: B023  (called right here)
         if r:
             tg_ctx.append(args.gen_tokens / secs)
         tok = int(rng.integers(1, vocab))
@@ -111,7 +111,8 @@ def run(args) -> dict:
 
             def decode_many():
                 nonlocal toks
-                toks = decode(backend, toks, args.stream_prompt, tables, args.gen_tokens, args.run_ahead)[-1]
+                toks = decode(backend, toks, args.stream_prompt, tables,  # noqa: B023  (runs in this iteration)
+                              args.gen_tokens, args.run_ahead)[-1]
 
             secs = timed(decode_many)
             if r:
@@ -146,7 +147,8 @@ def decode(backend, tokens: list[int], start: int, tables: list[list[int]], step
     n, out = len(tokens), []
 
     def step(i, toks):
-        return [SeqChunk(np.array([t], np.int32), start + i, tab, "last", sample=GREEDY) for t, tab in zip(toks, tables)]
+        return [SeqChunk(np.array([t], np.int32), start + i, tab, "last", sample=GREEDY)
+                for t, tab in zip(toks, tables, strict=True)]
 
     if not run_ahead or steps < 1:
         for i in range(steps):
@@ -167,7 +169,7 @@ def _graph_step_ms(backend, timer, replays: int = 50) -> dict:
     what a step costs on the GPU, against which the tok/s above shows the host's share."""
     out = {}
     shapes: dict = {}
-    for (rows, stride, slot), (graph, _) in sorted(backend._graphs.items(), reverse=True):
+    for (rows, stride, _slot), (graph, _) in sorted(backend._graphs.items(), reverse=True):
         shapes[rows, stride] = graph  # either slot's graph: the same step on the other inputs (slot 0's kept)
     for (rows, stride), graph in sorted(shapes.items()):
         timer.start(backend.stream)

@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def cmd_grammar(args: argparse.Namespace) -> int:
     from ..engine.scheduler import Engine, EngineLimits
     from ..metrics import Metrics
 
-    schema = json.loads(open(args.schema).read()) if args.schema else DEFAULT_SCHEMA
+    schema = json.loads(Path(args.schema).read_text()) if args.schema else DEFAULT_SCHEMA
     grammar = grammar_from_json_schema(schema)
     runtime = Runtime.load(args.model, kv_tokens=args.max_tokens + 256)
     tok = runtime.model.tokenizer

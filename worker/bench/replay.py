@@ -12,6 +12,7 @@ temperature-0 output equals a clean reference worker's output for the same promp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import threading
@@ -76,7 +77,7 @@ def _cached(resp: dict) -> int:
 def _predict(prev_computed: list[int], prompt: list[int]) -> int:
     """Full blocks of `prompt` that the previous work computed (the last token is always recomputed)."""
     lcp = 0
-    for a, b in zip(prev_computed, prompt):
+    for a, b in zip(prev_computed, prompt, strict=False):
         if a != b:
             break
         lcp += 1
@@ -147,11 +148,9 @@ def run_replay(shapes: Shapes, workdir: Path, worker_args: list[str], seed: int 
         long_prompt = convo[:cut] + rng.integers(vocab_lo, vocab_hi, shapes.kill_suffix).tolist()
         decoder = threading.Thread(target=_complete, args=(work.url, convo[: cut // 2] + [4242], 64))
         decoder.start()
-        try:
+        with contextlib.suppress(httpx.TimeoutException):  # the client gives up and closes its socket mid-prefill
             httpx.post(f"{work.url}/v1/completions", json={"model": "m", "prompt": long_prompt,
                                                            "max_tokens": 4, "temperature": 0}, timeout=1.5)
-        except httpx.TimeoutException:
-            pass  # the client gave up and closed its socket mid-prefill
         decoder.join()
         turn("retry-after-abandon", long_prompt, convo, expected=f">={cut // BLOCK * BLOCK}")
 
@@ -195,6 +194,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         for r in rows:
             print(f"{r['shape']:22} prompt {r['prompt_tokens']:>6}  cached {r['cached']:>6}  expected "
-                  f"{str(r['expected']):>7}  same output {r['output_matches_reference']}  {'ok' if r['ok'] else 'FAIL'}")
+                  f"{str(r['expected']):>7}  same output {r['output_matches_reference']}  "
+                  f"{'ok' if r['ok'] else 'FAIL'}")
         print(f"outcomes {report.outcomes}  ->  {'ok' if report.ok else 'FAIL'}")
     return 0 if report.ok else 1

@@ -97,14 +97,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
             ref = _stream(w.url, messages, args.gen)
         print(f"reference (persistence off): TTFT {ref['ttft_s']:.2f} s, {ref['usage'].get('prompt_tokens')} "
               f"prompt tokens", file=sys.stderr)
-        w2 = WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"), log_path=tmp / "killed.log").start()
+        w2 = WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"),
+                           log_path=tmp / "killed.log").start()
         try:
             killed = _stream(w2.url, messages, args.gen, kill_after=max(2, args.gen // 2), worker=w2)
         finally:
             w2.kill()
         print(f"persistence on: TTFT {killed['ttft_s']:.2f} s, killed with SIGKILL after {killed['tokens']} tokens",
               file=sys.stderr)
-        with WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"), log_path=tmp / "warm.log") as w3:
+        with WorkerProcess(*common, "--kv-persist", "all", "--kv-dir", str(tmp / "kv"),
+                           log_path=tmp / "warm.log") as w3:
             warm = _stream(w3.url, messages, args.gen)
             stats = httpx.get(f"{w3.url}/v1/stats", timeout=10).json()["metrics"]
     restore_s = stats.get("ember_kv_restore_seconds_total", 0.0)

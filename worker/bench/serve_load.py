@@ -105,7 +105,8 @@ async def _client(base: str, cid: int, deadline: float, args, report: LoadReport
             topic = TOPICS[(cid + turn) % len(TOPICS)]
             messages.append({"role": "user", "content": f"Turn {turn}: write {topic} and explain it in two sentences."})
             r = rng.random()
-            abandon = "prefill" if r < args.abandon_prefill else "decode" if r < args.abandon_prefill + args.abandon_decode else None
+            abandon = ("prefill" if r < args.abandon_prefill
+                       else "decode" if r < args.abandon_prefill + args.abandon_decode else None)
             result, text = await _turn(client, base, cid, turn, messages, args.max_tokens, abandon, rng)
             report.turns.append(result)
             if result.outcome == "abandoned":  # the agent retries the same request at once
@@ -134,7 +135,8 @@ def summarize(report: LoadReport, stats_before: dict, stats_after: dict, wall: f
         "wall_s": round(wall, 1),
         "turns": len(report.turns),
         "client_outcomes": outcomes,
-        "server_outcomes": {o: delta(f"ember_requests_total_{o}") for o in ("completed", "failed", "canceled", "refused")},
+        "server_outcomes": {o: delta(f"ember_requests_total_{o}") for o in ("completed", "failed", "canceled",
+                                                                            "refused")},
         "ttft_first_turn_p50_s": _pct(first, 50), "ttft_first_turn_p99_s": _pct(first, 99),
         "ttft_later_turns_p50_s": _pct(later, 50), "ttft_later_turns_p99_s": _pct(later, 99),
         "ttft_p50_s": _pct(first + later, 50), "ttft_p99_s": _pct(first + later, 99),
@@ -171,7 +173,8 @@ def add_serve_parser(bsub) -> None:
     p.add_argument("--turns", type=int, default=0, help="stop each client after this many turns (0 = until --duration)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     p.add_argument("--max-history", type=int, default=6, help="turns kept before history compression (default 6)")
-    p.add_argument("--abandon-prefill", type=float, default=0.1, help="share of turns abandoned in prefill (default 0.1)")
+    p.add_argument("--abandon-prefill", type=float, default=0.1,
+                   help="share of turns abandoned in prefill (default 0.1)")
     p.add_argument("--abandon-decode", type=float, default=0.1, help="share of turns abandoned in decode (default 0.1)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)

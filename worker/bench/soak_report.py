@@ -94,7 +94,7 @@ def check_outcomes(events: list[dict], records: list[Record], unsettled: frozens
         elif r.outcome == COMPLETED and got != ["completed"]:
             (one if len(got) != 1 else fail).append(f"{r.rid}: the client saw {r.cls} complete; the log says "
                                                     f"{got or 'nothing'}")
-    return dict(zip(OUTCOME_CHECKS, (one, abandon, fail)))
+    return dict(zip(OUTCOME_CHECKS, (one, abandon, fail), strict=True))
 
 
 def _stats_delta(windows: list[Window], key: str) -> float:
@@ -164,7 +164,7 @@ def find_problems(phases: list[Phase]) -> dict[str, list[str]]:
         if ph.greedy_before != first.greedy_before:
             checks["greedy_identical_across_phases"].append(
                 f"{ph.name} vs {first.name}: {_diff(first.greedy_before, ph.greedy_before)}")
-        for log, setup, w in zip(ph.logs, ph.setup, ph.windows):
+        for log, setup, w in zip(ph.logs, ph.setup, ph.windows, strict=False):
             unsettled: frozenset[str] = frozenset()
             if w.killed_at is not None:
                 unsettled = frozenset(r.rid for r in w.records if r.rid and (r.outcome == LOST or (
@@ -195,7 +195,7 @@ def find_problems(phases: list[Phase]) -> dict[str, list[str]]:
 def _diff(a: list[str], b: list[str]) -> str:
     if len(a) != len(b):
         return f"{len(a)} outputs vs {len(b)}"
-    return "; ".join(f"prompt {i}: {x!r} vs {y!r}" for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return "; ".join(f"prompt {i}: {x!r} vs {y!r}" for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

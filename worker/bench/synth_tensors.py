@@ -7,8 +7,9 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from ember.kernels.quants import BLOCK_DTYPES, pack_k_scales
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ember.kernels.quants import BLOCK_DTYPES, pack_k_scales
 
 from .synth_shapes import PlannedTensor, SynthError
 

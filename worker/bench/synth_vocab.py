@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ember.worker.text.vocab_build import bytes_to_unicode
 from gguf import TokenType
+
+from ember.worker.text.vocab_build import bytes_to_unicode
 
 from .synth_shapes import ShapeSpec, SynthError
 

@@ -112,9 +112,10 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     released = np.array(stamps)
     cost = np.diff(released, axis=1).mean(axis=0) / 1000.0  # kernel i: from its release to the next's
     by: dict[str, list[float]] = defaultdict(list)
-    for name, c in zip(names, cost):
+    for name, c in zip(names, cost, strict=False):
         by[name].append(float(c))
-    table = sorted(({"kernel": k, "launches": len(v), "total_us": round(sum(v), 2), "mean_us": round(sum(v) / len(v), 2)}
+    table = sorted(({"kernel": k, "launches": len(v), "total_us": round(sum(v), 2),
+                     "mean_us": round(sum(v) / len(v), 2)}
                     for k, v in by.items()), key=lambda d: -d["total_us"])
     clocks = np.array(marks)
     phases = {}
@@ -126,4 +127,5 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     return {"model": model.path.name, "device": dev.name, "kernels": len(names), "rows": rows, "keys": keys,
             "phases": phases,
             "span_us": round(float((released[:, -1] - released[:, 0]).mean()) / 1000.0, 1),
-            "by_kernel": table, "sequence": [{"kernel": n, "us": round(float(c), 2)} for n, c in zip(names, cost)]}
+            "by_kernel": table,
+            "sequence": [{"kernel": n, "us": round(float(c), 2)} for n, c in zip(names, cost, strict=False)]}

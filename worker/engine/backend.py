@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from ..model.config import ModelConfig
+
+T = TypeVar("T")
+
+
+def present(x: T | None) -> T:
+    """A weight the layer's variant or the recipe guarantees (the type checker cannot see that)."""
+    assert x is not None
+    return x
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
+from typing import Any, cast
 
 import llguidance
 import numpy as np
 
-from ..threads import GuardedPool, ThreadDied, ThreadWatch
 from ..text.tokenizer import Tokenizer
+from ..threads import GuardedPool, ThreadDied, ThreadWatch
 
 
 class GrammarError(ValueError):
@@ -36,7 +37,7 @@ class ConstraintError(RuntimeError):
 
 # One LLTokenizer per tokenizer: building the token trie and its slices holds the GIL for about
 # 1.3 s on a 262k vocabulary, so it is done once, on the first grammar, and shared by all engines.
-_LLTOKENIZERS: "weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer]" = weakref.WeakKeyDictionary()
+_LLTOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _LLTOKENIZER_LOCK = threading.Lock()
 
 # Row b: the 8 bits of byte b (least significant first) as a 0 / -inf bias; turns a packed mask
@@ -79,7 +80,7 @@ def lltokenizer_for(tok: Tokenizer, n_vocab: int) -> llguidance.LLTokenizer:
 
 def grammar_from_json_schema(schema: dict | str, **options) -> str:
     """An llguidance grammar for a JSON schema (options: llguidance's JsonCompileOptions)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options or None)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=cast(Any, options) or None)
 
 
 def grammar_from_lark(lark: str) -> str:
@@ -127,7 +128,7 @@ class Constraints:
         thread because a large grammar takes up to a second."""
         return self._pool.submit(self._compile, grammar)
 
-    def _compile(self, grammar: str) -> "SequenceConstraint":
+    def _compile(self, grammar: str) -> SequenceConstraint:
         lt = lltokenizer_for(self.tokenizer, self.n_vocab)
         matcher = llguidance.LLMatcher(lt, grammar, log_level=0)  # never raises; errors are a state
         if matcher.is_error():
@@ -142,7 +143,7 @@ class SequenceConstraint:
     """One sequence's matcher and its next-token mask. Not thread-safe: the engine thread drives it,
     and every method waits for the mask in flight before touching the matcher."""
 
-    def __init__(self, owner: Constraints, matcher: "llguidance.LLMatcher"):
+    def __init__(self, owner: Constraints, matcher: llguidance.LLMatcher):
         self.owner, self.matcher = owner, matcher
         n_words = (owner.n_vocab + 31) // 32
         self._words = np.zeros(n_words, np.int32)  # llguidance's packed mask, bit i = token i allowed

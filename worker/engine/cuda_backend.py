@@ -37,13 +37,13 @@ import functools
 import numpy as np
 
 from ember.kernels import ops, reference
-from ember.kernels.cuda_runtime import pdl_launches
+from ember.kernels.cuda_runtime import Graph, pdl_launches
 from ember.kernels.errors import StickyCudaError
 
 from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots
+from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
 from .cuda_layers import QKV, upload_weights
 from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
 from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view
@@ -131,7 +131,7 @@ class CudaBackend(CudaMatmuls, Backend):
             self._alloc_step_buffers(HostBuffer, Event, Stream)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
-        self._graphs: dict[tuple[int, int, int], tuple[object, dict]] = {}  # (rows, stride, slot)
+        self._graphs: dict[tuple[int, int, int], tuple[Graph, dict]] = {}  # (rows, stride, slot)
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
 
@@ -433,7 +433,7 @@ class CudaBackend(CudaMatmuls, Backend):
                 out[si] = SampledToken(int(toks[row]))
         at, V = 0, self.config.vocab_size
         for si, _, cnt in p.host_rows:
-            out[si] = host_view(self._h_logits[p.slot].array, at, cnt * V, np.float32).reshape(cnt, V).copy()
+            out[si] = host_view(present(self._h_logits[p.slot]).array, at, cnt * V, np.float32).reshape(cnt, V).copy()
             at += cnt * V * 4
         return out
 
@@ -484,19 +484,21 @@ class CudaBackend(CudaMatmuls, Backend):
                 ops.rms_norm(dev, post.x, lw.attn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
             if lw.qkv is QKV.STACKED:  # one matmul; q, k and v are column slices of its rows
                 ld = qd + 2 * kvd
-                (hq_,) = post.inputs([lw.wqkv])
-                self._linear(lw.wqkv, hq_, self.qkv, n, tc=tc)
-                q_, k_, v_ = (self.qkv.view(off, self.qkv.size - off) for off in (0, qd, qd + kvd))
+                wqkv, qkv = present(lw.wqkv), present(self.qkv)
+                (hq_,) = post.inputs([wqkv])
+                self._linear(wqkv, hq_, qkv, n, tc=tc)
+                q_, k_, v_ = (qkv.view(off, qkv.size - off) for off in (0, qd, qd + kvd))
                 ldq = ldk = ldv = ld
             elif lw.qkv is QKV.QK_STACKED:  # q and k stacked, v (another type) on its own
-                hq_, hv_ = post.inputs([lw.wqk, lw.wv])
-                self._linear(lw.wqk, hq_, self.qkv, n, tc=tc)
-                self._linear(lw.wv, hv_, v, n, tc=tc)
-                q_, k_, v_ = self.qkv, self.qkv.view(qd, self.qkv.size - qd), v
+                wqk, wv, qkv = present(lw.wqk), present(lw.wv), present(self.qkv)
+                hq_, hv_ = post.inputs([wqk, wv])
+                self._linear(wqk, hq_, qkv, n, tc=tc)
+                self._linear(wv, hv_, v, n, tc=tc)
+                q_, k_, v_ = qkv, qkv.view(qd, qkv.size - qd), v
                 ldq = ldk = qd + kvd
                 ldv = kvd
             else:
-                mats = (lw.wq, lw.wk, lw.wv)
+                mats = (present(lw.wq), present(lw.wk), present(lw.wv))
                 for w, out, hin in zip(mats, (q, k, v), post.inputs(list(mats)), strict=True):
                     self._linear(w, hin, out, n, tc=tc)
                 q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
@@ -531,9 +533,9 @@ class CudaBackend(CudaMatmuls, Backend):
                                   stream=st)
             else:
                 if cfg.recipe.qk_norm:
-                    ops.rms_norm(dev, q_, lw.q_norm, q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H, ldx=ldq,
-                                 ldy=ldq, stream=st)
-                    ops.rms_norm(dev, k_, lw.k_norm, k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
+                    ops.rms_norm(dev, q_, present(lw.q_norm), q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H,
+                                 ldx=ldq, ldy=ldq, stream=st)
+                    ops.rms_norm(dev, k_, present(lw.k_norm), k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
                                  ldx=ldk, ldy=ldk, stream=st)
                 ops.rope(dev, q_, k_, inp.pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=self.neox, ldq=ldq,
                          ldk=ldk, stream=st)
@@ -560,7 +562,7 @@ class CudaBackend(CudaMatmuls, Backend):
                     post.inputs([])
                     final = h
                 else:
-                    ops.rms_norm_add(dev, o2, lw.post_ffn_norm, post.x, eps=cfg.norm_eps, rows=n, cols=hid,
+                    ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=hid,
                                      stream=st)
             else:
                 self._down(lw, x, n, res=x, tc=tc, gated=gated)

@@ -54,7 +54,7 @@ class BlockCopy:
 
     owned = False  # the payloads are views: the store keeps no reference past release()
 
-    def __init__(self, transfer: "KVTransfer", parts: list[tuple[_Slab, int]]):
+    def __init__(self, transfer: KVTransfer, parts: list[tuple[_Slab, int]]):
         self._transfer, self._parts = transfer, parts
         self._views: list[np.ndarray] | None = None
         self._waited = False
@@ -123,7 +123,7 @@ class KVTransfer:
     def save(self, blocks: list[int]) -> BlockCopy | None:
         """Start copying `blocks` to the host (engine thread); None when no slab is free for them."""
         groups = [blocks[i:i + self.per_slab] for i in range(0, len(blocks), self.per_slab)]
-        slabs = []
+        slabs: list[_Slab] = []
         for _ in groups:
             slab = self._take()
             if slab is None:
@@ -136,6 +136,7 @@ class KVTransfer:
         parts = []
         for group, slab in zip(groups, slabs, strict=True):
             n = len(group)
+            assert slab.staging is not None  # a save slab: made with the device
             slab.ids.array[: 4 * n] = np.asarray(group, dtype=np.int32).view(np.uint8)
             self._ids.upload_from(slab.ids, 4 * n, self.stream)
             ops.kv_gather(self.dev, self.k_pool, self.v_pool, self._ids, slab.staging, n=n, layers=self.layers,
@@ -145,6 +146,7 @@ class KVTransfer:
         self.compute.wait(self._moved)  # the blocks are read before a later step may write them
         self._down.wait(self._moved)
         for slab, n in parts:  # overlapping the next steps
+            assert slab.staging is not None
             slab.staging.download_into(slab.host, n * self.block_bytes, self._down)
             slab.done.record(self._down)
         return BlockCopy(self, parts)

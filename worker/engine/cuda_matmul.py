@@ -10,6 +10,7 @@ from ember.kernels import ops
 from ember.kernels.cuda_runtime import Device, DeviceArray, Stream
 
 from ..model.config import ModelConfig
+from .backend import present
 from .cuda_layers import CudaLayer
 
 # From this many rows a matmul decodes its weights to 16 bits and runs on the tensor cores (3
@@ -92,10 +93,10 @@ class CudaMatmuls:
         one for the other types); else self.gu (or self.g, self.u) holds them apart."""
         act = self.config.recipe.act
         if not lw.gate_up_stacked:
-            self._linear(lw.w_gate, h, self.g, n, tc=tc)
-            self._linear(lw.w_up, h, self.u, n, tc=tc)
+            self._linear(present(lw.w_gate), h, self.g, n, tc=tc)
+            self._linear(present(lw.w_up), h, self.u, n, tc=tc)
             return False
-        w = lw.w_gu
+        w = present(lw.w_gu)
         if isinstance(h, ops.PostNorm):  # the staged gated matvec, normalising its input itself
             ops.matvec_post_norm(self.dev, w, h, self.g, act=act, stream=self.stream)
             return True
@@ -116,12 +117,14 @@ class CudaMatmuls:
         if gated:
             self._linear(w, self.g, y, n, res=res, tc=tc)
             return
+        gu = self.gu
         if lw.gate_up_stacked and self._int8(w, n, tc):
-            ops.matvec_q8(self.dev, w, self.gu, y, n=n, res=res, ldx=2 * cfg.ffn, act=act, up_offset=cfg.ffn,
+            ops.matvec_q8(self.dev, w, present(gu), y, n=n, res=res, ldx=2 * cfg.ffn, act=act, up_offset=cfg.ffn,
                           stream=self.stream)
             return
         if lw.gate_up_stacked:
-            ops.gated_act(self.dev, self.gu, self.gu.view(cfg.ffn, self.gu.size - cfg.ffn), self.g, n=n,
+            gu = present(gu)
+            ops.gated_act(self.dev, gu, gu.view(cfg.ffn, gu.size - cfg.ffn), self.g, n=n,
                           ffn=cfg.ffn, act=act, ldg=2 * cfg.ffn, ldu=2 * cfg.ffn, ldo=cfg.ffn, stream=self.stream)
         else:
             ops.gated_act(self.dev, self.g, self.u, self.g, n=n, ffn=cfg.ffn, act=act, stream=self.stream)

@@ -16,7 +16,7 @@ from ember.kernels import reference as ops
 from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights
-from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots
+from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots, present
 
 
 class NumpyBackend(Backend):
@@ -59,11 +59,12 @@ class NumpyBackend(Backend):
         return Done(self.forward(chunks))
 
     def forward(self, chunks: list[SeqChunk]) -> list:
-        out = self._logits(chunks)
+        logits_rows = self._logits(chunks)
+        out: list[np.ndarray | SampledToken | None] = list(logits_rows)
         self._drawn = {}
         if self.samples_on_device:
-            for i, (c, logits) in enumerate(zip(chunks, out, strict=True)):
-                if c.sample is not None and c.logits == "last":
+            for i, (c, logits) in enumerate(zip(chunks, logits_rows, strict=True)):
+                if c.sample is not None and c.logits == "last" and logits is not None:
                     s = c.sample
                     tokens, _ = ops.sample_rows(logits[-1:], [s.temperature], [s.top_k], [s.top_p], [s.min_p],
                                                 [s.seed & (2**64 - 1)], [s.step & (2**32 - 1)])
@@ -96,8 +97,8 @@ class NumpyBackend(Backend):
             k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             if recipe.qk_norm:
-                q = ops.rms_norm(q, lw.q_norm, cfg.norm_eps)
-                k = ops.rms_norm(k, lw.k_norm, cfg.norm_eps)
+                q = ops.rms_norm(q, present(lw.q_norm), cfg.norm_eps)
+                k = ops.rms_norm(k, present(lw.k_norm), cfg.norm_eps)
             cos, sin = rope_local if local else rope_global
             q = ops.rope(q, cos, sin, neox=neox)
             k = ops.rope(k, cos, sin, neox=neox)
@@ -114,13 +115,13 @@ class NumpyBackend(Backend):
                 ).reshape(b - a, cfg.q_dim)
             o = ops.linear(attn, lw.wo)
             if recipe.post_norms:
-                o = ops.rms_norm(o, lw.post_attn_norm, cfg.norm_eps)
+                o = ops.rms_norm(o, present(lw.post_attn_norm), cfg.norm_eps)
             x = x + o
 
             h = ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps)
             m = ops.gated_mlp_stacked(h, lw.w_gate_up, lw.w_down, act=recipe.act)
             if recipe.post_norms:
-                m = ops.rms_norm(m, lw.post_ffn_norm, cfg.norm_eps)
+                m = ops.rms_norm(m, present(lw.post_ffn_norm), cfg.norm_eps)
             x = x + m
 
         out: list[np.ndarray | None] = []
@@ -140,7 +141,8 @@ class NumpyBackend(Backend):
         blocks = block_table[b0:b1]
         n = length - b0 * bs
         if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
-            sel = slice(blocks[0], blocks[-1] + 1)  # consecutive blocks (the usual case): a view, no copy
+            # consecutive blocks (the usual case): a view, no copy
+            sel: slice | np.ndarray = slice(blocks[0], blocks[-1] + 1)
         else:
             sel = np.asarray(blocks, dtype=np.int64)
         keys = self.k_pool[layer, sel].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:n]

@@ -14,6 +14,7 @@ checked, well below a disk's sequential rate). The engine logs each choice (`kv_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -61,10 +62,8 @@ class RestoreCosts:
             tmp.write_text(json.dumps({"prefill": self.prefill.to_json(), "bandwidth": self.bandwidth}))
             os.replace(tmp, path)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
 
     def rate(self, tier: str) -> float:
         return self.bandwidth.get(tier, PRIOR_BANDWIDTH[tier])

@@ -34,7 +34,7 @@ class Runtime:
     @classmethod
     def load(
         cls, path: str | None, *, backend: str = "numpy", kv_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE
-    ) -> "Runtime":
+    ) -> Runtime:
         model = open_model(path)
         if backend != "numpy":
             raise ValueError(f"unknown backend {backend!r} (available: numpy)")
@@ -42,7 +42,7 @@ class Runtime:
         n_blocks = max(2, -(-kv_tokens // block_size))
         return cls(model, NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=block_size))
 
-    def sequence(self) -> "Sequence":
+    def sequence(self) -> Sequence:
         return Sequence(self)
 
 
@@ -69,7 +69,7 @@ class Sequence:
                 [SeqChunk(np.asarray(part, dtype=np.int32), start, self.blocks, mode)]
             )
             self.tokens.extend(part)
-            if out is not None:
+            if isinstance(out, np.ndarray):  # a chunk asking for logits (no sampling on the device here)
                 yield out
 
     def prefill(self, new: list[int]) -> np.ndarray:

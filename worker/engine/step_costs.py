@@ -19,7 +19,8 @@ READY_WEIGHT = 2.5  # (decayed) steps before the fit replaces the remembered fig
 
 class PrefillCost:
     def __init__(self, fixed_s: float | None = None, per_token_s: float | None = None):
-        self._prior = (fixed_s, per_token_s) if per_token_s else None  # from a previous process
+        # from a previous process
+        self._prior: tuple[float, float] | None = (fixed_s or 0.0, per_token_s) if per_token_s else None
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -45,7 +46,7 @@ class PrefillCost:
         return 0.0, self._xy / self._xx
 
     @classmethod
-    def measured(cls, samples: list[tuple[int, float]]) -> "PrefillCost":
+    def measured(cls, samples: list[tuple[int, float]]) -> PrefillCost:
         """The cost as `samples` (tokens, seconds) of prefills timed on purpose show it."""
         cost = cls()
         for tokens, seconds in samples:
@@ -67,7 +68,7 @@ class PrefillCost:
         return None if m is None else {"fixed_s": m[0], "per_token_s": m[1]}
 
     @classmethod
-    def from_json(cls, data) -> "PrefillCost":
+    def from_json(cls, data) -> PrefillCost:
         if isinstance(data, dict) and float(data.get("per_token_s") or 0) > 0:
             return cls(max(0.0, float(data.get("fixed_s") or 0)), float(data["per_token_s"]))
         return cls()

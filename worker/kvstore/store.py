@@ -23,15 +23,17 @@ reported, and what waited on it is released (restores come back empty, persisten
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +41,6 @@ from ..logs import log
 from ..threads import ThreadWatch
 from . import blockfile
 from .kvdir import KVDir, layout_key
-
 
 EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
@@ -378,10 +379,8 @@ class KVStore:
                 doomed = self._fit_budget(written=staged[-1][0])
         except OSError as e:
             for _, _, tmp, _ in staged:
-                try:
+                with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
-                except OSError:
-                    pass
             self._degrade(e)
             return
         _remove_dirs(doomed)
@@ -575,10 +574,8 @@ class KVStore:
 
     def _quarantine(self, path: Path, why: str) -> None:
         h = None
-        try:
+        with contextlib.suppress(ValueError):
             h = bytes.fromhex(path.stem)
-        except ValueError:
-            pass
         with self._lock:
             self.stats.quarantined += 1
             if h is not None:

@@ -25,12 +25,13 @@ from importlib import resources
 from typing import Any
 
 import jinja2
-from ember.worker.model.gguf_file import GGUFFile
-from ember.worker.text.tokenizer import Tokenizer
 from jinja2 import meta, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ember.worker.model.gguf_file import GGUFFile
+from ember.worker.text.tokenizer import Tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES"]
 

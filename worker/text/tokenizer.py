@@ -56,9 +56,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.paths import model_cache_dir
-from tokenizers import Tokenizer as HFTokenizer
 
 from .special_partition import Partitioner
 from .vocab_build import CACHE_VERSION, PARTITION_ATTRS, SPECIAL_ATTRS, build

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 
 # Bump when the built artefacts change meaning; old caches are then ignored and rebuilt.
