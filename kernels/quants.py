@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 __all__ = [
@@ -55,9 +56,22 @@ BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
     ),
     T.Q6_K: np.dtype([("ql", "u1", QK_K // 2), ("qh", "u1", QK_K // 4), ("scales", "i1", QK_K // 16), ("d", "<f2")]),
     T.Q8_K: np.dtype([("d", "<f4"), ("qs", "i1", QK_K), ("bsums", "<i2", QK_K // 16)]),
+    # 2-3-bit K-quants and the i-quants (grids of 8-value codes with packed signs and 4-bit scales)
+    T.Q2_K: np.dtype([("scales", "u1", QK_K // 16), ("qs", "u1", QK_K // 4), ("d", "<f2"), ("dmin", "<f2")]),
+    T.Q3_K: np.dtype([("hmask", "u1", QK_K // 8), ("qs", "u1", QK_K // 4), ("scales", "u1", 12), ("d", "<f2")]),
+    T.IQ2_XXS: np.dtype([("d", "<f2"), ("qs", "<u2", QK_K // 8)]),
+    T.IQ2_XS: np.dtype([("d", "<f2"), ("qs", "<u2", QK_K // 8), ("scales", "u1", QK_K // 32)]),
+    T.IQ2_S: np.dtype([("d", "<f2"), ("qs", "u1", QK_K // 4), ("qh", "u1", QK_K // 32), ("scales", "u1", QK_K // 32)]),
+    T.IQ3_XXS: np.dtype([("d", "<f2"), ("qs", "u1", 3 * QK_K // 8)]),
+    T.IQ3_S: np.dtype([("d", "<f2"), ("qs", "u1", QK_K // 4), ("qh", "u1", QK_K // 32), ("signs", "u1", QK_K // 8),
+                       ("scales", "u1", QK_K // 64)]),
+    T.IQ4_NL: np.dtype([("d", "<f2"), ("qs", "u1", QK // 2)]),
+    T.IQ4_XS: np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", QK_K // 64), ("qs", "u1", QK_K // 2)]),
+    T.MXFP4: np.dtype([("e", "u1"), ("qs", "u1", QK // 2)]),  # e: an E8M0 scale, 2^(e - 127)
 }
+_BLOCK_ELEMENTS = {T.Q4_0: QK, T.Q4_1: QK, T.Q5_0: QK, T.Q5_1: QK, T.Q8_0: QK, T.IQ4_NL: QK, T.MXFP4: QK}
 for _t, _dt in BLOCK_DTYPES.items():  # the layouts above must agree with gguf-py's table
-    assert (QK_K if _t.name.endswith("_K") else QK, _dt.itemsize) == GGML_QUANT_SIZES[_t], _t
+    assert (_BLOCK_ELEMENTS.get(_t, QK_K), _dt.itemsize) == GGML_QUANT_SIZES[_t], _t
 
 # Float types: one "block" is one element.
 _FLOAT_DTYPES = {T.F32: np.dtype("<f4"), T.F16: np.dtype("<f2"), T.BF16: np.dtype("<u2")}
@@ -216,7 +230,11 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] 
     T.Q8_K: _q8_k,
 }
 
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16, *_DECODERS)
+# The low-bit types are decoded by gguf-py's own dequantizers (the reference the issue names; their
+# grids and sign tables live there once). Our twins above predate them and are checked against them.
+_GGUF_DECODED = (T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.MXFP4)
+
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16, *_DECODERS, *_GGUF_DECODED)
 
 # Elements decoded per chunk: bounds the temporaries (about 10 float32/uint8 arrays of this size).
 _CHUNK_ELEMENTS = 1 << 20
@@ -254,6 +272,9 @@ def _decode_flat(raw: np.ndarray, t: GGMLQuantizationType, out: np.ndarray) -> N
         out[:] = raw.view("<f2")
     elif t == T.BF16:  # bf16 is the top half of an f32
         out.view(np.uint32)[:] = raw.view("<u2").astype(np.uint32) << 16
+    elif t in _GGUF_DECODED:
+        with np.errstate(all="ignore"):  # inf/NaN scales decode to inf/NaN, as in ggml
+            out[:] = gguf_quants.dequantize(raw.reshape(-1, BLOCK_DTYPES[t].itemsize), t).reshape(-1)
     else:
         blocks = raw.view(BLOCK_DTYPES[t])
         _DECODERS[t](blocks, out.reshape(len(blocks), -1))

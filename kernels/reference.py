@@ -149,6 +149,43 @@ def gated_mlp_stacked(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, 
     return linear(g * gu[..., half:], w_down)
 
 
+MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the chosen weights' sum below by this (2^-14)
+
+
+def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softmax",
+              norm_topk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k experts (best first) and their weights. gating "softmax": a softmax over all
+    the router's logits, then the k largest (qwen3moe); "softmax-topk": the k largest logits, then a
+    softmax over those (gpt-oss). norm_topk scales the k weights to sum to 1."""
+    logits = linear(x, router)
+    if gating == "softmax":
+        probs = softmax(logits)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(probs, top, axis=-1)
+    elif gating == "softmax-topk":
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        weights = softmax(np.take_along_axis(logits, top, axis=-1))
+    else:
+        raise ValueError(f"unknown expert gating {gating!r}")
+    if norm_topk:
+        weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), MOE_WEIGHT_SUM_MIN)
+    return top, weights.astype(np.float32)
+
+
+def moe_mlp(x: np.ndarray, router: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
+            *, k: int, act: str, gating: str = "softmax", norm_topk: bool = True) -> np.ndarray:
+    """A mixture-of-experts MLP: each row through its k experts' gated MLPs (gate/up_exps [experts,
+    ffn, hidden], down_exps [experts, hidden, ffn]), their outputs summed by the router's weights.
+    The rows are grouped by expert, so each expert's weights are read once per call."""
+    top, weights = moe_route(x, router, k=k, gating=gating, norm_topk=norm_topk)
+    out = np.zeros((x.shape[0], down_exps.shape[1]), dtype=np.float32)
+    for e in np.unique(top):
+        rows, slot = np.nonzero(top == e)
+        y = gated_mlp(x[rows], gate_exps[e], up_exps[e], down_exps[e], act=act)
+        out[rows] += weights[rows, slot, None] * y
+    return out
+
+
 # -- sampling on the device (sampling.cu sample_f32) ------------------------------------------------------
 
 

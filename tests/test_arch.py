@@ -52,6 +52,8 @@ def test_recipe_is_complete(name):
         value = getattr(recipe, f.name)
         if f.name == "sliding_window":
             assert value is None or isinstance(value, SlidingWindow)
+        elif f.name == "moe":
+            assert value is None or isinstance(value.gating, enum.Enum) and isinstance(value.norm_topk, bool)
         elif f.name in ("qk_norm", "mlp_bias"):
             assert isinstance(value, bool), f.name
         elif f.name == "logit_softcap":

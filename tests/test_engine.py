@@ -13,7 +13,7 @@ from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile
 from ember.worker.model.weights import load_weights
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

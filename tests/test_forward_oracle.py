@@ -24,10 +24,15 @@ our engine computes teacher-forced logits and every position is checked:
       vs token-by-token correlation and its Q4 vs F32 correlation at position i; 0.998 wherever
       llama.cpp agrees with itself to >= 0.999
     * the issue's numbers verbatim: an expected failure (xfail, strict), listing the positions
-  tiny synthetic llama / qwen2 / qwen3 (regenerated here by ember's deterministic generator; the
-  fixture's sha256 must match; Q4_K_M mixes too, so the same floor rule):
-    * correlation >= 0.999, argmax equal where gap >= 0.5 (and where gap >= 0.05: their flat
-      random-weight logits rarely reach 0.5), top-5 share >= min(4, llama.cpp's own F32-vs-Q4 share)
+  tiny synthetic llama / qwen2 / qwen3 / qwen3moe, and qwen3moe with every 2-5-bit type (Q2_K ..
+  IQ2_XXS .. MXFP4) (regenerated here by ember's deterministic generator; the fixture's sha256 must
+  match; quantized too, so the same floor rule):
+    * correlation >= 0.999 (MoE: llama.cpp's own floor, its 8-bit activations flip experts), argmax
+      equal where gap >= 0.5 (and where gap >= 0.05: their flat random-weight logits rarely reach
+      0.5), top-5 share >= min(4, llama.cpp's own F32-vs-Q4 share)
+    * against llama.cpp on each file's F32 copy (synth-*-f32: the exact math on the same values):
+      correlation >= 0.999 and argmax equal where gap >= 0.05, no floor; MoE positions whose router
+      is a tie (k-th and (k+1)-th expert within ROUTER_TIE) are exempt, at most 1 in 100
 
 Correlation is Pearson over an evaluation subset of the vocabulary: the position's llama.cpp top-64
 ids plus a fixed random sample of 768 ids (Gemma's 262,144-token vocabulary), or the whole
@@ -50,6 +55,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ember.kernels import reference
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logits"
 GEN_SCRIPT = Path(__file__).resolve().parent / "oracle" / "gen_logit_fixtures.py"
 
@@ -61,7 +68,10 @@ Q_FLOOR_MARGIN = 0.001
 ARGMAX_GAP = 0.5
 TOP5_MIN = 4
 SYNTH_MIN_CORR = 0.999
-SYNTH_ARCHS = ("llama", "qwen2", "qwen3")
+# fixture key -> (arch, shape): tests/oracle/gen_logit_fixtures.py's SYNTH_MODELS
+SYNTH_MODELS = {"llama": ("llama", "tiny"), "qwen2": ("qwen2", "tiny"), "qwen3": ("qwen3", "tiny"),
+                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit")}
+SYNTH_ARCHS = tuple(SYNTH_MODELS)
 SCORE_CHUNK = 256
 BLOCK_SIZE = 16
 
@@ -174,6 +184,8 @@ class Comparison:
     argmax: np.ndarray = None  # ours, over the full vocabulary
     top5_overlap: np.ndarray = None
     where: list[tuple[str, int]] = field(default_factory=list)  # (prompt, position) per row
+    # MoE: per row, the smallest gap over the layers between the router's k-th and (k+1)-th probability
+    router_margin: np.ndarray | None = None
 
     @property
     def gap(self) -> np.ndarray:
@@ -192,12 +204,35 @@ class Comparison:
         return int((self.argmax[sel] == self.ref_argmax[sel]).sum()), int(sel.sum())
 
 
-def compare(backend, fixtures: list[Fixture]) -> list[Comparison]:
+class RouterMargins:
+    """Records, while in use, each mixture-of-experts layer's routing margin per row: how far the k-th
+    expert's probability lies above the (k+1)-th's (a near-tie flips with float32 summation order)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.calls: list[np.ndarray] = []
+        route = reference.moe_route
+
+        def recording(x, router, *, k, **kw):
+            p = np.sort(reference.softmax(reference.linear(x, router)), axis=-1)[:, ::-1]
+            self.calls.append(p[:, k - 1] - p[:, k])
+            return route(x, router, k=k, **kw)
+
+        monkeypatch.setattr(reference, "moe_route", recording)
+
+    def take(self, n: int) -> np.ndarray:
+        """The smallest margin of each of the last step's n rows over its layers (inf without experts)."""
+        m = np.min(np.stack(self.calls), axis=0) if self.calls else np.full(n, np.inf)
+        self.calls = []
+        return m
+
+
+def compare(backend, fixtures: list[Fixture], margins: RouterMargins | None = None) -> list[Comparison]:
     """Score every token path once and measure it against each fixture that holds that path."""
     out = []
     for fx in fixtures:
         n = len(fx.a["tokens"])
-        out.append(Comparison(fx, np.zeros(n), np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64)))
+        out.append(Comparison(fx, np.zeros(n), np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                              router_margin=np.full(n, np.inf)))
     first = fixtures[0]
     for pi, (pname, tokens, sl) in enumerate(first.paths()):
         for c in out:
@@ -206,6 +241,10 @@ def compare(backend, fixtures: list[Fixture]) -> list[Comparison]:
         users = out
         for start, logits in score(backend, tokens):
             rows = np.arange(sl.start + start, sl.start + start + len(logits))
+            if margins is not None:
+                margin = margins.take(len(rows))
+                for c in users:
+                    c.router_margin[rows] = margin
             best = None
             for c in users:
                 a = c.fx.a
@@ -265,7 +304,7 @@ def synth_path(arch: str, folder: Path) -> Path:
     from ember.worker.bench.synth import make_model
 
     fx = fixture(f"synth-{arch}-tiny")
-    path = make_model(arch, "tiny", folder / f"synth-{arch}-tiny.gguf", seed=0)
+    path = make_model(*SYNTH_MODELS[arch], folder / f"synth-{arch}-tiny.gguf", seed=0)
     got = sha256_file(path)
     assert got == fx.meta["model_sha256"], (
         f"ember's synthetic {arch} generator changed (sha256 {got[:16]}, fixture made from "
@@ -281,15 +320,22 @@ def gemma_comparisons() -> dict[str, Comparison]:
     return {c.fx.name: c for c in compare(backend, fxs)}
 
 
-_synth_cache: dict[str, Comparison] = {}
+_synth_cache: dict[str, tuple[Comparison, Comparison]] = {}
+
+
+def synth_comparisons(arch: str, folder: Path) -> tuple[Comparison, Comparison]:
+    """Ours on the synthetic file against llama.cpp on it, and against llama.cpp on its F32 copy."""
+    if arch not in _synth_cache:
+        fx, exact = fixture(f"synth-{arch}-tiny"), fixture(f"synth-{arch}-f32")
+        backend = load_backend(synth_path(arch, folder), max(len(t) for _, t, _ in fx.paths()))
+        with pytest.MonkeyPatch.context() as mp:
+            q, f = compare(backend, [fx, exact], RouterMargins(mp))
+        _synth_cache[arch] = (q, f)
+    return _synth_cache[arch]
 
 
 def synth_comparison(arch: str, folder: Path) -> Comparison:
-    if arch not in _synth_cache:
-        fx = fixture(f"synth-{arch}-tiny")
-        backend = load_backend(synth_path(arch, folder), max(len(t) for _, t, _ in fx.paths()))
-        (_synth_cache[arch],) = compare(backend, [fx])
-    return _synth_cache[arch]
+    return synth_comparisons(arch, folder)[0]
 
 
 # -- tests: the fixtures themselves ---------------------------------------------------------------
@@ -298,7 +344,8 @@ def synth_comparison(arch: str, folder: Path) -> Comparison:
 def test_fixtures_cover_the_issue_criteria():
     m = manifest()
     names = {f["file"] for f in m["fixtures"]}
-    assert {"gemma3-q4_k_m.npz", "gemma3-f32.npz"} | {f"synth-{a}-tiny.npz" for a in SYNTH_ARCHS} <= names
+    assert {"gemma3-q4_k_m.npz", "gemma3-f32.npz"} | {f"synth-{a}-{v}.npz" for a in SYNTH_ARCHS
+                                                       for v in ("tiny", "f32")} <= names
     for f in m["fixtures"]:
         fx = fixture(f["file"].removesuffix(".npz"))
         assert len(f["prompts"]) >= 10, f["file"]
@@ -451,6 +498,11 @@ def test_gemma_q4_issue_criterion_literal():
 
 SYNTH_ARGMAX_GAP = 0.05
 
+# Where a router's k-th and (k+1)-th experts are closer than this in probability, float32 summation
+# order may pick either. Measured: 8 and 6 of the 1,623 positions of the two MoE fixtures lie below it;
+# the one position under 0.999 (the low-bit model's random_21@19, 0.9953) has a margin of 1.2e-6.
+ROUTER_TIE = 1e-5
+
 
 @pytest.fixture(scope="module")
 def synth_dir(tmp_path_factory) -> Path:
@@ -460,11 +512,34 @@ def synth_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("arch", SYNTH_ARCHS)
 def test_synthetic_models(arch, synth_dir):
     c = synth_comparison(arch, synth_dir)
-    failures = floor_rule_failures(c, SYNTH_MIN_CORR, corr_floor=False)
-    failures[f"argmax equality where gap >= {SYNTH_ARGMAX_GAP}"] = (c.gap >= SYNTH_ARGMAX_GAP) & (
-        c.argmax != c.ref_argmax
+    moe = SYNTH_MODELS[arch][0] == "qwen3moe"
+    # a router's top-k is discontinuous: llama.cpp's 8-bit activations flip an expert at a few positions
+    # and move its logits further than 0.999 from its own F32 run there, so MoE files get its floor
+    failures = floor_rule_failures(c, SYNTH_MIN_CORR, corr_floor=moe)
+    x = c.fx.a["xf32_top8_ids"][:, 0]
+    failures[f"argmax equality where gap >= {SYNTH_ARGMAX_GAP} (or the F32 run's where it differs)"] = (
+        (c.gap >= SYNTH_ARGMAX_GAP) & (c.argmax != c.ref_argmax) & ~((x != c.ref_argmax) & (c.argmax == x))
     )
-    assert_none(c, failures)
+    tie = c.router_margin < ROUTER_TIE  # see test_synthetic_models_exact_math
+    assert tie.sum() * 100 <= len(tie), describe(c, tie, f"a router margin >= {ROUTER_TIE}")
+    assert_none(c, {f"{what} (apart from router ties)": bad & ~tie for what, bad in failures.items()})
+
+
+
+
+@pytest.mark.parametrize("arch", SYNTH_ARCHS)
+def test_synthetic_models_exact_math(arch, synth_dir):
+    """Against llama.cpp on the same weight values in F32 (no activation quantization): the issue's
+    bars with no floor: correlation >= 0.999 at every position, argmax equal where the gap >= 0.5;
+    for MoE models except where the routing is a tie (ROUTER_TIE; at most 1 position in 100)."""
+    _, c = synth_comparisons(arch, synth_dir)
+    tie = c.router_margin < ROUTER_TIE
+    assert tie.sum() * 100 <= len(tie), describe(c, tie, f"a router margin >= {ROUTER_TIE}")
+    assert_none(c, {
+        f"correlation >= {SYNTH_MIN_CORR} (apart from router ties)": (c.corr < SYNTH_MIN_CORR) & ~tie,
+        f"argmax equality where gap >= {ARGMAX_GAP}": (c.gap >= ARGMAX_GAP) & (c.argmax != c.ref_argmax),
+        f"argmax equality where gap >= {SYNTH_ARGMAX_GAP}": (c.gap >= SYNTH_ARGMAX_GAP) & (c.argmax != c.ref_argmax),
+    })
 
 
 # -- the regeneration path (needs llama-cpp-python; never in CI) ----------------------------------

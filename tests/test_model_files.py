@@ -62,11 +62,11 @@ def bad_files(tmp_path_factory, default_model_path) -> dict[str, tuple[Path, str
         _write_gguf(d / "arch.gguf", "mamba", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}),
         "unsupported architecture 'mamba'",
     )
-    # IQ2_XXS: 66 bytes per 256 elements; valid layout, a type the engine does not run
-    iq = np.zeros((4, 66), dtype=np.uint8)
+    # IQ1_S: 50 bytes per 256 elements; valid layout, a type the engine does not run
+    iq = np.zeros((4, 50), dtype=np.uint8)
     files["quant"] = (
-        _write_gguf(d / "quant.gguf", "llama", {"token_embd.weight": (iq, gguf.GGMLQuantizationType.IQ2_XXS)}),
-        "unsupported quant type IQ2_XXS",
+        _write_gguf(d / "quant.gguf", "llama", {"token_embd.weight": (iq, gguf.GGMLQuantizationType.IQ1_S)}),
+        "tensor token_embd.weight has unsupported quant type IQ1_S",
     )
     return files
 

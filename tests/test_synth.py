@@ -25,7 +25,7 @@ from ember.worker.bench.synth_shapes import plan_spec
 from ember.worker.bench.synth_tensors import random_rows
 from ember.worker.model.gguf_file import GGUFFile
 
-TINY = {s.arch: s for s in SHAPES.values() if s.name.startswith("tiny-")}
+TINY = {s.arch: s for s in SHAPES.values() if s.name == f"tiny-{s.arch}"}
 REAL = [s for s in SHAPES.values() if s.real]
 
 

@@ -34,8 +34,9 @@ Variants for Gemma 3 270M (the embedded model):
                   gguf.GGUFWriter into a temporary folder, never into the repo), evaluated along the
                   SAME token paths as gemma3-q4_k_m. llama.cpp does no activation quantization on
                   F32 weights, so this is the strict check of our math.
-Tiny synthetic llama / qwen2 / qwen3 models: written by ember's deterministic generator
-(`ember bench make-model --arch A --shape tiny --seed 0`, run through EMBER_PYTHON in a subprocess);
+Tiny synthetic llama / qwen2 / qwen3 / qwen3moe models, and qwen3moe in every low-bit type: written
+by ember's deterministic generator (`ember bench make-model --arch A --shape tiny|tiny-lowbit --seed 0`,
+run through EMBER_PYTHON in a subprocess; SYNTH_MODELS);
 the fixture stores the model's sha256 so the test notices when the generator changes. Their
 prompts are seeded random token ids (the synthetic vocabularies are not natural language).
 """
@@ -64,7 +65,9 @@ N_RANDOM = 768  # fixed random vocabulary sample in the evaluation subset
 SUBSET_SEED = 20261202
 FULL_LOGITS_MAX_VOCAB = 4096  # vocabularies up to this size keep full logits (float16)
 N_THREADS = 2
-SYNTH_ARCHS = ("llama", "qwen2", "qwen3")
+# fixture key -> (arch, shape) of `ember bench make-model`
+SYNTH_MODELS = {"llama": ("llama", "tiny"), "qwen2": ("qwen2", "tiny"), "qwen3": ("qwen3", "tiny"),
+                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit")}
 SYNTH_SEED = 0
 SYNTH_PROMPT_SEED = 1234
 SYNTH_PROMPT_LENGTHS = (1, 3, 7, 12, 20, 31, 45, 64, 100, 1010)  # + BOS; the last one is over 1,000
@@ -553,8 +556,8 @@ def gemma_fixtures(model: Path, out: Path, tmp: Path, *, self_check_long: bool) 
 # Synthetic models
 
 
-def make_synth(arch: str, out: Path, ember_python: str) -> None:
-    cmd = [ember_python, "-m", "ember.worker", "bench", "make-model", "--arch", arch, "--shape", "tiny",
+def make_synth(arch: str, shape: str, out: Path, ember_python: str) -> None:
+    cmd = [ember_python, "-m", "ember.worker", "bench", "make-model", "--arch", arch, "--shape", shape,
            "--out", str(out), "--seed", str(SYNTH_SEED)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
@@ -576,11 +579,12 @@ def synth_prompts(m: llama_cpp.Llama) -> list[list[int]]:
     return out
 
 
-def synth_fixture(arch: str, out: Path, tmp: Path, ember_python: str) -> dict:
-    path = tmp / f"synth-{arch}-tiny.gguf"
-    make_synth(arch, path, ember_python)
+def synth_fixture(key: str, out: Path, tmp: Path, ember_python: str) -> list[dict]:
+    arch, shape = SYNTH_MODELS[key]
+    path = tmp / f"synth-{key}-tiny.gguf"
+    make_synth(arch, shape, path, ember_python)
     sha = sha256_file(path)
-    log(f"synthetic {arch}: {path.stat().st_size / 1e6:.1f} MB, sha256 {sha[:16]}")
+    log(f"synthetic {key}: {path.stat().st_size / 1e6:.1f} MB, sha256 {sha[:16]}")
     probe = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     prompts = synth_prompts(probe)
     del probe
@@ -600,22 +604,32 @@ def synth_fixture(arch: str, out: Path, tmp: Path, ember_python: str) -> dict:
         log(f"  {info['name']}: {len(prompt)}+{len(gen)}, self corr min {rec['self_corr_min']:.6f}")
         paths.append(tokens)
         del m
-    f32 = tmp / f"synth-{arch}-tiny-f32.gguf"
+    f32 = tmp / f"synth-{key}-tiny-f32.gguf"
     write_f32_copy(path, f32)
+    exact = FixtureBuilder(fb.vocab)  # llama.cpp's exact math: the F32 copy along the same paths
     for k, tokens in enumerate(paths):
         m = open_llama(f32, len(tokens))
-        x = fb.attach_reference(k, batched_logits(m, tokens))
+        ref = batched_logits(m, tokens)
+        x = fb.attach_reference(k, ref)
+        exact.add({f: fb.prompts[k][f] for f in ("name", "chat", "description", "n_prompt", "n_gen")}, tokens, ref,
+                  None)
         log(f"  {fb.prompts[k]['name']} vs F32 copy: corr min {x['xf32_corr_min']:.6f}, argmax "
             f"{x['xf32_argmax_equal_gap_ge_0.5']} (gap >= 0.5), top-5 share min {x['xf32_top5_overlap_min']}")
         del m
     f32.unlink()
-    res = fb.save(out / f"synth-{arch}-tiny.npz", {
-        "model": f"ember bench make-model --arch {arch} --shape tiny --seed {SYNTH_SEED}",
+    res = fb.save(out / f"synth-{key}-tiny.npz", {
+        "model": f"ember bench make-model --arch {arch} --shape {shape} --seed {SYNTH_SEED}",
         "model_sha256": sha, "arch": arch, "variant": "synthetic-tiny",
-        "description": f"tiny synthetic {arch} model from ember's generator (Q4_K_M mix); xf32_* fields: "
+        "description": f"tiny synthetic {arch} model from ember's generator (--shape {shape}); xf32_* fields: "
         "llama.cpp's agreement with its own run of an F32 copy along the same path"})
+    res_f32 = exact.save(out / f"synth-{key}-f32.npz", {
+        "model": f"ember bench make-model --arch {arch} --shape {shape} --seed {SYNTH_SEED}, every tensor "
+                 "dequantized to F32 (gguf.quants) in a temporary copy", "model_sha256": sha, "arch": arch,
+        "variant": "synthetic-tiny-f32",
+        "description": f"llama.cpp on the F32 copy of the tiny synthetic {arch} (--shape {shape}) model, along "
+                       "the quantized file's greedy paths: the exact math on the same weight values"})
     path.unlink()
-    return res
+    return [res, res_f32]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,13 +648,13 @@ def main(argv: list[str] | None = None) -> int:
                     "located through EMBER_PYTHON)")
     ap.add_argument("--ember-python", default=os.environ.get("EMBER_PYTHON", "/work/venv/bin/python"),
                     help="a python with ember installed, used only as a subprocess (make-model, embedded model path)")
-    ap.add_argument("--only", default="gemma,llama,qwen2,qwen3",
-                    help="comma-separated subset of gemma,llama,qwen2,qwen3")
+    ap.add_argument("--only", default=",".join(["gemma", *SYNTH_MODELS]),
+                    help=f"comma-separated subset of gemma,{','.join(SYNTH_MODELS)}")
     ap.add_argument("--no-self-check-long", action="store_true",
                     help="skip llama.cpp's token-by-token self-consistency run on prompts over 512 tokens")
     args = ap.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(only) - {"gemma", *SYNTH_ARCHS}
+    unknown = set(only) - {"gemma", *SYNTH_MODELS}
     if unknown:
         ap.error(f"unknown --only entries: {sorted(unknown)}")
 
@@ -654,10 +668,10 @@ def main(argv: list[str] | None = None) -> int:
             model = args.gemma or ember_default_model(args.ember_python)
             for rec in gemma_fixtures(model, args.out, tmp, self_check_long=not args.no_self_check_long):
                 fixtures[rec["file"]] = rec
-        for arch in SYNTH_ARCHS:
-            if arch in only:
-                rec = synth_fixture(arch, args.out, tmp, args.ember_python)
-                fixtures[rec["file"]] = rec
+        for key in SYNTH_MODELS:
+            if key in only:
+                for rec in synth_fixture(key, args.out, tmp, args.ember_python):
+                    fixtures[rec["file"]] = rec
     manifest = {
         "fixture_version": FIXTURE_VERSION,
         "generated_by": "tests/oracle/gen_logit_fixtures.py",

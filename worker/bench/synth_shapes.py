@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 
 class SynthError(ValueError):
@@ -39,6 +39,9 @@ class ShapeSpec:
     sliding_window: int = 0  # gemma3: local attention window (5 local : 1 global layers)
     rope_base_swa: float | None = None  # gemma3: rope base of the local layers, written when set
     rope_scaling_linear: float | None = None  # linear rope scaling factor (gemma3 4B+)
+    n_expert: int = 0  # mixture of experts (qwen3moe): experts per layer, each with n_ff_exp
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
     mix: str = "q4_k_m"
     size_label: str = ""
     description: str = ""
@@ -70,6 +73,19 @@ _GEMMA3_270M_TYPES: dict[str, tuple[str, ...]] = {
 }
 del _M, _L
 
+# Every low-bit type ember reads, once each over two layers (layer 0, layer 1), in a tiny MoE model
+# whose rows are 256 long so the K- and i-quants fit: the oracle test checks them all through llama.cpp
+_F32 = ("F32", "F32")
+_LOWBIT_TYPES: dict[str, tuple[str, ...]] = {
+    "token_embd.weight": ("Q4_1",), "output.weight": ("Q5_1",), "output_norm.weight": ("F32",),
+    "attn_norm.weight": _F32, "attn_q_norm.weight": _F32, "attn_k_norm.weight": _F32, "ffn_norm.weight": _F32,
+    "ffn_gate_inp.weight": _F32,
+    "attn_q.weight": ("IQ3_S", "IQ4_XS"), "attn_k.weight": ("IQ4_NL", "Q3_K"), "attn_v.weight": ("Q3_K", "IQ4_NL"),
+    "attn_output.weight": ("IQ4_XS", "IQ3_S"), "ffn_gate_exps.weight": ("IQ2_XXS", "MXFP4"),
+    "ffn_up_exps.weight": ("IQ2_XS", "IQ3_XXS"), "ffn_down_exps.weight": ("Q2_K", "IQ2_S"),
+}
+del _F32
+
 SHAPES: dict[str, ShapeSpec] = {
     s.name: s
     for s in [
@@ -86,6 +102,14 @@ SHAPES: dict[str, ShapeSpec] = {
                   n_ff=512, n_ctx=2048, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma", tied=True,
                   sliding_window=8, rope_base_swa=10000.0,
                   description="tiny gemma3 test model, 5 local (window 8) : 1 global layers"),
+        ShapeSpec("tiny-qwen3moe", "qwen3moe", n_vocab=1000, n_embd=128, n_layer=2, n_head=4, n_head_kv=2,
+                  head_dim=64, n_ff=384, n_ctx=4096, rope_base=1000000.0, rms_eps=1e-6, tokenizer="bpe-qwen3",
+                  tied=False, n_expert=16, n_expert_used=4, n_ff_exp=64,
+                  description="tiny qwen3moe test model, 16 experts (4 per token), q/k norms"),
+        ShapeSpec("tiny-lowbit-qwen3moe", "qwen3moe", n_vocab=1000, n_embd=256, n_layer=2, n_head=4, n_head_kv=2,
+                  head_dim=64, n_ff=512, n_ctx=4096, rope_base=1000000.0, rms_eps=1e-6, tokenizer="bpe-qwen3",
+                  tied=False, n_expert=16, n_expert_used=4, n_ff_exp=256, type_table=_LOWBIT_TYPES,
+                  description="tiny qwen3moe test model in every 2-5-bit type ember reads (Q2_K .. MXFP4)"),
         ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
                   head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
                   tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,
@@ -98,6 +122,11 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("llama-8b", "llama", n_vocab=128256, n_embd=4096, n_layer=32, n_head=32, n_head_kv=8,
                   head_dim=128, n_ff=14336, n_ctx=8192, rope_base=500000.0, rms_eps=1e-5, tokenizer="bpe-llama3",
                   tied=False, size_label="8B", real=True, description="Llama 3 8B, Q4_K_M, Llama 3 BPE vocab"),
+        ShapeSpec("qwen3-30b-a3b", "qwen3moe", n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4,
+                  head_dim=128, n_ff=6144, n_ctx=262144, rope_base=10000000.0, rms_eps=1e-6,
+                  tokenizer="bpe-qwen3", tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768,
+                  size_label="30B-A3B", real=True,
+                  description="Qwen3-Coder-30B-A3B, Q4_K_M (128 experts, 8 per token)"),
     ]
 }
 
@@ -139,6 +168,7 @@ _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 def q4_k_m_type(kind: str, i_layer: int, n_layer: int, row_len: int, tied: bool) -> GGMLQuantizationType:
     """llama.cpp's Q4_K_M choice for a 2-D weight (kind: token_embd, output, attn_v, ffn_down, ...)."""
+    kind = kind.removesuffix("_exps")  # llama.cpp matches "ffn_down" in ffn_down_exps too
     more_bits = kind in ("attn_v", "ffn_down") and _use_more_bits(i_layer, n_layer)
     t = T.Q6_K if kind == "output" or (kind == "token_embd" and tied) or more_bits else T.Q4_K
     if row_len % GGML_QUANT_SIZES[t][0]:
@@ -161,13 +191,23 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
         ("attn_v.weight", (s.n_embd, kv_dim)),
         ("attn_output.weight", (q_dim, s.n_embd)),
         ("ffn_norm.weight", (s.n_embd,)),
-        ("ffn_gate.weight", (s.n_embd, s.n_ff)),
-        ("ffn_up.weight", (s.n_embd, s.n_ff)),
-        ("ffn_down.weight", (s.n_ff, s.n_embd)),
     ]
+    if s.n_expert:  # ggml order: [hidden, experts] for the router, [in, out, experts] for the experts
+        layer += [
+            ("ffn_gate_inp.weight", (s.n_embd, s.n_expert)),
+            ("ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert)),
+            ("ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert)),
+            ("ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert)),
+        ]
+    else:
+        layer += [
+            ("ffn_gate.weight", (s.n_embd, s.n_ff)),
+            ("ffn_up.weight", (s.n_embd, s.n_ff)),
+            ("ffn_down.weight", (s.n_ff, s.n_embd)),
+        ]
     if s.arch == "qwen2":
         layer += [("attn_q.bias", (q_dim,)), ("attn_k.bias", (kv_dim,)), ("attn_v.bias", (kv_dim,))]
-    if s.arch in ("qwen3", "gemma3"):
+    if s.arch in ("qwen3", "gemma3", "qwen3moe"):
         layer += [("attn_q_norm.weight", (s.head_dim,)), ("attn_k_norm.weight", (s.head_dim,))]
     if s.arch == "gemma3":
         layer += [("post_attention_norm.weight", (s.n_embd,)), ("post_ffw_norm.weight", (s.n_embd,))]
@@ -184,7 +224,7 @@ def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
         if s.type_table is not None:
             types = s.type_table[name]
             return T[types[il] if il >= 0 else types[0]]
-        if len(shape) == 1:
+        if len(shape) == 1 or name == "ffn_gate_inp.weight":  # llama.cpp keeps the router in F32
             return T.F32
         return q4_k_m_type(name.split(".")[0], il, s.n_layer, shape[0], s.tied)
 

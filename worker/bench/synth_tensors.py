@@ -72,9 +72,34 @@ def _random_blocks(t: GGMLQuantizationType, n: int, rng: np.random.Generator) ->
         b["scales"] = (mag * _signs(rng, (n, 16))).astype(np.int8)
         rms_sc = float(np.sqrt(np.mean(np.arange(32, 128) ** 2)))
         b["d"] = _f16(WEIGHT_STD / (rms_sc * _uniform_std(64)) * spread * _signs(rng, n))
+    elif t in _SCALED_BY_GGUF:
+        _scale_to_std(t, b, spread)
     else:
         raise SynthError(f"no random block generator for {t.name}")
     return raw
+
+
+# The low-bit K-quants, the i-quants and MXFP4: random codes (every byte pattern is a valid grid index,
+# sign pattern or scale), the block scale then set from what gguf-py decodes them to
+_SCALED_BY_GGUF = (T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.MXFP4)
+
+
+def _scale_to_std(t: GGMLQuantizationType, b: np.ndarray, spread: np.ndarray) -> None:
+    """Scale each block (values linear in its float16 scales, or in 2^e for MXFP4) to WEIGHT_STD * spread."""
+    if t == T.MXFP4:
+        b["e"] = 127
+    halves = [n for n in b.dtype.names if b.dtype[n] == np.dtype("<f2")]
+    for n in halves:
+        b[n] = 1.0
+    from gguf import quants as gguf_quants
+
+    values = gguf_quants.dequantize(b.view(np.uint8).reshape(len(b), -1), t)
+    std = np.maximum(values.std(axis=-1), 1e-6)
+    target = WEIGHT_STD * spread / std
+    if t == T.MXFP4:
+        b["e"] = np.clip(127 + np.rint(np.log2(target)), 1, 254).astype(np.uint8)
+    for n in halves:
+        b[n] = _f16(target)
 
 
 def random_rows(name: str, t: GGMLQuantizationType, n_rows: int, row_len: int,

@@ -158,6 +158,34 @@ _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Qwen 3's template in outline (dense and MoE files carry one like it): tools listed in the system
+# message, calls as <tool_call>{json}</tool_call> (Hermes), results in <tool_response>, <think> blocks
+_QWEN3_TEMPLATE = (  # newlines as '\\n' expressions: the renderer trims the one after a block tag
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for tc in message.tool_calls or [] %}{%- set f = tc.function if tc.function else tc %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{{- f.arguments if f.arguments is string else f.arguments | tojson }}{{ '}\\n</tool_call>' }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 _LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
     " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
@@ -255,7 +283,7 @@ def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
                      chat_template=_LLAMA3_TEMPLATE)
     return Vocab("gpt2", "qwen2", tokens, types, None, merge_strs,
                  {"bos": first_special, "eos": first_special + 2, "pad": first_special}, add_bos=False,
-                 chat_template=_CHATML)
+                 chat_template=_QWEN3_TEMPLATE if kind == "bpe-qwen3" else _CHATML)
 
 
 def build_vocab(spec: ShapeSpec) -> Vocab:

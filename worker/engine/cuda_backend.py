@@ -44,7 +44,7 @@ from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
 from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
-from .cuda_layers import QKV, upload_weights
+from .cuda_layers import QKV, check_fits, check_runs, upload_weights
 from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
 from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view
 
@@ -89,6 +89,7 @@ class CudaBackend(CudaMatmuls, Backend):
             raise ValueError("kv_dtype must be f16 or f32")
         if f16_weights not in ("auto", "on", "off"):
             raise ValueError("f16_weights must be auto, on or off")
+        check_runs(gguf_file, config)
         if config.hidden > ops.NORM_MAX_COLS:
             raise ModelFileError(gguf_file.path, f"hidden size {config.hidden} exceeds the CUDA backend's "
                                                  f"{ops.NORM_MAX_COLS} (its norm kernels)")
@@ -123,6 +124,7 @@ class CudaBackend(CudaMatmuls, Backend):
                        and cfg.head_dim in ops.FLASH_HEAD_DIMS)
         try:
             self.dev.make_current()
+            check_fits(gguf_file, self.dev.memory_info())
             self.stream = Stream()
             self._upload_weights()
             self.tensor_cores = tensor_cores and all(m.cols % 32 == 0 for lw in self.layers for m in lw.matrices())

@@ -16,6 +16,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from ember.kernels import ops, quants
+from ember.kernels.constants import BLOCK_SIZES, GGML_TYPE_NAMES
 from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ..model.arch import layer_tensors
@@ -138,6 +139,37 @@ class _Uploader:
                 t[joined] = self.stacked([names[p] for p in _STACKS[joined]])
         qkv = QKV.STACKED if "wqkv" in t else QKV.QK_STACKED if "wqk" in t else QKV.APART
         return CudaLayer(qkv=qkv, gate_up_stacked="w_gu" in t, **t)
+
+
+def check_runs(g: GGUFFile, config: ModelConfig) -> None:
+    """A one-line ModelFileError, before anything is allocated, for a model this backend cannot run:
+    a mixture-of-experts MLP, or a matrix of a type it has no kernels for (the numpy backend runs both)."""
+    if config.recipe.moe is not None:
+        raise ModelFileError(g.path, f"the cuda backend does not run mixture-of-experts models ({config.arch}) "
+                                     "yet; --backend numpy runs them")
+    names = config.family.tensors
+    matrices = [names.token_embd] + ([] if config.tied_output else [names.output])
+    for i in range(config.n_layers):
+        matrices += [n for role, n in layer_tensors(g, config.family, i).items() if role in MATRIX_ROLES]
+    for name in matrices:
+        t = g.tensors[name].ggml_type
+        if GGML_TYPE_NAMES.get(int(t)) not in BLOCK_SIZES:
+            have = ", ".join(n.upper() for n in BLOCK_SIZES if n != "q6_kp")
+            raise ModelFileError(g.path, f"tensor {name} has quant type {t.name}, which the cuda backend has no "
+                                         f"kernels for yet (it runs {have}); --backend numpy runs it")
+
+
+WORKING_SET_BYTES = 512 << 20  # beyond the weights: the smallest KV pool, step buffers and scratch
+
+
+def check_fits(g: GGUFFile, memory: tuple[int, int]) -> None:
+    """A one-line ModelFileError, before the upload starts, where the weights cannot fit the device's free
+    memory: a load never dies half-way with an out-of-memory error (memory: (free, total) bytes)."""
+    free, total = memory
+    need = sum(t.nbytes for t in g.tensors.values()) + WORKING_SET_BYTES
+    if need > free:
+        raise ModelFileError(g.path, f"too big for this GPU: needs about {need / 2**30:.1f} GiB of device memory "
+                                     f"({need} bytes), {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
 
 
 def upload_weights(dev: Device, g: GGUFFile, config: ModelConfig, *, stack: bool) -> CudaWeights:

@@ -119,7 +119,12 @@ class NumpyBackend(Backend):
             x = x + o
 
             h = ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps)
-            m = ops.gated_mlp_stacked(h, lw.w_gate_up, lw.w_down, act=recipe.act)
+            if recipe.moe is not None:
+                m = ops.moe_mlp(h, present(lw.router), present(lw.gate_exps), present(lw.up_exps),
+                                present(lw.down_exps), k=cfg.n_experts_used, act=recipe.act,
+                                gating=recipe.moe.gating.value, norm_topk=recipe.moe.norm_topk)
+            else:
+                m = ops.gated_mlp_stacked(h, present(lw.w_gate_up), present(lw.w_down), act=recipe.act)
             if recipe.post_norms:
                 m = ops.rms_norm(m, present(lw.post_ffn_norm), cfg.norm_eps)
             x = x + m

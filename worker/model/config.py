@@ -41,6 +41,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     embed_scale: float
     tied_output: bool
     family: Family
+    n_experts: int = 0  # mixture of experts (recipe.moe): experts per layer, 0 for a dense MLP
+    n_experts_used: int = 0  # experts each token goes through
+    expert_ffn: int = 0  # each expert's feed-forward length
 
     @property
     def recipe(self) -> Recipe:
@@ -106,7 +109,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
         name=str(g.get("general.name", g.path.stem)),
         n_layers=n_layers,
         hidden=hidden,
-        ffn=int(_req(g, keys.feed_forward_length)),
+        ffn=int(g.get(keys.feed_forward_length, 0) if recipe.moe else _req(g, keys.feed_forward_length)),
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         head_dim=head_dim,
@@ -122,7 +125,22 @@ def read_config(g: GGUFFile) -> ModelConfig:
         embed_scale=math.sqrt(hidden) if recipe.embed_scale is EmbedScale.SQRT_HIDDEN else 1.0,
         tied_output=_tied_output(g, family),
         family=family,
+        **_experts(g, family),
     )
+
+
+def _experts(g: GGUFFile, family: Family) -> dict[str, int]:
+    """The mixture of experts' sizes, checked against each other (an empty dict for a dense family)."""
+    if family.recipe.moe is None:
+        return {}
+    keys = family.keys
+    assert keys.expert_count and keys.expert_used_count and keys.expert_feed_forward_length
+    n, used = int(_req(g, keys.expert_count)), int(_req(g, keys.expert_used_count))
+    if not 0 < used <= n:
+        raise ModelFileError(g.path, f"corrupt: {used} experts used per token of {n}")
+    gate = g.tensors.get(family.tensors.layer_name(0, "gate_exps"))  # ggml shape [hidden, ffn, experts]
+    ffn = g.get(keys.expert_feed_forward_length) or (int(gate.shape[1]) if gate is not None else 0)
+    return {"n_experts": n, "n_experts_used": used, "expert_ffn": int(ffn)}
 
 
 def _tied_output(g: GGUFFile, family: Family) -> bool:

@@ -45,8 +45,12 @@ class LayerWeights:
     wqkv: np.ndarray  # q, k and v stacked by rows
     wo: np.ndarray
     ffn_norm: np.ndarray
-    w_gate_up: np.ndarray  # gate and up stacked by rows
-    w_down: np.ndarray
+    w_gate_up: np.ndarray | None = None  # a dense MLP: gate and up stacked by rows
+    w_down: np.ndarray | None = None
+    router: np.ndarray | None = None  # a mixture of experts: [experts, hidden]
+    gate_exps: np.ndarray | None = None  # [experts, expert ffn, hidden]
+    up_exps: np.ndarray | None = None
+    down_exps: np.ndarray | None = None  # [experts, hidden, expert ffn]
     bqkv: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None

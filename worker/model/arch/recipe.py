@@ -65,6 +65,23 @@ class SlidingWindow:
     local_rope_base: float  # the local layers' base when the file has no rope.freq_base_swa
 
 
+class Gating(enum.Enum):
+    """How a mixture-of-experts router turns its logits into the chosen experts' weights."""
+
+    SOFTMAX = "softmax"  # softmax over all experts, then the top k (qwen3moe; renormalised if norm_topk)
+    SOFTMAX_TOPK = "softmax-topk"  # the top k logits, then a softmax over those k (gpt-oss)
+
+
+@dataclass(frozen=True)
+class Moe:
+    """The MLP is a mixture of experts: a router (ffn_gate_inp) picks the file's expert_used_count of
+    its expert_count experts per token, each a gated MLP of expert_feed_forward_length, and the MLP's
+    output is their outputs weighted as `gating` says."""
+
+    gating: Gating = Gating.SOFTMAX
+    norm_topk: bool = True  # the k chosen weights are scaled to sum to 1
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How one layer (and the ends of the stack) is computed. Decided per family, never per file:
@@ -81,6 +98,7 @@ class Recipe:
     output_weight: Presence = Presence.OPTIONAL  # OPTIONAL: tied to token_embd when the file has none
     half_type: HalfType = HalfType.F16
     sliding_window: SlidingWindow | None = None
+    moe: Moe | None = None  # None: a dense gated MLP
     # Neither backend runs these yet; they are named so that a family needing one fails here, loudly
     mlp_bias: bool = False
     logit_softcap: float = 0.0  # 0: none
@@ -97,8 +115,8 @@ class Recipe:
 
     def layer_roles(self) -> dict[str, Presence]:
         """Every tensor role a layer of this recipe has (ROLES), and whether a file must carry it."""
-        roles = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"),
-                              Presence.REQUIRED)
+        mlp = MOE_ROLES if self.moe else ("w_gate", "w_up", "w_down")
+        roles = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", *mlp), Presence.REQUIRED)
         if self.attn_bias is not Presence.NONE:
             roles |= dict.fromkeys(BIAS_ROLES, self.attn_bias)
         if self.qk_norm:
@@ -111,8 +129,9 @@ class Recipe:
 # The roles a layer's tensors play, in the order their weights are loaded (the CUDA backend's device
 # allocations follow it, so it is part of its memory layout).
 ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
-         "ffn_norm", "w_gate", "w_up", "w_down", "post_ffn_norm")
+         "ffn_norm", "w_gate", "w_up", "w_down", "router", "gate_exps", "up_exps", "down_exps", "post_ffn_norm")
 MATRIX_ROLES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MOE_ROLES = ("router", "gate_exps", "up_exps", "down_exps")  # router [experts, hidden]; the rest 3-D
 BIAS_ROLES = ("bq", "bk", "bv")
 
 
@@ -131,20 +150,21 @@ class TensorNames:
 
 
 # llama.cpp's names for the roles every pre-norm transformer has; families add their extras
-PRE_NORM_LAYER = {
+ATTENTION_LAYER = {
     "attn_norm": "attn_norm.weight",
     "wq": "attn_q.weight",
     "wk": "attn_k.weight",
     "wv": "attn_v.weight",
     "wo": "attn_output.weight",
     "ffn_norm": "ffn_norm.weight",
-    "w_gate": "ffn_gate.weight",
-    "w_up": "ffn_up.weight",
-    "w_down": "ffn_down.weight",
 }
+DENSE_MLP_LAYER = {"w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
+PRE_NORM_LAYER = {**ATTENTION_LAYER, **DENSE_MLP_LAYER}
 QKV_BIAS_LAYER = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 QK_NORM_LAYER = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
 POST_NORM_LAYER = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+MOE_LAYER = {"router": "ffn_gate_inp.weight", "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight",
+             "down_exps": "ffn_down_exps.weight"}
 
 
 @dataclass(frozen=True)
@@ -166,6 +186,9 @@ class MetadataKeys:
     sliding_window: str | None = None
     sliding_window_pattern: str | None = None
     rope_freq_base_swa: str | None = None
+    expert_count: str | None = None
+    expert_used_count: str | None = None
+    expert_feed_forward_length: str | None = None
 
     @classmethod
     def under(cls, prefix: str, *, sliding_window: bool = False) -> MetadataKeys:
@@ -186,6 +209,9 @@ class MetadataKeys:
             rope_freq_base=f"{prefix}.rope.freq_base",
             rope_scaling_type=f"{prefix}.rope.scaling.type",
             rope_scaling_factor=f"{prefix}.rope.scaling.factor",
+            expert_count=f"{prefix}.expert_count",
+            expert_used_count=f"{prefix}.expert_used_count",
+            expert_feed_forward_length=f"{prefix}.expert_feed_forward_length",
             **swa,
         )
 

@@ -1,0 +1,156 @@
+"""Mixture-of-experts models (qwen3moe): the router's math, the synthetic shapes, and a worker serving
+the tiny synthetic model through all four APIs with forced tool calls in the family's own format
+(Hermes: <tool_call>{...}</tool_call>), checked through the official clients.
+
+The forward pass itself is checked against llama.cpp in tests/test_forward_oracle.py (synth-qwen3moe).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from ember.kernels import reference as ops
+from ember.worker.bench import synth
+from ember.worker.model.config import read_config
+from ember.worker.model.gguf_file import GGUFFile, ModelFileError
+
+TOOL = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+        "required": ["city"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+# -- the router and the experts against a token-by-token definition -------------------------------------
+
+
+def _naive_moe(x, router, gate, up, down, k, gating, norm):
+    out = np.zeros((len(x), down.shape[1]), np.float64)
+    for i, row in enumerate(x.astype(np.float64)):
+        logits = router.astype(np.float64) @ row
+        if gating == "softmax":
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            chosen = sorted(range(len(p)), key=lambda e: -p[e])[:k]
+            w = p[chosen]
+        else:
+            chosen = sorted(range(len(logits)), key=lambda e: -logits[e])[:k]
+            w = np.exp(logits[chosen] - logits[chosen].max())
+            w /= w.sum()
+        if norm:
+            w = w / w.sum()
+        for e, we in zip(chosen, w, strict=True):
+            g = gate[e].astype(np.float64) @ row
+            h = g / (1 + np.exp(-g)) * (up[e].astype(np.float64) @ row)
+            out[i] += we * (down[e].astype(np.float64) @ h)
+    return out
+
+
+@pytest.mark.parametrize("gating,norm", [("softmax", True), ("softmax", False), ("softmax-topk", False)])
+def test_moe_mlp_matches_token_by_token(gating, norm):
+    rng = np.random.default_rng(0)
+    n, hidden, ffn, experts, k = 9, 32, 24, 8, 3
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    router = rng.standard_normal((experts, hidden)).astype(np.float32)
+    gate, up = (rng.standard_normal((experts, ffn, hidden)).astype(np.float32) * 0.2 for _ in range(2))
+    down = rng.standard_normal((experts, hidden, ffn)).astype(np.float32) * 0.2
+    got = ops.moe_mlp(x, router, gate, up, down, k=k, act="silu", gating=gating, norm_topk=norm)
+    np.testing.assert_allclose(got, _naive_moe(x, router, gate, up, down, k, gating, norm), rtol=2e-4, atol=2e-5)
+    top, w = ops.moe_route(x, router, k=k, gating=gating, norm_topk=norm)
+    assert top.shape == (n, k) and all(len(set(r)) == k for r in top.tolist())
+    if norm or gating == "softmax-topk":
+        np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_unknown_gating_is_refused():
+    with pytest.raises(ValueError, match="gating"):
+        ops.moe_route(np.ones((1, 4), np.float32), np.ones((2, 4), np.float32), k=1, gating="sigmoid")
+
+
+# -- the synthetic shapes --------------------------------------------------------------------------------
+
+
+def test_qwen3_30b_a3b_plan_is_llama_cpps_q4_k_m():
+    t = {p.name: p for p in synth.plan("qwen3moe", "qwen3-30b-a3b")}
+    assert t["blk.0.ffn_gate_exps.weight"].shape == (2048, 768, 128)
+    assert t["blk.0.ffn_down_exps.weight"].shape == (768, 2048, 128)
+    assert t["blk.0.ffn_gate_inp.weight"].ggml_type.name == "F32"  # llama.cpp never quantizes the router
+    assert t["blk.0.ffn_gate_exps.weight"].ggml_type.name == "Q4_K"
+    assert t["blk.0.ffn_down_exps.weight"].ggml_type.name == "Q6_K"  # use_more_bits layers
+    assert t["blk.7.ffn_down_exps.weight"].ggml_type.name == "Q4_K"
+    assert "blk.0.ffn_gate.weight" not in t and "output.weight" in t
+    total = sum(p.nbytes for p in t.values())
+    assert 17.0e9 < total < 19.5e9, total  # a real Qwen3-30B-A3B Q4_K_M file is 18.6 GB
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return synth.make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf", seed=0)
+
+
+def test_config_reads_the_experts(tiny_moe):
+    cfg = read_config(GGUFFile(tiny_moe))
+    assert (cfg.arch, cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn) == ("qwen3moe", 16, 4, 64)
+    assert cfg.recipe.moe is not None and cfg.recipe.qk_norm
+
+
+def test_the_cuda_backend_refuses_moe_in_one_line(tiny_moe):
+    from ember.worker.engine.cuda_layers import check_runs
+
+    g = GGUFFile(tiny_moe)
+    with pytest.raises(ModelFileError) as e:
+        check_runs(g, read_config(g))
+    assert "mixture-of-experts" in str(e.value) and "--backend numpy" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# -- a worker serving it ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_worker(start_worker, tiny_moe):
+    return start_worker("--max-seqs", "4", "--ctx", "2048", "--kv-mem", "64MiB", "--log-prompts", model=tiny_moe)
+
+
+def test_four_apis_generate_and_force_a_hermes_call(moe_worker, openai_factory):
+    import anthropic
+
+    oa = openai_factory(moe_worker)
+    r = oa.completions.create(model="m", prompt="one two three", max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL}}]
+    # a random model never closes a <think> block of its own: each request asks for no reasoning
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice="required", max_tokens=60,
+                                   parallel_tool_calls=False, seed=1, reasoning_effort="none")
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), TOOL)
+    r = oa.responses.create(model="m", input=ASK, max_output_tokens=60, tool_choice="required",
+                            reasoning={"effort": "none"},
+                            tools=[{"type": "function", "name": "get_weather", "parameters": TOOL, "strict": True}])
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), TOOL)
+    an = anthropic.Anthropic(base_url=moe_worker.url, api_key=moe_worker.api_key, max_retries=0, timeout=300)
+    m = an.messages.create(model="m", max_tokens=60, messages=ASK, thinking={"type": "disabled"},
+                           extra_body={"temperature": 0},
+                           tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                           tools=[{"name": "get_weather", "input_schema": TOOL}])
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather", m
+    jsonschema.validate(uses[0].input, TOOL)
+    outputs = [json.loads(ln)["text"] for ln in moe_worker.log_path.read_text().splitlines() if '"output"' in ln]
+    assert sum("<tool_call>" in t for t in outputs) >= 3  # the model wrote Hermes calls; the APIs translated them
+
+
+def test_a_model_too_big_for_the_gpu_is_one_line(tiny_moe):
+    from ember.worker.engine.cuda_layers import check_fits
+
+    g = GGUFFile(tiny_moe)
+    check_fits(g, (64 << 30, 80 << 30))
+    with pytest.raises(ModelFileError) as e:
+        check_fits(g, (100 << 20, 24 << 30))
+    msg = str(e.value)
+    assert "too big for this GPU" in msg and "0.1 GiB free of 24.0 GiB" in msg and "\n" not in msg
