@@ -52,10 +52,11 @@ def linear_q8(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return (dequantize_q8(*quantize_q8(x)) @ np.asarray(weight, dtype=np.float64).T)
 
 
-def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [n, head_dim/2] for the given positions; angles in float64 for long contexts."""
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n, head_dim/2] for the given positions, times `scale` (YaRN's); angles in float64 for
+    long contexts."""
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, neox: bool) -> np.ndarray:
@@ -80,14 +81,16 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def attention(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray, *, window: int, scale: float,
-    key_offset: int = 0,
+    key_offset: int = 0, sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention for one sequence.
 
     q [n, heads, d] at positions q_pos; keys/values [L, kv_heads, d] hold positions
     key_offset .. key_offset + L - 1. A key at position j is visible to a query at p when j <= p
     and, with a sliding window, p - j < window (llama.cpp's rule). Query head h reads kv head
-    h // (heads / kv_heads). Returns [n, heads, d].
+    h // (heads / kv_heads). sinks [heads]: a logit per head that joins every softmax's denominator
+    and nothing else (gpt-oss; a query may so give less than all of its weight to the keys).
+    Returns [n, heads, d].
     """
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
@@ -110,7 +113,14 @@ def attention(
         scores = _rows_times(qh, k.T, k)  # [n*group, L']
         if mask is not None:
             scores = np.where(mask, scores, np.float32(-np.inf))
-        out[:, heads_of_h, :] = _rows_times(softmax(scores), v).reshape(n, group, d)
+        if sinks is not None:
+            sink = np.tile(sinks[heads_of_h].astype(np.float32), n)[:, None]  # rows are (query, head)
+            top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+            e = np.exp(scores - top)
+            p = e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - top))
+        else:
+            p = softmax(scores)
+        out[:, heads_of_h, :] = _rows_times(p, v).reshape(n, group, d)
     return out
 
 
@@ -133,31 +143,48 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def gated_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *, act: str) -> np.ndarray:
-    """down(act(gate(x)) * up(x)), with act "silu" (llama, qwen) or "gelu_tanh" (gemma)."""
-    g = linear(x, w_gate)
-    g = silu(g) if act == "silu" else gelu_tanh(g)
-    return linear(g * linear(x, w_up), w_down)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # gpt-oss's (fixed in llama.cpp too)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's gated activation: the gate clamped above and up both ways at the limit, then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    g = np.minimum(gate, np.float32(SWIGLU_OAI_LIMIT))
+    u = np.clip(up, np.float32(-SWIGLU_OAI_LIMIT), np.float32(SWIGLU_OAI_LIMIT))
+    return g / (np.float32(1.0) + np.exp(np.float32(-SWIGLU_OAI_ALPHA) * g)) * (u + np.float32(1.0))
+
+
+def gated(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+    """act(gate) * up, or gpt-oss's clamped form (act "swiglu_oai")."""
+    if act == "swiglu_oai":
+        return swiglu_oai(gate, up)
+    return (silu(gate) if act == "silu" else gelu_tanh(gate)) * up
+
+
+def gated_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *, act: str,
+              biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """down(act(gate(x)) * up(x)), with act "silu" (llama, qwen), "gelu_tanh" (gemma) or "swiglu_oai"
+    (gpt-oss); biases: (gate, up, down) ones, where the model has them."""
+    bg, bu, bd = biases or (None, None, None)
+    return linear(gated(linear(x, w_gate, bg), linear(x, w_up, bu), act), w_down, bd)
 
 
 def gated_mlp_stacked(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, *, act: str) -> np.ndarray:
     """gated_mlp with the gate and up projections stacked by rows into one matrix."""
     gu = linear(x, w_gate_up)
     half = gu.shape[-1] // 2
-    g = gu[..., :half]
-    g = silu(g) if act == "silu" else gelu_tanh(g)
-    return linear(g * gu[..., half:], w_down)
+    return linear(gated(gu[..., :half], gu[..., half:], act), w_down)
 
 
 MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the chosen weights' sum below by this (2^-14)
 
 
-def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softmax",
-              norm_topk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softmax", norm_topk: bool = True,
+              bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each row's k experts (best first) and their weights. gating "softmax": a softmax over all
     the router's logits, then the k largest (qwen3moe); "softmax-topk": the k largest logits, then a
     softmax over those (gpt-oss). norm_topk scales the k weights to sum to 1."""
-    logits = linear(x, router)
+    logits = linear(x, router, bias)
     if gating == "softmax":
         probs = softmax(logits)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
@@ -173,15 +200,19 @@ def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softm
 
 
 def moe_mlp(x: np.ndarray, router: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
-            *, k: int, act: str, gating: str = "softmax", norm_topk: bool = True) -> np.ndarray:
+            *, k: int, act: str, gating: str = "softmax", norm_topk: bool = True,
+            biases: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """A mixture-of-experts MLP: each row through its k experts' gated MLPs (gate/up_exps [experts,
     ffn, hidden], down_exps [experts, hidden, ffn]), their outputs summed by the router's weights.
-    The rows are grouped by expert, so each expert's weights are read once per call."""
-    top, weights = moe_route(x, router, k=k, gating=gating, norm_topk=norm_topk)
+    biases: (router [experts], gate, up [experts, ffn], down [experts, hidden]) where the model has
+    them. The rows are grouped by expert, so each expert's weights are read once per call."""
+    rb, gb, ub, db = biases or (None, None, None, None)
+    top, weights = moe_route(x, router, k=k, gating=gating, norm_topk=norm_topk, bias=rb)
     out = np.zeros((x.shape[0], down_exps.shape[1]), dtype=np.float32)
     for e in np.unique(top):
         rows, slot = np.nonzero(top == e)
-        y = gated_mlp(x[rows], gate_exps[e], up_exps[e], down_exps[e], act=act)
+        eb = None if gb is None or ub is None or db is None else (gb[e], ub[e], db[e])
+        y = gated_mlp(x[rows], gate_exps[e], up_exps[e], down_exps[e], act=act, biases=eb)
         out[rows] += weights[rows, slot, None] * y
     return out
 

@@ -24,7 +24,7 @@ our engine computes teacher-forced logits and every position is checked:
       vs token-by-token correlation and its Q4 vs F32 correlation at position i; 0.998 wherever
       llama.cpp agrees with itself to >= 0.999
     * the issue's numbers verbatim: an expected failure (xfail, strict), listing the positions
-  tiny synthetic llama / qwen2 / qwen3 / qwen3moe, and qwen3moe with every 2-5-bit type (Q2_K ..
+  tiny synthetic llama / qwen2 / qwen3 / qwen3moe / gpt-oss, and qwen3moe with every 2-5-bit type (Q2_K ..
   IQ2_XXS .. MXFP4) (regenerated here by ember's deterministic generator; the fixture's sha256 must
   match; quantized too, so the same floor rule):
     * correlation >= 0.999 (MoE: llama.cpp's own floor, its 8-bit activations flip experts), argmax
@@ -70,7 +70,8 @@ TOP5_MIN = 4
 SYNTH_MIN_CORR = 0.999
 # fixture key -> (arch, shape): tests/oracle/gen_logit_fixtures.py's SYNTH_MODELS
 SYNTH_MODELS = {"llama": ("llama", "tiny"), "qwen2": ("qwen2", "tiny"), "qwen3": ("qwen3", "tiny"),
-                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit")}
+                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit"),
+                "gpt-oss": ("gpt-oss", "tiny")}
 SYNTH_ARCHS = tuple(SYNTH_MODELS)
 SCORE_CHUNK = 256
 BLOCK_SIZE = 16
@@ -213,7 +214,7 @@ class RouterMargins:
         route = reference.moe_route
 
         def recording(x, router, *, k, **kw):
-            p = np.sort(reference.softmax(reference.linear(x, router)), axis=-1)[:, ::-1]
+            p = np.sort(reference.softmax(reference.linear(x, router, kw.get("bias"))), axis=-1)[:, ::-1]
             self.calls.append(p[:, k - 1] - p[:, k])
             return route(x, router, k=k, **kw)
 
@@ -512,7 +513,7 @@ def synth_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("arch", SYNTH_ARCHS)
 def test_synthetic_models(arch, synth_dir):
     c = synth_comparison(arch, synth_dir)
-    moe = SYNTH_MODELS[arch][0] == "qwen3moe"
+    moe = SYNTH_MODELS[arch][0] in ("qwen3moe", "gpt-oss")
     # a router's top-k is discontinuous: llama.cpp's 8-bit activations flip an expert at a few positions
     # and move its logits further than 0.999 from its own F32 run there, so MoE files get its floor
     failures = floor_rule_failures(c, SYNTH_MIN_CORR, corr_floor=moe)

@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (qwen3moe): the router's math, the synthetic shapes, and a worker serving
-the tiny synthetic model through all four APIs with forced tool calls in the family's own format
-(Hermes: <tool_call>{...}</tool_call>), checked through the official clients.
+"""Mixture-of-experts models (qwen3moe, gpt-oss): the router's math, the synthetic shapes, and a worker
+serving each tiny synthetic model through all four APIs with forced tool calls in the format its
+template speaks (qwen3moe: Hermes, <tool_call>{...}</tool_call>), checked through the official clients.
 
 The forward pass itself is checked against llama.cpp in tests/test_forward_oracle.py (synth-qwen3moe).
 """
@@ -109,14 +109,22 @@ def test_the_cuda_backend_refuses_moe_in_one_line(tiny_moe):
 # -- a worker serving it ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moe_worker(start_worker, tiny_moe):
-    return start_worker("--max-seqs", "4", "--ctx", "2048", "--kv-mem", "64MiB", "--log-prompts", model=tiny_moe)
+# each family's tiny model and the mark its forced calls are written in: Hermes for qwen3moe; gpt-oss's
+# synthetic file has a plain ChatML template (Harmony is not a format ember speaks yet), so fenced JSON
+FAMILIES = {"qwen3moe": "<tool_call>", "gpt-oss": "```json"}
 
 
-def test_four_apis_generate_and_force_a_hermes_call(moe_worker, openai_factory):
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def moe_worker(request, start_worker, tmp_path_factory):
+    path = synth.make_model(request.param, "tiny", tmp_path_factory.mktemp("moe") / f"{request.param}.gguf")
+    w = start_worker("--max-seqs", "4", "--ctx", "2048", "--kv-mem", "64MiB", "--log-prompts", model=path)
+    return w, FAMILIES[request.param]
+
+
+def test_four_apis_generate_and_force_a_call(moe_worker, openai_factory):
     import anthropic
 
+    moe_worker, call_mark = moe_worker
     oa = openai_factory(moe_worker)
     r = oa.completions.create(model="m", prompt="one two three", max_tokens=8, temperature=0)
     assert r.usage.completion_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
@@ -142,7 +150,7 @@ def test_four_apis_generate_and_force_a_hermes_call(moe_worker, openai_factory):
     assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather", m
     jsonschema.validate(uses[0].input, TOOL)
     outputs = [json.loads(ln)["text"] for ln in moe_worker.log_path.read_text().splitlines() if '"output"' in ln]
-    assert sum("<tool_call>" in t for t in outputs) >= 3  # the model wrote Hermes calls; the APIs translated them
+    assert sum(call_mark in t for t in outputs) >= 3  # the family's own calls, translated by the APIs
 
 
 def test_a_model_too_big_for_the_gpu_is_one_line(tiny_moe):
@@ -154,3 +162,45 @@ def test_a_model_too_big_for_the_gpu_is_one_line(tiny_moe):
         check_fits(g, (100 << 20, 24 << 30))
     msg = str(e.value)
     assert "too big for this GPU" in msg and "0.1 GiB free of 24.0 GiB" in msg and "\n" not in msg
+
+
+def test_gpt_oss_20b_plan_is_the_released_mix():
+    t = {p.name: p for p in synth.plan("gpt-oss", "gpt-oss-20b")}
+    assert t["blk.0.ffn_gate_exps.weight"].shape == (2880, 2880, 32)
+    assert {t[f"blk.0.ffn_{m}_exps.weight"].ggml_type.name for m in ("gate", "up", "down")} == {"MXFP4"}
+    assert t["blk.0.attn_q.weight"].ggml_type.name == "Q8_0" and t["blk.0.attn_sinks.weight"].shape == (64,)
+    assert t["blk.0.ffn_down_exps.bias"].ggml_type.name == "F32"
+    assert 11.5e9 < sum(p.nbytes for p in t.values()) < 12.6e9  # the released MXFP4 file: 12.1 GB
+
+
+def test_attention_sinks_take_weight_from_the_keys():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((6, 2, 8)).astype(np.float32) for _ in range(2))
+    pos = np.array([3, 4, 5])
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    got = ops.attention(q, k, v, pos, window=4, scale=0.3, sinks=sinks)
+    for i, p in enumerate(pos):
+        for h in range(4):
+            keys = [j for j in range(6) if j <= p and p - j < 4]
+            s = np.array([q[i, h] @ k[j, h // 2] * 0.3 for j in keys] + [sinks[h]], np.float64)
+            w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            np.testing.assert_allclose(got[i, h], sum(w[a] * v[j, h // 2] for a, j in enumerate(keys)),
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_oai_clamps_as_gpt_oss_does():
+    gate = np.array([-10.0, 0.0, 3.0, 9.0], np.float32)
+    up = np.array([-9.0, 1.0, 2.0, 8.0], np.float32)
+    g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    np.testing.assert_allclose(ops.swiglu_oai(gate, up), g / (1 + np.exp(-1.702 * g)) * (u + 1), rtol=1e-6)
+
+
+def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
+    from ember.worker.engine.cuda_layers import check_runs
+
+    g = GGUFFile(synth.make_model("gpt-oss", "tiny", tmp_path / "g.gguf"))
+    cfg = read_config(g)
+    assert cfg.rope_yarn == (32.0, 4096) and cfg.local_layers == (True, False) and cfg.sliding_window == 16
+    with pytest.raises(ModelFileError, match="mixture-of-experts.*gpt-oss"):
+        check_runs(g, cfg)

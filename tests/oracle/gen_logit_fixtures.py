@@ -67,7 +67,8 @@ FULL_LOGITS_MAX_VOCAB = 4096  # vocabularies up to this size keep full logits (f
 N_THREADS = 2
 # fixture key -> (arch, shape) of `ember bench make-model`
 SYNTH_MODELS = {"llama": ("llama", "tiny"), "qwen2": ("qwen2", "tiny"), "qwen3": ("qwen3", "tiny"),
-                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit")}
+                "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit"),
+                "gpt-oss": ("gpt-oss", "tiny")}
 SYNTH_SEED = 0
 SYNTH_PROMPT_SEED = 1234
 SYNTH_PROMPT_LENGTHS = (1, 3, 7, 12, 20, 31, 45, 64, 100, 1010)  # + BOS; the last one is over 1,000

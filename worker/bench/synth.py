@@ -7,12 +7,13 @@ gives a byte-identical file.
 
 Shapes (`SHAPES`, what users type after --shape):
   tiny             a small test model of the chosen arch (tiny-llama, tiny-qwen2, tiny-qwen3,
-                   tiny-gemma3, tiny-qwen3moe); a few layers, hidden 128, GQA, vocab 512-1000
+                   tiny-gemma3, tiny-qwen3moe, tiny-gpt-oss); a few layers, hidden 128, GQA, vocab 512-1000
   tiny-lowbit      (qwen3moe) a tiny MoE model whose matrices use every 2-5-bit type ember reads
   gemma3-270m      Gemma 3 270M, tensor for tensor the embedded Q4_K_M file
   gemma3-4b        Gemma 3 4B (text), Q4_K_M mix
   llama-8b         Llama 3 8B, Q4_K_M mix, Llama 3 BPE vocabulary
   qwen3-30b-a3b    Qwen3-Coder-30B-A3B (qwen3moe: 128 experts, 8 per token), Q4_K_M mix
+  gpt-oss-20b      gpt-oss-20b (32 experts, 4 per token): MXFP4 experts, Q8_0 elsewhere
 
 Weights use llama.cpp's Q4_K_M type choice (llama-quant.cpp): Q4_K everywhere, Q6_K for the output
 (or the tied embedding) and for attn_v / ffn_down on the "use_more_bits" layers, with llama.cpp's
@@ -93,7 +94,7 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_rope_freq_base(s.rope_base)
-    if a in ("qwen3", "gemma3", "qwen3moe") or s.head_dim * s.n_head != s.n_embd:
+    if a in ("qwen3", "gemma3", "qwen3moe", "gpt-oss") or s.head_dim * s.n_head != s.n_embd:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
     if a == "llama":
@@ -103,6 +104,10 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.rope_yarn:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.rope_yarn[0])
+        w.add_rope_scaling_orig_ctx_len(s.rope_yarn[1])
     if s.rope_scaling_linear:
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s.rope_scaling_linear)

@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 
 
 class SynthError(ValueError):
@@ -39,7 +39,8 @@ class ShapeSpec:
     sliding_window: int = 0  # gemma3: local attention window (5 local : 1 global layers)
     rope_base_swa: float | None = None  # gemma3: rope base of the local layers, written when set
     rope_scaling_linear: float | None = None  # linear rope scaling factor (gemma3 4B+)
-    n_expert: int = 0  # mixture of experts (qwen3moe): experts per layer, each with n_ff_exp
+    rope_yarn: tuple[float, int] | None = None  # YaRN: (factor, original context) (gpt-oss)
+    n_expert: int = 0  # mixture of experts (qwen3moe, gpt-oss): experts per layer, each with n_ff_exp
     n_expert_used: int = 0
     n_ff_exp: int = 0
     mix: str = "q4_k_m"
@@ -110,6 +111,11 @@ SHAPES: dict[str, ShapeSpec] = {
                   head_dim=64, n_ff=512, n_ctx=4096, rope_base=1000000.0, rms_eps=1e-6, tokenizer="bpe-qwen3",
                   tied=False, n_expert=16, n_expert_used=4, n_ff_exp=256, type_table=_LOWBIT_TYPES,
                   description="tiny qwen3moe test model in every 2-5-bit type ember reads (Q2_K .. MXFP4)"),
+        ShapeSpec("tiny-gpt-oss", "gpt-oss", n_vocab=768, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=64,
+                  n_ff=128, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-qwen2", tied=False,
+                  sliding_window=16, rope_yarn=(32.0, 4096), n_expert=8, n_expert_used=2, n_ff_exp=128,
+                  mix="mxfp4", description="tiny gpt-oss test model: MXFP4 experts with biases, sinks, "
+                  "window 16 on even layers, YaRN"),
         ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
                   head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
                   tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,
@@ -127,6 +133,11 @@ SHAPES: dict[str, ShapeSpec] = {
                   tokenizer="bpe-qwen3", tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768,
                   size_label="30B-A3B", real=True,
                   description="Qwen3-Coder-30B-A3B, Q4_K_M (128 experts, 8 per token)"),
+        ShapeSpec("gpt-oss-20b", "gpt-oss", n_vocab=201088, n_embd=2880, n_layer=24, n_head=64, n_head_kv=8,
+                  head_dim=64, n_ff=2880, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-qwen2",
+                  tied=False, sliding_window=128, rope_yarn=(32.0, 4096), n_expert=32, n_expert_used=4,
+                  n_ff_exp=2880, mix="mxfp4", size_label="20B", real=True,
+                  description="gpt-oss-20b: MXFP4 experts (32, 4 per token), Q8_0 elsewhere"),
     ]
 }
 
@@ -184,13 +195,14 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
     glob = [("token_embd.weight", (s.n_embd, s.n_vocab)), ("output_norm.weight", (s.n_embd,))]
     if not s.tied:
         glob.append(("output.weight", (s.n_embd, s.n_vocab)))
+    ffn_norm = "post_attention_norm.weight" if s.arch == "gpt-oss" else "ffn_norm.weight"
     layer = [
         ("attn_norm.weight", (s.n_embd,)),
         ("attn_q.weight", (s.n_embd, q_dim)),
         ("attn_k.weight", (s.n_embd, kv_dim)),
         ("attn_v.weight", (s.n_embd, kv_dim)),
         ("attn_output.weight", (q_dim, s.n_embd)),
-        ("ffn_norm.weight", (s.n_embd,)),
+        (ffn_norm, (s.n_embd,)),
     ]
     if s.n_expert:  # ggml order: [hidden, experts] for the router, [in, out, experts] for the experts
         layer += [
@@ -205,8 +217,12 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
             ("ffn_up.weight", (s.n_embd, s.n_ff)),
             ("ffn_down.weight", (s.n_ff, s.n_embd)),
         ]
-    if s.arch == "qwen2":
+    if s.arch in ("qwen2", "gpt-oss"):
         layer += [("attn_q.bias", (q_dim,)), ("attn_k.bias", (kv_dim,)), ("attn_v.bias", (kv_dim,))]
+    if s.arch == "gpt-oss":
+        layer += [("attn_output.bias", (s.n_embd,)), ("attn_sinks.weight", (s.n_head,)),
+                  ("ffn_gate_inp.bias", (s.n_expert,)), ("ffn_gate_exps.bias", (s.n_ff_exp, s.n_expert)),
+                  ("ffn_up_exps.bias", (s.n_ff_exp, s.n_expert)), ("ffn_down_exps.bias", (s.n_embd, s.n_expert))]
     if s.arch in ("qwen3", "gemma3", "qwen3moe"):
         layer += [("attn_q_norm.weight", (s.head_dim,)), ("attn_k_norm.weight", (s.head_dim,))]
     if s.arch == "gemma3":
@@ -217,15 +233,17 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
 def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
     """The tensor table of a shape, in file order."""
     glob, layer = _tensor_shapes(s)
-    if s.mix != "q4_k_m":
+    if s.mix not in ("q4_k_m", "mxfp4"):
         raise SynthError(f"unknown quantization mix {s.mix!r}")
 
     def type_of(name: str, shape: tuple[int, ...], il: int) -> GGMLQuantizationType:
         if s.type_table is not None:
             types = s.type_table[name]
             return T[types[il] if il >= 0 else types[0]]
-        if len(shape) == 1 or name == "ffn_gate_inp.weight":  # llama.cpp keeps the router in F32
+        if len(shape) == 1 or name == "ffn_gate_inp.weight" or name.endswith(".bias"):  # the router stays F32
             return T.F32
+        if s.mix == "mxfp4":  # gpt-oss as released: MXFP4 experts, the other matrices Q8_0
+            return T.MXFP4 if name.endswith("_exps.weight") else T.Q8_0
         return q4_k_m_type(name.split(".")[0], il, s.n_layer, shape[0], s.tied)
 
     # order: global tensors, then layer by layer, names sorted (as in the embedded Gemma file)

@@ -23,6 +23,7 @@ from ..model.arch import layer_tensors
 from ..model.arch.recipe import MATRIX_ROLES
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
+from ..model.rope import inv_frequencies
 
 # A stack of mixed legacy types is upcast to Q8_0 when that adds at most this many bytes to a step
 # (about a quarter of a microsecond of the H200's bandwidth, against a launch of 2-4 us it saves).
@@ -147,6 +148,9 @@ def check_runs(g: GGUFFile, config: ModelConfig) -> None:
     if config.recipe.moe is not None:
         raise ModelFileError(g.path, f"the cuda backend does not run mixture-of-experts models ({config.arch}) "
                                      "yet; --backend numpy runs them")
+    if config.rope_yarn is not None or config.recipe.attn_sinks or config.recipe.attn_out_bias:
+        raise ModelFileError(g.path, f"the cuda backend does not run YaRN RoPE, attention sinks or output "
+                                     f"biases ({config.arch}) yet; --backend numpy runs them")
     names = config.family.tensors
     matrices = [names.token_embd] + ([] if config.tied_output else [names.output])
     for i in range(config.n_layers):
@@ -180,12 +184,10 @@ def upload_weights(dev: Device, g: GGUFFile, config: ModelConfig, *, stack: bool
     output = token_embd if config.tied_output else up.matrix(names.output)
     output_norm, _ = up.vector(names.output_norm)
     layers = [up.layer(layer_tensors(g, config.family, i), stack) for i in range(config.n_layers)]
-    half = config.head_dim // 2
-    exponents = np.arange(half, dtype=np.float64) * 2.0 / config.head_dim
-    freqs: float | np.ndarray = 1.0
+    freqs = None
     if names.rope_freqs is not None and names.rope_freqs in g.tensors:
         freqs = np.asarray(up.vector(names.rope_freqs)[1], np.float64)
-    inv_global = config.rope_scale / (config.rope_base**exponents) / freqs
-    inv_local = 1.0 / (config.rope_base_local**exponents)
+    inv_global, inv_local, mscale = inv_frequencies(config, freqs)
+    assert mscale == 1.0  # YaRN's cos/sin scale: check_runs refuses those models (gpt-oss) on CUDA
     return CudaWeights(token_embd, output, output_norm, layers, dev.to_device(inv_global.astype(np.float32)),
                        dev.to_device(inv_local.astype(np.float32)))

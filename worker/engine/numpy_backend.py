@@ -15,6 +15,7 @@ from ember.kernels import reference as ops
 
 from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
+from ..model.rope import inv_frequencies
 from ..model.weights import ModelWeights
 from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots, present
 
@@ -35,11 +36,7 @@ class NumpyBackend(Backend):
         shape = (config.n_layers, n_blocks, block_size, config.n_kv_heads, config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)
         self.v_pool = np.zeros(shape, dtype=np.float32)
-        half = config.head_dim // 2
-        exponents = np.arange(half, dtype=np.float64) * 2.0 / config.head_dim
-        freq_factors = 1.0 if weights.rope_freqs is None else np.asarray(weights.rope_freqs, np.float64)
-        self._inv_freq_global = config.rope_scale / (config.rope_base**exponents) / freq_factors
-        self._inv_freq_local = 1.0 / (config.rope_base_local**exponents)
+        self._inv_freq_global, self._inv_freq_local, self._rope_scale = inv_frequencies(config, weights.rope_freqs)
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
@@ -85,8 +82,9 @@ class NumpyBackend(Backend):
         x = np.asarray(w.token_embd[tokens], dtype=np.float32)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
-        rope_global = ops.rope_tables(positions, self._inv_freq_global)
-        rope_local = ops.rope_tables(positions, self._inv_freq_local) if cfg.sliding_window else rope_global
+        rope_global = ops.rope_tables(positions, self._inv_freq_global, self._rope_scale)
+        rope_local = (ops.rope_tables(positions, self._inv_freq_local, self._rope_scale) if cfg.sliding_window
+                      else rope_global)
         neox = recipe.rope is Rope.NEOX
 
         for li, lw in enumerate(w.layers):
@@ -111,18 +109,21 @@ class NumpyBackend(Backend):
                 first = max(0, c.start - window + 1) if window else 0  # older keys: outside the window
                 keys, values, offset = self._gather(li, c.block_table, first, c.start + len(c.tokens))
                 attn[a:b] = ops.attention(
-                    q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale, key_offset=offset
+                    q[a:b], keys, values, positions[a:b], window=window, scale=cfg.attn_scale, key_offset=offset,
+                    sinks=lw.sinks,
                 ).reshape(b - a, cfg.q_dim)
-            o = ops.linear(attn, lw.wo)
+            o = ops.linear(attn, lw.wo, lw.bo)
             if recipe.post_norms:
                 o = ops.rms_norm(o, present(lw.post_attn_norm), cfg.norm_eps)
             x = x + o
 
             h = ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps)
             if recipe.moe is not None:
+                biases = ((present(lw.router_b), present(lw.gate_exps_b), present(lw.up_exps_b),
+                           present(lw.down_exps_b)) if recipe.moe.biases else None)
                 m = ops.moe_mlp(h, present(lw.router), present(lw.gate_exps), present(lw.up_exps),
                                 present(lw.down_exps), k=cfg.n_experts_used, act=recipe.act,
-                                gating=recipe.moe.gating.value, norm_topk=recipe.moe.norm_topk)
+                                gating=recipe.moe.gating.value, norm_topk=recipe.moe.norm_topk, biases=biases)
             else:
                 m = ops.gated_mlp_stacked(h, present(lw.w_gate_up), present(lw.w_down), act=recipe.act)
             if recipe.post_norms:

@@ -35,6 +35,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_base: float
     rope_base_local: float  # sliding-window layers; equal to rope_base where the family has none
     rope_scale: float  # linear position scaling of the global layers (1.0 = none)
+    # YaRN (rope.scaling.type yarn): (factor, the trained context); None without. Applies to every
+    # layer whose base is the global one (worker/model/rope.py turns it into frequencies and a scale)
+    rope_yarn: tuple[float, int] | None
     attn_scale: float
     sliding_window: int  # 0 = none
     local_layers: tuple[bool, ...]  # per layer: uses the sliding window (and the local rope base)
@@ -97,9 +100,13 @@ def read_config(g: GGUFFile) -> ModelConfig:
     rope_base = float(g.get(keys.rope_freq_base, 10000.0))
     scaling_type = g.get(keys.rope_scaling_type, "none")
     factor = float(g.get(keys.rope_scaling_factor, 1.0) or 1.0)
-    if scaling_type not in ("none", "linear") and factor != 1.0:
+    if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
         raise ModelFileError(g.path, f"unsupported rope scaling {scaling_type!r}")
-    linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0)
+    yarn = None
+    if scaling_type == "yarn" and factor != 1.0:
+        assert keys.rope_scaling_original_context is not None
+        yarn = (factor, int(g.get(keys.rope_scaling_original_context) or g.get(keys.context_length, 4096)))
+    linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0 and not yarn)
     swa = recipe.sliding_window
     sliding = int(g.get(keys.sliding_window, 0)) if swa else 0
     n_layers = int(_req(g, keys.block_count))
@@ -117,8 +124,9 @@ def read_config(g: GGUFFile) -> ModelConfig:
         context_length=int(g.get(keys.context_length, 4096)),
         norm_eps=float(g.get(keys.rms_eps, 1e-6)),
         rope_base=rope_base,
-        rope_base_local=float(g.get(keys.rope_freq_base_swa, swa.local_rope_base)) if swa else rope_base,
+        rope_base_local=float(g.get(keys.rope_freq_base_swa, swa.local_rope_base or rope_base)) if swa else rope_base,
         rope_scale=1.0 / factor if linear else 1.0,
+        rope_yarn=yarn,
         attn_scale=1.0 / math.sqrt(head_dim),
         sliding_window=sliding,
         local_layers=local_layers,

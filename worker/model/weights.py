@@ -51,7 +51,13 @@ class LayerWeights:
     gate_exps: np.ndarray | None = None  # [experts, expert ffn, hidden]
     up_exps: np.ndarray | None = None
     down_exps: np.ndarray | None = None  # [experts, hidden, expert ffn]
+    router_b: np.ndarray | None = None  # gpt-oss: biases of the router and the experts' matrices
+    gate_exps_b: np.ndarray | None = None  # [experts, expert ffn]
+    up_exps_b: np.ndarray | None = None
+    down_exps_b: np.ndarray | None = None  # [experts, hidden]
     bqkv: np.ndarray | None = None
+    bo: np.ndarray | None = None  # the output projection's bias (gpt-oss)
+    sinks: np.ndarray | None = None  # [heads]: attention sink logits (gpt-oss)
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None

@@ -41,6 +41,7 @@ class Act(enum.StrEnum):
 
     SILU = "silu"
     GELU_TANH = "gelu_tanh"
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss: silu(alpha x) with the gate clamped above and up both ways, times up + 1
 
 
 class EmbedScale(enum.Enum):
@@ -62,7 +63,7 @@ class SlidingWindow:
     (layer il is local when il % period < period - 1) or one flag per layer."""
 
     period: int  # the pattern when the file has none
-    local_rope_base: float  # the local layers' base when the file has no rope.freq_base_swa
+    local_rope_base: float | None  # the local layers' base without rope.freq_base_swa (None: the global RoPE)
 
 
 class Gating(enum.Enum):
@@ -80,6 +81,7 @@ class Moe:
 
     gating: Gating = Gating.SOFTMAX
     norm_topk: bool = True  # the k chosen weights are scaled to sum to 1
+    biases: bool = False  # the router and every expert matrix add a bias (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class Recipe:
     norms: Norms = Norms.PRE
     qk_norm: bool = False  # rms_norm over each head of q and k before RoPE
     attn_bias: Presence = Presence.NONE  # q, k and v biases (all three or none, per layer)
+    attn_out_bias: bool = False  # the output projection adds a bias (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     rope: Rope = Rope.NORMAL
     rope_scaling: RopeScaling = RopeScaling.BY_TYPE
     act: Act = Act.SILU
@@ -119,6 +123,12 @@ class Recipe:
         roles = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", *mlp), Presence.REQUIRED)
         if self.attn_bias is not Presence.NONE:
             roles |= dict.fromkeys(BIAS_ROLES, self.attn_bias)
+        if self.attn_out_bias:
+            roles["bo"] = Presence.REQUIRED
+        if self.attn_sinks:
+            roles["sinks"] = Presence.REQUIRED
+        if self.moe is not None and self.moe.biases:
+            roles |= dict.fromkeys(MOE_BIAS_ROLES, Presence.REQUIRED)
         if self.qk_norm:
             roles |= dict.fromkeys(("q_norm", "k_norm"), Presence.REQUIRED)
         if self.post_norms:
@@ -128,10 +138,12 @@ class Recipe:
 
 # The roles a layer's tensors play, in the order their weights are loaded (the CUDA backend's device
 # allocations follow it, so it is part of its memory layout).
-ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
-         "ffn_norm", "w_gate", "w_up", "w_down", "router", "gate_exps", "up_exps", "down_exps", "post_ffn_norm")
+ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "sinks", "q_norm", "k_norm", "post_attn_norm",
+         "ffn_norm", "w_gate", "w_up", "w_down", "router", "gate_exps", "up_exps", "down_exps", "router_b",
+         "gate_exps_b", "up_exps_b", "down_exps_b", "post_ffn_norm")
 MATRIX_ROLES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MOE_ROLES = ("router", "gate_exps", "up_exps", "down_exps")  # router [experts, hidden]; the rest 3-D
+MOE_BIAS_ROLES = ("router_b", "gate_exps_b", "up_exps_b", "down_exps_b")  # [experts], then [experts, rows]
 BIAS_ROLES = ("bq", "bk", "bv")
 
 
@@ -163,6 +175,8 @@ PRE_NORM_LAYER = {**ATTENTION_LAYER, **DENSE_MLP_LAYER}
 QKV_BIAS_LAYER = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 QK_NORM_LAYER = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
 POST_NORM_LAYER = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+MOE_BIAS_LAYER = {"router_b": "ffn_gate_inp.bias", "gate_exps_b": "ffn_gate_exps.bias",
+                  "up_exps_b": "ffn_up_exps.bias", "down_exps_b": "ffn_down_exps.bias"}
 MOE_LAYER = {"router": "ffn_gate_inp.weight", "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight",
              "down_exps": "ffn_down_exps.weight"}
 
@@ -189,6 +203,7 @@ class MetadataKeys:
     expert_count: str | None = None
     expert_used_count: str | None = None
     expert_feed_forward_length: str | None = None
+    rope_scaling_original_context: str | None = None  # YaRN: the context the model was trained at
 
     @classmethod
     def under(cls, prefix: str, *, sliding_window: bool = False) -> MetadataKeys:
@@ -212,6 +227,7 @@ class MetadataKeys:
             expert_count=f"{prefix}.expert_count",
             expert_used_count=f"{prefix}.expert_used_count",
             expert_feed_forward_length=f"{prefix}.expert_feed_forward_length",
+            rope_scaling_original_context=f"{prefix}.rope.scaling.original_context_length",
             **swa,
         )
 
