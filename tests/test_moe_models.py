@@ -204,3 +204,23 @@ def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
     assert cfg.rope_yarn == (32.0, 4096) and cfg.local_layers == (True, False) and cfg.sliding_window == 16
     with pytest.raises(ModelFileError, match="mixture-of-experts.*gpt-oss"):
         check_runs(g, cfg)
+
+
+def test_the_numpy_backend_refuses_weights_it_has_no_room_for(tiny_moe, tmp_path, monkeypatch):
+    """Float32 weights past both the cache's disk and the free memory: one line, before any work."""
+    import collections
+
+    from ember.worker.model import weights
+
+    g = GGUFFile(tiny_moe)
+    cfg = read_config(g)
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    monkeypatch.setattr(weights.psutil, "virtual_memory", lambda: collections.namedtuple("vm", "available")(2000))
+    with pytest.raises(ModelFileError) as e:
+        weights.load_weights(g, cfg)
+    assert "keeps float32 weights" in str(e.value) and "--backend cuda" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.undo()
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    assert weights.load_weights(g, cfg).layers[0].gate_exps.shape == (16, 64, 128)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from ember.kernels.quants import UnsupportedQuantError, dequantize
 
@@ -93,7 +94,9 @@ def load_weights(
     if names_of.rope_freqs is not None and names_of.rope_freqs in g.tensors:
         names.append(names_of.rope_freqs)
     layer_names = [layer_tensors(g, config.family, i) for i in range(config.n_layers)]
-    total = sum(g.tensors[n].nbytes for n in names + [n for ln in layer_names for n in ln.values()])
+    every = names + [n for ln in layer_names for n in ln.values()]
+    _check_room(g, every, cache)
+    total = sum(g.tensors[n].nbytes for n in every)
     done = 0
 
     def tick(parts: list[str]) -> None:
@@ -128,6 +131,24 @@ def load_weights(
         rope_freqs=arrays.get(names_of.rope_freqs) if names_of.rope_freqs else None,
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
+
+
+def _check_room(g: GGUFFile, names: list[str], cache: Path) -> None:
+    """A one-line ModelFileError before any work where the float32 weights fit neither the cache's disk
+    nor the free memory (a 30B model is 120 GB in float32): the load would otherwise fail half-way."""
+    need = sum(4 * int(np.prod(g.tensors[n].shape, dtype=np.int64)) for n in names
+               if not (cache / f"{n}.npy").exists())
+    if need == 0:
+        return
+    probe = cache
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    disk = shutil.disk_usage(probe).free
+    memory = psutil.virtual_memory().available
+    if need > disk and need > memory:
+        raise ModelFileError(g.path, f"the numpy backend keeps float32 weights: {need / 1e9:.1f} GB, more than the "
+                                     f"{disk / 1e9:.1f} GB free in {probe} and the {memory / 1e9:.1f} GB of free "
+                                     "memory; use --backend cuda, or a smaller model")
 
 
 def _load(g: GGUFFile, names: list[str], path: Path) -> np.ndarray:
