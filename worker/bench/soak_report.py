@@ -70,7 +70,7 @@ def check_outcomes(events: list[dict], records: list[Record], unsettled: frozens
     """Problems with one worker's log against what its clients saw, by check: a request id with
     other than exactly one outcome; an abandoned request not logged `canceled`; a failure, an error
     or lost connection at the client, or a completed request not logged `completed`. Ids in
-    `unsettled` (in flight at a kill) may have no outcome."""
+    `unsettled` (in flight at a kill) are judged by the log alone: at most one outcome, never `failed`."""
     outcomes: dict[str, list[str]] = {}
     admitted: set[str] = set()
     for e in events:
@@ -85,8 +85,8 @@ def check_outcomes(events: list[dict], records: list[Record], unsettled: frozens
     abandon = []
     for r in records:
         got = outcomes.get(r.rid or "", [])
-        if r.rid in unsettled and not got:
-            continue
+        if r.rid in unsettled:
+            continue  # cut by the kill: the log may say nothing, or `completed` for a body the kill cut short
         if r.outcome in (ERROR, LOST):
             fail.append(f"{r.rid}: the {r.cls} request ended {r.outcome} at the client: {r.error}")
         elif r.outcome == ABANDONED and got != ["canceled"]:
