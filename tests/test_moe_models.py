@@ -15,7 +15,7 @@ import pytest
 
 from ember.kernels import reference as ops
 from ember.worker.bench import synth
-from ember.worker.model.config import read_config
+from ember.worker.model.config import Yarn, read_config
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 
 TOOL = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
@@ -201,7 +201,8 @@ def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
 
     g = GGUFFile(synth.make_model("gpt-oss", "tiny", tmp_path / "g.gguf"))
     cfg = read_config(g)
-    assert cfg.rope_yarn == (32.0, 4096) and cfg.local_layers == (True, False) and cfg.sliding_window == 16
+    assert cfg.rope_yarn == Yarn(32.0, 4096, local=True)
+    assert cfg.local_layers == (True, False) and cfg.sliding_window == 16
     with pytest.raises(ModelFileError, match="mixture-of-experts.*gpt-oss"):
         check_runs(g, cfg)
 
@@ -224,3 +225,20 @@ def test_the_numpy_backend_refuses_weights_it_has_no_room_for(tiny_moe, tmp_path
     monkeypatch.undo()
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
     assert weights.load_weights(g, cfg).layers[0].gate_exps.shape == (16, 64, 128)
+    # once cached (stacked files included), no room is needed any more
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    monkeypatch.setattr(weights.psutil, "virtual_memory", lambda: collections.namedtuple("vm", "available")(2000))
+    assert weights.load_weights(g, cfg).layers[0].wqkv.shape[1] == cfg.hidden
+
+
+def test_expert_tensors_that_disagree_with_the_metadata_are_one_line(tiny_moe, tmp_path):
+    data = bytearray(tiny_moe.read_bytes())
+    key = b"qwen3moe.expert_feed_forward_length"
+    at = data.index(key) + len(key) + 4  # the key, then its u32 value type, then the value
+    assert int.from_bytes(data[at:at + 4], "little") == 64
+    data[at:at + 4] = (32).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    shapes = r"ffn_gate_exps.weight has shape \[128, 64, 16\], expected \[128, 32, 16\]"
+    with pytest.raises(ModelFileError, match=shapes):
+        read_config(GGUFFile(bad))

@@ -36,7 +36,7 @@ class NumpyBackend(Backend):
         shape = (config.n_layers, n_blocks, block_size, config.n_kv_heads, config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)
         self.v_pool = np.zeros(shape, dtype=np.float32)
-        self._inv_freq_global, self._inv_freq_local, self._rope_scale = inv_frequencies(config, weights.rope_freqs)
+        self._inv_freq_global, self._inv_freq_local, self._rope_mscale = inv_frequencies(config, weights.rope_freqs)
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
@@ -82,8 +82,8 @@ class NumpyBackend(Backend):
         x = np.asarray(w.token_embd[tokens], dtype=np.float32)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
-        rope_global = ops.rope_tables(positions, self._inv_freq_global, self._rope_scale)
-        rope_local = (ops.rope_tables(positions, self._inv_freq_local, self._rope_scale) if cfg.sliding_window
+        rope_global = ops.rope_tables(positions, self._inv_freq_global, self._rope_mscale)
+        rope_local = (ops.rope_tables(positions, self._inv_freq_local, self._rope_mscale) if cfg.sliding_window
                       else rope_global)
         neox = recipe.rope is Rope.NEOX
 

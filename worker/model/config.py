@@ -20,6 +20,18 @@ from .gguf_file import GGUFFile, ModelFileError
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 
+class Yarn(msgspec.Struct, frozen=True):
+    """YaRN RoPE scaling (rope.scaling.type yarn) with llama.cpp's defaults where the file is silent."""
+
+    factor: float
+    n_ctx_orig: int  # the context the model was trained at
+    local: bool  # the sliding-window layers are scaled too (they share the global RoPE: gpt-oss)
+    beta_fast: float = 32.0  # pairs turning more than this many times over n_ctx_orig keep their frequency
+    beta_slow: float = 1.0  # pairs turning fewer times are interpolated by 1/factor
+    ext_factor: float = 1.0  # the ramp's weight (0 turns YaRN into plain interpolation)
+    attn_factor: float = 1.0  # multiplies the cos/sin scale
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     arch: str
     name: str
@@ -35,9 +47,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_base: float
     rope_base_local: float  # sliding-window layers; equal to rope_base where the family has none
     rope_scale: float  # linear position scaling of the global layers (1.0 = none)
-    # YaRN (rope.scaling.type yarn): (factor, the trained context); None without. Applies to every
-    # layer whose base is the global one (worker/model/rope.py turns it into frequencies and a scale)
-    rope_yarn: tuple[float, int] | None
+    rope_yarn: Yarn | None  # worker/model/rope.py turns it into frequencies and a scale
     attn_scale: float
     sliding_window: int  # 0 = none
     local_layers: tuple[bool, ...]  # per layer: uses the sliding window (and the local rope base)
@@ -102,12 +112,10 @@ def read_config(g: GGUFFile) -> ModelConfig:
     factor = float(g.get(keys.rope_scaling_factor, 1.0) or 1.0)
     if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
         raise ModelFileError(g.path, f"unsupported rope scaling {scaling_type!r}")
-    yarn = None
-    if scaling_type == "yarn" and factor != 1.0:
-        assert keys.rope_scaling_original_context is not None
-        yarn = (factor, int(g.get(keys.rope_scaling_original_context) or g.get(keys.context_length, 4096)))
-    linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0 and not yarn)
     swa = recipe.sliding_window
+    yarn = _yarn(g, keys, factor, local=swa is not None and swa.local_rope_base is None) \
+        if scaling_type == "yarn" and factor != 1.0 else None
+    linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0 and not yarn)
     sliding = int(g.get(keys.sliding_window, 0)) if swa else 0
     n_layers = int(_req(g, keys.block_count))
     local_layers = _local_layers(g, family.keys, swa, n_layers) if swa and sliding else (False,) * n_layers
@@ -133,12 +141,13 @@ def read_config(g: GGUFFile) -> ModelConfig:
         embed_scale=math.sqrt(hidden) if recipe.embed_scale is EmbedScale.SQRT_HIDDEN else 1.0,
         tied_output=_tied_output(g, family),
         family=family,
-        **_experts(g, family),
+        **_experts(g, family, hidden, n_layers),
     )
 
 
-def _experts(g: GGUFFile, family: Family) -> dict[str, int]:
-    """The mixture of experts' sizes, checked against each other (an empty dict for a dense family)."""
+def _experts(g: GGUFFile, family: Family, hidden: int, n_layers: int) -> dict[str, int]:
+    """The mixture of experts' sizes, checked against each other and every layer's expert tensors (an
+    empty dict for a dense family): a mismatch is one line here, never an index error mid-request."""
     if family.recipe.moe is None:
         return {}
     keys = family.keys
@@ -147,8 +156,28 @@ def _experts(g: GGUFFile, family: Family) -> dict[str, int]:
     if not 0 < used <= n:
         raise ModelFileError(g.path, f"corrupt: {used} experts used per token of {n}")
     gate = g.tensors.get(family.tensors.layer_name(0, "gate_exps"))  # ggml shape [hidden, ffn, experts]
-    ffn = g.get(keys.expert_feed_forward_length) or (int(gate.shape[1]) if gate is not None else 0)
-    return {"n_experts": n, "n_experts_used": used, "expert_ffn": int(ffn)}
+    ffn = int(g.get(keys.expert_feed_forward_length) or (gate.shape[1] if gate is not None else 0))
+    expected = {"router": (hidden, n), "gate_exps": (hidden, ffn, n), "up_exps": (hidden, ffn, n),
+                "down_exps": (ffn, hidden, n)}  # ggml order: the fastest-moving dimension first
+    for il in range(n_layers):
+        for role, shape in expected.items():
+            t = g.tensors.get(family.tensors.layer_name(il, role))
+            if t is not None and tuple(t.shape) != shape:
+                raise ModelFileError(g.path, f"tensor {t.name} has shape {list(t.shape)}, expected {list(shape)} for "
+                                             f"{n} experts of feed-forward length {ffn} (hidden {hidden})")
+    return {"n_experts": n, "n_experts_used": used, "expert_ffn": ffn}
+
+
+def _yarn(g: GGUFFile, keys: MetadataKeys, factor: float, *, local: bool) -> Yarn:
+    assert keys.rope_scaling_original_context is not None
+    n_ctx_orig = int(g.get(keys.rope_scaling_original_context) or g.get(keys.context_length, 4096))
+    tuning = {}
+    if keys.yarn_prefix:
+        for name in ("beta_fast", "beta_slow", "ext_factor", "attn_factor"):
+            value = g.get(f"{keys.yarn_prefix}.yarn_{name}")
+            if value is not None:
+                tuning[name] = float(value)
+    return Yarn(factor=factor, n_ctx_orig=n_ctx_orig, local=local, **tuning)
 
 
 def _tied_output(g: GGUFFile, family: Family) -> bool:
@@ -163,7 +192,7 @@ def _local_layers(g: GGUFFile, keys: MetadataKeys, swa: SlidingWindow, n_layers:
     """Which layers use the sliding window: `attention.sliding_window_pattern` as a period
     (layer il is local when il % period < period - 1, llama.cpp's rule) or as a per-layer array of
     booleans; the family's period when the file has neither."""
-    pattern = g.get(keys.sliding_window_pattern, swa.period)
+    pattern = g.get(keys.sliding_window_pattern, swa.period) if swa.pattern_from_file else swa.period
     if isinstance(pattern, int):
         return tuple(pattern > 0 and il % pattern < pattern - 1 for il in range(n_layers))
     flags = [bool(x) for x in pattern]

@@ -93,54 +93,62 @@ def load_weights(
         names.append(names_of.output)
     if names_of.rope_freqs is not None and names_of.rope_freqs in g.tensors:
         names.append(names_of.rope_freqs)
-    layer_names = [layer_tensors(g, config.family, i) for i in range(config.n_layers)]
-    every = names + [n for ln in layer_names for n in ln.values()]
-    _check_room(g, every, cache)
-    total = sum(g.tensors[n].nbytes for n in every)
+    plan = _plan(g, config, names, cache)
+    _check_room(g, plan)
+    total = sum(g.tensors[n].nbytes for f in plan for n in f.names)
     done = 0
-
-    def tick(parts: list[str]) -> None:
-        nonlocal done
-        done += sum(g.tensors[n].nbytes for n in parts)
+    arrays: dict[str, np.ndarray] = {}
+    layers: list[dict[str, np.ndarray]] = [{} for _ in range(config.n_layers)]
+    for f in plan:
+        arr = _load(g, f.names, f.path)
+        if f.layer is None:
+            arrays[f.role] = arr
+        else:
+            layers[f.layer][f.role] = arr
+        done += sum(g.tensors[n].nbytes for n in f.names)
         if progress:
             progress(done, total)
-
-    arrays: dict[str, np.ndarray] = {}
-    for name in names:
-        arrays[name] = _load(g, [name], cache / f"{name}.npy")
-        tick([name])
-    layers = []
-    for i, named in enumerate(layer_names):
-        present = dict(named)
-        t: dict[str, np.ndarray] = {}
-        for stack, members in _STACKS.items():
-            if all(m in present for m in members):
-                parts = [present.pop(m) for m in members]
-                t[stack] = _load(g, parts, cache / f"blk.{i}.{stack}.npy")
-                tick(parts)
-        for role, name in present.items():
-            t[role] = _load(g, [name], cache / f"{name}.npy")
-            tick([name])
-        layers.append(LayerWeights(**t))
     embd = arrays[names_of.token_embd]
     return ModelWeights(
         token_embd=embd,
         output=arrays.get(names_of.output, embd),
         output_norm=arrays[names_of.output_norm],
-        layers=layers,
+        layers=[LayerWeights(**t) for t in layers],
         rope_freqs=arrays.get(names_of.rope_freqs) if names_of.rope_freqs else None,
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
 
 
-def _check_room(g: GGUFFile, names: list[str], cache: Path) -> None:
+@dataclass(frozen=True)
+class _CacheFile:
+    """One .npy file of the cache: the tensors `names` stacked by rows, for a model-level array (layer
+    None, keyed by its tensor name) or a layer's role."""
+
+    path: Path
+    names: list[str]
+    role: str
+    layer: int | None = None
+
+
+def _plan(g: GGUFFile, config: ModelConfig, names: list[str], cache: Path) -> list[_CacheFile]:
+    """Every cache file the load reads or writes, in load order (stacks as _STACKS says)."""
+    plan = [_CacheFile(cache / f"{n}.npy", [n], n) for n in names]
+    for i in range(config.n_layers):
+        present = dict(layer_tensors(g, config.family, i))
+        for stack, members in _STACKS.items():
+            if all(m in present for m in members):
+                plan.append(_CacheFile(cache / f"blk.{i}.{stack}.npy", [present.pop(m) for m in members], stack, i))
+        plan += [_CacheFile(cache / f"{name}.npy", [name], role, i) for role, name in present.items()]
+    return plan
+
+
+def _check_room(g: GGUFFile, plan: list[_CacheFile]) -> None:
     """A one-line ModelFileError before any work where the float32 weights fit neither the cache's disk
     nor the free memory (a 30B model is 120 GB in float32): the load would otherwise fail half-way."""
-    need = sum(4 * int(np.prod(g.tensors[n].shape, dtype=np.int64)) for n in names
-               if not (cache / f"{n}.npy").exists())
+    need = sum(4 * g.tensors[n].n_elements for f in plan if not f.path.exists() for n in f.names)
     if need == 0:
         return
-    probe = cache
+    probe = plan[0].path.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     disk = shutil.disk_usage(probe).free

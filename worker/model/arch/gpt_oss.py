@@ -33,7 +33,7 @@ FAMILY = Family(
         attn_sinks=True,
         rope=Rope.NEOX,
         act=Act.SWIGLU_OAI,
-        sliding_window=SlidingWindow(period=2, local_rope_base=None),  # even layers local (llama.cpp)
+        sliding_window=SlidingWindow(period=2, local_rope_base=None, pattern_from_file=False),  # even layers local
         moe=Moe(gating=Gating.SOFTMAX_TOPK, norm_topk=False, biases=True),
     ),
     # Harmony is not a format ember speaks yet: the file's own template renders, tools as fenced JSON

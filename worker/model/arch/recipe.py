@@ -41,7 +41,7 @@ class Act(enum.StrEnum):
 
     SILU = "silu"
     GELU_TANH = "gelu_tanh"
-    SWIGLU_OAI = "swiglu_oai"  # gpt-oss: silu(alpha x) with the gate clamped above and up both ways, times up + 1
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss: gate sigmoid(alpha gate) (up + 1), gate clamped above, up both ways
 
 
 class EmbedScale(enum.Enum):
@@ -64,6 +64,7 @@ class SlidingWindow:
 
     period: int  # the pattern when the file has none
     local_rope_base: float | None  # the local layers' base without rope.freq_base_swa (None: the global RoPE)
+    pattern_from_file: bool = True  # False: the period always holds (llama.cpp fixes gpt-oss's at 2)
 
 
 class Gating(enum.Enum):
@@ -204,6 +205,7 @@ class MetadataKeys:
     expert_used_count: str | None = None
     expert_feed_forward_length: str | None = None
     rope_scaling_original_context: str | None = None  # YaRN: the context the model was trained at
+    yarn_prefix: str | None = None  # YaRN's tuning keys (<prefix>.yarn_beta_fast, ...) where a file sets them
 
     @classmethod
     def under(cls, prefix: str, *, sliding_window: bool = False) -> MetadataKeys:
@@ -228,6 +230,7 @@ class MetadataKeys:
             expert_used_count=f"{prefix}.expert_used_count",
             expert_feed_forward_length=f"{prefix}.expert_feed_forward_length",
             rope_scaling_original_context=f"{prefix}.rope.scaling.original_context_length",
+            yarn_prefix=f"{prefix}.rope.scaling",
             **swa,
         )
 
