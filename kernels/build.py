@@ -68,6 +68,7 @@ def _modules() -> dict[str, ModuleSpec]:
         probe=ModuleSpec("probe.cu", (), "launch-latency probes for the micro-benchmark"),
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),
         kv_copy=ModuleSpec("kv_copy.cu", (), "whole KV blocks between the pools and a packed staging area"),
+        moe=ModuleSpec("moe.cu", (), "mixture of experts: routing, grouping by expert, gather, weighted sum"),
     )
     return mods
 

@@ -140,7 +140,7 @@ def _check_model(model, dev, n_tokens=40, prefill=24, mode="exact"):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"])
 def test_tiny_models_agree_with_numpy(dev, model_dir, arch, mode):
     # fast mode: a prefill of 70 tokens, so its matmuls take the tensor-core path
     _check_model(_synth(model_dir, arch), dev, n_tokens=90 if mode == "fast" else 40,

@@ -90,19 +90,32 @@ def tiny_moe(tmp_path_factory):
     return synth.make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf", seed=0)
 
 
+def test_the_bandwidth_limit_counts_the_active_experts_only(tiny_moe):
+    """ember bench speed's limit: a token reads k of the E experts' bytes (and every other tensor but
+    the embedding table)."""
+    from ember.worker.bench.gpu_speed import weight_bytes_per_token
+    from ember.worker.model.loader import open_model
+
+    model = open_model(tiny_moe)
+    t = model.gguf.tensors
+    experts = sum(x.nbytes for n, x in t.items() if "_exps." in n)
+    rest = sum(x.nbytes for n, x in t.items() if "_exps." not in n and n != "token_embd.weight")
+    assert experts > 0 and weight_bytes_per_token(model) == int(rest + experts * 4 / 16)
+
+
 def test_config_reads_the_experts(tiny_moe):
     cfg = read_config(GGUFFile(tiny_moe))
     assert (cfg.arch, cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn) == ("qwen3moe", 16, 4, 64)
     assert cfg.recipe.moe is not None and cfg.recipe.qk_norm
 
 
-def test_the_cuda_backend_refuses_moe_in_one_line(tiny_moe):
+def test_the_cuda_backend_refuses_types_it_has_no_kernels_for_in_one_line(tmp_path):
     from ember.worker.engine.cuda_layers import check_runs
 
-    g = GGUFFile(tiny_moe)
+    g = GGUFFile(synth.make_model("qwen3moe", "tiny-lowbit", tmp_path / "lowbit.gguf"))
     with pytest.raises(ModelFileError) as e:
         check_runs(g, read_config(g))
-    assert "mixture-of-experts" in str(e.value) and "--backend numpy" in str(e.value)
+    assert "has quant type" in str(e.value) and "--backend numpy" in str(e.value)
     assert "\n" not in str(e.value)
 
 
@@ -203,8 +216,17 @@ def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
     cfg = read_config(g)
     assert cfg.rope_yarn == Yarn(32.0, 4096, local=True)
     assert cfg.local_layers == (True, False) and cfg.sliding_window == 16
-    with pytest.raises(ModelFileError, match="mixture-of-experts.*gpt-oss"):
+    with pytest.raises(ModelFileError, match=r"mixture of experts \(gpt-oss: 2 of 8 experts.*biases\) yet") as e:
         check_runs(g, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cuda_backend_takes_qwen3moe(tiny_moe):
+    """Its routing and expert types are ones the CUDA kernels have (run there: test_cuda_backend.py)."""
+    from ember.worker.engine.cuda_layers import check_runs
+
+    g = GGUFFile(tiny_moe)
+    check_runs(g, read_config(g))
 
 
 def test_the_numpy_backend_refuses_weights_it_has_no_room_for(tiny_moe, tmp_path, monkeypatch):

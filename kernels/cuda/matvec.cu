@@ -299,3 +299,40 @@ extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) qmvgx_b1(
     const XPro xp{o, res, res_out, w1, w2, eps};
     qmv<1, 2, 16, true, XK_POST_NORM>(W, row_bytes, rows, cols, nullptr, 1, nullptr, y, act, xp);
 }
+
+// A mixture of experts' matrices, grouped (moe.cu): W holds the experts' matrices one after another,
+// expert_bytes apart, each `rows` x `cols`; tile blockIdx.y of `tiles` (moe_group) says the expert, the
+// first row of x (and of y) in grouped order, and how many rows (0: no work). qmoe: y = x W_e^T;
+// qmoeg: W_e is the stacked [gate; up] matrix and y = act(x W_gate^T) * (x W_up^T), [pairs, rows / 2].
+template <int B, int R, bool GATED>
+EMBER_DEV void qmoe(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+                    const int* __restrict__ tiles, const float* __restrict__ x, float* y, int act) {
+    grid_dependency_sync();  // the tiles come from the kernel before
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int e = tile[0], r0 = tile[1], nb = tile[2];
+    if (nb == 0) return;  // the whole block
+    const int ycols = GATED ? rows / 2 : rows;
+    qmv<B, R, 16, GATED>(W + e * expert_bytes, row_bytes, rows, cols, x + (i64)r0 * cols, nb, nullptr,
+                         y + (i64)r0 * ycols, act);
+}
+
+#define QMOE(B)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
+        qmoe_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,          \
+                  const int* __restrict__ tiles, const float* __restrict__ x, float* y) {                 \
+        qmoe<B, 1, false>(W, row_bytes, expert_bytes, rows, cols, tiles, x, y, 0);                        \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
+        qmoeg_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,         \
+                   const int* __restrict__ tiles, const float* __restrict__ x, float* y, int act) {       \
+        qmoe<B, 2, true>(W, row_bytes, expert_bytes, rows, cols, tiles, x, y, act);                       \
+    }
+QMOE(1) QMOE(8)
+
+// Batches of any size in one launch: blockIdx.y takes rows 8 y .. 8 y + 7 of x (16-byte rows)
+extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)
+    qmvn_b8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, int n,
+            float* y) {
+    const int b0 = 8 * blockIdx.y;
+    qmv<8, 1, 16>(W, row_bytes, rows, cols, x + (i64)b0 * cols, min(8, n - b0), nullptr, y + (i64)b0 * rows);
+}

@@ -12,6 +12,7 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
     sampling.py         sampling.cu                               numpy.argmax, reference.softmax, sample_rows
     matmul.py           gemm.cu                                   reference.linear on 16-bit values
     kv_copy.py          kv_copy.cu                                reference.kv_gather, reference.kv_scatter
+    moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn         reference.moe_route, reference.moe_mlp
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
@@ -56,6 +57,18 @@ from .matvecs import (
     post_norm_supported,
     stream_q8_0_smem,
     stream_q8_0_supported,
+)
+from .moe import (
+    MOE_MAX_EXPERTS,
+    MOE_MAX_K,
+    ExpertMatrices,
+    MoeScratch,
+    MoeWeights,
+    matvec_rows,
+    moe_group,
+    moe_matvec,
+    moe_mlp,
+    moe_route,
 )
 from .norm import (
     ACTIVATIONS,
@@ -135,6 +148,9 @@ __all__ = [
     "ARGMAX_CHUNK", "SAMPLE_MAX_PARTS", "SAMPLE_PART", "argmax", "sample", "sample_parts", "softmax",
     # gemm
     "gemm", "gemm_splitk_bytes", "gemm_splits", "linear_tc", "to_half",
+    # mixture of experts
+    "MOE_MAX_EXPERTS", "MOE_MAX_K", "ExpertMatrices", "MoeScratch", "MoeWeights", "matvec_rows", "moe_group",
+    "moe_matvec", "moe_mlp", "moe_route",
     # kv copy, fault injection
     "fault_illegal_address", "kv_gather", "kv_scatter",
 ]

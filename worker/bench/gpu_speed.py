@@ -20,12 +20,21 @@ H200_BANDWIDTH = 4.3e12  # bytes/s the issue's limit uses (H200 HBM3e, about wha
 GREEDY = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
 
 
+EXPERT_TENSORS = ("_exps.", "_exps_")  # a mixture of experts' [experts, ...] tensors (and their biases)
+
+
 def weight_bytes_per_token(model) -> int:
-    """Bytes a decode step reads: every tensor but the embedding table (one row of it is read),
-    unless the output projection is the tied embedding."""
-    g = model.gguf
+    """Bytes a decode step of one token reads: every tensor but the embedding table (one row of it is
+    read), unless the output projection is the tied embedding; of a mixture of experts' tensors, the
+    share of the experts a token goes through (the active parameters)."""
+    g, cfg = model.gguf, model.config
     tied = "output.weight" not in g.tensors
-    return sum(int(t.nbytes) for name, t in g.tensors.items() if tied or name != "token_embd.weight")
+    active = cfg.n_experts_used / cfg.n_experts if cfg.n_experts else 1.0
+    total = 0.0
+    for name, t in g.tensors.items():
+        if tied or name != "token_embd.weight":
+            total += t.nbytes * (active if any(e in name for e in EXPERT_TENSORS) else 1.0)
+    return int(total)
 
 
 class _Seqs:

@@ -201,6 +201,10 @@ class CudaBackend(CudaMatmuls, Backend):
         self.qkv = e((R * (qd + 2 * kvd),)) if any(lw.qkv is not QKV.APART for lw in self.layers) else None
         self.gu = e((R * 2 * ffn,)) if any(lw.gate_up_stacked for lw in self.layers) else None
         self.hn = e((R * hid,))
+        moe = next((lw.moe for lw in self.layers if lw.moe is not None), None)
+        self.moe_scratch = None if moe is None else ops.MoeScratch.alloc(
+            self.dev, R, moe.experts, cfg.n_experts_used, hid, moe.ffn,
+            apart=any(lw.moe is not None and lw.moe.gate_up is None for lw in self.layers))
         # the residual's second buffer, for post-norms done inside the next matvec (cuda_step.PostNorms)
         self.x_alt = e((hid,)) if self.post_norms and hid <= ops.XPRO_COLS else None
         self.logits = e((R * cfg.vocab_size,))
@@ -552,8 +556,14 @@ class CudaBackend(CudaMatmuls, Backend):
                 self._linear(lw.wo, att, x, n, res=x, tc=tc)
                 ops.rms_norm(dev, x, lw.ffn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
                 h_mlp = h
-            gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             h_ready = False
+            if lw.moe is not None:  # a mixture of experts (no post-norms: check_runs)
+                moe = cfg.recipe.moe
+                assert moe is not None and self.moe_scratch is not None and not self.post_norms
+                ops.moe_mlp(dev, lw.moe, h_mlp, x, self.moe_scratch, n=n, k=cfg.n_experts_used, act=cfg.recipe.act,
+                            gating=moe.gating.value, norm_topk=moe.norm_topk, res=x, stream=st)
+                continue
+            gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             if self.post_norms:
                 self._down(lw, o2, n, tc=tc, gated=gated)
                 if li + 1 < len(self.layers):  # and the next layer's attention pre-norm

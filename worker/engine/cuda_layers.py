@@ -20,7 +20,7 @@ from ember.kernels.constants import BLOCK_SIZES, GGML_TYPE_NAMES
 from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ..model.arch import layer_tensors
-from ..model.arch.recipe import MATRIX_ROLES
+from ..model.arch.recipe import MATRIX_ROLES, MOE_ROLES, Act, Gating
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
 from ..model.rope import inv_frequencies
@@ -47,7 +47,8 @@ class CudaLayer:
     attn_norm: DeviceArray
     ffn_norm: DeviceArray
     wo: ops.QuantMatrix
-    w_down: ops.QuantMatrix
+    w_down: ops.QuantMatrix | None = None  # a dense MLP (None: the layer's MLP is `moe`)
+    moe: ops.MoeWeights | None = None  # a mixture of experts, in its block formats (never a 16-bit copy)
     wqkv: ops.QuantMatrix | None = None
     wqk: ops.QuantMatrix | None = None
     wq: ops.QuantMatrix | None = None
@@ -65,7 +66,8 @@ class CudaLayer:
     post_ffn_norm: DeviceArray | None = None
 
     def matrices(self) -> list[ops.QuantMatrix]:
-        """Every matrix of the layer: the single ones in recipe order, then the stacks."""
+        """Every matrix of the layer the tensor-core matmul may take: the single ones in recipe order,
+        then the stacks (not the experts: only the grouped expert matvec reads those)."""
         mats = (self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down, self.wqkv, self.wqk, self.w_gu)
         return [m for m in mats if m is not None]
 
@@ -125,14 +127,34 @@ class _Uploader:
         return ops.QuantMatrix.upload(self.dev, raw, infos[0].ggml_type if same else GGMLQuantizationType.Q8_0,
                                       sum(int(t.shape[1]) for t in infos), int(infos[0].shape[0]))
 
+    def experts(self, names: dict[str, str]) -> ops.MoeWeights:
+        """A mixture of experts: the router, and each expert's gate and up stacked [gate_e; up_e] where
+        their types agree, as the grouped matvec reads them."""
+        gate, up, down = (self.g.tensors[names[r]] for r in ("gate_exps", "up_exps", "down_exps"))
+        hidden, ffn, n = (int(v) for v in gate.shape)  # ggml order
+
+        def experts(infos, rows: int, cols: int) -> ops.ExpertMatrices:
+            return ops.ExpertMatrices.upload(self.dev, [self.g.raw(t.name) for t in infos], infos[0].ggml_type, n,
+                                             [rows] * len(infos), cols)
+
+        stacked = gate.ggml_type == up.ggml_type
+        return ops.MoeWeights(router=self.matrix(names["router"]), down=experts([down], hidden, ffn),
+                              gate_up=experts([gate, up], ffn, hidden) if stacked else None,
+                              gate=None if stacked else experts([gate], ffn, hidden),
+                              up=None if stacked else experts([up], ffn, hidden))
+
     def layer(self, names: dict[str, str], stack: bool) -> CudaLayer:
         """One layer: its vectors, then its matrices, each stack uploaded where its first member was."""
-        t: dict = {role: self.vector(name)[0] for role, name in names.items() if role not in MATRIX_ROLES}
+        t: dict = {role: self.vector(name)[0] for role, name in names.items()
+                   if role not in MATRIX_ROLES and role not in MOE_ROLES}
+        if "router" in names:
+            t["moe"] = self.experts(names)
         joins: dict[str, str] = {}  # matrix -> the stack it joins
         for name, parts in _STACKS.items():
-            if stack and not any(p in joins for p in parts) and self.stackable([names[p] for p in parts]):
+            if stack and not any(p in joins for p in parts) and all(p in names for p in parts) \
+                    and self.stackable([names[p] for p in parts]):
                 joins.update(dict.fromkeys(parts, name))
-        for role in MATRIX_ROLES:  # uploaded after the stacking decision, so nothing is held twice
+        for role in (r for r in MATRIX_ROLES if r in names):  # after the stacking decision: nothing held twice
             joined = joins.get(role)
             if joined is None:
                 t[role] = self.matrix(names[role])
@@ -143,18 +165,24 @@ class _Uploader:
 
 
 def check_runs(g: GGUFFile, config: ModelConfig) -> None:
-    """A one-line ModelFileError, before anything is allocated, for a model this backend cannot run:
-    a mixture-of-experts MLP, or a matrix of a type it has no kernels for (the numpy backend runs both)."""
-    if config.recipe.moe is not None:
-        raise ModelFileError(g.path, f"the cuda backend does not run mixture-of-experts models ({config.arch}) "
-                                     "yet; --backend numpy runs them")
+    """A one-line ModelFileError, before anything is allocated, for a model this backend cannot run (the
+    numpy backend runs them all): YaRN, attention sinks, output or expert biases, the clamped SwiGLU, more
+    experts than the routing kernel takes, or a matrix of a type it has no kernels for."""
+    moe = config.recipe.moe
+    if moe is not None and (moe.biases or config.recipe.act is Act.SWIGLU_OAI or moe.gating not in MOE_GATINGS
+                            or config.n_experts > ops.MOE_MAX_EXPERTS or config.n_experts_used > ops.MOE_MAX_K):
+        raise ModelFileError(g.path, f"the cuda backend does not run this mixture of experts ({config.arch}: "
+                                     f"{config.n_experts_used} of {config.n_experts} experts, {moe.gating.value} "
+                                     f"gating, {config.recipe.act} experts{', biases' if moe.biases else ''}) yet; "
+                                     "--backend numpy runs it")
     if config.rope_yarn is not None or config.recipe.attn_sinks or config.recipe.attn_out_bias:
         raise ModelFileError(g.path, f"the cuda backend does not run YaRN RoPE, attention sinks or output "
                                      f"biases ({config.arch}) yet; --backend numpy runs them")
     names = config.family.tensors
     matrices = [names.token_embd] + ([] if config.tied_output else [names.output])
     for i in range(config.n_layers):
-        matrices += [n for role, n in layer_tensors(g, config.family, i).items() if role in MATRIX_ROLES]
+        matrices += [n for role, n in layer_tensors(g, config.family, i).items()
+                     if role in MATRIX_ROLES or role in MOE_ROLES]
     for name in matrices:
         t = g.tensors[name].ggml_type
         if GGML_TYPE_NAMES.get(int(t)) not in BLOCK_SIZES:
@@ -163,6 +191,7 @@ def check_runs(g: GGUFFile, config: ModelConfig) -> None:
                                          f"kernels for yet (it runs {have}); --backend numpy runs it")
 
 
+MOE_GATINGS = (Gating.SOFTMAX, Gating.SOFTMAX_TOPK)  # ops.moe_route's
 WORKING_SET_BYTES = 512 << 20  # beyond the weights: the smallest KV pool, step buffers and scratch
 
 

@@ -113,7 +113,7 @@ class CudaMatmuls:
     def _down(self, lw: CudaLayer, y, n: int, res=None, tc: bool = True, gated: bool = False) -> None:
         """The MLP's down projection of act(gate) * up: already in self.g when `gated`; else the
         activation runs inside the int8 matvec when that takes the step, or as a kernel of its own."""
-        cfg, w, act = self.config, lw.w_down, self.config.recipe.act
+        cfg, w, act = self.config, present(lw.w_down), self.config.recipe.act
         if gated:
             self._linear(w, self.g, y, n, res=res, tc=tc)
             return

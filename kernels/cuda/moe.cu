@@ -1,0 +1,140 @@
+// A mixture-of-experts MLP around the grouped expert matvecs (matvec.cu qmoe, qmoeg), every step on
+// the device so a decode step stays one captured graph:
+//   moe_route    the router's logits [n, E] -> each token's k experts, best first, and their weights
+//   moe_group    the n k (token, slot) pairs counted by expert, placed expert by expert ("grouped
+//                order"), and cut into tiles of at most T pairs of one expert: (expert, first pair,
+//                pairs), tiles past the last holding 0 pairs
+//   moe_gather   the grouped-order input rows: xs[q] = x[token of the pair at q]
+//   moe_combine  y[t] = res[t] + sum over slots s of w[t, s] * ys[pos[t, s]], slots in order
+// Within an expert the pairs' order depends on atomics, but no value does: the matvec computes each
+// row of a tile on its own, in the same order of operations whatever its place in the tile.
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+static_assert(MOE_MAX_EXPERTS % 32 == 0 && MOE_MAX_EXPERTS <= 1024, "experts a router: whole warps");
+
+#define GATING_SOFTMAX 0  // softmax over every expert, then the k largest (qwen3moe)
+#define GATING_SOFTMAX_TOPK 1  // the k largest logits, then a softmax over those k (gpt-oss)
+
+// one warp a token; ties go to the lower expert (numpy's stable argsort of the negated values)
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int n, int E,
+                                     int k, int gating, int norm, float sum_min, int* __restrict__ ids,
+                                     float* __restrict__ wts) {
+    constexpr int PER = MOE_MAX_EXPERTS / 32;
+    grid_dependency_sync();
+    const int t = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (t >= n) return;
+    float v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < E ? logits[(i64)t * E + e] + (bias ? bias[e] : 0.0f) : NEG_INF;
+    }
+    if (gating == GATING_SOFTMAX) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) mx = fmaxf(mx, v[i]);
+        mx = warp_max(mx);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.0f;
+            s += v[i];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[i] = lane + 32 * i < E ? v[i] / s : NEG_INF;
+    }
+    float best[MOE_MAX_K];
+    int who[MOE_MAX_K];
+    for (int j = 0; j < k; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int e = lane + 32 * i;
+            if (e < E && (v[i] > bv || (v[i] == bv && e < bi))) { bv = v[i]; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        best[j] = bv;
+        who[j] = bi;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (lane + 32 * i == bi) v[i] = NEG_INF;  // taken; E is below 2^31, so bi is a real expert
+    }
+    if (lane != 0) return;
+    float s = 0.0f;
+    if (gating == GATING_SOFTMAX_TOPK) {
+        const float mx = best[0];  // the largest
+        for (int j = 0; j < k; ++j) {
+            best[j] = expf(best[j] - mx);
+            s += best[j];
+        }
+        for (int j = 0; j < k; ++j) best[j] /= s;
+    }
+    s = 0.0f;
+    for (int j = 0; j < k; ++j) s += best[j];
+    const float scale = norm ? 1.0f / fmaxf(s, sum_min) : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        ids[(i64)t * k + j] = who[j];
+        wts[(i64)t * k + j] = best[j] * scale;
+    }
+}
+
+// one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles
+extern "C" __global__ void moe_group(const int* __restrict__ ids, int pairs, int E, int T, int max_tiles,
+                                     int* __restrict__ pos, int* __restrict__ order, int* __restrict__ tiles) {
+    __shared__ int count[MOE_MAX_EXPERTS], start[MOE_MAX_EXPERTS];
+    grid_dependency_sync();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0, nt = 0;
+        for (int e = 0; e < E; ++e) {
+            start[e] = s;
+            for (int j = 0; j < count[e] && nt < max_tiles; j += T, ++nt) {
+                tiles[3 * nt] = e;
+                tiles[3 * nt + 1] = s + j;
+                tiles[3 * nt + 2] = min(T, count[e] - j);
+            }
+            s += count[e];
+            count[e] = 0;  // from here: this expert's pairs placed so far
+        }
+        for (; nt < max_tiles; ++nt) tiles[3 * nt] = tiles[3 * nt + 1] = tiles[3 * nt + 2] = 0;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p], q = start[e] + atomicAdd(&count[e], 1);
+        pos[p] = q;
+        order[q] = p;
+    }
+}
+
+// block q: row q of xs from row order[q] / k of x
+extern "C" __global__ void moe_gather(const float* __restrict__ x, const int* __restrict__ order, int k, int cols,
+                                      float* __restrict__ xs) {
+    grid_dependency_sync();
+    const int q = blockIdx.x;
+    const float* src = x + (i64)(order[q] / k) * cols;
+    float* dst = xs + (i64)q * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+// block (t, column chunk): y[t, c] = res[t, c] + sum_s w[t, s] ys[pos[t, s], c] (y may be res)
+extern "C" __global__ void moe_combine(const float* __restrict__ ys, const int* __restrict__ pos,
+                                       const float* __restrict__ wts, int k, int cols, const float* res, float* y) {
+    grid_dependency_sync();
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float acc = 0.0f;
+    for (int s = 0; s < k; ++s) acc = fmaf(wts[(i64)t * k + s], ys[(i64)pos[(i64)t * k + s] * cols + c], acc);
+    y[(i64)t * cols + c] = acc + (res ? res[(i64)t * cols + c] : 0.0f);
+}

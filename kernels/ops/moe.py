@@ -1,0 +1,195 @@
+"""Launchers of a mixture-of-experts MLP: moe.cu (routing, grouping by expert, gather, weighted sum)
+around matvec.cu's grouped expert matvecs (qmoe, qmoeg), which read only the chosen experts' rows, in
+their GGUF block formats (no 16-bit copy of the experts is ever made). Twins: reference.moe_route and
+reference.moe_mlp over quants.dequantize of the experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..constants import KERNEL_CONSTANTS
+from ..cuda_runtime import F32, I64, Device, DeviceArray
+from .args import need
+from .matvecs import MATVEC_WARPS, Q8_ACTIVATIONS
+from .norm import ACTIVATIONS, gated_act
+from .quant_matrix import QuantMatrix
+
+MOE_MAX_EXPERTS = KERNEL_CONSTANTS["MOE_MAX_EXPERTS"]
+MOE_MAX_K = KERNEL_CONSTANTS["MOE_MAX_K"]
+GATINGS = {"softmax": 0, "softmax-topk": 1}  # moe.cu GATING_*
+MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # as reference.MOE_WEIGHT_SUM_MIN (llama.cpp's clamp, 2^-14)
+TILE_ROWS = 8  # pairs of one expert a grouped matvec block takes at most (qmoe_b8); one row: qmoe_b1
+
+
+@dataclass
+class ExpertMatrices:
+    """E experts' matrices of `rows` x cols each, one after another on the device (one QuantMatrix of
+    E * rows rows); stacked [gate; up]: each expert's gate rows, then its up rows."""
+
+    m: QuantMatrix
+    experts: int
+
+    @property
+    def rows(self) -> int:
+        return self.m.rows // self.experts
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.rows * self.m.row_bytes
+
+    @classmethod
+    def upload(cls, dev: Device, raws: list[np.ndarray], ggml_type, experts: int, rows: list[int],
+               cols: int) -> ExpertMatrices:
+        """raws: the GGUF bytes of one or more [experts, rows_i, cols] tensors of one type, stacked
+        expert by expert (gate and up: [gate_e; up_e] for each expert e)."""
+        parts = [np.ascontiguousarray(r).view(np.uint8).reshape(experts, -1) for r in raws]
+        raw = parts[0].reshape(-1) if len(parts) == 1 else np.concatenate(parts, axis=1).reshape(-1)
+        m = QuantMatrix.upload(dev, raw, ggml_type, experts * sum(rows), cols)
+        if m.row_bytes % 16 or m.data.ptr % 16:
+            raise ValueError(f"{m.type} expert rows of {cols} columns are not 16-byte aligned")
+        return cls(m, experts)
+
+
+@dataclass
+class MoeWeights:
+    """One layer's mixture of experts on the device. gate_up: the stacked [gate; up] experts, or None
+    with gate and up apart (their types differ)."""
+
+    router: QuantMatrix  # [experts, hidden]
+    down: ExpertMatrices  # [experts, hidden, ffn]
+    gate_up: ExpertMatrices | None = None
+    gate: ExpertMatrices | None = None
+    up: ExpertMatrices | None = None
+    router_bias: DeviceArray | None = None
+
+    @property
+    def experts(self) -> int:
+        return self.router.rows
+
+    @property
+    def ffn(self) -> int:
+        return self.down.m.cols
+
+    def nbytes(self) -> int:
+        mats = (self.router, self.down.m) + tuple(e.m for e in (self.gate_up, self.gate, self.up) if e is not None)
+        return sum(m.rows * m.row_bytes for m in mats)
+
+
+def max_tiles(pairs: int, experts: int, tile: int) -> int:
+    """Tiles of at most `tile` pairs of one expert that `pairs` pairs can make: a grid's bound."""
+    return pairs if tile == 1 else min(pairs, -(-pairs // tile) + experts)
+
+
+@dataclass
+class MoeScratch:
+    """A step's buffers for moe_mlp at up to max_rows tokens (grouped order: pairs by expert)."""
+
+    logits: DeviceArray  # [rows, experts]
+    ids: DeviceArray  # [rows, k] int32: the chosen experts, best first
+    wts: DeviceArray  # [rows, k] their weights
+    pos: DeviceArray  # [rows, k] int32: each pair's place in grouped order
+    order: DeviceArray  # [rows k] int32: the pair at each place
+    tiles: DeviceArray  # [tiles, 3] int32
+    xs: DeviceArray  # [rows k, hidden] the inputs in grouped order
+    hs: DeviceArray  # [rows k, ffn] act(gate) * up
+    gu: DeviceArray | None  # [rows k, 2 ffn] gate | up, where they are apart
+    ys: DeviceArray  # [rows k, hidden] each pair's expert output
+
+    @classmethod
+    def alloc(cls, dev: Device, max_rows: int, experts: int, k: int, hidden: int, ffn: int,
+              apart: bool = False) -> MoeScratch:
+        e, pairs = dev.empty, max_rows * k
+        return cls(e((max_rows * experts,)), e((pairs,), np.int32), e((pairs,)), e((pairs,), np.int32),
+                   e((pairs,), np.int32), e((3 * max_tiles(pairs, experts, TILE_ROWS),), np.int32),
+                   e((pairs * hidden,)), e((pairs * ffn,)), e((pairs * 2 * ffn,)) if apart else None,
+                   e((pairs * hidden,)))
+
+
+def matvec_rows(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, stream=None) -> None:
+    """y[n, rows] = x[n, cols] @ W.T in one launch for any n (8 rows of x a block row, 16-byte rows):
+    the router's logits. Twin: reference.linear."""
+    need(x, np.float32, n * w.cols, "x")
+    need(y, np.float32, n * w.rows, "y")
+    if w.row_bytes % 16 or w.data.ptr % 16:
+        raise ValueError("matvec_rows takes 16-byte aligned rows")
+    dev.kernel(f"matvec_{w.type}", "qmvn_b8").launch(
+        (-(-w.rows // MATVEC_WARPS), -(-n // 8)), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols,
+        x, n, y, stream=stream)
+
+
+def moe_route(dev: Device, logits: DeviceArray, ids: DeviceArray, wts: DeviceArray, *, n: int, experts: int, k: int,
+              gating: str, norm_topk: bool, bias: DeviceArray | None = None, stream=None) -> None:
+    """Each row's k experts, best first, and their weights from the router's logits [n, experts]
+    (+ bias). Twin: reference.moe_route (given the logits)."""
+    if gating not in GATINGS:
+        raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
+    if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
+        raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
+    need(logits, np.float32, n * experts, "logits")
+    need(ids, np.int32, n * k, "ids")
+    need(wts, np.float32, n * k, "wts")
+    dev.kernel("moe", "moe_route").launch((-(-n // 4),), (128,), logits, bias, n, experts, k, GATINGS[gating],
+                                          int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), ids, wts, stream=stream)
+
+
+def moe_group(dev: Device, ids: DeviceArray, pos: DeviceArray, order: DeviceArray, tiles: DeviceArray, *, pairs: int,
+              experts: int, tile: int, stream=None) -> int:
+    """The pairs grouped by expert (pos, order) and cut into tiles of at most `tile` pairs of one
+    expert; returns the number of tile slots written (the grouped matvec's grid)."""
+    nt = max_tiles(pairs, experts, tile)
+    need(tiles, np.int32, 3 * nt, "tiles")
+    need(pos, np.int32, pairs, "pos")
+    need(order, np.int32, pairs, "order")
+    dev.kernel("moe", "moe_group").launch((1,), (1024,), ids, pairs, experts, tile, nt, pos, order, tiles,
+                                          stream=stream)
+    return nt
+
+
+def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray, y: DeviceArray, *,
+               tile: int, act: str | None = None, stream=None) -> None:
+    """For every tile (expert e, first row r0, rows nb): y[r0 : r0 + nb] = x[r0 : r0 + nb] @ W_e^T, or
+    with act, W_e = [gate; up] and y = act(x W_gate^T) * (x W_up^T). Twin: reference.linear per expert."""
+    if tile not in (1, TILE_ROWS):
+        raise ValueError(f"tiles of 1 or {TILE_ROWS} rows")
+    b = 1 if tile == 1 else 8
+    m = w.m
+    if act is None:
+        dev.kernel(f"matvec_{m.type}", f"qmoe_b{b}").launch(
+            (-(-w.rows // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
+            I64(w.expert_bytes), w.rows, m.cols, tiles, x, y, stream=stream)
+        return
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}")
+    dev.kernel(f"matvec_{m.type}", f"qmoeg_b{b}").launch(
+        (-(-(w.rows // 2) // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
+        I64(w.expert_bytes), w.rows, m.cols, tiles, x, y, Q8_ACTIVATIONS[act], stream=stream)
+
+
+def moe_mlp(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeScratch, *, n: int, k: int, act: str,
+            gating: str, norm_topk: bool, res: DeviceArray | None = None, stream=None) -> None:
+    """y[n, hidden] = res + each row through its k experts' gated MLPs, summed by the router's weights
+    (seven launches, one grid each, whatever the routing: a decode step stays one graph).
+    Twin: reference.moe_mlp (+ res)."""
+    hidden, ffn, E = w.router.cols, w.ffn, w.experts
+    pairs, tile = n * k, 1 if n == 1 else TILE_ROWS
+    need(x, np.float32, n * hidden, "x")
+    need(y, np.float32, n * hidden, "y")
+    matvec_rows(dev, w.router, x, s.logits, n=n, stream=stream)
+    moe_route(dev, s.logits, s.ids, s.wts, n=n, experts=E, k=k, gating=gating, norm_topk=norm_topk,
+              bias=w.router_bias, stream=stream)
+    nt = moe_group(dev, s.ids, s.pos, s.order, s.tiles, pairs=pairs, experts=E, tile=tile, stream=stream)
+    dev.kernel("moe", "moe_gather").launch((pairs,), (256,), x, s.order, k, hidden, s.xs, stream=stream)
+    if w.gate_up is not None:
+        moe_matvec(dev, w.gate_up, s.tiles, nt, s.xs, s.hs, tile=tile, act=act, stream=stream)
+    else:
+        gu = s.gu
+        if w.gate is None or w.up is None or gu is None:
+            raise ValueError("gate and up apart need both matrices and the scratch's gu")
+        moe_matvec(dev, w.gate, s.tiles, nt, s.xs, gu, tile=tile, stream=stream)
+        moe_matvec(dev, w.up, s.tiles, nt, s.xs, gu.view(pairs * ffn, pairs * ffn), tile=tile, stream=stream)
+        gated_act(dev, gu, gu.view(pairs * ffn, pairs * ffn), s.hs, n=pairs, ffn=ffn, act=act, stream=stream)
+    moe_matvec(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=stream)
+    dev.kernel("moe", "moe_combine").launch((-(-hidden // 256), n), (256,), s.ys, s.pos, s.wts, k, hidden, res, y,
+                                            stream=stream)
