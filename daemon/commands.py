@@ -341,6 +341,12 @@ def cmd_status(argv: list[str]) -> int:
                   f"  supervisord pid {d.get('supervisor_pid')}")
             print(f"  worker   {w.get('state')}  pid {w.get('pid') or '-'}  up {_ago(w.get('uptime_seconds'))}"
                   f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
+            mem = w.get("memory")
+            if mem:  # a CUDA worker's division of the device (worker/engine/cuda_memory.py)
+                where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"
+                print(f"  memory   {where} {mem.get('device_total_mb')} MiB: weights {mem.get('weights_mb')}, "
+                      f"16-bit copy {mem.get('f16_copy_mb')}, KV pool {mem.get('kv_pool_mb')} "
+                      f"({w.get('kv_tokens')} tokens), host KV tier {mem.get('kv_host_tier_mb')} MiB")
         else:
             print("  daemon   not running")
             if w.get("state") == Status.UNSUPERVISED:

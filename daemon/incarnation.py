@@ -16,7 +16,9 @@ from .logwatch import Line
 from .procs import OomCount
 from .verdicts import LiveWatch, ReadyWatch
 
-READY_FACTS = ("model", "fingerprint", "backend", "ctx", "max_seqs", "startup_seconds")
+# the memory picture a CUDA worker reports (worker/engine/cuda_memory.MemoryPicture.as_dict)
+MEMORY_FACTS = ("device_total_mb", "weights_mb", "f16_copy_mb", "kv_pool_mb", "unified_memory", "kv_host_tier_mb")
+READY_FACTS = ("model", "fingerprint", "backend", "ctx", "max_seqs", "kv_tokens", "startup_seconds", *MEMORY_FACTS)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.ops.contract import iso_utc
 
+from .incarnation import MEMORY_FACTS
 from .phases import Phase, Status
 from .probes import Probe, ProbeResult
 
@@ -42,7 +43,9 @@ def build_status(life: Lifecycle, *, daemon: dict[str, Any], log_watch: dict[str
                    "started_at": iso_utc(w.started) if up and w.started else None,
                    "uptime_seconds": round(now - w.started, 1) if up and w.started else None,
                    "model": w.facts.get("model"), "fingerprint": w.facts.get("fingerprint"),
-                   "version": w.facts.get("version"), "incarnation": life.incarnation},
+                   "version": w.facts.get("version"), "incarnation": life.incarnation,
+                   "backend": w.facts.get("backend"), "ctx": w.facts.get("ctx"), "kv_tokens": w.facts.get("kv_tokens"),
+                   "memory": {k: w.facts[k] for k in MEMORY_FACTS if k in w.facts} or None},
         "restarts": life.restarts,
         "backoff_level": policy.level,
         "next_restart_in": (round(max(0.0, life.backoff_until - now_m), 1) if life.phase is Phase.BACKOFF

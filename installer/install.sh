@@ -87,7 +87,7 @@ port = 8080
 # ctx = 0
 
 # KV cache: device budget, host RAM tier, and the on-disk store that makes restarts warm.
-# kv_mem = "1GiB"
+# kv_mem = "auto"                        # cuda: what is free after the weights; numpy: 1GiB
 # kv_host_mem = "512MiB"
 # kv_dir = "~/.local/share/ember/kv"      # default: <state dir>/kv
 # kv_disk_budget = "auto"                 # bytes like "20GiB"; auto = 1/4 of free space, at most 50GiB

@@ -11,6 +11,10 @@ again. The cache lives in ``<cache dir>/kernels`` (ember.ops.contract.cache_dir:
 else ``$XDG_CACHE_HOME/ember``, else ``~/.cache/ember``), mode 0700; files are written
 atomically (temp file + rename), so concurrent builders never see half a cubin.
 
+A virtual target (``compute_86``) is compiled to PTX instead, stored as ``.ptx``, which the driver
+JIT-compiles for the GPU at hand: the compat modes' kernels (device_caps.py), and the build for a GPU
+ember's kernels have not run on.
+
 NVRTC needs no GPU: ``ember kernels build --arch sm_90`` works on any machine with cuda-python and
 NVRTC's library (the ``cuda`` extra: cuda-bindings + nvidia-cuda-nvrtc).
 """
@@ -76,6 +80,20 @@ def _modules() -> dict[str, ModuleSpec]:
 MODULES: dict[str, ModuleSpec] = _modules()
 
 _ARCH_RE = re.compile(r"^(sm|compute)_(\d{2,3})([af]?)$")
+
+
+def check_target(target: str) -> str:
+    """A build target: a real architecture (check_arch: a cubin) or a virtual one, 'compute_86' (PTX,
+    which the driver JIT-compiles for the GPU at hand: device_caps.build_target's choice in compat mode)."""
+    t = target.strip().lower()
+    m = _ARCH_RE.match(t)
+    if m and m.group(1) == "compute" and not m.group(3):
+        return t
+    return check_arch(target)
+
+
+def is_ptx(target: str) -> bool:
+    return target.startswith("compute_")
 
 
 def check_arch(arch: str) -> str:
@@ -169,7 +187,8 @@ def sweep_defines() -> list[str]:
 
 def module_options(name: str, arch: str) -> list[str]:
     spec = MODULES[name]
-    return [f"--gpu-architecture={check_arch(arch)}", *BASE_OPTIONS, *constants.defines(), *spec.options,
+    base = BASE_OPTIONS if not is_ptx(arch) else tuple(o for o in BASE_OPTIONS if not o.startswith("--ptxas"))
+    return [f"--gpu-architecture={check_target(arch)}", *base, *constants.defines(), *spec.options,
             *(("-DEMBER_TRACE",) if tracing() else ()), *sweep_defines()]
 
 
@@ -182,7 +201,7 @@ def cache_key(name: str, arch: str) -> str:
     for hname, data in _headers():
         h.update(b"\0" + hname.encode() + b"\0" + data)
     major, minor = nvrtc_version()
-    h.update(f"\0{check_arch(arch)}\0nvrtc {major}.{minor}\0".encode())
+    h.update(f"\0{check_target(arch)}\0nvrtc {major}.{minor}\0".encode())
     h.update("\0".join(module_options(name, arch)).encode())
     return h.hexdigest()
 
@@ -200,7 +219,7 @@ class BuildResult:
 
 
 def compile_source(name: str, source: bytes, arch: str, options: list[str]) -> tuple[bytes, str]:
-    """NVRTC: source -> (cubin, log). Raises CompileError with the log on failure."""
+    """NVRTC: source -> (cubin, or PTX for a compute_XX target; log). Raises CompileError with the log."""
     nvrtc = _nvrtc()
     nvrtc_version()
     headers = _headers()
@@ -220,6 +239,11 @@ def compile_source(name: str, source: bytes, arch: str, options: list[str]) -> t
         log = buf.rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, log, options)
+        if is_ptx(arch):  # PTX text, NUL-terminated as cuModuleLoadData wants it
+            (size,) = _nvrtc_check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            ptx = b" " * size
+            _nvrtc_check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+            return ptx, log
         (size,) = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
@@ -274,10 +298,10 @@ def build_module(name: str, arch: str, *, cache: str | os.PathLike[str] | None =
     """Compile one module for `arch` unless a cubin with the same key is cached; return where it is."""
     if name not in MODULES:
         raise KeyError(f"unknown kernel module {name!r} (known: {', '.join(MODULES)})")
-    arch = check_arch(arch)
+    arch = check_target(arch)
     d = cache_dir(cache)
     key = cache_key(name, arch)
-    path = d / f"{name}.{arch}.{key[:20]}.cubin"
+    path = d / f"{name}.{arch}.{key[:20]}.{'ptx' if is_ptx(arch) else 'cubin'}"
     meta_path = path.with_suffix(".json")
     t = time.perf_counter()
     if path.exists() and not force:
@@ -318,7 +342,7 @@ def build_all(
 ) -> list[BuildResult]:
     """Build every module (or `modules`) for `arch`. NVRTC holds the GIL, so `jobs` > 1 compiles in
     worker processes (spawned: safe even when the caller holds a CUDA context)."""
-    arch = check_arch(arch)
+    arch = check_target(arch)
     nvrtc_version()  # fail early and clearly when NVRTC is missing
     names = list(modules or MODULES)
     for n in names:
@@ -351,7 +375,7 @@ def build_all(
 
 def _cached(name: str, arch: str, cache: str) -> BuildResult | None:
     key = cache_key(name, arch)
-    path = Path(cache) / f"{name}.{arch}.{key[:20]}.cubin"
+    path = Path(cache) / f"{name}.{arch}.{key[:20]}.{'ptx' if is_ptx(arch) else 'cubin'}"
     if not path.exists():
         return None
     return build_module(name, arch, cache=cache)

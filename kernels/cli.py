@@ -25,7 +25,8 @@ def add_kernels_parser(subparsers) -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="compile every kernel module for an architecture into the cubin cache")
     b.add_argument("--arch", default=None, metavar="SM",
-                   help="target architecture, e.g. sm_90 (default: the local GPU's, else sm_90)")
+                   help="target architecture, e.g. sm_90, or compute_86 for PTX (what EMBER_CUDA_COMPAT=sm_86 "
+                        "loads); default: what the local GPU loads (device_caps.build_target), else sm_90")
     b.add_argument("--cache-dir", default=None, metavar="DIR",
                    help=f"cubin cache (default {cache_dir() / 'kernels'})")
     b.add_argument("--force", action="store_true", help="compile even when a cached cubin matches")
@@ -46,7 +47,7 @@ def _default_arch() -> str:
 
         dev, _ = try_device()
         if dev is not None:
-            return dev.arch
+            return dev.target
     except Exception:
         pass
     return "sm_90"
@@ -57,7 +58,7 @@ def cmd_kernels_build(args: argparse.Namespace) -> int:
     from .errors import CompileError, CudaUnavailable
 
     try:
-        arch = build.check_arch(args.arch) if args.arch else _default_arch()
+        arch = build.check_target(args.arch) if args.arch else _default_arch()
         major, minor = build.nvrtc_version()
         supported = build.supported_archs()
     except ValueError as e:
@@ -66,7 +67,7 @@ def cmd_kernels_build(args: argparse.Namespace) -> int:
     except CudaUnavailable as e:
         print(f"ember: cannot build kernels: {e}", file=sys.stderr)
         return EX_CONFIG
-    base = arch.rstrip("af")
+    base = "sm_" + arch.split("_")[1].rstrip("af")  # compute_86 (PTX for a compat mode) needs sm_86 too
     if base not in supported:
         print(f"ember: NVRTC {major}.{minor} cannot target {arch} (it supports {', '.join(supported)})",
               file=sys.stderr)

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import build
 from .constants import KERNEL_CONSTANTS
+from .device_caps import DeviceCaps, build_target, compat_from_env, warn_once
 from .errors import CudaError, CudaUnavailable, StickyCudaError, cuda_error
 
 _lock = threading.Lock()
@@ -128,11 +129,18 @@ class Device:
         raw = check(drv.cuDeviceGetName(256, self.handle), "cuDeviceGetName")
         self.name = (raw.split(b"\0")[0].decode() if isinstance(raw, bytes) else str(raw)).strip()
         A = drv.CUdevice_attribute
-        self.cc = (self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                   self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
-        self.arch = f"sm_{self.cc[0]}{self.cc[1]}"
-        self.sm_count = self.attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        self.l2_bytes = self.attribute(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        native = DeviceCaps.from_attributes(lambda n: self.attribute(getattr(A, f"CU_DEVICE_ATTRIBUTE_{n}")))
+        self.arch = native.arch  # the GPU's own
+        try:
+            # what the launchers choose their paths from (a compat mode's, where EMBER_CUDA_COMPAT says)
+            self.caps = native.for_compat(compat_from_env())
+            self.target, warning = build_target(self.caps, build.supported_archs())  # what the kernels build for
+        except ValueError as e:
+            raise CudaUnavailable(str(e)) from None
+        warn_once(warning)
+        self.cc = self.caps.cc
+        self.sm_count = self.caps.sm_count
+        self.l2_bytes = self.caps.l2_bytes
         self.total_memory = int(check(drv.cuDeviceTotalMem(self.handle), "cuDeviceTotalMem"))
         self._modules: dict[str, Module] = {}
         # `ember bench trace` (worker/bench/trace.py): with EMBER_TRACE=1 the kernels time-stamp their
@@ -164,7 +172,7 @@ class Device:
         with _lock:
             mod = self._modules.get(name)
             if mod is None:
-                cubin = build.load_cubin(name, self.arch, cache=self.cache)
+                cubin = build.load_cubin(name, self.target, cache=self.cache)
                 mod = Module(self, name, cubin)
                 self._modules[name] = mod
             return mod
@@ -210,7 +218,8 @@ class Device:
         check(_driver().cuDevicePrimaryCtxRelease(self.handle), "cuDevicePrimaryCtxRelease")
 
     def __repr__(self) -> str:
-        return f"Device({self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs)"
+        compat = f", compat {self.caps.compat}" if self.caps.compat else ""
+        return f"Device({self.ordinal}: {self.name}, {self.arch}{compat}, {self.sm_count} SMs)"
 
 
 # -- modules and launches ---------------------------------------------------------------------------
@@ -297,6 +306,7 @@ class Kernel:
     def __init__(self, module: Module, name: str, handle):
         self.module, self.name, self.handle = module, name, handle
         self._smem_limit: int | None = None  # dynamic shared memory allowed now (None: not read yet)
+        self._static_smem = 0
 
     def _allow_smem(self, nbytes: int) -> None:
         """Opt in to more dynamic shared memory than the 48 KiB a block gets by default, static included
@@ -304,9 +314,15 @@ class Kernel:
         if nbytes <= 0:
             return
         if self._smem_limit is None:
-            static = self.attribute(_driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-            self._smem_limit = max(0, (48 << 10) - static)
+            self._static_smem = self.attribute(_driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            self._smem_limit = max(0, (48 << 10) - self._static_smem)
         if nbytes > self._smem_limit:
+            # the device's (or its compat mode's) opt-in limit: a launcher that asks for more chose a path
+            # this architecture does not have
+            optin = self.module.device.caps.smem_optin
+            if nbytes + self._static_smem > optin:
+                raise ValueError(f"{self.module.name}.{self.name}: {nbytes} + {self._static_smem} bytes of shared "
+                                 f"memory, more than the {optin} a block of this device may have")
             drv = _driver()
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(drv.cuFuncSetAttribute(self.handle, attr, int(nbytes)), f"cuFuncSetAttribute({self.name})")

@@ -33,7 +33,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     max_seqs: int = 8
     max_queue: int = 64
     ctx: int = 0  # 0 = the model's context length, capped by the KV budget
-    kv_mem: str = "1GiB"
+    kv_mem: str = "auto"
     kv_dir: str | None = None  # default: <state dir>/kv
     kv_disk_budget: str = "auto"  # bytes, or auto = a quarter of the free space, at most 50GiB
     kv_host_mem: str = "512MiB"
@@ -88,7 +88,8 @@ HELP = {
     "max_seqs": "sequences decoded together (default 8)",
     "max_queue": "requests that may wait for a slot before 429 (default 64)",
     "ctx": "context limit in tokens (default: the model's, within the KV budget)",
-    "kv_mem": "KV cache budget, e.g. 512MiB, 4GiB (default 1GiB)",
+    "kv_mem": "KV cache budget on the compute device, e.g. 512MiB, 4GiB, or auto (the default: on cuda what is "
+              "free after the weights and buffers, minus a margin; on numpy 1GiB)",
     "prefill_chunk": "prompt tokens per engine step and sequence (default auto: sized by the measured prefill rate to "
                      "--prefill-step-ms, between 256 and 2048 on cuda; 256 on numpy)",
     "prefill_step_ms": "auto prefill chunks: the time a step that carries one should take, so decoding streams "
@@ -126,6 +127,9 @@ HELP = {
 }
 
 _SECRET = {"api_key"}
+
+
+NUMPY_AUTO_KV_MEM = "1GiB"  # --kv-mem auto on the numpy backend (the CUDA backend sizes its own pool)
 
 
 def parse_size(text: str | int, name: str = "size") -> int:
@@ -194,7 +198,7 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("prefill_step_ms: must be between 1 and 10000 milliseconds")
     if cfg.ctx < 0:
         raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
-    if parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
+    if cfg.kv_mem != "auto" and parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
         raise ConfigError("kv_mem: at least 1MiB")
     if cfg.kv_persist not in ("all", "finished", "off"):
         raise ConfigError(f"kv_persist: {cfg.kv_persist!r} is not one of all, finished, off")

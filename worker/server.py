@@ -27,12 +27,18 @@ EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
 POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
 
 
-def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy") -> int:
+def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy") -> int | None:
+    """The KV pool's blocks for --kv-mem (None: auto on CUDA, where the backend sizes the pool itself
+    from the device's free memory once everything else is allocated)."""
     if backend == "cuda":  # float16 KV on the device
+        if cfg_kv_mem == "auto":
+            return None
         from .engine.cuda_backend import CudaBackend as Backend
     else:
         from .engine.numpy_backend import NumpyBackend as Backend
 
+        if cfg_kv_mem == "auto":
+            cfg_kv_mem = worker_config.NUMPY_AUTO_KV_MEM
     per_block = Backend.kv_bytes_per_block(model_config, block_size)
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
 
@@ -62,8 +68,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     model = open_model(cfg.model)
     chunk = worker_config.prefill_chunk(cfg)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend)
-    kv_tokens = n_blocks * DEFAULT_BLOCK_SIZE
-    ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
+    memory: dict = {}
     if cfg.backend == "cuda":
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
@@ -71,15 +76,20 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         from .engine.cuda_backend import CudaBackend
 
         try:
+            host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
             backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
                                   max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
-                                  f16_weights=cfg.f16_weights)
+                                  f16_weights=cfg.f16_weights, host_tier_bytes=host_tier)
             backend.runs_ahead = cfg.run_ahead
+            memory = backend.memory.as_dict()
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
     else:
+        assert n_blocks is not None
         weights = load_weights(model.gguf, model.config)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+    kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
+    ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)
     if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see engine/faults.py
         from .engine.faults import FaultyBackend
@@ -109,7 +119,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
-                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk)
+                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory)
     return _Loaded(engine, model, store, facts, formats)
 
 

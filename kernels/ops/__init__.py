@@ -104,6 +104,7 @@ from .paged_attention import (
     attention_split_warp,
     attention_warp_cap,
     attention_warp_smem,
+    attention_warp_stage_bytes,
     decode_kernel,
     flash_attention,
     flash_smem_bytes,
@@ -142,8 +143,8 @@ __all__ = [
     "ATT_SPLIT_MAX", "ATT_SPLIT_MIN", "ATTW_CLUSTER_MAX", "ATTW_CLUSTER_MIN_SPLIT", "ATTW_MAX_KEYS",
     "ATTW_MAX_ROW_HEADS", "ATTW_SPLIT_MAX", "ATTW_SPREAD_CTAS", "ATTW_STAGE_BYTES", "ATTW_WARPS", "FLASH_HEAD_DIMS",
     "FLASH_ROWS", "attention", "attention_clustered", "attention_parts", "attention_split", "attention_split_warp",
-    "attention_warp_cap", "attention_warp_smem", "decode_kernel", "flash_attention", "flash_smem_bytes",
-    "flash_tiles", "kv_write", "qk_rope_kv",
+    "attention_warp_cap", "attention_warp_smem", "attention_warp_stage_bytes", "decode_kernel", "flash_attention",
+    "flash_smem_bytes", "flash_tiles", "kv_write", "qk_rope_kv",
     # sampling
     "ARGMAX_CHUNK", "SAMPLE_MAX_PARTS", "SAMPLE_PART", "argmax", "sample", "sample_parts", "softmax",
     # gemm

@@ -74,12 +74,21 @@ ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
 ATTW_MAX_ROW_HEADS = 64  # and beyond this many (row, kv head) pairs
 
 
-def attention_warp_cap(head_dim: int, kv_bytes: int) -> int:
+def attention_warp_stage_bytes(dev: Device, head_dim: int) -> int:
+    """The K and V rows an attn_warp CTA stages on this device: ATTW_STAGE_BYTES, or what the block may
+    opt in to beyond attn_warp.cuh's static arrays (cs, sn, slot_s, mrg) where that is less (99 KiB
+    on the RTX cards: device_caps.py)."""
+    static = 4 * head_dim + 4 * ATTW_SPLIT_MAX + 4 * ATTW_WARPS * (2 + head_dim) + 1024
+    return min(ATTW_STAGE_BYTES, dev.caps.smem_optin - static)
+
+
+def attention_warp_cap(head_dim: int, kv_bytes: int, stage_bytes: int = ATTW_STAGE_BYTES) -> int:
     """Keys an attn_warp CTA takes at most: the K and V rows it stages in shared memory."""
-    return min(ATTW_SPLIT_MAX, ATTW_STAGE_BYTES // (2 * head_dim * kv_bytes))
+    return max(1, min(ATTW_SPLIT_MAX, stage_bytes // (2 * head_dim * kv_bytes)))
 
 
-def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int = 1) -> int:
+def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int = 1,
+                         stage_bytes: int = ATTW_STAGE_BYTES) -> int:
     """Keys per CTA for attn_warp: the context of each of the `pairs` (row, kv head) pairs spread over
     at most ATTW_CLUSTER_MAX CTAs (fewer once the grid passes ATTW_SPREAD_CTAS), which run as one
     thread block cluster and merge their parts in distributed shared memory (no attn_combine
@@ -87,15 +96,16 @@ def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int
     memory (ATTW_STAGE_BYTES of K and V rows: 128 keys at D 256 in float16). A single CTA over the
     whole context grows slower with it, and many streams spread over 8 CTAs each lose more than they
     gain (the H200 measurements: kernels/README.md, "Measurements behind the code's choices")."""
-    cap = attention_warp_cap(head_dim, kv_bytes)
+    cap = attention_warp_cap(head_dim, kv_bytes, stage_bytes)
     ctas = max(1, min(ATTW_CLUSTER_MAX, ATTW_SPREAD_CTAS // max(1, int(pairs))))
     spread = max(ATTW_CLUSTER_MIN_SPLIT, -(-int(max_keys) // ctas))
     return max(1, min(cap, spread, int(max_keys)))
 
 
-def attention_clustered(warp: bool, parts: int) -> bool:
-    """attn_warp's split-K parts of one (kv head, row) run as one cluster and merge themselves."""
-    return warp and 1 < parts <= ATTW_CLUSTER_MAX
+def attention_clustered(warp: bool, parts: int, clusters: bool = True) -> bool:
+    """attn_warp's split-K parts of one (kv head, row) run as one cluster and merge themselves (where
+    the device has clusters: sm_90+; else attn_combine merges them)."""
+    return clusters and warp and 1 < parts <= ATTW_CLUSTER_MAX
 
 
 def attention_warp_smem(head_dim: int, kv_bytes: int, split: int) -> int:
@@ -104,7 +114,8 @@ def attention_warp_smem(head_dim: int, kv_bytes: int, split: int) -> int:
 
 def _split(dev: Device, rows: int, kv_heads: int, max_keys: int, warp: bool, head_dim: int, kv_bytes: int) -> int:
     if warp:
-        return attention_split_warp(head_dim, kv_bytes, max_keys, rows * kv_heads)
+        return attention_split_warp(head_dim, kv_bytes, max_keys, rows * kv_heads,
+                                    attention_warp_stage_bytes(dev, head_dim))
     return attention_split(dev, rows, kv_heads, max_keys)
 
 
@@ -123,7 +134,7 @@ def attention_parts(dev: Device, rows: int, heads: int, kv_heads: int, max_keys:
     max_keys = max(1, int(max_keys))
     warp = decode and decode_kernel(rows, kv_heads, max_keys) == "warp"
     parts = -(-max_keys // _split(dev, rows, kv_heads, max_keys, warp, head_dim, kv_bytes))
-    return 1 if attention_clustered(warp, parts) else parts
+    return 1 if attention_clustered(warp, parts, dev.caps.clusters) else parts
 
 
 def attention_split(dev: Device, rows: int, kv_heads: int, max_keys: int) -> int:
@@ -189,11 +200,12 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
                                      else kernel == "warp")
     if split is None:
         split = _split(dev, rows, kv_heads, max_keys, warp, head_dim, k_cache.dtype.itemsize)
-    split = max(1, min(int(split), attention_warp_cap(head_dim, k_cache.dtype.itemsize) if warp else ATT_SPLIT_MAX))
+    cap = attention_warp_cap(head_dim, k_cache.dtype.itemsize, attention_warp_stage_bytes(dev, head_dim))
+    split = max(1, min(int(split), cap if warp else ATT_SPLIT_MAX))
     S = -(-max_keys // split)
     ldq = ldq or heads * head_dim
 
-    clustered = attention_clustered(warp, S)
+    clustered = attention_clustered(warp, S, dev.caps.clusters)
 
     def launch(out_, acc, ml):
         grid = (kv_heads, rows, S)

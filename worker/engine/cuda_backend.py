@@ -46,6 +46,7 @@ from ..model.gguf_file import GGUFFile, ModelFileError
 from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
 from .cuda_layers import QKV, check_fits, check_runs, upload_weights
 from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
+from .cuda_memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
 from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view
 
 ATTN_HEAD_DIMS = (64, 128, 256)
@@ -79,10 +80,13 @@ class CudaBackend(CudaMatmuls, Backend):
     samples_on_device = True  # chunks with `sample` set come back as SampledToken
     runs_ahead = True  # submit() returns before the step ends, and can feed a step from the last one's draws
 
-    def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int, block_size: int = 16,
+    def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
                  tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
-                 f16_weights: str = "auto", pdl: bool = True):
+                 f16_weights: str = "auto", pdl: bool = True, host_tier_bytes: int = 0):
+        """n_blocks None: the KV pool takes what is free once everything else has its memory (--kv-mem
+        auto; cuda_memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
+        comes out of the same memory."""
         from ember.kernels.cuda_runtime import Device, Event, HostBuffer, Stream
 
         if kv_dtype not in ("f16", "f32"):
@@ -98,8 +102,9 @@ class CudaBackend(CudaMatmuls, Backend):
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
         self.config, self.gguf = config, gguf_file
-        self.block_size, self.n_blocks = block_size, n_blocks
+        self.block_size, self.n_blocks = block_size, n_blocks or 0
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
+        self._kv_name = kv_dtype
         self.block_dtype = np.dtype(self.kv_dtype)  # blocks go to the KV store as they are on the device
         # float16 blocks on disk since KV layout 2 of the store (cuda_kv.py); float32 files stay apart
         self.kv_layout = "cuda" if kv_dtype == "f32" else f"cuda-{kv_dtype}"
@@ -110,7 +115,7 @@ class CudaBackend(CudaMatmuls, Backend):
         # small batches of Q4_K/Q5_K rows: x quantized to int8 in the matvec (dp4a), as llama.cpp does
         self.int8_activations = int8_activations
         # captured decode steps launch each kernel early (programmatic dependent launch, sm_90+)
-        self.pdl = pdl and self.dev.cc[0] >= 9
+        self.pdl = pdl and self.dev.caps.pdl
         # the forward pass as the family's recipe has it, decided once (the layers' variants: cuda_layers.py)
         recipe = config.recipe
         self.half_kind = recipe.half_type  # tensor-core matmuls round to bf16 where activations outgrow f16
@@ -120,17 +125,30 @@ class CudaBackend(CudaMatmuls, Backend):
         self._device_attention = (cfg.head_dim in ATTN_HEAD_DIMS and cfg.n_heads % cfg.n_kv_heads == 0
                                   and cfg.n_heads // cfg.n_kv_heads in ATTN_GROUPS)
         # prefill steps: flash attention on the tensor cores (float16 KV; the exact mode keeps float32)
+        # (where its tiles fit the shared memory a block may have: head_dim 256 needs 99 KiB)
         self._flash = (self._device_attention and kv_dtype == "f16" and tensor_cores
-                       and cfg.head_dim in ops.FLASH_HEAD_DIMS)
+                       and cfg.head_dim in ops.FLASH_HEAD_DIMS
+                       and ops.flash_smem_bytes(cfg.head_dim) <= self.dev.caps.smem_optin)
         try:
             self.dev.make_current()
             check_fits(gguf_file, self.dev.memory_info())
             self.stream = Stream()
+            free0 = self.dev.memory_info()[0]
             self._upload_weights()
+            weights = free0 - self.dev.memory_info()[0]
             self.tensor_cores = tensor_cores and all(m.cols % 32 == 0 for lw in self.layers for m in lw.matrices())
-            self._alloc_kv()
-            self.f16_weights = self._keep_half_weights(f16_weights)
+            if n_blocks is not None:  # a pool of the size asked for first; else it takes what is left, last
+                self._check_unified(n_blocks, host_tier_bytes)
+                self._alloc_kv()
+            self.f16_weights = self._keep_half_weights(f16_weights, kv_sized=n_blocks is not None)
             self._alloc_step_buffers(HostBuffer, Event, Stream)
+            if n_blocks is None:
+                self.n_blocks = self._auto_blocks(host_tier_bytes)
+                self._alloc_kv()
+            total = self.dev.memory_info()[1]
+            kv = 2 * self._layer_elems * cfg.n_layers * np.dtype(self.kv_dtype).itemsize
+            half = sum(2 * m.rows * m.cols for m in self._tc_matrices()) if self.f16_weights else 0
+            self.memory = MemoryPicture(total, weights, half, kv, self.dev.caps.integrated, host_tier_bytes)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
         self._graphs: dict[tuple[int, int, int], tuple[Graph, dict]] = {}  # (rows, stride, slot)
@@ -162,21 +180,45 @@ class CudaBackend(CudaMatmuls, Backend):
         mats = [m for lw in self.layers for m in lw.matrices()]
         return mats + ([self.output] if self.output not in mats else [])
 
-    def _keep_half_weights(self, mode: str) -> bool:
-        """Decode the tensor-core matmuls' weights to 16 bits once, after the KV pool has its memory:
-        prefill and batched decode then skip a decode of every matrix per step (on the 8B at 64
-        streams, 5.3 ms of a step). "auto" keeps them when they fit with a tenth of the device free."""
-        if mode == "off" or not self.tensor_cores:
+    def _keep_half_weights(self, mode: str, kv_sized: bool) -> bool:
+        """Decode the tensor-core matmuls' weights to 16 bits once: prefill and batched decode then skip a
+        decode of every matrix per step (on the 8B at 64 streams, 5.3 ms of a step). "auto" keeps them
+        where cuda_memory.keep_half_copy says (never the experts: they are not tensor-core matrices)."""
+        if not self.tensor_cores:
             return False
         mats = self._tc_matrices()
         need = sum(2 * m.rows * m.cols for m in mats)
         free, total = self.dev.memory_info()
-        if mode == "auto" and need + total // 10 > free:
+        if not keep_half_copy(mode, need, free, total, integrated=self.dev.caps.integrated, kv_sized=kv_sized):
             return False
         for m in mats:
             m.keep_half(self.dev, self.half_kind, stream=self.stream)
         self.stream.synchronize()
         return True
+
+    def _auto_blocks(self, host_tier: int) -> int:
+        """--kv-mem auto: the blocks that what is free now holds (cuda_memory.auto_kv_bytes), at least one
+        MIN_KV_TOKENS-token sequence's, else a one-line ModelFileError."""
+        free, total = self.dev.memory_info()
+        per_block = self.kv_bytes_per_block(self.config, self.block_size, self._kv_name)
+        budget = auto_kv_bytes(free, total, integrated=self.dev.caps.integrated, host_tier=host_tier)
+        blocks = budget // per_block - 1  # one more is the trash block
+        need = -(-min(MIN_KV_TOKENS, self.config.context_length) // self.block_size)
+        if blocks < need:
+            raise ModelFileError(self.gguf.path, f"too little GPU memory left for the KV cache: {max(budget, 0) >> 20} "
+                                                 f"MiB after the weights and buffers ({free >> 20} MiB free of "
+                                                 f"{total >> 20} MiB), {need * per_block >> 20} MiB needed for one "
+                                                 f"{need * self.block_size}-token sequence")
+        return int(blocks)
+
+    def _check_unified(self, n_blocks: int, host_tier: int) -> None:
+        if not self.dev.caps.integrated:
+            return
+        free, total = self.dev.memory_info()
+        kv = (n_blocks + 1) * self.kv_bytes_per_block(self.config, self.block_size, self._kv_name)
+        problem = check_unified_budget(kv, host_tier, free, total)
+        if problem:
+            raise ModelFileError(self.gguf.path, problem)
 
     def _alloc_step_buffers(self, HostBuffer, Event, Stream) -> None:
         cfg, R = self.config, self.max_rows
