@@ -62,6 +62,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     loop_guard: bool = True
     loop_guard_repeats: int = 8
     loop_guard_min_span: int = 128
+    # Speculative decoding (worker/engine/speculation.py): drafts from text the sequence or its session
+    # already has, checked by the model in one step; never changes the output (greedy: token for token).
+    spec: str = "off"
+    spec_k: int = 8
+    spec_max_batch: int = 8
+    spec_max_context: int = 32768
     # Where a thinking model's reasoning starts and ends: "auto" (from the chat template and the
     # vocabulary), "none" (never split reasoning off), a known marker name, or "START,END".
     reasoning_format: str = "auto"
@@ -110,6 +116,11 @@ HELP = {
     "loop_guard": "end a generation that repeats the same block of tokens (finish reason length; default on)",
     "loop_guard_repeats": "back-to-back copies of a block (1-64 tokens) that count as a loop (default 8)",
     "loop_guard_min_span": "and the copies must span at least this many tokens (default 128)",
+    "spec": "speculative decoding: off (default), ngram (prompt lookup) or suffix (longest match in the sequence "
+            "and recent outputs, adaptive length)",
+    "spec_k": "the longest draft, in tokens (default 8)",
+    "spec_max_batch": "no drafts when more sequences than this decode together (default 8)",
+    "spec_max_context": "no drafts past this many tokens of context (default 32768)",
     "reasoning_format": "reasoning markers: auto (default, from the template), none, a marker name, or START,END",
     "max_output_tokens": "cap every request's output at N tokens, whatever the client asks (default 0: no cap "
                          "beyond the context)",
@@ -215,6 +226,14 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError(f"f16_weights: {cfg.f16_weights!r} is not one of auto, on, off")
     if cfg.loop_guard_repeats < 2:
         raise ConfigError("loop_guard_repeats: must be at least 2")
+    if cfg.spec not in ("off", "ngram", "suffix"):
+        later = cfg.spec.startswith("draft:") or cfg.spec == "mtp"
+        raise ConfigError(f"spec: {cfg.spec!r} is not available" + (" yet" if later else "")
+                          + " (available: off, ngram, suffix)")
+    if not 1 <= cfg.spec_k <= 64:
+        raise ConfigError("spec_k: must be between 1 and 64 tokens")
+    if cfg.spec_max_batch < 1 or cfg.spec_max_context < 1:
+        raise ConfigError("spec_max_batch and spec_max_context: must be at least 1")
     if cfg.loop_guard_min_span < 0:
         raise ConfigError("loop_guard_min_span: must not be negative")
     from .text.formats.reasoning import ReasoningConfigError, parse_override

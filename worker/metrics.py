@@ -26,6 +26,12 @@ class Metrics:
         self.itl = Histogram("ember_inter_token_latency_seconds", "Time between tokens of one stream",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("ember_engine_steps", "Engine steps run", registry=r)
+        self.spec_drafted = Counter("ember_spec_drafted_tokens", "Draft tokens checked by speculative decoding",
+                                    registry=r)
+        self.spec_accepted = Counter("ember_spec_accepted_tokens", "Draft tokens that stood", registry=r)
+        self.spec_steps = Counter("ember_spec_verify_steps", "Sequence steps that carried a draft", registry=r)
+        self.spec_seconds = Counter("ember_spec_seconds", "Host time spent drafting and verifying", ["phase"],
+                                    registry=r)
         self.queue_depth = Gauge("ember_queue_depth", "Requests waiting for a slot", registry=r)
         self.running = Gauge("ember_running_sequences", "Sequences in the running batch", registry=r)
         self.kv_blocks_total = Gauge("ember_kv_blocks_total", "KV blocks in the pool", registry=r)

@@ -102,7 +102,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                           prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
                           max_step_tokens=max(chunk, cfg.max_seqs), context=ctx,
                           loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
-                          loop_guard_min_span=cfg.loop_guard_min_span)
+                          loop_guard_min_span=cfg.loop_guard_min_span, spec=cfg.spec, spec_k=cfg.spec_k,
+                          spec_max_batch=cfg.spec_max_batch, spec_max_context=cfg.spec_max_context)
     store = None
     if cfg.kv_persist != "off":
         from .engine.kv_blocks import chain_hash, kv_salt

@@ -79,7 +79,22 @@ class OutputProcessor:
         except ConstraintError as e:
             return self._grammar_failed(s, e)
 
-    def _choose(self, s: Seq, logits) -> int:
+    def verify(self, s: Seq, logits, draft: int | None, now: float) -> tuple[Finish | Failed | None, bool]:
+        """One position of a step that carried a draft: choose and emit its token as `token` does, and
+        say whether it is the draft's guess (the draft's next position then stands). draft None: the
+        position after the draft, an ordinary token."""
+        if draft is None:
+            return self.token(s, logits, now), False
+        o = s.out
+        self.metrics.itl.observe(now - o.last_token_at)
+        o.last_token_at = now
+        try:
+            token = self._choose(s, logits, draft)
+            return self._emit(s, token, logits), token == draft
+        except ConstraintError as e:
+            return self._grammar_failed(s, e), False
+
+    def _choose(self, s: Seq, logits, draft: int | None = None) -> int:
         """The next token: the reasoning block's closing marker once its budget is spent, else a
         sample under the grammar's mask."""
         o = s.out
@@ -93,6 +108,8 @@ class OutputProcessor:
         if isinstance(logits, SampledToken):  # drawn on the device (see device_sample)
             return int(logits)
         bias = o.constraint.bias() if o.constraint else None
+        if draft is not None:  # a grammar-forbidden guess has probability 0: rejected like any other
+            return o.sampler.verify(logits, s.tokens, bias, draft)[0]
         return o.sampler.sample(logits, s.tokens, bias)
 
     def _emit(self, s: Seq, token: int, logits) -> Finish | None:

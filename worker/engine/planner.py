@@ -17,6 +17,7 @@ from .backend import SeqChunk
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .sequence import Seq
+from .speculation import Speculator
 
 
 @dataclass
@@ -29,8 +30,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, kv: KVManager, output: OutputProcessor, max_step_tokens: int, max_seqs: int,
-                 sized: bool):
-        self.kv, self.output = kv, output
+                 sized: bool, speculator: Speculator | None = None):
+        self.kv, self.output, self.speculator = kv, output, speculator
         self.max_step_tokens, self.max_seqs, self.sized = max_step_tokens, max_seqs, sized
 
     def plan(self, running: list[Seq], chunk: int) -> StepPlan:
@@ -39,6 +40,7 @@ class Scheduler:
         plan = StepPlan()
         live = list(running)  # running, less what this plan preempts or fails
         order = sorted(running, key=lambda s: (s.kv.n_computed < len(s.tokens) - 1, s.number))
+        decoding = sum(1 for s in running if s.kv.n_computed == len(s.tokens) - 1 and s.out.generated)
         for s in order:
             if budget <= 0:
                 break
@@ -48,9 +50,18 @@ class Scheduler:
             if todo <= 0:
                 continue
             n = min(todo, budget, chunk) if todo > 1 else 1
+            draft = self._draft(s, decoding, budget) if todo == 1 and s.out.generated else []
+            if draft and not self.kv.grow(s, s.kv.n_computed + 1 + len(draft)):
+                draft = []  # a draft never preempts anyone: without free blocks for it, no draft
             if not self._ensure_blocks(s, s.kv.n_computed + n, plan, live):
                 continue
             at = s.kv.n_computed
+            if draft:  # the last token and the guesses after it, every position's logits to check them
+                s.spec.pending = draft  # type: ignore[union-attr]  # _draft drafts only with a SpecState
+                plan.chunks.append(SeqChunk(np.asarray([s.tokens[at], *draft], np.int32), at, s.kv.blocks, "all"))
+                plan.members.append(s)
+                budget -= 1 + len(draft)
+                continue
             want = "all" if s.req.prompt_logprobs and s.out.generated == 0 else (
                 "last" if at + n == len(s.tokens) else "none")
             plan.chunks.append(SeqChunk(np.asarray(s.tokens[at : at + n], np.int32), at, s.kv.blocks, want,
@@ -59,6 +70,14 @@ class Scheduler:
             plan.members.append(s)
             budget -= n
         return plan
+
+    def _draft(self, s: Seq, decoding: int, budget: int) -> list[int]:
+        """A decoding sequence's draft for this step, within the step's token budget ([]: none)."""
+        if self.speculator is None or s.spec is None:
+            return []
+        left = s.req.max_tokens - s.out.generated - 1  # the position after the draft still yields a token
+        draft = self.speculator.draft(s.spec, s.tokens, decoding)
+        return draft[: max(0, min(left, budget - 1))]
 
     def _ensure_blocks(self, s: Seq, length: int, plan: StepPlan, live: list[Seq]) -> bool:
         """Get blocks for `length` positions, preempting the youngest sequence not yet planned in

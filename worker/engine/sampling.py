@@ -85,6 +85,36 @@ class Sampler:
         sees allowed tokens: a -inf logit stays -inf through the penalties and gets probability 0.
         Penalties and logit_bias can push a logit past float32's range: +inf is held at the range's
         edge (and the temperature divides in float64), so no stage ever sees inf - inf."""
+        dist = self.distribution(logits, history, bias)
+        if isinstance(dist, int):
+            return dist
+        ids, probs = dist
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def verify(self, logits: np.ndarray, history: list[int], bias: np.ndarray | None, draft: int) -> tuple[int, bool]:
+        """The token at a position a draft guessed `draft` for, and whether the guess stands. Greedy: the
+        argmax, the guess standing where it is that. Sampling: rejection sampling against a drafter that
+        proposes one token for sure (probability 1): the guess stands with the target's probability of
+        it, and otherwise the token is drawn from the target with the guess taken out (renormalised).
+        Either way the token's distribution is exactly the target's (sample's)."""
+        dist = self.distribution(logits, history, bias)
+        if isinstance(dist, int):
+            return dist, dist == draft
+        ids, probs = dist
+        hit = np.flatnonzero(ids == draft)
+        p_draft = float(probs[hit[0]]) if hit.size else 0.0
+        if p_draft > 0.0 and self.rng.random() < p_draft:
+            return int(draft), True
+        if hit.size:
+            probs = probs.copy()
+            probs[hit[0]] = 0.0
+            probs /= probs.sum()
+        return int(ids[self.rng.choice(len(ids), p=probs)]), False
+
+    def distribution(self, logits: np.ndarray, history: list[int],
+                     bias: np.ndarray | None = None) -> int | tuple[np.ndarray, np.ndarray]:
+        """What a draw chooses from after every stage of the chain: the token itself where greedy, else
+        (token ids, their probabilities in float64)."""
         logits = np.asarray(logits, dtype=np.float32)
         if bias is not None:
             logits = logits + bias
@@ -113,8 +143,7 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             ids, vals = ids[keep], vals[keep]
-        probs = _softmax64(vals.astype(np.float64) / p.temperature)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, _softmax64(vals.astype(np.float64) / p.temperature)
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -53,6 +53,7 @@ from .restore_policy import RestoreCosts
 from .run_ahead import Ahead, RunAhead
 from .sampling import Sampler
 from .sequence import OutputState, Seq
+from .speculation import Speculator
 from .step_costs import PrefillCost
 from .textstream import StopMatcher
 
@@ -86,6 +87,12 @@ class EngineLimits:
     loop_guard_repeats: int = 8
     loop_guard_min_span: int = 128
     loop_guard_period: int = 64
+    # speculative decoding (speculation.py): the drafter ("off", "ngram", "suffix"), the longest draft,
+    # and off above this many decoding sequences or this context depth
+    spec: str = "off"
+    spec_k: int = 8
+    spec_max_batch: int = 8
+    spec_max_context: int = 32768
 
 
 class Engine:
@@ -135,8 +142,10 @@ class Engine:
         self._rates_saved: float | None = None  # the first rate measured is written at once
         self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
         self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
+        self.speculator = (Speculator(limits.spec, limits.spec_k, limits.spec_max_batch, limits.spec_max_context)
+                           if limits.spec != "off" else None)
         self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, limits.max_seqs,
-                                   sized=limits.prefill_step_s is not None)
+                                   sized=limits.prefill_step_s is not None, speculator=self.speculator)
         self.run_ahead = RunAhead(backend, self.kv, self.output, limits.context)
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
         self._thread = self.watch.thread("ember-engine", self._run, on_death=self._died, stopping=lambda: self._stop)
@@ -212,6 +221,7 @@ class Engine:
                 handle=handle, number=self._arrivals, arrived=time.monotonic(), tokens=list(req.prompt),
                 prompt_len=len(req.prompt), out=out,
                 compiling=self.constraints.compile(req.grammar) if req.grammar is not None else None,
+                spec=self.speculator.state() if self.speculator is not None else None,
             )
             self._inbox.append(seq)
             self.metrics.started.inc()
@@ -490,7 +500,10 @@ class Engine:
     # -- after a step ------------------------------------------------------------------------------------
 
     def _after_forward(self, s: Seq, chunk: SeqChunk, logits, now: float) -> None:
-        s.kv.n_computed += len(chunk.tokens)
+        draft: list[int] = []
+        if s.spec is not None and s.spec.pending:
+            draft, s.spec.pending = s.spec.pending, []
+        s.kv.n_computed += len(chunk.tokens) - len(draft)  # a guess's position counts once it stands
         self.kv.register_full_blocks(s)
         if self.faults:
             self.faults.check_request(s.number)
@@ -502,11 +515,37 @@ class Engine:
                 s.handle.push([Keepalive(s.kv.n_computed, len(s.tokens))])
             return
         self.output.prompt_done(s)
-        end = self.output.token(s, logits if isinstance(logits, SampledToken) else logits[-1], now)
+        if draft:
+            end = self._verify(s, draft, logits, now)
+        else:
+            end = self.output.token(s, logits if isinstance(logits, SampledToken) else logits[-1], now)
         if isinstance(end, Finish):
             self._settle(s, Outcome.COMPLETED, self.output.finished(s, end))
         elif end is not None:
             self._settle(s, Outcome.FAILED, end)
+
+    def _verify(self, s: Seq, draft: list[int], logits: np.ndarray, now: float) -> Finish | Failed | None:
+        """Check a draft position by position (speculation.py): every chosen token is emitted as any
+        other; each guess that stands makes its position's KV count, and the first that does not ends
+        the step (the token chosen there instead is the step's last)."""
+        assert self.speculator is not None and s.spec is not None
+        t0 = time.monotonic()
+        accepted, end = 0, None
+        for i in range(len(draft) + 1):
+            end, stood = self.output.verify(s, logits[i], draft[i] if i < len(draft) else None, now)
+            if end is not None or not stood:
+                break
+            accepted += 1
+            s.kv.n_computed += 1
+        self.kv.register_full_blocks(s)
+        self.speculator.record(s.spec, len(draft), accepted)
+        m = self.metrics
+        m.spec_drafted.inc(len(draft))
+        m.spec_accepted.inc(accepted)
+        m.spec_steps.inc()
+        m.spec_seconds.labels("verify").inc(time.monotonic() - t0)
+        m.spec_seconds.labels("draft").inc(self.speculator.take_draft_seconds())
+        return end
 
     def _settle(self, s: Seq, outcome: Outcome, event) -> None:
         """The one place a request ends: free its blocks, send its last event, log its outcome."""
@@ -524,8 +563,13 @@ class Engine:
                       seconds=round(time.monotonic() - s.arrived, 3))
         if s.req.probe:
             fields["probe"] = True
+        if s.spec is not None and s.spec.steps:
+            fields.update(spec_drafted=s.spec.drafted, spec_accepted=s.spec.accepted,
+                          spec_tokens_per_step=round((s.spec.accepted + s.spec.steps) / s.spec.steps, 2))
         if isinstance(event, Finished):
             fields["finish_reason"] = event.reason.value
+            if self.speculator is not None:
+                self.speculator.finished(s.tokens, s.prompt_len)  # a later turn may quote this output
         elif outcome is not Outcome.CANCELED:
             fields["error"] = event.message
         else:

@@ -22,6 +22,7 @@ from .textstream import StopMatcher
 
 if TYPE_CHECKING:
     from ..kvstore.store import RestoreJob
+    from .speculation import SpecState
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class Seq:
     last_keepalive: float = 0.0
     begun: bool = False
     compiling: concurrent.futures.Future | None = None  # the grammar, until admission takes it
+    spec: SpecState | None = None  # speculative decoding's part (speculation.py), where it is on
 
     @property
     def req(self) -> GenerationRequest:

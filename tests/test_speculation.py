@@ -1,0 +1,189 @@
+"""Speculative decoding (worker/engine/speculation.py, drafters.py): drafts never change the output.
+
+Greedy outputs are token-for-token those of decoding without drafts, through the real engine on the
+embedded model, with stop strings and a grammar in force; sampled ones keep the target distribution
+(rejection sampling, checked with a chi-squared test over many seeded draws)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ember.worker import config as worker_config
+from ember.worker.engine.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle
+from ember.worker.engine.runtime import Runtime
+from ember.worker.engine.sampling import Sampler, SamplingParams
+from ember.worker.engine.scheduler import Engine, EngineLimits
+from ember.worker.engine.speculation import PAUSE_STEPS, Speculator
+from ember.worker.metrics import Metrics
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# -- drafters ------------------------------------------------------------------------------------------
+
+
+def _index(tokens, max_n=4):
+    idx = TokenIndex(max_n)
+    idx.extend(tokens)
+    return idx
+
+
+def test_ngram_drafts_what_followed_the_latest_earlier_occurrence():
+    toks = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    d = NgramDrafter()
+    assert d.propose(_index(toks), 3) == [7, 8, 1]  # "1 2 3" last ended before 7 8 1 (not the tail itself)
+    assert d.propose(_index([5, 6, 7]), 3) == []  # nothing repeats
+    idx = _index([1, 2, 3, 4])
+    idx.sync([1, 2, 3, 4, 1, 2])  # grows with the sequence
+    assert d.propose(idx, 4) == [3, 4, 1, 2]
+
+
+def test_suffix_prefers_long_matches_drafts_further_and_reads_the_pool():
+    d = SuffixDrafter(max_n=8)
+    # one-token match: short draft (at most 2); a long match drafts up to k
+    toks = [10, 11, 12, 13, 14, 15, 16, 17, 18, 10]
+    assert d.propose(_index(toks, 8), 8) == [11, 12]
+    long_ = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11, 12, 13]
+    assert d.propose(_index(long_, 8), 8) == [14, 15, 16, 17, 18, 19, 20, 10]
+    # another request's finished output (a session's earlier turn) supplies the continuation
+    d.finished([0] * 5 + list(range(100, 130)), prompt_len=5)
+    assert d.propose(_index([7, 7, 100, 101, 102, 103], 8), 6) == [104, 105, 106, 107, 108, 109]
+
+
+def test_the_policy_shortens_and_pauses_drafts_that_do_not_pay():
+    sp = Speculator("ngram", k=8, max_batch=2, max_context=100)
+    st = sp.state()
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert len(sp.draft(st, toks, decoding=1)) == 5  # k 8 at the starting trust of 0.6
+    assert sp.draft(st, toks, decoding=3) == []  # a wide batch: no drafts
+    assert sp.draft(st, toks + [0] * 90, decoding=1) == []  # past max_context
+    for _ in range(6):
+        sp.record(st, 5, 0)
+        if st.paused:
+            break
+    assert st.paused == PAUSE_STEPS
+    assert all(sp.draft(st, toks, decoding=1) == [] for _ in range(PAUSE_STEPS))
+    assert sp.draft(st, toks, decoding=1)  # tries again, shorter
+    sp.record(st, 3, 3)
+    assert st.acceptance > 0.3 and st.drafted >= 3 and st.accepted == 3
+
+
+# -- rejection sampling keeps the target distribution --------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1),
+                                    SamplingParams(temperature=1.2, top_k=12, top_p=0.9, min_p=0.02, seed=2)])
+def test_rejection_sampling_draws_the_target_distribution(params):
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 2, 40).astype(np.float32)
+    target = Sampler(params)
+    ids, probs = target.distribution(logits, [])
+    p = np.zeros(40)
+    p[ids] = probs
+    n = 40_000
+    for draft in (int(np.argmax(p)), int(np.argsort(p)[-4]), int(np.argmin(p))):  # likely, less, impossible
+        s = Sampler(params)
+        counts = np.zeros(40)
+        stood = 0
+        for _ in range(n):
+            tok, ok = s.verify(logits, [], None, draft)
+            counts[tok] += 1
+            stood += ok
+        keep = p > 0
+        assert counts[~keep].sum() == 0
+        expected = n * p[keep]
+        chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+        df = int(keep.sum()) - 1
+        assert chi2 < df + 6 * np.sqrt(2 * df) + 10, (draft, chi2, df)  # far past p = 1e-4 for these df
+        assert abs(stood / n - p[draft]) < 4 * np.sqrt(max(p[draft] * (1 - p[draft]), 1e-9) / n) + 1e-9
+
+
+def test_greedy_verification_is_the_argmax():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], np.float32)
+    s = Sampler(GREEDY)
+    assert s.verify(logits, [], None, 1) == (1, True)
+    assert s.verify(logits, [], None, 2) == (1, False)
+    bias = np.array([0.0, -np.inf, 0.0, 0.0], np.float32)  # a grammar forbids the argmax
+    assert s.verify(logits, [], bias, 1) == (2, False)
+
+
+def test_unknown_drafters_are_config_errors():
+    for bad, why in (("draft:/m.gguf", "not available yet"), ("mtp", "not available yet"), ("eagle", "not available")):
+        with pytest.raises(worker_config.ConfigError, match=why):
+            worker_config.validate(worker_config.WorkerConfig(spec=bad))
+    with pytest.raises(worker_config.ConfigError, match="spec_k"):
+        worker_config.validate(worker_config.WorkerConfig(spec="ngram", spec_k=0))
+
+
+# -- the engine: drafts never change greedy output -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime(default_model_path):
+    return Runtime.load(str(default_model_path), kv_tokens=4096)
+
+
+def _engine(runtime, spec="off", **limits):
+    e = Engine(runtime.model, runtime.backend,
+               EngineLimits(**{"max_seqs": 4, "context": 4096, "spec": spec, **limits}), metrics=Metrics())
+    e.start()
+    return e
+
+
+async def _collect(engine, req):
+    h = RequestHandle(req, asyncio.get_running_loop())
+    engine.submit(h)
+    text, tokens, last = "", [], None
+    async for e in h.events():
+        if isinstance(e, Delta):
+            text += e.text
+            tokens += e.tokens
+        elif isinstance(e, Finished):
+            last = e
+    return text, tokens, last
+
+
+# a code edit: the model re-emits a block it was just shown (where drafts from the prompt pay)
+EDIT = ("Here is a Python function:\n\ndef area(width, height):\n    total = width * height\n    return total\n\n"
+        "def perimeter(width, height):\n    total = 2 * (width + height)\n    return total\n\n"
+        "Repeat both functions exactly, unchanged:\n\ndef area(width, height):\n")
+
+
+def _run(runtime, spec, prompt, n, **req_kw):
+    engine = _engine(runtime, spec)
+    try:
+        ids = runtime.model.tokenizer.encode(prompt)
+        out = asyncio.run(_collect(engine, GenerationRequest("r", ids, req_kw.pop("params", GREEDY), n, **req_kw)))
+        return out, engine.metrics.snapshot()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("spec", ["ngram", "suffix"])
+def test_greedy_output_is_identical_with_drafts(runtime, spec):
+    (text0, toks0, last0), _ = _run(runtime, "off", EDIT, 40)
+    (text1, toks1, last1), m = _run(runtime, spec, EDIT, 40)
+    assert toks1 == toks0 and text1 == text0
+    assert (last1.reason, last1.completion_tokens) == (last0.reason, last0.completion_tokens)
+    drafted, accepted = m["ember_spec_drafted_tokens_total"], m["ember_spec_accepted_tokens_total"]
+    steps = m["ember_spec_verify_steps_total"]
+    assert accepted > 0 and steps > 0
+    print(f"{spec}: {len(toks1)} tokens, {steps:.0f} steps with drafts, {accepted:.0f}/{drafted:.0f} accepted")
+    assert (accepted + steps) / steps > 1.5  # the copy is drafted: more than one token a step
+
+
+def test_stop_strings_and_grammars_act_on_drafted_tokens_as_on_others(runtime):
+    from ember.worker.engine.constraints import grammar_from_lark
+
+    (text0, toks0, last0), _ = _run(runtime, "off", EDIT, 40, stop=["return"])
+    (text1, toks1, last1), _ = _run(runtime, "ngram", EDIT, 40, stop=["return"])
+    assert (text1, toks1, last1.stop_string) == (text0, toks0, last0.stop_string)
+    assert last1.stop_string == "return"
+    g = grammar_from_lark('start: "    total = width * height\\n    return " /[a-z]+/ "\\n"')
+    (text0, toks0, _), _ = _run(runtime, "off", EDIT, 30, grammar=g)
+    (text1, toks1, _), m = _run(runtime, "suffix", EDIT, 30, grammar=g)
+    assert (text1, toks1) == (text0, toks0) and text1.startswith("    total = width * height")
