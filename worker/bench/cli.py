@@ -46,6 +46,7 @@ def add_bench_parser(sub) -> None:
     from .resume import add_resume_parser
     from .serve_load import add_serve_parser
     from .soak import add_soak_parser
+    from .spec import add_spec_parser
     from .synth import add_make_model_parser
     from .trace import add_trace_parser
 
@@ -56,6 +57,7 @@ def add_bench_parser(sub) -> None:
     add_grammar_parser(bsub)
     add_trace_parser(bsub)
     add_soak_parser(bsub)
+    add_spec_parser(bsub)
 
 
 def cmd_speed(args: argparse.Namespace) -> int:

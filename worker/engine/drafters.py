@@ -75,13 +75,14 @@ class NgramDrafter:
     def new_index(self) -> TokenIndex:
         return TokenIndex(self.max_n)
 
-    def propose(self, index: TokenIndex, k: int) -> list[int]:
+    def propose(self, index: TokenIndex, k: int) -> tuple[list[int], int]:
+        """(up to k tokens, the length of the match they continue); ([], 0) where nothing matches."""
         toks = index.tokens
         for n in range(min(self.max_n, len(toks)), 0, -1):
             draft = index.continuation(toks[-n:], k, own=True)
             if draft:
-                return draft
-        return []
+                return draft, n
+        return [], 0
 
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         pass
@@ -100,7 +101,8 @@ class SuffixDrafter:
     def new_index(self) -> TokenIndex:
         return TokenIndex(self.max_n)
 
-    def propose(self, index: TokenIndex, k: int) -> list[int]:
+    def propose(self, index: TokenIndex, k: int) -> tuple[list[int], int]:
+        """(up to k tokens, the length of the match they continue); ([], 0) where nothing matches."""
         toks = index.tokens
         with self._lock:
             pool = list(self._pool)
@@ -115,8 +117,8 @@ class SuffixDrafter:
                 if len(more) > len(draft):
                     draft = more
             if draft:
-                return draft
-        return []
+                return draft, n
+        return [], 0
 
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         """A request's output joins the pool: the next turn of its session is likely to quote it."""
