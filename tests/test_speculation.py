@@ -138,7 +138,7 @@ def test_greedy_verification_is_the_argmax():
 
 
 def test_unknown_drafters_are_config_errors():
-    for bad, why in (("draft:/m.gguf", "not available yet"), ("mtp", "not available yet"), ("eagle", "not available")):
+    for bad, why in (("mtp", "not available yet"), ("eagle", "not available")):
         with pytest.raises(worker_config.ConfigError, match=why):
             worker_config.validate(worker_config.WorkerConfig(spec=bad))
     with pytest.raises(worker_config.ConfigError, match="spec_k"):
@@ -153,9 +153,10 @@ def runtime(default_model_path):
     return Runtime.load(str(default_model_path), kv_tokens=4096)
 
 
-def _engine(runtime, spec="off", **limits):
+def _engine(runtime, spec="off", drafter=None, **limits):
     e = Engine(runtime.model, runtime.backend,
-               EngineLimits(**{"max_seqs": 4, "context": 4096, "spec": spec, **limits}), metrics=Metrics())
+               EngineLimits(**{"max_seqs": 4, "context": 4096, "spec": spec, **limits}), metrics=Metrics(),
+               drafter=drafter)
     e.start()
     return e
 
@@ -179,8 +180,8 @@ EDIT = ("Here is a Python function:\n\ndef area(width, height):\n    total = wid
         "Repeat both functions exactly, unchanged:\n\ndef area(width, height):\n")
 
 
-def _run(runtime, spec, prompt, n, **req_kw):
-    engine = _engine(runtime, spec)
+def _run(runtime, spec, prompt, n, drafter=None, **req_kw):
+    engine = _engine(runtime, spec, drafter)
     try:
         ids = runtime.model.tokenizer.encode(prompt)
         out = asyncio.run(_collect(engine, GenerationRequest("r", ids, req_kw.pop("params", GREEDY), n, **req_kw)))
@@ -230,3 +231,30 @@ def test_bench_spec_replays_sessions_against_real_workers(capsys):
     s = report["sessions"]["json_again"]
     assert report["identical"] and s["identical"] and s["decode_tok_s_off"] and s["decode_tok_s_on"]
     assert s["drafted"] is not None and report["machine"]["cores"]
+
+
+def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_model_path):
+    """--spec draft:PATH with the model itself as its draft: every guess stands, the output is the same."""
+    from ember.worker.engine.draft_model import ModelDrafter
+
+    drafter = ModelDrafter.load(str(default_model_path), runtime.model, "numpy", n_blocks=64, block_size=16)
+    prose = "Write a short essay about the history of lighthouses.\n\n"
+    (text0, toks0, _), _ = _run(runtime, "off", prose, 24)
+    (text1, toks1, _), m = _run(runtime, f"draft:{default_model_path}", prose, 24, drafter=drafter)
+    assert toks1 == toks0 and text1 == text0
+    assert m["ember_spec_accepted_tokens_total"] > 0
+    assert m["ember_spec_accepted_tokens_total"] == m["ember_spec_drafted_tokens_total"]  # its own guesses
+    assert sorted(drafter._free) == list(range(64))  # the finished sequence's draft cache is released
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(runtime, tmp_path):
+    from ember.worker.bench.synth import make_model
+    from ember.worker.engine.draft_model import ModelDrafter
+    from ember.worker.model.gguf_file import ModelFileError
+
+    other = make_model("llama", "tiny", tmp_path / "tiny.gguf")
+    with pytest.raises(ModelFileError, match="vocabulary .* is not the model's") as e:
+        ModelDrafter.load(str(other), runtime.model, "numpy", n_blocks=8, block_size=16)
+    assert "\n" not in str(e.value)
+    with pytest.raises(worker_config.ConfigError, match="is not a file"):
+        worker_config.validate(worker_config.WorkerConfig(spec=f"draft:{tmp_path / 'missing.gguf'}"))

@@ -116,8 +116,8 @@ HELP = {
     "loop_guard": "end a generation that repeats the same block of tokens (finish reason length; default on)",
     "loop_guard_repeats": "back-to-back copies of a block (1-64 tokens) that count as a loop (default 8)",
     "loop_guard_min_span": "and the copies must span at least this many tokens (default 128)",
-    "spec": "speculative decoding: off (default), ngram (prompt lookup) or suffix (longest match in the sequence "
-            "and recent outputs, adaptive length)",
+    "spec": "speculative decoding: off (default), ngram (prompt lookup), suffix (longest match in the sequence "
+            "and recent outputs, adaptive length) or draft:PATH (a small GGUF with the model's vocabulary)",
     "spec_k": "the longest draft, in tokens (default 8)",
     "spec_max_batch": "no drafts when more sequences than this decode together (default 8)",
     "spec_max_context": "no drafts past this many tokens of context (default 32768)",
@@ -226,10 +226,12 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError(f"f16_weights: {cfg.f16_weights!r} is not one of auto, on, off")
     if cfg.loop_guard_repeats < 2:
         raise ConfigError("loop_guard_repeats: must be at least 2")
-    if cfg.spec not in ("off", "ngram", "suffix"):
-        later = cfg.spec.startswith("draft:") or cfg.spec == "mtp"
-        raise ConfigError(f"spec: {cfg.spec!r} is not available" + (" yet" if later else "")
-                          + " (available: off, ngram, suffix)")
+    if cfg.spec.startswith("draft:"):
+        if not Path(cfg.spec[6:]).expanduser().is_file():
+            raise ConfigError(f"spec: the draft model {cfg.spec[6:]!r} is not a file")
+    elif cfg.spec not in ("off", "ngram", "suffix"):
+        raise ConfigError(f"spec: {cfg.spec!r} is not available" + (" yet" if cfg.spec == "mtp" else "")
+                          + " (available: off, ngram, suffix, draft:PATH)")
     if not 1 <= cfg.spec_k <= 64:
         raise ConfigError("spec_k: must be between 1 and 64 tokens")
     if cfg.spec_max_batch < 1 or cfg.spec_max_context < 1:

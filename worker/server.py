@@ -69,6 +69,14 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     chunk = worker_config.prefill_chunk(cfg)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend)
     memory: dict = {}
+    drafter = None
+    if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
+        from .engine.draft_model import ModelDrafter
+
+        room = min(cfg.ctx or model.config.context_length, model.config.context_length) + cfg.spec_k
+        drafter = ModelDrafter.load(cfg.spec[6:], model, cfg.backend,
+                                    n_blocks=cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1,
+                                    block_size=DEFAULT_BLOCK_SIZE)
     if cfg.backend == "cuda":
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
@@ -118,7 +126,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
                         host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
         metrics.attach_store(store)
-    engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store)
+    engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
+                    drafter=drafter)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
                  kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory)
     return _Loaded(engine, model, store, facts, formats)

@@ -20,11 +20,26 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 NGRAM_MAX = 4
 SUFFIX_MAX = 16
 POOL_SEQUENCES = 64  # outputs the suffix drafter's shared pool keeps (the oldest go first)
 POOL_MIN_TOKENS = 16  # shorter outputs teach the pool nothing
+
+
+class Drafter(Protocol):
+    """What speculation.py asks of a drafter (these two, and draft_model.ModelDrafter)."""
+
+    name: str
+
+    def new_index(self) -> Any: ...  # a sequence's state: `tokens`, and `sync(tokens)` as it grows
+
+    def propose(self, index: Any, k: int) -> tuple[list[int], int]: ...  # (draft, length of its match)
+
+    def finished(self, tokens: Sequence[int], prompt_len: int) -> None: ...
+
+    def release(self, index: Any) -> None: ...  # the sequence is gone
 
 
 class TokenIndex:
@@ -87,6 +102,9 @@ class NgramDrafter:
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         pass
 
+    def release(self, index: TokenIndex) -> None:
+        pass
+
 
 class SuffixDrafter:
     """The longest match in the sequence or the shared pool, drafting further the longer it is."""
@@ -129,6 +147,9 @@ class SuffixDrafter:
         idx.extend(out)
         with self._lock:
             self._pool.append(idx)
+
+    def release(self, index: TokenIndex) -> None:
+        pass
 
 
 DRAFTERS = ("ngram", "suffix")

@@ -107,7 +107,9 @@ class Engine:
         on_poisoned: Callable[[ContextPoisoned], None] | None = None,
         store=None,
         watch: ThreadWatch | None = None,
+        drafter=None,
     ):
+        """drafter: a drafter built by the caller (draft_model.ModelDrafter for --spec draft:PATH)."""
         self.faults = faults or FaultInjector([])
         if self.faults and not isinstance(backend, FaultyBackend):  # the server wraps it itself
             backend = FaultyBackend(backend, self.faults)
@@ -142,8 +144,8 @@ class Engine:
         self._rates_saved: float | None = None  # the first rate measured is written at once
         self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
         self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
-        self.speculator = (Speculator(limits.spec, limits.spec_k, limits.spec_max_batch, limits.spec_max_context)
-                           if limits.spec != "off" else None)
+        self.speculator = (Speculator(drafter or limits.spec, limits.spec_k, limits.spec_max_batch,
+                                      limits.spec_max_context) if limits.spec != "off" else None)
         self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, limits.max_seqs,
                                    sized=limits.prefill_step_s is not None, speculator=self.speculator)
         self.run_ahead = RunAhead(backend, self.kv, self.output, limits.context)
@@ -554,6 +556,8 @@ class Engine:
         if s in self.running:
             self.kv.finished(s)  # its last full blocks copied off before the pool may hand them out again
             self.running.remove(s)
+        if s.spec is not None and self.speculator is not None:
+            self.speculator.release(s.spec)
         elif s in self.waiting:
             self.waiting.remove(s)
         self.kv.free(s)

@@ -13,7 +13,8 @@ Knowing when not to: a draft of k tokens makes the step wider, and what a wider 
 measured (StepCosts: fitted online to this worker's own decode steps, with and without drafts). Each
 sequence keeps its per-token acceptance (guesses kept against guesses refused, a moving average;
 before it has a record, the length of the match its drafter found stands in for it); a
-draft of k then yields (1 - a^(k+1)) / (1 - a) tokens where a step without one yields 1. The draft
+draft of k then yields (1 - a^(k+1)) / (1 - a) tokens where a step without one yields 1, for the
+step's cost plus k times what a draft token costs to make (a draft model's passes). The draft
 length is the k that gives the batch the most tokens per second, and there is no draft unless that
 beats drafting nothing by MIN_GAIN: on a GPU, where a wider decode step costs little, drafts are long
 where agent traffic repeats; on the CPU reference, where each position costs real time, only copies
@@ -27,8 +28,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from .drafters import NgramDrafter, SuffixDrafter, TokenIndex, make_drafter
+from .drafters import Drafter, make_drafter
 
 ACCEPT_EMA = 0.3  # weight of the latest step in the acceptance averages
 START_ACCEPTANCE = 0.6  # a sequence's first drafts are trusted this much (per token)
@@ -99,7 +101,7 @@ def tokens_per_step(alpha: float, k: int) -> float:
 class SpecState:
     """One sequence's drafting: its token index, the draft in flight, and what drafts have earned."""
 
-    index: TokenIndex
+    index: Any  # the drafter's per-sequence state (drafters.Drafter.new_index)
     pending: list[int] = field(default_factory=list)  # the draft the planned step carries
     kept: float = START_ACCEPTANCE  # moving averages of guesses kept and refused a step
     refused: float = 1.0 - START_ACCEPTANCE
@@ -118,11 +120,12 @@ class SpecState:
 class Speculator:
     """The engine's speculation: its drafter and the policy above."""
 
-    def __init__(self, drafter: str, k: int = 8, max_batch: int = 8, max_context: int = 32768):
-        self.drafter: NgramDrafter | SuffixDrafter = make_drafter(drafter)
+    def __init__(self, drafter: str | Drafter, k: int = 8, max_batch: int = 8, max_context: int = 32768):
+        self.drafter: Drafter = make_drafter(drafter) if isinstance(drafter, str) else drafter
         self.k, self.max_batch, self.max_context = k, max_batch, max_context
         self.draft_seconds = 0.0  # host time spent drafting, not yet counted in the metrics
         self.costs = StepCosts()  # the engine feeds it every decode step's size and time
+        self.draft_cost = 0.0  # seconds to make one draft token (a moving average)
 
     def state(self) -> SpecState:
         return SpecState(self.drafter.new_index())
@@ -155,10 +158,12 @@ class Speculator:
 
     def _propose(self, st: SpecState, k: int) -> tuple[list[int], int]:
         t0 = time.monotonic()
-        try:
-            return self.drafter.propose(st.index, k)
-        finally:
-            self.draft_seconds += time.monotonic() - t0
+        draft, match = self.drafter.propose(st.index, k)
+        spent = time.monotonic() - t0
+        self.draft_seconds += spent
+        if draft:  # what a drafted token costs to make (a draft model's forward passes; ~0 for the n-gram ones)
+            self.draft_cost = (1 - ACCEPT_EMA) * self.draft_cost + ACCEPT_EMA * spent / len(draft)
+        return draft, match
 
     def pause_steps(self, decoding: int) -> int:
         """Steps between probes: where a probe's wider step costs much more than a plain one (the CPU
@@ -180,7 +185,7 @@ class Speculator:
         (an, bn), (aw, bw) = model
         best_k, best = 0, decoding / (an + bn * decoding) * MIN_GAIN
         for k in range(1, k_max + 1):
-            rate = (decoding - 1 + tokens_per_step(alpha, k)) / (aw + bw * (decoding + k))
+            rate = (decoding - 1 + tokens_per_step(alpha, k)) / (aw + bw * (decoding + k) + self.draft_cost * k)
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -198,3 +203,6 @@ class Speculator:
 
     def finished(self, tokens: list[int], prompt_len: int) -> None:
         self.drafter.finished(tokens, prompt_len)
+
+    def release(self, st: SpecState) -> None:
+        self.drafter.release(st.index)
