@@ -27,7 +27,8 @@ from ember.worker.text.tokenizer import IncrementalDecoder, Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tokenizer"
 GEN_SCRIPT = Path(__file__).parent / "oracle" / "gen_tokenizer_fixtures.py"
-VOCABS = ["gemma3-270m", "synth-llama-spm", "synth-qwen2-bpe", "synth-qwen3-bpe", "synth-llama3-bpe"]
+VOCABS = ["gemma3-270m", "synth-llama-spm", "synth-qwen2-bpe", "synth-qwen3-bpe", "synth-llama3-bpe",
+          "synth-gpt-oss-bpe"]
 
 
 def _gen_module():

@@ -41,12 +41,14 @@ CORPUS = FIXTURES / "corpus.jsonl"
 
 # (fixture name, arch, shape) of the synthetic vocabularies worth covering: Llama 2 style SPM (with
 # add_space_prefix), Qwen2/Qwen3 byte-level BPE (qwen2 pre-tokenizer, user-defined <think> tokens)
-# and Llama 3 byte-level BPE (llama-bpe pre-tokenizer, ignore_merges).
+# Llama 3 byte-level BPE (llama-bpe pre-tokenizer, ignore_merges) and gpt-oss byte-level BPE (gpt-4o,
+# tiktoken's o200k pre-tokenizer; Harmony's special tokens).
 SYNTH_VOCABS = (
     ("synth-llama-spm", "llama", "tiny"),
     ("synth-qwen2-bpe", "qwen2", "tiny"),
     ("synth-qwen3-bpe", "qwen3", "tiny"),
     ("synth-llama3-bpe", "llama", "llama-8b"),
+    ("synth-gpt-oss-bpe", "gpt-oss", "tiny"),
 )
 
 

@@ -34,7 +34,7 @@ class ShapeSpec:
     n_ctx: int
     rope_base: float
     rms_eps: float
-    tokenizer: str  # "spm-llama" | "spm-gemma" | "bpe-qwen2" | "bpe-qwen3" | "bpe-llama3"
+    tokenizer: str  # "spm-llama" | "spm-gemma" | "bpe-qwen2" | "bpe-qwen3" | "bpe-llama3" | "bpe-gpt-oss"
     tied: bool  # no output.weight: logits through token_embd
     sliding_window: int = 0  # gemma3: local attention window (5 local : 1 global layers)
     rope_base_swa: float | None = None  # gemma3: rope base of the local layers, written when set
@@ -112,7 +112,7 @@ SHAPES: dict[str, ShapeSpec] = {
                   tied=False, n_expert=16, n_expert_used=4, n_ff_exp=256, type_table=_LOWBIT_TYPES,
                   description="tiny qwen3moe test model in every 2-5-bit type ember reads (Q2_K .. MXFP4)"),
         ShapeSpec("tiny-gpt-oss", "gpt-oss", n_vocab=768, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=64,
-                  n_ff=128, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-qwen2", tied=False,
+                  n_ff=128, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-gpt-oss", tied=False,
                   sliding_window=16, rope_yarn=(32.0, 4096), n_expert=8, n_expert_used=2, n_ff_exp=128,
                   mix="mxfp4", description="tiny gpt-oss test model: MXFP4 experts with biases, sinks, "
                   "window 16 on even layers, YaRN"),
@@ -134,7 +134,7 @@ SHAPES: dict[str, ShapeSpec] = {
                   size_label="30B-A3B", real=True,
                   description="Qwen3-Coder-30B-A3B, Q4_K_M (128 experts, 8 per token)"),
         ShapeSpec("gpt-oss-20b", "gpt-oss", n_vocab=201088, n_embd=2880, n_layer=24, n_head=64, n_head_kv=8,
-                  head_dim=64, n_ff=2880, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-qwen2",
+                  head_dim=64, n_ff=2880, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-gpt-oss",
                   tied=False, sliding_window=128, rope_yarn=(32.0, 4096), n_expert=32, n_expert_used=4,
                   n_ff_exp=2880, mix="mxfp4", size_label="20B", real=True,
                   description="gpt-oss-20b: MXFP4 experts (32, 4 per token), Q8_0 elsewhere"),

@@ -1,6 +1,6 @@
 """The working tokenizers of synthetic models: vocabularies laid out like the real families'
-(SentencePiece for Llama 2 and Gemma 3, byte-level BPE for Qwen 2/3 and Llama 3), with pieces and
-merges learned from a fixed text, special tokens and a chat template. Deterministic; no downloads."""
+(SentencePiece for Llama 2 and Gemma 3, byte-level BPE for Qwen 2/3, Llama 3 and gpt-oss), with pieces
+and merges learned from a fixed text, special tokens and a chat template. Deterministic; no downloads."""
 
 from __future__ import annotations
 
@@ -204,6 +204,20 @@ _GEMMA_TEMPLATE = (
     "{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
+# gpt-oss's Harmony in outline (the real template also renders tools, reasoning and channels; ember
+# renders Harmony prompts with openai_harmony itself, see worker/text/formats/harmony.py)
+_HARMONY_TEMPLATE = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- else %}{{ '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{%- endif %}"
+)
+# gpt-oss's special tokens from its first special id on (199998 in the real vocabulary), Harmony's
+# o200k_harmony layout; the gaps are reserved tokens
+_HARMONY_SPECIALS = {0: "<|startoftext|>", 1: "<|endoftext|>", 4: "<|return|>", 5: "<|constrain|>",
+                     7: "<|channel|>", 8: "<|start|>", 9: "<|end|>", 10: "<|message|>", 14: "<|call|>"}
+_HARMONY_FIRST_SPECIAL = 199998
+
 
 def _vocab_spm_llama(n_vocab: int) -> Vocab:
     # Llama 2 layout: <unk> <s> </s>, the 256 byte tokens, then pieces by score
@@ -257,6 +271,12 @@ def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
                     "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
         specials += [f"<|reserved_special_token_{i}|>" for i in range(5, 5 + 256 - len(specials))]
         special_types = [TokenType.CONTROL] * len(specials)
+    elif kind == "bpe-gpt-oss":
+        # the real layout when the vocabulary is full size, else the 16 specials at the end
+        n_special = n_vocab - _HARMONY_FIRST_SPECIAL if n_vocab > _HARMONY_FIRST_SPECIAL else 16
+        first = n_vocab - n_special
+        specials = [_HARMONY_SPECIALS.get(k, f"<|reserved_{first + k}|>") for k in range(n_special)]
+        special_types = [TokenType.CONTROL] * n_special
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         special_types = [TokenType.CONTROL] * 3
@@ -281,6 +301,10 @@ def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
         return Vocab("gpt2", "llama-bpe", tokens, types, None, merge_strs,
                      {"bos": first_special, "eos": first_special + 9}, add_bos=True,
                      chat_template=_LLAMA3_TEMPLATE)
+    if kind == "bpe-gpt-oss":  # bos <|startoftext|>, eos <|return|>, pad <|endoftext|> as in the real file
+        return Vocab("gpt2", "gpt-4o", tokens, types, None, merge_strs,
+                     {"bos": first_special, "eos": first_special + 4, "pad": first_special + 1}, add_bos=False,
+                     chat_template=_HARMONY_TEMPLATE)
     return Vocab("gpt2", "qwen2", tokens, types, None, merge_strs,
                  {"bos": first_special, "eos": first_special + 2, "pad": first_special}, add_bos=False,
                  chat_template=_QWEN3_TEMPLATE if kind == "bpe-qwen3" else _CHATML)
@@ -291,7 +315,7 @@ def build_vocab(spec: ShapeSpec) -> Vocab:
         v = _vocab_spm_llama(spec.n_vocab)
     elif spec.tokenizer == "spm-gemma":
         v = _vocab_spm_gemma(spec.n_vocab)
-    elif spec.tokenizer in ("bpe-qwen2", "bpe-qwen3", "bpe-llama3"):
+    elif spec.tokenizer in ("bpe-qwen2", "bpe-qwen3", "bpe-llama3", "bpe-gpt-oss"):
         v = _vocab_bpe(spec.n_vocab, spec.tokenizer)
     else:
         raise SynthError(f"unknown tokenizer kind {spec.tokenizer!r}")

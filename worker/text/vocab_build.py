@@ -62,6 +62,13 @@ _RX_QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k (tiktoken's o200k_base pattern, llama.cpp's GPT4O pre-tokenizer): gpt-oss, Llama 4
+_RX_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class _PreTok:
@@ -86,6 +93,8 @@ for _n in ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "ji
     _PRE_TABLE[_n] = _PreTok((_RX_GPT2,))
 for _n in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"):
     _PRE_TABLE[_n] = _PreTok((r"\p{N}", _RX_GPT2))
+for _n in ("gpt-4o", "llama4", "minimax-m2"):
+    _PRE_TABLE[_n] = _PreTok((_RX_O200K,))
 _PRE_TABLE["falcon"] = _PreTok((r"[\p{P}\$\+<=>\^~\|`]+", _RX_GPT2, r"[0-9][0-9][0-9]"))
 
 # -- llama.cpp's text-based special token detection (llama_vocab::impl::load) --------------------------
