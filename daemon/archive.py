@@ -41,7 +41,7 @@ def archive(crashes: Path, inc: Incident, worker: Incarnation, lines: list[Line]
     exit_info = inc.exit.as_dict()
     sig, sig_text = bundle.signature(inc.cls, inc.cuda, exit_info, detail)
     uptime = (inc.t_detect - worker.started) if worker.started else None
-    engine = "command" if s.foreign else "ember"
+    engine = s.engine_label
     meta = {
         "schema": bundle.SCHEMA,
         "id": bundle.bundle_id(inc.t_detect, inc.cls),

@@ -75,7 +75,8 @@ class Daemon:
             files.append((Path(os.path.abspath(os.path.expanduser(settings.log_file))), "engine"))
         self.watcher = LogWatcher(files, ring_lines=settings.ring_lines,
                                   on_poison=lambda line, info: self.inbox.put(PoisonSeen(line, info)),
-                                  on_error=lambda e: self.log_error("logwatch_error", e))
+                                  on_error=lambda e: self.log_error("logwatch_error", e),
+                                  signatures=settings.signatures)
         policy = RestartPolicy(settings.backoff_base, settings.backoff_max, settings.backoff_reset,
                                settings.breaker_crashes, settings.breaker_window, settings.breaker_cooldown)
         self.life = Lifecycle(settings, layout, self.log, self.sup, self.watcher, policy, self.notifier,
@@ -123,7 +124,7 @@ class Daemon:
         self._acquire_lock()
         self._jsonlog = JsonLog(self.lay.daemon_log, stderr=self.mode != "background")
         self.log("daemon_start", pid=os.getpid(), version=ember_version(), mode=self.mode,
-                 state_dir=str(self.lay.state), engine="command" if self.s.foreign else "ember",
+                 state_dir=str(self.lay.state), engine=self.s.engine_label,
                  settings=self.s.redacted())
         persisted = read_json(self.lay.persist_file) or {}
         found = self.sup.running()

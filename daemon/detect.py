@@ -67,13 +67,20 @@ def poison_in_text(text: str) -> dict[str, Any] | None:
     return {**cuda_info(code), "line": text.strip()[:2000]}
 
 
-def poison_in_line(text: str, parsed: dict[str, Any] | None) -> dict[str, Any] | None:
+def poison_in_line(text: str, parsed: dict[str, Any] | None, signatures: tuple = ()) -> dict[str, Any] | None:
+    """A line that means the engine can no longer serve: ember's `engine_poisoned`, a raw sticky CUDA
+    error, or one of a foreign engine profile's `signatures` (daemon/engines.py; no CUDA code then)."""
     if parsed is not None:
         if parsed.get("event") == Event.ENGINE_POISONED:
             out = {k: parsed.get(k) for k in ("code", "name", "message", "step", "running")}
             return {k: v for k, v in out.items() if v is not None}
         return None
-    return poison_in_text(text)
+    found = poison_in_text(text)
+    if found is None and signatures:
+        from .engines import signature_in_text
+
+        found = signature_in_text(text, signatures)
+    return found
 
 
 def oom_in_text(text: str, parsed: dict[str, Any] | None) -> bool:

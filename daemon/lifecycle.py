@@ -440,7 +440,7 @@ class Lifecycle:
         inc.exit = self.sup.exit_info(info).overlay(inc.exit)
         lines = self.watcher.lines_since(self.worker.spawn_seq)
         for ln in lines:
-            found = detect.poison_in_line(ln.text, ln.obj)
+            found = detect.poison_in_line(ln.text, ln.obj, self.watcher.signatures)
             if found:
                 inc.poison, inc.poison_seq = found, ln.seq
                 break

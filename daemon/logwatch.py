@@ -138,8 +138,11 @@ class _Handler(FileSystemEventHandler):
 class LogWatcher:
     def __init__(self, files: list[tuple[Path, str]], *, ring_lines: int = 50000,
                  on_poison: Callable[[Line, dict[str, Any]], None] | None = None,
-                 on_error: Callable[[Exception], None] | None = None):
+                 on_error: Callable[[Exception], None] | None = None, signatures: tuple = ()):
+        """signatures: a foreign engine profile's fatal lines (daemon/engines.py), checked besides ember's
+        own event and the raw CUDA errors."""
         self.files = [TailedFile(p, name) for p, name in files]
+        self.signatures = signatures
         self.watched_paths = {str(p) for p, _ in files}
         self.ring: collections.deque[Line] = collections.deque(maxlen=ring_lines)
         self.seq = 0
@@ -232,7 +235,7 @@ class LogWatcher:
         self.ring.append(line)
         if report and self.armed:
             try:
-                info = poison_in_line(text, obj)
+                info = poison_in_line(text, obj, self.signatures)
             except Exception as e:
                 self.on_error(e)
                 info = None

@@ -108,7 +108,8 @@ class ProbeSchedule:
             self._put_ready(Probe.STARTUP, t)
 
     def _put_ready(self, probe: Probe, t: Target) -> None:
-        rec = probes.ready_probe(self.s.readiness_url, self.s.generation_url, self.s.ready_timeout, self.s.api_key)
+        rec = probes.ready_probe(self.s.readiness_url, self.s.generation_url, self.s.ready_timeout, self.s.api_key,
+                                 model=self.s.probe_model)
         rec.probe, rec.pid, rec.incarnation = probe, t.pid, t.incarnation
         self.results.put(rec)
 

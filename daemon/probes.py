@@ -169,11 +169,12 @@ def live_probe(url: str, timeout: float) -> ProbeResult:
     return rec
 
 
-_GENERATION = json.dumps({"model": "x", "prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()
+def _generation(model: str | None) -> bytes:
+    return json.dumps({"model": model or "x", "prompt": "ping", "max_tokens": 1, "temperature": 0}).encode()
 
 
 def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | None,
-                generate: bool = True) -> ProbeResult:
+                generate: bool = True, model: str | None = None) -> ProbeResult:
     """GET the readiness URL; when it says ready, a one-token generation. `ok` = both passed."""
     rec = ProbeResult(Probe.READY, url=ready_url)
     t0 = time.monotonic()
@@ -192,7 +193,7 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ProbeTimeout(f"no answer within {timeout:g}s")
-            gs, gb = http_call("POST", gen_url, body=_GENERATION, headers=headers, timeout=left)
+            gs, gb = http_call("POST", gen_url, body=_generation(model), headers=headers, timeout=left)
             rec.generation_status = gs
             go = _json(gb)
             if gs == 200 and go is not None and go.get("choices"):

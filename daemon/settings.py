@@ -6,7 +6,9 @@ the production policy (issue 4); tests shrink the timing knobs through the same 
 
 The engine is the ember worker unless `command` names another one (for example llama.cpp's
 llama-server), in which case `health_url` (liveness), and optionally `ready_url`,
-`completions_url` ("" turns the one-token generation probe off) and `log_file` say how to watch it.
+`completions_url` ("" turns the one-token generation probe off) and `log_file` say how to watch it;
+`engine = "llama-server" | "vllm" | "sglang" | "ds4"` fills those in from a profile (daemon/engines.py)
+and adds that engine's fatal-line signatures to the log watch.
 The worker's own settings stay in `[worker]` (or at the top level): the worker reads them itself;
 the daemon only reads `host`, `port` and `api_key` there, to know where to probe and with what key.
 """
@@ -33,6 +35,8 @@ class SettingsError(ValueError):
 class Settings:
     # the engine
     command: list[str] | None = None  # foreign engine; None = the ember worker
+    engine: str = ""  # a named foreign engine's profile (daemon/engines.py: llama-server, vllm, sglang, ds4)
+    probe_model: str | None = None  # the model name the generation probe sends (vLLM checks it)
     health_url: str | None = None
     ready_url: str | None = None
     completions_url: str | None = None
@@ -81,6 +85,18 @@ class Settings:
     @property
     def foreign(self) -> bool:
         return self.command is not None
+
+    @property
+    def engine_label(self) -> str:
+        """What runs: "ember", a profile's name, or "command" (a foreign engine without a profile)."""
+        return "ember" if not self.foreign else (self.engine or "command")
+
+    @property
+    def signatures(self) -> tuple:
+        """The engine profile's fatal-line signatures (none for ember and for a bare command)."""
+        from .engines import profile
+
+        return profile(self.engine).signatures if self.engine else ()
 
     @property
     def probe_host(self) -> str:
@@ -234,11 +250,19 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
 def validate(s: Settings) -> None:
     if not 0 < s.port < 65536:
         raise SettingsError(f"port: {s.port} is not a TCP port")
+    if s.engine:
+        from .engines import PROFILES
+
+        if s.engine not in PROFILES:
+            raise SettingsError(f"engine: {s.engine!r} is not a known profile (known: {', '.join(PROFILES)})")
+        if s.command is None:
+            raise SettingsError(f"engine: {s.engine} needs command (how to start it)")
+        _apply_profile(s)
     if s.command is not None:
         if not s.command:
             raise SettingsError("command: empty")
         if not s.health_url:
-            raise SettingsError("command: a foreign engine needs health_url (its liveness URL)")
+            raise SettingsError("command: a foreign engine needs health_url (its liveness URL), or engine = a profile")
     for name in ("tick", "live_interval", "live_timeout", "ready_interval", "ready_timeout", "startup_poll",
                  "startup_timeout", "backoff_base", "backoff_max"):
         if getattr(s, name) <= 0:
@@ -255,6 +279,19 @@ def validate(s: Settings) -> None:
         raise SettingsError(f"service: {s.service!r} (auto, none or systemd)")
     if s.dump_signal and s.dump_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "QUIT", "ABRT"):
         raise SettingsError(f"dump_signal: {s.dump_signal!r} (USR1, USR2, QUIT, ABRT or empty)")
+
+
+def _apply_profile(s: Settings) -> None:
+    """A named engine's URLs where [daemon] does not set them (on host and port, as for the worker)."""
+    from .engines import profile
+
+    p = profile(s.engine)
+    base = s.endpoint
+    s.health_url = s.health_url or base + p.health_path
+    s.ready_url = s.ready_url or base + p.ready_path
+    if s.completions_url is None:
+        s.completions_url = "" if not p.completions_path or (p.needs_model and not s.probe_model) \
+            else base + p.completions_path
 
 
 def worker_command(s: Settings) -> list[str]:

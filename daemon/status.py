@@ -39,7 +39,7 @@ def build_status(life: Lifecycle, *, daemon: dict[str, Any], log_watch: dict[str
         "not_ready_reason": None if st is Status.READY else (life.failed_reason or life.not_ready_reason or st),
         "failed_reason": life.failed_reason,
         "daemon": daemon,
-        "worker": {"pid": w.pid, "state": st, "engine": "command" if s.foreign else "ember",
+        "worker": {"pid": w.pid, "state": st, "engine": s.engine_label,
                    "started_at": iso_utc(w.started) if up and w.started else None,
                    "uptime_seconds": round(now - w.started, 1) if up and w.started else None,
                    "model": w.facts.get("model"), "fingerprint": w.facts.get("fingerprint"),

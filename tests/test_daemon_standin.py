@@ -11,6 +11,7 @@ flight when it fires), `after=S` fires S seconds after ready; --once FILE fires 
 not exist yet (and creates it), so the restarted engine is healthy:
   poison    log engine_poisoned (CUDA 700), live/ready 503 poisoned, exit 75 after 0.5 s
   illegal   print "CUDA error 700 ...: an illegal memory access was encountered" and keep serving
+  engine-dead  print vLLM's EngineDeadError lines and keep serving 200 (its API server outliving the engine)
   hang      the completion never answers; with stall=S, /health/live turns 503 (stalled) S s later
   exit      exit with code=N (default 1)
   segv      kill itself with SIGSEGV
@@ -111,6 +112,10 @@ def fire() -> None:
     elif kind == "illegal":
         raw("CUDA error 700 at /src/ggml/ggml-cuda/ggml-cuda.cu:2345: an illegal memory access was encountered")
         raw("  current device: 0, in function ggml_backend_cuda_synchronize at ggml-cuda.cu:2345")
+    elif kind == "engine-dead":  # vLLM's shape: the engine core dies, the API server answers on
+        raw("ERROR 12-04 10:21:07 [core.py:700] EngineCore encountered a fatal error.")
+        raw("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+            "for the root cause.")
     elif kind == "hang":
         STATE["hung"] = True
         STATE["stalled_at"] = time.monotonic()

@@ -16,7 +16,7 @@ import time
 
 import psutil
 import pytest
-from test_daemon_support import Ember, kill
+from test_daemon_support import FAST, Ember, kill, to_toml
 
 SECRET_PROMPT = "my-private-prompt-words"
 API_KEY = "sekrit-key-0123456789"
@@ -158,6 +158,25 @@ def test_foreign_engine_illegal_access_while_answering(ember: Ember):
     assert m["exit"]["killed_by_daemon"] is True and m["exit"]["signal"] == "SIGKILL"
     assert "an illegal memory access was encountered" in b["log"]
     assert m["log_window"]["crash_line"].startswith("CUDA error 700")
+
+
+def test_a_named_engine_profile_watches_its_own_fatal_lines(ember: Ember):
+    """engine = "vllm": URLs from the profile, and its EngineDeadError (the API server still answering
+    200) is a poisoned engine: killed, archived naming the profile, restarted."""
+
+    e = ember
+    cmd = e.standin("--raw", "--fault", "engine-dead:after=0.5", "--once", str(e.tmp / "once"))
+    e.config.write_text(to_toml({"worker": {"port": e.port},
+                                 "daemon": {**FAST, "command": cmd, "engine": "vllm", "poison_grace": "0.5s"}}))
+    assert e.start().returncode == 0
+    pid1 = e.status()["worker"]["pid"]
+    st = e.wait_ready(after_restarts=1)
+    assert st["worker"]["pid"] != pid1 and st["worker"]["engine"] == "vllm"
+    [path] = e.bundles()
+    m = e.bundle(path)["meta"]
+    assert m["class"] == "poisoned-context" and m["worker"]["engine"] == "vllm"
+    assert m["cuda_error"]["name"] == "vllm-engine-core-died"
+    assert "EngineCore encountered a fatal error" in m["log_window"]["crash_line"]
 
 
 @pytest.mark.parametrize("stall", [True, False], ids=["live-503-stalled", "no-progress-readiness"])
