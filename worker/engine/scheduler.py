@@ -375,7 +375,8 @@ class Engine:
         self._ahead = nxt
         now = time.monotonic()
         if ahead is None:  # a planned step: its prefill tokens measure the device's prefill rate
-            self.restore_costs.observe_prefill(sum(len(c.tokens) for c in chunks if len(c.tokens) > 1), now - t0)
+            self.restore_costs.observe_prefill(sum(len(c.tokens) for c in chunks if c.prefill and len(c.tokens) > 1),
+                                               now - t0)  # (a draft's positions are not prefill)
             if self.speculator is not None and not any(c.prefill for c in chunks):  # what a wider step costs
                 self.speculator.costs.observe(sum(len(c.tokens) for c in chunks), len(chunks), now - t0)
         for chunk, seq, out in zip(chunks, members, outputs, strict=True):
