@@ -1,6 +1,7 @@
 """Mixture-of-experts models (qwen3moe, gpt-oss): the router's math, the synthetic shapes, and a worker
 serving each tiny synthetic model through all four APIs with forced tool calls in the format its
-template speaks (qwen3moe: Hermes, <tool_call>{...}</tool_call>), checked through the official clients.
+template speaks (qwen3moe: Hermes, <tool_call>{...}</tool_call>; gpt-oss: Harmony), checked through the
+official clients.
 
 The forward pass itself is checked against llama.cpp in tests/test_forward_oracle.py (synth-qwen3moe).
 """
@@ -122,9 +123,9 @@ def test_the_cuda_backend_refuses_types_it_has_no_kernels_for_in_one_line(tmp_pa
 # -- a worker serving it ---------------------------------------------------------------------------------
 
 
-# each family's tiny model and the mark its forced calls are written in: Hermes for qwen3moe; gpt-oss's
-# synthetic file has a plain ChatML template (Harmony is not a format ember speaks yet), so fenced JSON
-FAMILIES = {"qwen3moe": "<tool_call>", "gpt-oss": "```json"}
+# each family's tiny model and the mark its forced calls are written in: Hermes for qwen3moe, Harmony's
+# commentary channel for gpt-oss (its synthetic file carries Harmony's special tokens and template)
+FAMILIES = {"qwen3moe": "<tool_call>", "gpt-oss": "<|channel|>commentary to=functions.get_weather"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -248,8 +248,12 @@ async def render_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict]
 
     template = ctx.model.template
     limit = ctx.prompt_limit if bounded else None
+    channels = ctx.formats.channels if ctx.formats is not None else None
 
     def build() -> tuple[str, list[int]]:
+        if channels is not None:  # Harmony renders the conversation itself (text/formats/harmony.py)
+            text = channels.render(messages, tools, template_kwargs.get("reasoning_effort"))
+            return text, ctx.tokenizer.encode(text, add_special=True, parse_special=True, limit=limit)
         return template.render_encode(messages, add_generation_prompt=True, tools=tools, limit=limit,
                                       **template_kwargs)
 

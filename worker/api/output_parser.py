@@ -2,8 +2,9 @@
 
 `OutputParser` turns engine deltas into reasoning text, answer text and tool-call events: the
 model's reasoning splitter first (so tool-call markup inside reasoning is never a call), then its
-tool-call parser on the answer only. prepare.py attaches the `OutputPlan` that says which formats
-apply to a request; the renderers read it back with `output_of`.
+tool-call parser on the answer only; a format that owns the whole turn (Harmony's channels) parses
+all three itself. prepare.py attaches the `OutputPlan` that says which formats apply to a request;
+the renderers read it back with `output_of`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from ..engine.requests import Delta, GenerationRequest
 from ..text.formats import ContentDelta, ReasoningFormat, ToolFormat, collect
-from ..text.formats.events import merge_text
+from ..text.formats.events import ReasoningDelta, merge_text
+from ..text.formats.harmony import Harmony
 from ..text.formats.reasoning_stream import REASONING, ReasoningSplitter
 
 
@@ -27,6 +29,7 @@ class OutputPlan:
     inside: bool  # generation starts inside the reasoning block
     marker_tokens: tuple[tuple[int, str], ...] = ()
     forced: bool = False  # a grammar forces the output into calls (tool_choice required or named)
+    channels: Harmony | None = None  # parses reasoning, answer and calls itself (tool_format: calls offered)
 
     def parser(self, tokenizer: Any = None, **kw: Any) -> OutputParser:
         return OutputParser(self, tokenizer, **kw)
@@ -35,11 +38,6 @@ class OutputPlan:
 def output_of(req: GenerationRequest | None) -> OutputPlan:
     plan = req.output_plan if req is not None else None
     return plan if isinstance(plan, OutputPlan) else OutputPlan(None, None, False)
-
-
-@dataclass
-class ReasoningDelta:
-    text: str
 
 
 @dataclass
@@ -62,7 +60,9 @@ class OutputParser:
         self.split = (plan.reasoning.splitter(inside=plan.inside) if plan.reasoning is not None
                       else ReasoningSplitter(None))
         self.tools = (plan.tool_format.parser(id_factory, args_chunk, forced=plan.forced)
-                      if plan.tool_format is not None else None)
+                      if plan.tool_format is not None and plan.channels is None else None)
+        self.turn = (plan.channels.turn_parser(id_factory, calls=plan.tool_format is not None, forced=plan.forced)
+                     if plan.channels is not None else None)
         self.hidden = dict(plan.marker_tokens)
         self.reasoning_tokens = 0
 
@@ -84,15 +84,23 @@ class OutputParser:
         return self.feed(d.text, d.tokens)
 
     def feed(self, text: str, tokens: list[int] | None = None) -> list:
-        was_open = self.split.open
         if tokens:
             text = self._restore(text, tokens)
+        if self.turn is not None:
+            was_open = self.turn.open
+            events = self.turn.feed(text)
+            if tokens and (was_open or self.turn.open or any(isinstance(e, ReasoningDelta) for e in events)):
+                self.reasoning_tokens += len(tokens)
+            return _merge(events)
+        was_open = self.split.open
         pieces = self.split.feed(text)
         if tokens and (was_open or self.split.open or any(k == REASONING for k, _ in pieces)):
             self.reasoning_tokens += len(tokens)
         return self._route(pieces)
 
     def finish(self) -> list:
+        if self.turn is not None:
+            return _merge(self.turn.finish())
         out = self._route(self.split.finish())
         if self.tools is not None:
             out += self.tools.finish()
@@ -111,13 +119,13 @@ class OutputParser:
 
     @property
     def reasoning_open(self) -> bool:
-        return self.split.open
+        return self.turn.open if self.turn is not None else self.split.open
 
     def parse_all(self, text: str, tokens: list[int] | None = None) -> Parsed:
         events = self.feed(text, tokens) + self.finish()
         answer = collect(events)  # content and calls; reasoning deltas are not its concern
         reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
-        return Parsed(reasoning, answer.content, answer.tool_calls, self.reasoning_tokens, self.split.open)
+        return Parsed(reasoning, answer.content, answer.tool_calls, self.reasoning_tokens, self.reasoning_open)
 
 
 def _merge(events: list) -> list:

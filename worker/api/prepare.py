@@ -20,7 +20,7 @@ from ..text.formats import ModelFormats
 from . import common, structured
 from .errors import bad_request
 from .output_parser import OutputPlan
-from .tool_plan import ReasoningAsk, Tool, ToolPlan
+from .tool_plan import ReasoningAsk, Tool, ToolPlan, effort_for_budget
 
 MAX_PARALLEL_CALLS = 8  # a forced-call grammar allows this many calls in one turn (parallel on)
 
@@ -85,7 +85,9 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
     msgs, tools = formats.prompt_messages(messages, plan.template_tools(), plan.forced, plan.mode == "required")
     kwargs: dict[str, Any] = {}
     r = formats.reasoning
-    if r is not None:
+    if formats.channels is not None:  # Harmony: the effort becomes its reasoning level (low/medium/high)
+        kwargs["reasoning_effort"] = ask.effort or effort_for_budget(ask.budget)
+    elif r is not None:
         if ask.disabled:
             kwargs["enable_thinking"] = False  # Qwen 3 style templates then pre-close the block
         if ask.effort and ask.effort != "none":
@@ -108,7 +110,7 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         opening = None if r is None else (True if inside else (None if ask.disabled else False))
         grammar = await asyncio.to_thread(tool_grammar, plan, formats, reasoning_open=opening)
     output = OutputPlan(formats.tool if plan.active else None, r, inside, formats.marker_tokens,
-                        forced=grammar is not None)
+                        forced=grammar is not None, channels=formats.channels)
     return Prepared(prompt, grammar, budget, output)
 
 

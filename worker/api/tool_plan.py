@@ -247,6 +247,13 @@ def effort_ask(effort: Any, param: str) -> ReasoningAsk:
     return ReasoningAsk(budget, disabled=budget == 0, effort=effort)
 
 
+def effort_for_budget(budget: int | None) -> str | None:
+    """The smallest named effort whose budget covers `budget` tokens (for formats with effort levels)."""
+    if budget is None:
+        return None
+    return next((name for name, b in EFFORT_BUDGETS.items() if b >= budget), "xhigh")
+
+
 def anthropic_ask(thinking: Any, max_tokens: int | None) -> ReasoningAsk:
     """Anthropic thinking {type: enabled, budget_tokens} | {type: disabled} | {type: adaptive}."""
     if thinking is None:

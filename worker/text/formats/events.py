@@ -1,7 +1,8 @@
 """What a tool-call parser emits: answer text and tool calls, as stream events or as one result.
 
 Stream events: ContentDelta(text); ToolCallStart(index, id, name) once per call, then
-ToolCallArgsDelta(index, text) pieces whose concatenation is the call's arguments JSON string.
+ToolCallArgsDelta(index, text) pieces whose concatenation is the call's arguments JSON string;
+ReasoningDelta(text) from a format that parses reasoning itself (Harmony's analysis channel).
 `collect` folds events into a ParseResult, so streaming and non-streaming results agree.
 """
 
@@ -32,6 +33,11 @@ class ContentDelta:
 
 
 @dataclass
+class ReasoningDelta:
+    text: str
+
+
+@dataclass
 class ToolCallStart:
     index: int
     id: str
@@ -44,7 +50,7 @@ class ToolCallArgsDelta:
     text: str
 
 
-Event = ContentDelta | ToolCallStart | ToolCallArgsDelta
+Event = ContentDelta | ToolCallStart | ToolCallArgsDelta | ReasoningDelta
 
 
 def merge_text(events: list, text_types: tuple[type, ...] = (ContentDelta,)) -> list:

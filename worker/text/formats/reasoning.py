@@ -6,8 +6,9 @@ Thinking models write their reasoning first, between markers such as ``<think>``
 streaming splitter (reasoning_stream.py), and the Lark that lets a forced tool call be preceded by
 reasoning. `detect` picks the format from the chat template (it mentions the start marker) or,
 failing that, the vocabulary (both markers are single tokens); `parse_override` reads an explicit
-choice (a name, "START,END", or "none"). A format whose reasoning is not a marker pair (Harmony's
-analysis channel) subclasses ReasoningFormat and overrides the splitter and the grammar.
+choice (a name, "START,END", or "none"). Harmony's analysis channel (harmony.py HarmonyAnalysis) is
+a subclass whose markers bound the reasoning budget and whose grammar puts one analysis message
+before a forced call; its output is split by the Harmony parser, never by a splitter.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ the chat template wins, and fenced JSON (any template) comes last. Reasoning for
 likewise (reasoning.py), unless the worker's `reasoning_format` setting names one. `resolve` reads
 the template and the vocabulary once and answers a ModelFormats, which the API keeps beside the
 model (api/state.py); nothing here is global state.
+
+Harmony (gpt-oss) owns the whole turn: when it is detected, `ModelFormats.channels` is the format
+that renders the prompt and parses the output, and its analysis channel is the reasoning format
+(the `reasoning_format` setting does not apply). It needs openai_harmony's vocabulary file; when no
+verified copy can be had offline (harmony_vocab.py) the model falls back to its chat template and
+fenced JSON, with one warning line.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.worker.logs import log
+
+from ..harmony_vocab import HarmonyUnavailable, harmony_encoding
 from .fenced import FencedJson
+from .harmony import Harmony
 from .hermes import Hermes
 from .lark import lark_literal
 from .llama3 import Llama3
@@ -20,7 +30,7 @@ from .mistral import Mistral
 from .reasoning import ReasoningFormat, detect, parse_override
 from .tool_format import ToolFormat
 
-TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Hermes, Mistral, Llama3, FencedJson)
+TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Harmony, Hermes, Mistral, Llama3, FencedJson)
 
 
 def tool_format(name: str) -> ToolFormat:
@@ -44,6 +54,14 @@ class ModelFormats:
     reasoning: ReasoningFormat | None
     marker_tokens: tuple[tuple[int, str], ...] = ()  # special tokens the detokenizer hides but parsers must see
     token_refs: tuple[tuple[str, int], ...] = ()  # markers that are one token: grammars reference them by id
+    # markup a grammar spells as these exact tokens (Harmony's <|channel|> and analysis header: see
+    # Harmony.spelled)
+    spelled: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def channels(self) -> Harmony | None:
+        """The format that renders the whole prompt and parses the whole output itself, if any."""
+        return self.tool if isinstance(self.tool, Harmony) else None
 
     @property
     def hidden(self) -> set[str]:
@@ -54,6 +72,9 @@ class ModelFormats:
         (the model is trained to emit that token, and its text may be hidden), else a literal."""
         if text in self.hidden:
             return f"<[{dict(self.token_refs)[text]}]>"
+        ids = dict(self.spelled).get(text)
+        if ids:
+            return " ".join(f"<[{i}]>" for i in ids)
         return lark_literal(text)
 
     def prompt_messages(self, messages: list[dict], tools: list[dict], forced: str | None = None,
@@ -61,7 +82,7 @@ class ModelFormats:
         """(messages, tools) for the chat template. A template that reads `tools` gets both, with the
         history as the model's format wants it; one that never does gets the tools described in a
         system message with the fenced-JSON convention, and the history rewritten to match."""
-        if self.native_tools:
+        if self.native_tools or self.channels is not None:
             return self.tool.history(messages), tools or None
         return FencedJson().describe(messages, tools, forced, required), None
 
@@ -70,7 +91,8 @@ class ModelFormats:
         model's format. reasoning_open: None (no reasoning), False (an optional reasoning block may
         come first), True (the prompt opened the block: the output starts inside it)."""
         rules = [f"args{i}: %json{schema}" for i, (_, schema) in enumerate(schemas)]
-        rules.append("obj: " + " | ".join(f'{lark_literal(self.tool.call_head(name))} args{i} "}}"'
+        tail = f" {lark_literal(self.tool.call_tail)}" if self.tool.call_tail else ""
+        rules.append("obj: " + " | ".join(f'{lark_literal(self.tool.call_head(name))} args{i}{tail}'
                                           for i, (name, _) in enumerate(schemas)))
         call_rules, calls = self.tool.calls_lark(self.term, more)
         rules += call_rules
@@ -88,9 +110,22 @@ def resolve(template: Any, tokenizer: Any, reasoning_setting: str | None = None)
     source = getattr(template, "source", "") or ""
     choice = parse_override(reasoning_setting)
     reasoning = detect(source, tokenizer) if choice == "auto" else choice
-    # every known format's markers, not only the model's: a hidden special token is put back into
-    # the text whichever format it belongs to
-    markers = {m for cls in TOOL_FORMATS for m in cls.markers}
+    tool = detect_tool_format(source)
+    spelled: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    if isinstance(tool, Harmony):
+        try:
+            tool = Harmony(harmony_encoding(tokenizer))
+            reasoning = tool.reasoning
+            spelled = tuple((m, tuple(tokenizer.encode(m, add_special=False, parse_special=True)))
+                            for m in tool.spelled)
+        except HarmonyUnavailable as e:
+            log("harmony_unavailable", level="warning", fallback="chat template, fenced JSON tool calls",
+                error=str(e))
+            tool = FencedJson()
+    # every known tool-call format's markers, not only the model's: a hidden special token is put
+    # back into the text whichever format it belongs to (Harmony's only for Harmony: other families
+    # have an <|end|> of their own)
+    markers = {m for cls in TOOL_FORMATS if cls is not Harmony for m in cls.markers} | set(tool.markers)
     if reasoning is not None:
         markers |= {reasoning.start, reasoning.end}
     hidden, refs = [], []
@@ -101,5 +136,5 @@ def resolve(template: Any, tokenizer: Any, reasoning_setting: str | None = None)
         refs.append((m, i))
         if tokenizer.is_special(i):
             hidden.append((i, m))
-    return ModelFormats(detect_tool_format(source), bool(getattr(template, "supports_tools", False)), reasoning,
-                        tuple(hidden), tuple(refs))
+    return ModelFormats(tool, bool(getattr(template, "supports_tools", False)), reasoning,
+                        tuple(hidden), tuple(refs), spelled)

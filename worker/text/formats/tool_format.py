@@ -3,9 +3,10 @@
 A format knows how a chat template shows it (`signals`), which of its markup may be single special
 tokens of the vocabulary (`markers`), how to parse it from a stream (`parser_class`), how to force
 it with a grammar (`calls_lark`, the Lark for one turn of calls), and how prior calls and results are
-written back into a prompt (`history`). To add a format (Harmony's channels, DeepSeek's DSML...):
-subclass ToolFormat in a module of its own and list it in registry.TOOL_FORMATS, ahead of the
-fenced-JSON fallback.
+written back into a prompt (`history`). To add a format (DeepSeek's DSML...): subclass ToolFormat in
+a module of its own and list it in registry.TOOL_FORMATS, ahead of the fenced-JSON fallback. A
+format that owns the whole turn (harmony.py: it renders the prompt and parses reasoning too) is
+one such subclass that the registry and the API layer know by its type.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ToolFormat:
     signals: ClassVar[tuple[str, ...]] = ()  # text in a chat template that shows the model speaks this format
     markers: ClassVar[tuple[str, ...]] = ()  # markup that may be one (special) token of the vocabulary
     args_key: ClassVar[str] = "arguments"  # the call object's key for the arguments, when forced
+    call_tail: ClassVar[str] = "}"  # what closes a forced call after its arguments (see call_head)
     parser_class: ClassVar[type[ToolCallStreamParser]]
 
     @classmethod
