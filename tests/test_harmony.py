@@ -276,6 +276,21 @@ def test_the_synthetic_model_speaks_harmony(formats, tiny):
     assert tok.id_of("<|end|>") not in tok.eot_ids
 
 
+def test_without_a_verified_vocabulary_file_the_model_falls_back_in_one_warning(tiny, tmp_path, monkeypatch, capsys):
+    from ember.worker import logs
+    from ember.worker.text.formats import resolve
+
+    bad = tmp_path / "user"
+    bad.mkdir()
+    (bad / harmony_vocab.O200K_FILE).write_bytes(b"AA== 0\n")
+    monkeypatch.setenv(harmony_vocab.ENV, str(bad))  # the user's own folder wins, and fails its check
+    logs.set_stream(None)
+    f = resolve(tiny.template, tiny.tokenizer)
+    assert f.channels is None and f.tool.name == "fenced" and f.reasoning is None
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "harmony_unavailable" in ln]
+    assert "hash mismatch" in line and json.loads(line)["level"] == "warning"
+
+
 @pytest.mark.parametrize("reasoning_open", [None, False], ids=["no-reasoning", "optional-analysis"])
 def test_the_forced_call_grammar_takes_harmony_calls(formats, tiny, reasoning_open):
     import llguidance
