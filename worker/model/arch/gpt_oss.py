@@ -36,6 +36,7 @@ FAMILY = Family(
         sliding_window=SlidingWindow(period=2, local_rope_base=None, pattern_from_file=False),  # even layers local
         moe=Moe(gating=Gating.SOFTMAX_TOPK, norm_topk=False, biases=True),
     ),
-    # Harmony is not a format ember speaks yet: the file's own template renders, tools as fenced JSON
+    # a file without a template: ChatML and fenced JSON; with gpt-oss's own template ember speaks Harmony
+    # (worker/text/formats/harmony.py, detected from the template)
     formats=Formats(chat="chatml", tool="fenced"),
 )
