@@ -34,7 +34,7 @@ from pathlib import Path
 from ember.ops import contract
 
 from . import constants
-from .constants import GGML_TYPE_IDS
+from .constants import GGML_TYPE_IDS, QGEMM_TYPES
 from .errors import CompileError, CudaUnavailable
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
@@ -58,6 +58,10 @@ def _modules() -> dict[str, ModuleSpec]:
     for name in ("q4_k", "q5_k", "q6_kp"):
         mods[f"matvec_k_{name}"] = ModuleSpec(
             "matvec_k.cu", (f"-DQTYPE={GGML_TYPE_IDS[name]}",), f"column-resident matrix-vector product, {name}"
+        )
+    for name in QGEMM_TYPES:
+        mods[f"qgemm_{name}"] = ModuleSpec(
+            "qgemm.cu", (f"-DQTYPE={GGML_TYPE_IDS[name]}",), f"grouped tensor-core matmul from the blocks, {name}"
         )
     mods.update(
         stream_q8_0=ModuleSpec("stream_q8_0.cu", (), "streaming Q8_0 matrix-vector product, int8 x (dp4a)"),

@@ -68,6 +68,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # moe.cu (routing around the grouped expert matvecs)
     "MOE_MAX_EXPERTS": 256,  # experts a router at most (eight a lane of moe_route's warp)
     "MOE_MAX_K": 16,  # experts a token goes through at most
+    # qgemm.cu (grouped matmul on the tensor cores from the GGUF blocks: experts at many tokens)
+    "QG_ROWS": 128,  # weight rows a CTA computes (gated: 64 gate rows and their 64 up rows)
+    "QG_THREADS": 256,  # 8 warps
     # rope.cu
     "ROPE_MAX_HALF": 256,  # rotation pairs a head at most: head_dim up to 512
     # norm.cu
@@ -96,6 +99,9 @@ NORM_COLS_PER_THREAD: tuple[int, ...] = (4, 8)  # norm.cu rms_norm*_e{4,8}
 KERNEL_TYPES: tuple[str, ...] = ("f32", "f16", "q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "bf16", "q6_kp")
 GGML_TYPE_IDS: dict[str, int] = {name: KERNEL_CONSTANTS[f"GT_{name.upper()}"] for name in KERNEL_TYPES}
 GGML_TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPE_IDS.items()}
+
+# The block types qgemm.cu decodes on load (a module each): the 32-element legacy and the K-quants.
+QGEMM_TYPES: tuple[str, ...] = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_kp")
 
 # (elements, bytes) a block of each type, the float types first (a float type's block is one element)
 BLOCK_SIZES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2)} | {

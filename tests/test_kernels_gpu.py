@@ -1084,14 +1084,17 @@ MOE_TYPES = [("q4_k", "q4_k", "q6_k"), ("q4_k", "q5_k", "q4_k"), ("q8_0", "q8_0"
 
 
 @pytest.mark.parametrize("types", MOE_TYPES, ids="-".join)
-@pytest.mark.parametrize("n", [1, 3, 40])
-def test_moe_mlp_matches_reference(dev, rng, types, n):
+@pytest.mark.parametrize("n,half", [(1, None), (3, None), (40, None), (40, "bf16"), (160, "bf16"), (160, "f16")],
+                         ids=["1", "3", "40", "40-bf16", "160-bf16", "160-f16"])
+def test_moe_mlp_matches_reference(dev, rng, types, n, half):
     """Every row through its experts: one row (tiles of one pair), a few, and enough rows that experts
-    take several tiles of 8; the routing as the numpy twin's wherever it is clear."""
+    take several tiles of 8; on the tensor cores (qgemm) in tiles of 16 pairs and of 64, the inputs
+    rounded to bf16 or f16 (whose range the random blocks' large scales would overflow: their inputs
+    are scaled down, the router up); the routing as the numpy twin's wherever it is clear."""
     gt, ut, dt = (QTYPES[t] for t in types)
     E, k, hidden = 16, 4, 512
     ffn = 256 if GGML_QUANT_SIZES[dt][0] == 256 else 96  # 96 columns of Q5_0: rows padded to 16 bytes
-    router = rng.normal(0, 0.1, (E, hidden)).astype(np.float32)
+    router = rng.normal(0, 100.0 if half == "f16" else 0.1, (E, hidden)).astype(np.float32)
     raws = [random_tensor(rng, gt, E * ffn, hidden), random_tensor(rng, ut, E * ffn, hidden),
             random_tensor(rng, dt, E * hidden, ffn)]
     gate, up = (quants.dequantize(r, t, (E, ffn, hidden)) for r, t in zip(raws[:2], (gt, ut), strict=True))
@@ -1105,6 +1108,8 @@ def test_moe_mlp_matches_reference(dev, rng, types, n):
         gate=None if stacked else em(dev, [raws[0]], gt, E, [ffn], hidden),
         up=None if stacked else em(dev, [raws[1]], ut, E, [ffn], hidden))
     x = rng.normal(0, 1, (8 * n, hidden)).astype(np.float32)
+    if half == "f16":
+        x = x * np.float32(1e-3)
     x = x[_clear_routing(reference.linear(x, router), k, "softmax")][:n]  # rows whose routing is clear
     assert len(x) == n
     res = rng.normal(0, 1, (n, hidden)).astype(np.float32)
@@ -1114,14 +1119,14 @@ def test_moe_mlp_matches_reference(dev, rng, types, n):
     y = dev.empty((n, hidden))
     y.poison()
     ops.moe_mlp(dev, w, dev.to_device(x), y, scratch, n=n, k=k, act="silu", gating="softmax", norm_topk=True,
-                res=dev.to_device(res))
+                res=dev.to_device(res), half=half)
     ref = reference.moe_mlp(x, router, gate, up, down, k=k, act="silu") + res
     out = y.to_host()
-    assert rel_err(out, ref) < FP32_BAR, types
+    assert rel_err(out - res, ref - res) < {None: FP32_BAR, "f16": 3e-3, "bf16": FP16_BAR}[half], types
     # in place, as the backend runs it (y is the residual), and again: nothing carried over
     xr = dev.to_device(res)
     ops.moe_mlp(dev, w, dev.to_device(x), xr, scratch, n=n, k=k, act="silu", gating="softmax", norm_topk=True,
-                res=xr)
+                res=xr, half=half)
     assert np.array_equal(xr.to_host(), out)
 
 

@@ -48,7 +48,9 @@ template <> struct VecT<2> { typedef u16 T; };
 // chunk of Q::CB / MATVEC_WARPS blocks of all R, and add their sums through shared memory: a wide row's
 // decode (a chain of units per lane, latency-bound at one row a warp) is then a quarter as long, its
 // R rows side by side.
-template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE, bool SPLIT = false>
+// WAITED: the caller has passed grid_dependency_sync already (the weights it reads depend on an earlier
+// kernel), so the early weight load and the wait are skipped
+template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE, bool SPLIT = false, bool WAITED = false>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
                    const float* __restrict__ x, int nb, const float* res, float* y, int act = 0,
                    const XPro& xp = XPro{}) {
@@ -80,7 +82,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
         load_weights(xp.w1, cols, w1v);
         load_weights(xp.w2, cols, w2v);
     } else if (!XP && !XSTAGE && idle) {  // the whole warp leaves; only __syncwarp is used below (else: later)
-        grid_dependency_sync();
+        if (!WAITED) grid_dependency_sync();
         return;
     }
     const int nblk = cols / Q::ELEMS;
@@ -113,7 +115,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     // the first chunk's weights depend on no earlier kernel: loaded while it finishes (programmatic
     // dependent launch; a small matrix's whole row is one chunk), x read after the wait
     if (!idle && part < nchunks) load(part);
-    grid_dependency_sync();
+    if (!WAITED) grid_dependency_sync();
     if (XSTAGE) TRACE_MARK(8);
     bool x_staged = XP;
     if constexpr (XSTAGE) {  // every warp takes part, idle or not
@@ -304,28 +306,31 @@ extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) qmvgx_b1(
 // expert_bytes apart, each `rows` x `cols`; tile blockIdx.y of `tiles` (moe_group) says the expert, the
 // first row of x (and of y) in grouped order, and how many rows (0: no work). qmoe: y = x W_e^T;
 // qmoeg: W_e is the stacked [gate; up] matrix and y = act(x W_gate^T) * (x W_up^T), [pairs, rows / 2].
+// x_per_pair 0: every pair reads x's one row (a single token's pairs: no gather).
 template <int B, int R, bool GATED>
 EMBER_DEV void qmoe(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
-                    const int* __restrict__ tiles, const float* __restrict__ x, float* y, int act) {
+                    const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y, int act) {
     grid_dependency_sync();  // the tiles come from the kernel before
     const int* tile = tiles + 3 * blockIdx.y;
     const int e = tile[0], r0 = tile[1], nb = tile[2];
     if (nb == 0) return;  // the whole block
     const int ycols = GATED ? rows / 2 : rows;
-    qmv<B, R, 16, GATED>(W + e * expert_bytes, row_bytes, rows, cols, x + (i64)r0 * cols, nb, nullptr,
-                         y + (i64)r0 * ycols, act);
+    qmv<B, R, 16, GATED, XK_NONE, false, true>(W + e * expert_bytes, row_bytes, rows, cols,
+                                               x + (i64)r0 * cols * x_per_pair, nb, nullptr, y + (i64)r0 * ycols,
+                                               act);
 }
 
 #define QMOE(B)                                                                                           \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
         qmoe_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,          \
-                  const int* __restrict__ tiles, const float* __restrict__ x, float* y) {                 \
-        qmoe<B, 1, false>(W, row_bytes, expert_bytes, rows, cols, tiles, x, y, 0);                        \
+                  const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y) { \
+        qmoe<B, 1, false>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, 0);            \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
         qmoeg_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,         \
-                   const int* __restrict__ tiles, const float* __restrict__ x, float* y, int act) {       \
-        qmoe<B, 2, true>(W, row_bytes, expert_bytes, rows, cols, tiles, x, y, act);                       \
+                   const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y,  \
+                   int act) {                                                                             \
+        qmoe<B, 2, true>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, act);           \
     }
 QMOE(1) QMOE(8)
 

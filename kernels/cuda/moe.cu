@@ -1,6 +1,7 @@
 // A mixture-of-experts MLP around the grouped expert matvecs (matvec.cu qmoe, qmoeg), every step on
 // the device so a decode step stays one captured graph:
 //   moe_route    the router's logits [n, E] -> each token's k experts, best first, and their weights
+//                (moe_route_group: both steps in one block, for the few tokens of a decode step)
 //   moe_group    the n k (token, slot) pairs counted by expert, placed expert by expert ("grouped
 //                order"), and cut into tiles of at most T pairs of one expert: (expert, first pair,
 //                pairs), tiles past the last holding 0 pairs
@@ -17,14 +18,12 @@ static_assert(MOE_MAX_EXPERTS % 32 == 0 && MOE_MAX_EXPERTS <= 1024, "experts a r
 #define GATING_SOFTMAX 0  // softmax over every expert, then the k largest (qwen3moe)
 #define GATING_SOFTMAX_TOPK 1  // the k largest logits, then a softmax over those k (gpt-oss)
 
-// one warp a token; ties go to the lower expert (numpy's stable argsort of the negated values)
-extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int n, int E,
-                                     int k, int gating, int norm, float sum_min, int* __restrict__ ids,
-                                     float* __restrict__ wts) {
+// token t's k experts by one warp; ties go to the lower expert (numpy's stable argsort of the negated
+// values)
+EMBER_DEV void route_token(const float* __restrict__ logits, const float* __restrict__ bias, int t, int E, int k,
+                           int gating, int norm, float sum_min, int* __restrict__ ids, float* __restrict__ wts) {
     constexpr int PER = MOE_MAX_EXPERTS / 32;
-    grid_dependency_sync();
-    const int t = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
-    if (t >= n) return;
+    const int lane = threadIdx.x & 31;
     float v[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -87,11 +86,19 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
     }
 }
 
-// one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles
-extern "C" __global__ void moe_group(const int* __restrict__ ids, int pairs, int E, int T, int max_tiles,
-                                     int* __restrict__ pos, int* __restrict__ order, int* __restrict__ tiles) {
-    __shared__ int count[MOE_MAX_EXPERTS], start[MOE_MAX_EXPERTS];
+// one warp a token
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int n, int E,
+                                     int k, int gating, int norm, float sum_min, int* __restrict__ ids,
+                                     float* __restrict__ wts) {
     grid_dependency_sync();
+    const int t = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    if (t < n) route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts);
+}
+
+// one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles
+EMBER_DEV void group_pairs(const int* __restrict__ ids, int pairs, int E, int T, int max_tiles, int* __restrict__ pos,
+                           int* __restrict__ order, int* __restrict__ tiles) {
+    __shared__ int count[MOE_MAX_EXPERTS], start[MOE_MAX_EXPERTS];
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
@@ -116,6 +123,25 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int pairs, int
         pos[p] = q;
         order[q] = p;
     }
+}
+
+extern "C" __global__ void moe_group(const int* __restrict__ ids, int pairs, int E, int T, int max_tiles,
+                                     int* __restrict__ pos, int* __restrict__ order, int* __restrict__ tiles) {
+    grid_dependency_sync();
+    group_pairs(ids, pairs, E, T, max_tiles, pos, order, tiles);
+}
+
+// moe_route then moe_group in one block of 1024 threads, for the few tokens of a decode step (a warp
+// each): one launch fewer a layer
+extern "C" __global__ void moe_route_group(const float* __restrict__ logits, const float* __restrict__ bias, int n,
+                                           int E, int k, int gating, int norm, float sum_min, int* __restrict__ ids,
+                                           float* __restrict__ wts, int T, int max_tiles, int* __restrict__ pos,
+                                           int* __restrict__ order, int* __restrict__ tiles) {
+    grid_dependency_sync();
+    for (int t = threadIdx.x >> 5; t < n; t += blockDim.x >> 5)
+        route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts);
+    __syncthreads();  // the block's global writes of ids are visible to it after the barrier
+    group_pairs(ids, n * k, E, T, max_tiles, pos, order, tiles);
 }
 
 // block q: row q of xs from row order[q] / k of x

@@ -12,7 +12,8 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
     sampling.py         sampling.cu                               numpy.argmax, reference.softmax, sample_rows
     matmul.py           gemm.cu                                   reference.linear on 16-bit values
     kv_copy.py          kv_copy.cu                                reference.kv_gather, reference.kv_scatter
-    moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn         reference.moe_route, reference.moe_mlp
+    moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn,        reference.moe_route, reference.moe_mlp
+                        qgemm.cu
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
@@ -61,14 +62,18 @@ from .matvecs import (
 from .moe import (
     MOE_MAX_EXPERTS,
     MOE_MAX_K,
+    QGEMM_MIN_ROWS,
     ExpertMatrices,
     MoeScratch,
     MoeWeights,
     matvec_rows,
+    moe_gemm,
     moe_group,
     moe_matvec,
     moe_mlp,
     moe_route,
+    moe_route_group,
+    qgemm_supported,
 )
 from .norm import (
     ACTIVATIONS,
@@ -150,8 +155,8 @@ __all__ = [
     # gemm
     "gemm", "gemm_splitk_bytes", "gemm_splits", "linear_tc", "to_half",
     # mixture of experts
-    "MOE_MAX_EXPERTS", "MOE_MAX_K", "ExpertMatrices", "MoeScratch", "MoeWeights", "matvec_rows", "moe_group",
-    "moe_matvec", "moe_mlp", "moe_route",
+    "MOE_MAX_EXPERTS", "MOE_MAX_K", "QGEMM_MIN_ROWS", "ExpertMatrices", "MoeScratch", "MoeWeights", "matvec_rows",
+    "moe_gemm", "moe_group", "moe_matvec", "moe_mlp", "moe_route", "moe_route_group", "qgemm_supported",
     # kv copy, fault injection
     "fault_illegal_address", "kv_gather", "kv_scatter",
 ]

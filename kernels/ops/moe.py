@@ -1,7 +1,8 @@
 """Launchers of a mixture-of-experts MLP: moe.cu (routing, grouping by expert, gather, weighted sum)
-around matvec.cu's grouped expert matvecs (qmoe, qmoeg), which read only the chosen experts' rows, in
-their GGUF block formats (no 16-bit copy of the experts is ever made). Twins: reference.moe_route and
-reference.moe_mlp over quants.dequantize of the experts."""
+around the grouped expert products, which read only the chosen experts' rows, in their GGUF block
+formats (no 16-bit copy of the experts is ever made): matvec.cu's qmoe/qmoeg for one token or a few,
+qgemm.cu's tensor-core matmul (decoded on load, 16-bit inputs) from QGEMM_MIN_ROWS tokens. Twins:
+reference.moe_route and reference.moe_mlp over quants.dequantize of the experts."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..constants import KERNEL_CONSTANTS
+from ..constants import KERNEL_CONSTANTS, QGEMM_TYPES
 from ..cuda_runtime import F32, I64, Device, DeviceArray
 from .args import need
+from .matmul import HALF_KINDS
 from .matvecs import MATVEC_WARPS, Q8_ACTIVATIONS
 from .norm import ACTIVATIONS, gated_act
 from .quant_matrix import QuantMatrix
@@ -21,6 +23,11 @@ MOE_MAX_K = KERNEL_CONSTANTS["MOE_MAX_K"]
 GATINGS = {"softmax": 0, "softmax-topk": 1}  # moe.cu GATING_*
 MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # as reference.MOE_WEIGHT_SUM_MIN (llama.cpp's clamp, 2^-14)
 TILE_ROWS = 8  # pairs of one expert a grouped matvec block takes at most (qmoe_b8); one row: qmoe_b1
+QG_ROWS = KERNEL_CONSTANTS["QG_ROWS"]  # weight rows a qgemm CTA computes
+QGEMM_TILES = (16, 64)  # pairs of one expert a qgemm CTA takes: batched decode, prefill (qgemm_t16, _t64)
+# From this many tokens the experts run on the tensor cores (each weight decoded once per tile of up
+# to 64 pairs, not once per 8 of them); below, the grouped matvec.
+QGEMM_MIN_ROWS = 8
 
 
 @dataclass
@@ -147,10 +154,37 @@ def moe_group(dev: Device, ids: DeviceArray, pos: DeviceArray, order: DeviceArra
     return nt
 
 
+ROUTE_GROUP_MAX_ROWS = 32  # tokens moe_route_group routes in its one block (a warp each); more: two launches
+
+
+def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, experts: int, k: int, gating: str,
+                    norm_topk: bool, tile: int, bias: DeviceArray | None = None, stream=None) -> int:
+    """moe_route then moe_group into the scratch's ids, wts, pos, order and tiles: one launch for up to
+    ROUTE_GROUP_MAX_ROWS tokens (a decode step), else two. Returns the number of tile slots."""
+    if n > ROUTE_GROUP_MAX_ROWS:
+        moe_route(dev, logits, s.ids, s.wts, n=n, experts=experts, k=k, gating=gating, norm_topk=norm_topk, bias=bias,
+                  stream=stream)
+        return moe_group(dev, s.ids, s.pos, s.order, s.tiles, pairs=n * k, experts=experts, tile=tile, stream=stream)
+    if gating not in GATINGS:
+        raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
+    if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
+        raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
+    pairs, nt = n * k, max_tiles(n * k, experts, tile)
+    need(logits, np.float32, n * experts, "logits")
+    need(s.ids, np.int32, pairs, "ids")
+    need(s.wts, np.float32, pairs, "wts")
+    need(s.tiles, np.int32, 3 * nt, "tiles")
+    dev.kernel("moe", "moe_route_group").launch(
+        (1,), (1024,), logits, bias, n, experts, k, GATINGS[gating], int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), s.ids,
+        s.wts, tile, nt, s.pos, s.order, s.tiles, stream=stream)
+    return nt
+
+
 def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray, y: DeviceArray, *,
-               tile: int, act: str | None = None, stream=None) -> None:
+               tile: int, act: str | None = None, x_per_pair: bool = True, stream=None) -> None:
     """For every tile (expert e, first row r0, rows nb): y[r0 : r0 + nb] = x[r0 : r0 + nb] @ W_e^T, or
-    with act, W_e = [gate; up] and y = act(x W_gate^T) * (x W_up^T). Twin: reference.linear per expert."""
+    with act, W_e = [gate; up] and y = act(x W_gate^T) * (x W_up^T); x_per_pair=False (tiles of one
+    pair): every pair reads x's one row, a single token's. Twin: reference.linear per expert."""
     if tile not in (1, TILE_ROWS):
         raise ValueError(f"tiles of 1 or {TILE_ROWS} rows")
     b = 1 if tile == 1 else 8
@@ -158,38 +192,107 @@ def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int,
     if act is None:
         dev.kernel(f"matvec_{m.type}", f"qmoe_b{b}").launch(
             (-(-w.rows // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
-            I64(w.expert_bytes), w.rows, m.cols, tiles, x, y, stream=stream)
+            I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, stream=stream)
         return
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown activation {act!r}")
     dev.kernel(f"matvec_{m.type}", f"qmoeg_b{b}").launch(
         (-(-(w.rows // 2) // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
-        I64(w.expert_bytes), w.rows, m.cols, tiles, x, y, Q8_ACTIVATIONS[act], stream=stream)
+        I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, Q8_ACTIVATIONS[act], stream=stream)
+
+
+def qgemm_supported(w: ExpertMatrices) -> bool:
+    """Whether qgemm.cu decodes these experts' blocks (K in whole 32-column slices)."""
+    return w.m.type in QGEMM_TYPES and w.m.cols % 32 == 0
+
+
+def moe_gemm(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray, y: DeviceArray, *,
+             tile: int, half: str = "f16", order: DeviceArray | None = None, k: int = 1, act: str | None = None,
+             stream=None) -> None:
+    """moe_matvec's product on the tensor cores (qgemm.cu): for every tile (expert e, first pair r0,
+    pairs nb <= tile), y[r0 : r0 + nb] = x_rows @ W_e^T, or with act over the stacked [gate; up],
+    act(x W_gate^T) * (x W_up^T). x_rows: x[r0 : r0 + nb], or with `order` the tokens' own rows
+    x[order[q] // k] (no gather). Inputs rounded to `half` (f16 or bf16), float32 sums.
+    Twin: reference.linear per expert."""
+    if half not in HALF_KINDS:
+        raise ValueError(f"unknown 16-bit kind {half!r} (have: {', '.join(HALF_KINDS)})")
+    if tile not in QGEMM_TILES:
+        raise ValueError(f"qgemm tiles of {' or '.join(map(str, QGEMM_TILES))} pairs")
+    if not qgemm_supported(w):
+        raise ValueError(f"no tensor-core expert matmul for {w.m.type} rows of {w.m.cols} columns")
+    m = w.m
+    if act is None:
+        dev.kernel(f"qgemm_{m.type}", f"qgemm_{half}_t{tile}").launch(
+            (-(-w.rows // QG_ROWS), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes), w.rows, m.cols,
+            tiles, x, order, k, y, stream=stream)
+        return
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}")
+    dev.kernel(f"qgemm_{m.type}", f"qgemmg_{half}_t{tile}").launch(
+        (-(-(w.rows // 2) // (QG_ROWS // 2)), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes),
+        w.rows, m.cols, tiles, x, order, k, y, Q8_ACTIVATIONS[act], stream=stream)
 
 
 def moe_mlp(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeScratch, *, n: int, k: int, act: str,
-            gating: str, norm_topk: bool, res: DeviceArray | None = None, stream=None) -> None:
+            gating: str, norm_topk: bool, res: DeviceArray | None = None, half: str | None = None,
+            stream=None) -> None:
     """y[n, hidden] = res + each row through its k experts' gated MLPs, summed by the router's weights
-    (seven launches, one grid each, whatever the routing: a decode step stays one graph).
-    Twin: reference.moe_mlp (+ res)."""
-    hidden, ffn, E = w.router.cols, w.ffn, w.experts
-    pairs, tile = n * k, 1 if n == 1 else TILE_ROWS
+    (five to seven launches, one grid each, whatever the routing: a decode step stays one graph).
+    half ("f16"/"bf16"): from QGEMM_MIN_ROWS rows the experts' products run on the tensor cores
+    (qgemm.cu, inputs in that type). Twin: reference.moe_mlp (+ res)."""
+    hidden, E = w.router.cols, w.experts
     need(x, np.float32, n * hidden, "x")
     need(y, np.float32, n * hidden, "y")
     matvec_rows(dev, w.router, x, s.logits, n=n, stream=stream)
-    moe_route(dev, s.logits, s.ids, s.wts, n=n, experts=E, k=k, gating=gating, norm_topk=norm_topk,
-              bias=w.router_bias, stream=stream)
-    nt = moe_group(dev, s.ids, s.pos, s.order, s.tiles, pairs=pairs, experts=E, tile=tile, stream=stream)
-    dev.kernel("moe", "moe_gather").launch((pairs,), (256,), x, s.order, k, hidden, s.xs, stream=stream)
+    mats = [e for e in (w.gate_up, w.gate, w.up, w.down) if e is not None]
+    gemm = half is not None and n >= QGEMM_MIN_ROWS and all(qgemm_supported(e) for e in mats)
+    if gemm:  # tiles of 64 pairs where experts average 32 or more (prefill), else of 16 (batched decode)
+        tile = QGEMM_TILES[1] if 2 * n * k >= QGEMM_TILES[1] * E else QGEMM_TILES[0]
+    else:  # the grouped matvec: tiles of one pair for one token, else of 8
+        tile = 1 if n == 1 else TILE_ROWS
+    nt = moe_route_group(dev, s.logits, s, n=n, experts=E, k=k, gating=gating, norm_topk=norm_topk, tile=tile,
+                         bias=w.router_bias, stream=stream)
+    if half is not None and gemm:
+        _moe_mlp_gemm(dev, w, x, s, nt, n=n, k=k, act=act, tile=tile, half=half, stream=stream)
+    else:
+        _moe_mlp_matvec(dev, w, x, s, nt, n=n, k=k, act=act, tile=tile, stream=stream)
+    dev.kernel("moe", "moe_combine").launch((-(-hidden // 256), n), (256,), s.ys, s.pos, s.wts, k, hidden, res, y,
+                                            stream=stream)
+
+
+def _moe_mlp_gemm(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, nt: int, *, n: int, k: int, act: str,
+                  tile: int, half: str, stream=None) -> None:
+    """The experts on the tensor cores, x read in place through the grouped order (no gather)."""
+    pairs, ffn = n * k, w.ffn
     if w.gate_up is not None:
-        moe_matvec(dev, w.gate_up, s.tiles, nt, s.xs, s.hs, tile=tile, act=act, stream=stream)
+        moe_gemm(dev, w.gate_up, s.tiles, nt, x, s.hs, tile=tile, half=half, order=s.order, k=k, act=act,
+                 stream=stream)
     else:
         gu = s.gu
         if w.gate is None or w.up is None or gu is None:
             raise ValueError("gate and up apart need both matrices and the scratch's gu")
-        moe_matvec(dev, w.gate, s.tiles, nt, s.xs, gu, tile=tile, stream=stream)
-        moe_matvec(dev, w.up, s.tiles, nt, s.xs, gu.view(pairs * ffn, pairs * ffn), tile=tile, stream=stream)
+        up = gu.view(pairs * ffn, pairs * ffn)
+        moe_gemm(dev, w.gate, s.tiles, nt, x, gu, tile=tile, half=half, order=s.order, k=k, stream=stream)
+        moe_gemm(dev, w.up, s.tiles, nt, x, up, tile=tile, half=half, order=s.order, k=k, stream=stream)
+        gated_act(dev, gu, up, s.hs, n=pairs, ffn=ffn, act=act, stream=stream)
+    moe_gemm(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, half=half, stream=stream)
+
+
+def _moe_mlp_matvec(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, nt: int, *, n: int, k: int, act: str,
+                    tile: int, stream=None) -> None:
+    """The experts through the grouped matvec; one token's pairs all read its row (no gather)."""
+    pairs, ffn, hidden = n * k, w.ffn, w.router.cols
+    xs, per_pair = (x, False) if n == 1 else (s.xs, True)
+    if per_pair:
+        dev.kernel("moe", "moe_gather").launch((pairs,), (256,), x, s.order, k, hidden, s.xs, stream=stream)
+    if w.gate_up is not None:
+        moe_matvec(dev, w.gate_up, s.tiles, nt, xs, s.hs, tile=tile, act=act, x_per_pair=per_pair, stream=stream)
+    else:
+        gu = s.gu
+        if w.gate is None or w.up is None or gu is None:
+            raise ValueError("gate and up apart need both matrices and the scratch's gu")
+        moe_matvec(dev, w.gate, s.tiles, nt, xs, gu, tile=tile, x_per_pair=per_pair, stream=stream)
+        moe_matvec(dev, w.up, s.tiles, nt, xs, gu.view(pairs * ffn, pairs * ffn), tile=tile, x_per_pair=per_pair,
+                   stream=stream)
         gated_act(dev, gu, gu.view(pairs * ffn, pairs * ffn), s.hs, n=pairs, ffn=ffn, act=act, stream=stream)
     moe_matvec(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=stream)
-    dev.kernel("moe", "moe_combine").launch((-(-hidden // 256), n), (256,), s.ys, s.pos, s.wts, k, hidden, res, y,
-                                            stream=stream)

@@ -603,7 +603,8 @@ class CudaBackend(CudaMatmuls, Backend):
                 moe = cfg.recipe.moe
                 assert moe is not None and self.moe_scratch is not None and not self.post_norms
                 ops.moe_mlp(dev, lw.moe, h_mlp, x, self.moe_scratch, n=n, k=cfg.n_experts_used, act=cfg.recipe.act,
-                            gating=moe.gating.value, norm_topk=moe.norm_topk, res=x, stream=st)
+                            gating=moe.gating.value, norm_topk=moe.norm_topk, res=x,
+                            half=self.half_kind if self.tensor_cores and tc else None, stream=st)
                 continue
             gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             if self.post_norms:

@@ -1,0 +1,237 @@
+// Grouped matmul on the tensor cores straight from the GGUF blocks (one module per type, QTYPE set by
+// the build): the mixture of experts' projections for prefill and batched decode, where many tokens
+// share an expert and the staged matvec would decode every weight once per eight of them.
+//
+// For every tile of moe_group (expert e, first pair p0, pairs nb <= TN) and every QG_ROWS rows of the
+// expert's matrix, a CTA computes Y[p0 + p, row] = x[p] . W_e[row] for its nb pairs: the weights are
+// decoded from their blocks (quant.cuh units of 8) to f16 in shared memory one 32-deep K slice at a
+// time, the activations converted from float32 beside them, and the product taken with mma.sync
+// m16n8k16 (float32 accumulation). Each weight is decoded once per tile, not once per pair: the
+// arithmetic moves to the tensor cores and the decoding is shared by up to TN pairs.
+//
+// x rows come in grouped order; with `order` they are read in place from the tokens' rows
+// (x[order[p] / k]), which spares the gather. The gated variant takes the stacked [gate; up] matrix of
+// an expert (rows = 2 ffn): a CTA's 128 rows are 64 gate rows and the 64 up rows beside them, so the
+// epilogue writes act(gate) * up, [pairs, ffn].
+//
+// The 16-bit type is the model's (the backend's half kind): f16, or bf16 where activations may
+// exceed f16's range.
+#include "act.cuh"
+#include "mma.cuh"
+#include "quant.cuh"
+
+#ifndef QTYPE
+#error "QTYPE must be defined"
+#endif
+
+static_assert(QG_ROWS == 128 && QG_THREADS == 256, "8 warps over 128 weight rows");
+#define QG_K 32  // the K slice a stage holds: one sub-block of the K-quants, four units of 8
+#define QG_LD (QG_K + 8)  // halves a shared-memory row: 8 of padding, so ldmatrix rows hit distinct banks
+
+template <int TN>
+struct QgShape {
+    static constexpr int WM = TN >= 32 ? 32 : 16;  // weight rows a warp
+    static constexpr int WARPS_M = QG_ROWS / WM;
+    static constexpr int WARPS_N = 8 / WARPS_M;
+    static constexpr int WN = TN / WARPS_N;  // pairs a warp
+    static constexpr int MI = WM / 16, NJ = WN / 8;
+    static_assert(WARPS_M * WARPS_N == 8 && NJ % 2 == 0, "8 warps; B fragments two n8 tiles at a time");
+};
+
+template <int TN>
+struct QgSmem {
+    union {
+        struct {
+            u16 w[2][QG_ROWS][QG_LD];
+            u16 x[2][TN][QG_LD];
+        } in;
+        float out[QG_ROWS][TN + 1];  // the epilogue's tile, +1: column reads without bank conflicts
+    };
+};
+
+// the 512 units of 8 of a 128 x 32 weight slice, two a thread, decoded to f16
+template <bool BF>
+EMBER_DEV u32 pack2(float lo, float hi) {
+    return BF ? (u32)f2bf(lo) | ((u32)f2bf(hi) << 16) : pack_f16x2(lo, hi);
+}
+
+// A thread's two pieces of each 128 x 32 weight slice: units c of rows r (piece = r * 4 + c), the same
+// rows in every slice; nullptr: a row past the matrix (zeros)
+template <bool GATED>
+EMBER_DEV void qg_rows(const u8* W, i64 row_bytes, int rows, const u8* rp[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = (threadIdx.x + i * QG_THREADS) >> 2;
+        int gr;
+        if (GATED) {  // rows: the expert's gate rows [0, rows/2), then its up rows
+            const int half = rows / 2, j = blockIdx.x * (QG_ROWS / 2) + (r & (QG_ROWS / 2 - 1));
+            gr = j < half ? j + (r >= QG_ROWS / 2 ? half : 0) : -1;
+        } else {
+            gr = blockIdx.x * QG_ROWS + r;
+            gr = gr < rows ? gr : -1;
+        }
+        rp[i] = gr >= 0 ? W + (i64)gr * row_bytes : nullptr;
+    }
+}
+
+// the two pieces of the slice at k0 decoded to 16 bits, in registers (stored after the slice before
+// has gone through the tensor cores, so the loads' latency hides behind it)
+template <bool BF>
+EMBER_DEV void qg_fetch_w(const u8* const rp[2], int k0, uint4 v[2]) {
+    typedef QT<QTYPE> Q;
+    const int ug = k0 / 8 + (threadIdx.x & 3);
+    const i64 off = (i64)(ug / Q::UNITS) * Q::BYTES;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        v[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (rp[i]) {
+            float q[8], s, o;
+            Q::template unit<Q::SMEM_A8>(rp[i] + off, ug % Q::UNITS, q, s, o);
+            float w[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = Q::IS_FLOAT ? q[e] : fmaf(s, q[e], -o);
+            v[i] = make_uint4(pack2<BF>(w[0], w[1]), pack2<BF>(w[2], w[3]), pack2<BF>(w[4], w[5]),
+                              pack2<BF>(w[6], w[7]));
+        }
+    }
+}
+
+EMBER_DEV void qg_store_w(u16 (*dst)[QG_LD], const uint4 v[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int piece = threadIdx.x + i * QG_THREADS;
+        *reinterpret_cast<uint4*>(&dst[piece >> 2][(piece & 3) * 8]) = v[i];
+    }
+}
+
+// A thread's piece of each TN x 32 activation slice (TN * 4 <= QG_THREADS pieces of 8): row r = piece / 4
+// of the tile; nullptr: a row past nb (zeros), or no piece
+template <int TN>
+EMBER_DEV const float* qg_x_row(const float* x, const int* __restrict__ order, int k, int p0, int nb, int cols) {
+    static_assert(TN * 4 <= QG_THREADS, "one activation piece a thread at most");
+    const int r = threadIdx.x >> 2;
+    if (r >= TN || r >= nb) return nullptr;
+    const int src = order ? order[p0 + r] / k : p0 + r;
+    return x + (i64)src * cols + (threadIdx.x & 3) * 8;
+}
+
+template <bool BF>
+EMBER_DEV uint4 qg_fetch_x(const float* xr, int k0) {
+    if (!xr) return make_uint4(0u, 0u, 0u, 0u);
+    const float4* p = reinterpret_cast<const float4*>(xr + k0);
+    const float4 a = p[0], b = p[1];
+    return make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
+}
+
+template <int TN>
+EMBER_DEV void qg_store_x(u16 (*dst)[QG_LD], uint4 v) {
+    if (threadIdx.x < TN * 4) *reinterpret_cast<uint4*>(&dst[threadIdx.x >> 2][(threadIdx.x & 3) * 8]) = v;
+}
+
+template <int TN, bool GATED, bool BF>
+EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+                     const int* __restrict__ tiles, const float* __restrict__ x, const int* __restrict__ order, int k,
+                     float* __restrict__ y, int act) {
+    typedef QgShape<TN> S;
+    __shared__ __align__(16) QgSmem<TN> sm;
+    grid_dependency_sync();  // the tiles and x come from the kernels before
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int e = tile[0], p0 = tile[1], nb = tile[2];
+    if (nb == 0) return;  // the whole block
+    W += (i64)e * expert_bytes;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = (warp / S::WARPS_N) * S::WM, wn = (warp % S::WARPS_N) * S::WN;
+    float acc[S::MI][S::NJ][4];
+#pragma unroll
+    for (int i = 0; i < S::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+
+    const int nk = cols / QG_K;
+    const u8* rp[2];
+    qg_rows<GATED>(W, row_bytes, rows, rp);
+    const float* xr = qg_x_row<TN>(x, order, k, p0, nb, cols);
+    uint4 wv[2], xv;
+    qg_fetch_w<BF>(rp, 0, wv);
+    xv = qg_fetch_x<BF>(xr, 0);
+    qg_store_w(sm.in.w[0], wv);
+    qg_store_x<TN>(sm.in.x[0], xv);
+    __syncthreads();
+    for (int kt = 0; kt < nk; ++kt) {
+        const int cur = kt & 1;
+        const bool next = kt + 1 < nk;
+        if (next) {
+            qg_fetch_w<BF>(rp, (kt + 1) * QG_K, wv);
+            xv = qg_fetch_x<BF>(xr, (kt + 1) * QG_K);
+        }
+#pragma unroll
+        for (int ks = 0; ks < QG_K; ks += 16) {
+            u32 af[S::MI][4], bf[S::NJ][2];
+#pragma unroll
+            for (int i = 0; i < S::MI; ++i) {
+                const int r = wm + i * 16 + (lane & 15), c = ks + (lane >> 4) * 8;
+                ldmatrix_x4(smem_addr(&sm.in.w[cur][r][c]), af[i][0], af[i][1], af[i][2], af[i][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < S::NJ / 2; ++j) {
+                const int r = wn + j * 16 + (lane & 7) + ((lane >> 4) << 3), c = ks + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(smem_addr(&sm.in.x[cur][r][c]), bf[2 * j][0], bf[2 * j][1], bf[2 * j + 1][0],
+                            bf[2 * j + 1][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < S::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < S::NJ; ++j) mma16816<BF>(acc[i][j], af[i], bf[j]);
+        }
+        if (next) {  // the other buffer: everyone finished reading it before the last barrier
+            qg_store_w(sm.in.w[cur ^ 1], wv);
+            qg_store_x<TN>(sm.in.x[cur ^ 1], xv);
+        }
+        __syncthreads();
+    }
+
+    // c0,c1 at (weight row lane/4, pairs 2 (lane%4) + 0/1); c2,c3 eight rows below
+#pragma unroll
+    for (int i = 0; i < S::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+                sm.out[wm + i * 16 + (lane >> 2) + (v >> 1) * 8][wn + j * 8 + (lane & 3) * 2 + (v & 1)] = acc[i][j][v];
+    __syncthreads();
+    if (GATED) {
+        const int half = rows / 2, c0 = blockIdx.x * (QG_ROWS / 2);
+        for (int idx = threadIdx.x; idx < nb * (QG_ROWS / 2); idx += QG_THREADS) {
+            const int p = idx / (QG_ROWS / 2), j = idx % (QG_ROWS / 2);
+            if (c0 + j >= half) continue;
+            const float g = sm.out[j][p], u = sm.out[QG_ROWS / 2 + j][p];
+            y[(i64)(p0 + p) * half + c0 + j] = (act == 2 ? gelu_tanh(g) : silu(g)) * u;
+        }
+    } else {
+        const int c0 = blockIdx.x * QG_ROWS;
+        for (int idx = threadIdx.x; idx < nb * QG_ROWS; idx += QG_THREADS) {
+            const int p = idx / QG_ROWS, j = idx % QG_ROWS;
+            if (c0 + j < rows) y[(i64)(p0 + p) * rows + c0 + j] = sm.out[j][p];
+        }
+    }
+}
+
+#define QGEMM(H, BF, TN)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS)                                              \
+        qgemm_##H##_t##TN(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,  \
+                          const int* __restrict__ tiles, const float* __restrict__ x, const int* order,    \
+                          int k, float* __restrict__ y) {                                                  \
+        qgemm<TN, false, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, 0);           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS)                                              \
+        qgemmg_##H##_t##TN(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols, \
+                           const int* __restrict__ tiles, const float* __restrict__ x, const int* order,   \
+                           int k, float* __restrict__ y, int act) {                                        \
+        qgemm<TN, true, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, act);          \
+    }
+QGEMM(f16, false, 16)
+QGEMM(f16, false, 64)
+QGEMM(bf16, true, 16)
+QGEMM(bf16, true, 64)
