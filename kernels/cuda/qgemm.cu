@@ -55,54 +55,139 @@ EMBER_DEV u32 pack2(float lo, float hi) {
     return BF ? (u32)f2bf(lo) | ((u32)f2bf(hi) << 16) : pack_f16x2(lo, hi);
 }
 
-// A thread's two pieces of each 128 x 32 weight slice: units c of rows r (piece = r * 4 + c), the same
-// rows in every slice; nullptr: a row past the matrix (zeros)
+// Weight slices (128 rows x 32 columns, 4096 values) are decoded by the 256 threads in registers and
+// stored after the slice before has gone through the tensor cores, so the loads' latency hides behind
+// it. QgW<T> says how: ROWS rows a thread (slot i: row row(i)) and 16 values a row (two uint4 of 16-bit
+// pairs) stored at column col(). The generic way takes two units of 8 (quant.cuh) of two rows; Q4_K and
+// Q6_K take one row's 16 values with a few 16-byte loads (their sub-block's quants, scales, d), which
+// eases the load/store unit, the kernel's limit at batched-decode sizes.
+EMBER_DEV int qg_row(int r, int rows) {
+    return r < rows ? r : -1;
+}
+
 template <bool GATED>
-EMBER_DEV void qg_rows(const u8* W, i64 row_bytes, int rows, const u8* rp[2]) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = (threadIdx.x + i * QG_THREADS) >> 2;
-        int gr;
-        if (GATED) {  // rows: the expert's gate rows [0, rows/2), then its up rows
-            const int half = rows / 2, j = blockIdx.x * (QG_ROWS / 2) + (r & (QG_ROWS / 2 - 1));
-            gr = j < half ? j + (r >= QG_ROWS / 2 ? half : 0) : -1;
-        } else {
-            gr = blockIdx.x * QG_ROWS + r;
-            gr = gr < rows ? gr : -1;
-        }
-        rp[i] = gr >= 0 ? W + (i64)gr * row_bytes : nullptr;
+EMBER_DEV int qg_matrix_row(int r, int rows) {  // CTA row r -> the expert matrix's row, or -1
+    if (GATED) {  // the expert's gate rows [0, rows/2), then its up rows
+        const int half = rows / 2, j = blockIdx.x * (QG_ROWS / 2) + (r & (QG_ROWS / 2 - 1));
+        return j < half ? j + (r >= QG_ROWS / 2 ? half : 0) : -1;
     }
+    return qg_row(blockIdx.x * QG_ROWS + r, rows);
 }
 
-// the two pieces of the slice at k0 decoded to 16 bits, in registers (stored after the slice before
-// has gone through the tensor cores, so the loads' latency hides behind it)
 template <bool BF>
-EMBER_DEV void qg_fetch_w(const u8* const rp[2], int k0, uint4 v[2]) {
-    typedef QT<QTYPE> Q;
-    const int ug = k0 / 8 + (threadIdx.x & 3);
-    const i64 off = (i64)(ug / Q::UNITS) * Q::BYTES;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        v[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (rp[i]) {
-            float q[8], s, o;
-            Q::template unit<Q::SMEM_A8>(rp[i] + off, ug % Q::UNITS, q, s, o);
-            float w[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) w[e] = Q::IS_FLOAT ? q[e] : fmaf(s, q[e], -o);
-            v[i] = make_uint4(pack2<BF>(w[0], w[1]), pack2<BF>(w[2], w[3]), pack2<BF>(w[4], w[5]),
-                              pack2<BF>(w[6], w[7]));
-        }
-    }
+EMBER_DEV uint4 pack8(const float w[8]) {
+    return make_uint4(pack2<BF>(w[0], w[1]), pack2<BF>(w[2], w[3]), pack2<BF>(w[4], w[5]), pack2<BF>(w[6], w[7]));
 }
 
-EMBER_DEV void qg_store_w(u16 (*dst)[QG_LD], const uint4 v[2]) {
+template <int T>
+struct QgW {  // any type: units (threadIdx % 4) of rows threadIdx / 4 and threadIdx / 4 + 64, 8 values each
+    static constexpr int ROWS = 2;
+    static EMBER_DEV int row(int i) { return (threadIdx.x >> 2) + i * (QG_THREADS / 4); }
+    template <bool BF>
+    static EMBER_DEV void fetch(const u8* const rp[ROWS], int k0, uint4 v[2]) {
+        typedef QT<T> Q;
+        const int ug = k0 / 8 + (threadIdx.x & 3);
+        const i64 off = (i64)(ug / Q::UNITS) * Q::BYTES;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int piece = threadIdx.x + i * QG_THREADS;
-        *reinterpret_cast<uint4*>(&dst[piece >> 2][(piece & 3) * 8]) = v[i];
+        for (int i = 0; i < ROWS; ++i) {
+            v[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (rp[i]) {
+                float q[8], s, o;
+                Q::template unit<Q::SMEM_A8>(rp[i] + off, ug % Q::UNITS, q, s, o);
+                float w[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) w[e] = Q::IS_FLOAT ? q[e] : fmaf(s, q[e], -o);
+                v[i] = pack8<BF>(w);
+            }
+        }
     }
+    static EMBER_DEV void store(u16 (*dst)[QG_LD], const uint4 v[2]) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) *reinterpret_cast<uint4*>(&dst[row(i)][(threadIdx.x & 3) * 8]) = v[i];
+    }
+};
+
+// one row's 16 values a thread: row threadIdx / 2, columns 16 (threadIdx % 2) of the slice
+struct QgHalfRow {
+    static constexpr int ROWS = 1;
+    static EMBER_DEV int row(int) { return threadIdx.x >> 1; }
+    static EMBER_DEV void store(u16 (*dst)[QG_LD], const uint4 v[2]) {
+        uint4* d = reinterpret_cast<uint4*>(&dst[threadIdx.x >> 1][(threadIdx.x & 1) * 16]);
+        d[0] = v[0];
+        d[1] = v[1];
+    }
+};
+
+EMBER_DEV u32 byte_of(uint4 v, int i) {  // byte i (0..15) of a 16-byte load
+    const u32 w = i < 8 ? (i < 4 ? v.x : v.y) : (i < 12 ? v.z : v.w);
+    return (w >> (8 * (i & 3))) & 0xFFu;
 }
+
+// Q4_K (144-byte blocks, 16-byte aligned rows): sub-block j = k0 % 256 / 32 of the block; d, dmin and
+// the 12 scale bytes are its first 16 bytes; the 16 quants are bytes 16 + 32 (j / 2) + 16 h, low
+// nibbles for even j
+template <>
+struct QgW<GT_Q4_K> : QgHalfRow {
+    template <bool BF>
+    static EMBER_DEV void fetch(const u8* const rp[1], int k0, uint4 v[2]) {
+        v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (!rp[0]) return;
+        const u8* p = rp[0] + (i64)(k0 / BLOCK_ELEMS_Q4_K) * BLOCK_BYTES_Q4_K;
+        const int j = (k0 % BLOCK_ELEMS_Q4_K) / 32, h = threadIdx.x & 1;
+        const uint4 hd = *reinterpret_cast<const uint4*>(p);
+        const uint4 qs = *reinterpret_cast<const uint4*>(p + 16 + 32 * (j >> 1) + 16 * h);
+        u32 sc, m;  // ggml's get_scale_min_k4 over bytes 4..15 of the block
+        if (j < 4) {
+            sc = byte_of(hd, 4 + j) & 63u;
+            m = byte_of(hd, 8 + j) & 63u;
+        } else {
+            sc = (byte_of(hd, 8 + j) & 0xFu) | ((byte_of(hd, j) >> 6) << 4);
+            m = (byte_of(hd, 8 + j) >> 4) | ((byte_of(hd, 4 + j) >> 6) << 4);
+        }
+        const float s = h2f((u16)(hd.x & 0xFFFFu)) * (float)sc, o = h2f((u16)(hd.x >> 16)) * (float)m;
+        const int sh = 4 * (j & 1);
+        const u32 words[4] = {qs.x, qs.y, qs.z, qs.w};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float q[8], w[8];
+            bytes_to_floats((words[2 * half] >> sh) & 0x0F0F0F0Fu, (words[2 * half + 1] >> sh) & 0x0F0F0F0Fu,
+                            8388608.0f, q);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = fmaf(s, q[e], -o);
+            v[half] = pack8<BF>(w);
+        }
+    }
+};
+
+// Q6_K as stored on the device (224-byte blocks): value e of the block takes the nibble (e % 128) / 64
+// of ql[64 (e / 128) + e % 64] and the 2 bits 2 ((e % 128) / 32) of qh[32 (e / 128) + e % 32]; a
+// sub-block of 16 values has one int8 scale (byte 192 + e / 16), d at byte 208
+template <>
+struct QgW<GT_Q6_KP> : QgHalfRow {
+    template <bool BF>
+    static EMBER_DEV void fetch(const u8* const rp[1], int k0, uint4 v[2]) {
+        v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (!rp[0]) return;
+        const u8* p = rp[0] + (i64)(k0 / BLOCK_ELEMS_Q6_KP) * BLOCK_BYTES_Q6_KP;
+        const int e0 = k0 % BLOCK_ELEMS_Q6_KP + 16 * (threadIdx.x & 1);  // this thread's first value
+        const int hb = e0 >> 7, r = e0 & 127;
+        const uint4 ql = *reinterpret_cast<const uint4*>(p + 64 * hb + (r & 63));
+        const uint4 qh = *reinterpret_cast<const uint4*>(p + 128 + 32 * hb + (r & 31));
+        const float s = h2f(*reinterpret_cast<const u16*>(p + 208)) * (float)(int)(i8)p[192 + (e0 >> 4)];
+        const int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
+        const u32 lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 a = ((lw[2 * half] >> shl) & 0x0F0F0F0Fu) | (((hw[2 * half] >> shh) & 0x03030303u) << 4);
+            const u32 b = ((lw[2 * half + 1] >> shl) & 0x0F0F0F0Fu) | (((hw[2 * half + 1] >> shh) & 0x03030303u) << 4);
+            float q[8], w[8];
+            bytes_to_floats(a, b, 8388640.0f, q);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = s * q[e];
+            v[half] = pack8<BF>(w);
+        }
+    }
+};
 
 // A thread's piece of each TN x 32 activation slice (TN * 4 <= QG_THREADS pieces of 8): row r = piece / 4
 // of the tile; nullptr: a row past nb (zeros), or no piece
@@ -150,20 +235,25 @@ EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, 
             for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
 
     const int nk = cols / QG_K;
-    const u8* rp[2];
-    qg_rows<GATED>(W, row_bytes, rows, rp);
+    typedef QgW<QTYPE> L;
+    const u8* rp[L::ROWS];
+#pragma unroll
+    for (int i = 0; i < L::ROWS; ++i) {
+        const int gr = qg_matrix_row<GATED>(L::row(i), rows);
+        rp[i] = gr >= 0 ? W + (i64)gr * row_bytes : nullptr;
+    }
     const float* xr = qg_x_row<TN>(x, order, k, p0, nb, cols);
     uint4 wv[2], xv;
-    qg_fetch_w<BF>(rp, 0, wv);
+    L::template fetch<BF>(rp, 0, wv);
     xv = qg_fetch_x<BF>(xr, 0);
-    qg_store_w(sm.in.w[0], wv);
+    L::store(sm.in.w[0], wv);
     qg_store_x<TN>(sm.in.x[0], xv);
     __syncthreads();
     for (int kt = 0; kt < nk; ++kt) {
         const int cur = kt & 1;
         const bool next = kt + 1 < nk;
         if (next) {
-            qg_fetch_w<BF>(rp, (kt + 1) * QG_K, wv);
+            L::template fetch<BF>(rp, (kt + 1) * QG_K, wv);
             xv = qg_fetch_x<BF>(xr, (kt + 1) * QG_K);
         }
 #pragma unroll
@@ -186,7 +276,7 @@ EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, 
                 for (int j = 0; j < S::NJ; ++j) mma16816<BF>(acc[i][j], af[i], bf[j]);
         }
         if (next) {  // the other buffer: everyone finished reading it before the last barrier
-            qg_store_w(sm.in.w[cur ^ 1], wv);
+            L::store(sm.in.w[cur ^ 1], wv);
             qg_store_x<TN>(sm.in.x[cur ^ 1], xv);
         }
         __syncthreads();
