@@ -6,7 +6,7 @@ served model. GET /v1/models lists it; GET /v1/models/{id} answers 404 unless `i
 name or the GGUF file name (with or without `.gguf`).
 
 Who may call (security.py): the Host and Origin checks against pages in the user's browser, JSON
-bodies only, and with an API key set every endpoint except /health/live and /health/ready (and
+bodies only, and with an API key set every endpoint except /health/live, /health/ready and /health (and
 /metrics and /v1/stats unless --metrics-auth) wants it, as `Authorization: Bearer KEY` or
 `x-api-key: KEY`. Bodies past what the context can use are refused before they are read (413,
 limits.py); large ones are decoded off the event loop.
@@ -227,7 +227,9 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
     async def live() -> Response:
         return _json(state.describe(), 200 if state.live_ok() else 503)
 
-    @get("/health/ready", opt={"public": True})
+    # /health: the readiness answer under the path routers and load balancers ask by default
+    # (sglang-router, Kubernetes examples, llama-server and vLLM clients)
+    @get(["/health/ready", "/health"], opt={"public": True})
     async def ready() -> Response:
         ok = state.ready_ok()
         return _json(state.describe(), 200 if ok else 503,

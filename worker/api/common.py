@@ -156,6 +156,8 @@ def sampling_params(ctx: ApiContext, *, temperature: float | None, top_p: float 
     out-of-range value (the protocols share these names). A temperature too small to divide by
     is greedy, as it means."""
     kw: dict[str, Any] = {}
+    if top_k == -1:  # "all tokens" as vLLM and SGLang spell it (sglang-router fills it in): ours is 0
+        top_k = 0
     for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                        ("repetition_penalty", repetition_penalty)):

@@ -45,7 +45,7 @@ class ChatMessageIn(msgspec.Struct):
 class ChatRequest(common.SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     model: str = ""
-    stream: bool = False
+    stream: bool | None = None  # null as false, as the OpenAI API documents it
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -31,7 +31,7 @@ DEFAULT_MAX_TOKENS = 16
 class CompletionRequest(common.SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     model: str = ""
-    stream: bool = False
+    stream: bool | None = None  # null as false, as the OpenAI API documents it
     stream_options: StreamOptions | None = None
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     stop: str | list[str] | None = None

@@ -26,6 +26,7 @@ GETS = {
     "/v1/models": "the served model",
     "/health/live": "process and event loop fine, compute context not poisoned",
     "/health/ready": "can take a request now",
+    "/health": "the same as /health/ready (the path routers ask by default)",
     "/metrics": "Prometheus metrics",
     "/v1/stats": "engine state and metrics as JSON",
 }
