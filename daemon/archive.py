@@ -69,6 +69,9 @@ def archive(crashes: Path, inc: Incident, worker: Incarnation, lines: list[Line]
             "model_fingerprint": worker.facts.get("fingerprint"),
             "backend": worker.facts.get("backend"),
             "endpoint": s.endpoint,
+            # a member of `replicas` (daemon/fleet.py): which one, on which GPU (CUDA_VISIBLE_DEVICES)
+            "replica": os.environ.get("EMBER_REPLICA"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
         "log_window": winfo,
         "events": {"count": len(events), "seconds": s.events_seconds},

@@ -63,6 +63,17 @@ def cmd_daemon(argv: list[str]) -> int:
     except SettingsError as e:
         print(f"ember daemon: {e}", file=sys.stderr)
         return EX_CONFIG
+    if settings.fleet:
+        from .fleet import Fleet, check_router_installed
+
+        try:
+            check_router_installed()
+            return Fleet(settings, layout(), mode=args.mode).run()
+        except SettingsError as e:
+            print(f"ember daemon: {e}", file=sys.stderr)
+            return EX_CONFIG
+        except KeyboardInterrupt:
+            return EX_OK
     from .core import Daemon, DaemonError
 
     d = Daemon(settings, layout(), mode=args.mode, flags=_flags(args))
@@ -341,6 +352,13 @@ def cmd_status(argv: list[str]) -> int:
                   f"  supervisord pid {d.get('supervisor_pid')}")
             print(f"  worker   {w.get('state')}  pid {w.get('pid') or '-'}  up {_ago(w.get('uptime_seconds'))}"
                   f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
+            for r in [*st.get("replicas", []), *([st["router"]] if st.get("router") else [])]:
+                gpu = f"  gpu {r['gpu']}" if r.get("gpu") else ""
+                print(f"  {r['name']:<10} {r['state']}  port {r['port']}{gpu}  pid {r.get('pid') or '-'}"
+                      f"  restarts {r.get('restarts', 0)}  ({r['state_dir']})")
+            if st.get("router"):
+                print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
+                      "/v1/messages (Anthropic) only on a replica's own port")
             mem = w.get("memory")
             if mem:  # a CUDA worker's division of the device (worker/engine/cuda_memory.py)
                 where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"

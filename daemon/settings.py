@@ -78,6 +78,10 @@ class Settings:
     log_max_bytes: int = 50 << 20
     log_backups: int = 5
     ring_lines: int = 50000
+    # replicas (daemon/fleet.py): N workers behind sglang-router, or one per GPU ("all" | "0,1")
+    replicas: int = 1
+    gpus: str = ""
+    router_policy: str = "cache_aware"  # sglang-router's --policy
     # how `ember start` runs the daemon: auto (systemd unit if installed), none
     service: str = "auto"
     config_path: str | None = None  # the file these came from (informational)
@@ -85,6 +89,11 @@ class Settings:
     @property
     def foreign(self) -> bool:
         return self.command is not None
+
+    @property
+    def fleet(self) -> bool:
+        """Whether this daemon runs replicas behind a router (a member daemon never does: load())."""
+        return self.replicas > 1 or bool(self.gpus)
 
     @property
     def engine_label(self) -> str:
@@ -243,6 +252,8 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
     s = Settings(config_path=str(cfg_path) if cfg_path.exists() else None)
     for key, value in raw.items():
         setattr(s, key, _convert(key, known[key], value))
+    if env.get("EMBER_REPLICA"):  # a member of a fleet (daemon/fleet.py) runs one worker or the router
+        s.replicas, s.gpus = 1, ""
     validate(s)
     return s
 
@@ -275,6 +286,12 @@ def validate(s: Settings) -> None:
                  "dstate_seconds", "poison_grace", "kill_grace", "stop_timeout"):
         if getattr(s, name) < 0:
             raise SettingsError(f"{name}: must not be negative")
+    if not 1 <= s.replicas <= 64:
+        raise SettingsError(f"replicas: {s.replicas} (1 to 64)")
+    if s.fleet and s.command is not None:
+        raise SettingsError("replicas and gpus run ember workers; a foreign engine (command) runs alone")
+    if s.router_policy not in ("cache_aware", "round_robin", "random", "power_of_two"):
+        raise SettingsError(f"router_policy: {s.router_policy!r} (cache_aware, round_robin, random, power_of_two)")
     if s.service not in ("auto", "none", "systemd"):
         raise SettingsError(f"service: {s.service!r} (auto, none or systemd)")
     if s.dump_signal and s.dump_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "QUIT", "ABRT"):

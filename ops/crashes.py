@@ -78,7 +78,15 @@ def _dur(v: Any) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def rows(root: Path | None = None) -> list[dict[str, Any]]:
+def replica_crash_dirs(state: Path | None = None) -> list[tuple[str, Path]]:
+    """(name, crash dir) of every replica and the router of `[daemon] replicas` (<state>/replicas/<name>)."""
+    root = (state or state_dir()) / "replicas"
+    if not root.is_dir():
+        return []
+    return [(d.name, d / "crashes") for d in sorted(root.iterdir()) if d.is_dir()]
+
+
+def rows(root: Path | None = None, replica: str | None = None) -> list[dict[str, Any]]:
     out = []
     for b in bundles(root):
         m = load_meta(b)
@@ -89,7 +97,9 @@ def rows(root: Path | None = None) -> list[dict[str, Any]]:
                     "signature": m.get("signature"), "uptime_seconds": m.get("uptime_seconds"),
                     "restarts": m.get("restart_count"), "exit_code": m.get("exit_code"), "signal": m.get("signal"),
                     "killed_by_daemon": killed, "cuda": cuda.get("name") or cuda.get("code"),
-                    "detected_by": det.get("source"), "reason": det.get("reason")})
+                    "detected_by": det.get("source"), "reason": det.get("reason"),
+                    "replica": replica or (m.get("worker") or {}).get("replica"),
+                    "gpu": (m.get("worker") or {}).get("cuda_visible_devices")})
     counts: dict[Any, int] = {}  # by signature (None for a bundle without one)
     for r in out:
         counts[r["signature"]] = counts.get(r["signature"], 0) + 1
@@ -99,15 +109,22 @@ def rows(root: Path | None = None) -> list[dict[str, Any]]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    fleet = args.all_replicas
     rs = rows()
+    if fleet:  # the fleet's own archive, then every member's, newest last
+        for name, d in replica_crash_dirs():
+            rs += rows(d, replica=name)
+        rs.sort(key=lambda r: r["when"] or "")
     if args.json:
         print(json.dumps(rs, indent=2))
         return EX_OK
     if not rs:
-        print(f"no crashes archived (in {crash_dir()})")
+        print(f"no crashes archived (in {crash_dir()}" + (" and the replicas' archives)" if fleet else ")"))
         return EX_OK
-    hdr = ("WHEN (UTC)", "CLASS", "SIGNATURE", "REPEATS", "UPTIME", "RESTARTS", "CAUSE", "ID")
-    table = [hdr]
+    hdr: tuple[str, ...] = ("WHEN (UTC)", "CLASS", "SIGNATURE", "REPEATS", "UPTIME", "RESTARTS", "CAUSE", "ID")
+    if fleet:
+        hdr = ("REPLICA", "GPU", *hdr)
+    table: list[tuple[str, ...]] = [hdr]
     for r in rs:
         if r["cuda"]:
             cause = str(r["cuda"])
@@ -116,11 +133,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         else:
             cause = r["signal"] or (f"exit {r['exit_code']}" if r["exit_code"] is not None else "") or "-"
         when = (r["when"] or "")[:19].replace("T", " ")
-        table.append((when, r["class"] or "?", r["signature"] or "-", str(r["repeats"]), _dur(r["uptime_seconds"]),
-                      str(r["restarts"] if r["restarts"] is not None else "-"), str(cause), r["id"]))
+        restarts = str(r["restarts"] if r["restarts"] is not None else "-")
+        row: tuple[str, ...] = (when, r["class"] or "?", r["signature"] or "-", str(r["repeats"]),
+                                _dur(r["uptime_seconds"]), restarts, str(cause), r["id"])
+        table.append((r["replica"] or "-", r["gpu"] or "-", *row) if fleet else row)
     widths = [max(len(row[i]) for row in table) for i in range(len(hdr))]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for line in table:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
     return EX_OK
 
 
@@ -219,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="sub", required=True)
     ls = sub.add_parser("list", help="a table: when, class, signature, uptime, restarts")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--all-replicas", action="store_true",
+                    help="with [daemon] replicas: every replica's and the router's archive too, naming each")
     ls.set_defaults(func=cmd_list)
     sh = sub.add_parser("show", help="meta plus the log window of one crash")
     sh.add_argument("id", help="bundle name, unique prefix, signature, 'latest' or -N")

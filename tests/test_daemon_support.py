@@ -186,7 +186,9 @@ class Ember:
                 if p.pid in self.pids and p.status() != psutil.STATUS_ZOMBIE:
                     out.append(p)
                     continue
-                if p.environ().get("EMBER_STATE_DIR") == str(self.state) and p.status() != psutil.STATUS_ZOMBIE:
+                state = p.environ().get("EMBER_STATE_DIR", "")  # a fleet's members: state/replicas/<name>
+                if (state == str(self.state) or state.startswith(f"{self.state}/")) and \
+                        p.status() != psutil.STATUS_ZOMBIE:
                     out.append(p)
             except psutil.Error:
                 continue

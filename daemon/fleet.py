@@ -1,0 +1,348 @@
+"""`[daemon] replicas = N` or `gpus = "all" | "0,1"`: one ember worker per GPU behind sglang-router.
+
+    ember daemon run (the fleet) --> ember daemon run  replica-0: supervisord, worker on GPU 0, port P + 1
+                                 --> ember daemon run  replica-1: ..., GPU 1, port P + 2
+                                 --> ember daemon run  router: sglang-router on the public port P
+
+Every member is an ordinary daemon with a state directory of its own (<state>/replicas/<name>): its
+own supervisord, probes, backoff, circuit breaker, crash archive and KV subdirectory, so a replica's
+crash is handled, archived and restarted exactly as a single worker's is, and the router stops
+sending it requests through its health checks (every second, on /health) until it is ready again.
+The router is a foreign engine to its daemon (a command with a health URL and no generation probe).
+
+The fleet daemon spawns the member daemons (each in its own session, re-attached when a fleet daemon
+restarts and finds them answering), respawns one whose daemon process dies, answers the control
+socket for all of them (status, start, stop, restart) and publishes one status: ready when the router
+and every replica are. `ember stop` drains them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import queue
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ember.ops import contract
+
+from . import control
+from .control import ControlServer
+from .jsonlog import JsonLog
+from .notify import Notifier, under_systemd
+from .paths import Layout, write_json
+from .phases import Status
+from .settings import Settings, SettingsError
+from .sysfacts import ember_version
+
+ENV_MEMBER = "EMBER_REPLICA"  # set in a member daemon's environment: its name (it is never a fleet itself)
+ROUTER = "router"
+POLL = 0.5  # seconds between looks at the members
+RESPAWN_AFTER = 2.0  # a member daemon gone this long (and not stopped) is spawned again
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # replica-<i> or router
+    port: int
+    gpu: str | None  # CUDA_VISIBLE_DEVICES for a replica on a GPU
+    layout: Layout
+
+    @property
+    def is_router(self) -> bool:
+        return self.name == ROUTER
+
+
+def gpu_ids(spec: str) -> list[str]:
+    """`gpus`: "all" (every GPU nvidia-smi lists) or a comma-separated list of indices."""
+    if spec.strip() == "all":
+        smi = shutil.which("nvidia-smi")
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
+        ids = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+        if not ids:
+            raise SettingsError('gpus = "all": nvidia-smi lists no GPU')
+        return ids
+    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    if not ids or not all(g.isdigit() for g in ids) or len(set(ids)) != len(ids):
+        raise SettingsError(f'gpus: {spec!r} is not "all" or a list of distinct GPU indices like "0,1"')
+    return ids
+
+
+def plan(s: Settings, lay: Layout) -> list[Member]:
+    """The members: the replicas on ports P + 1 .. P + N, then the router on the public port P."""
+    gpus: list[str | None] = list(gpu_ids(s.gpus)) if s.gpus else [None] * s.replicas
+    if s.port + len(gpus) > 65535:
+        raise SettingsError(f"port: {s.port} leaves no room for {len(gpus)} replica ports above it")
+    base = lay.state / "replicas"
+    members = [Member(f"replica-{i}", s.port + 1 + i, g, Layout(base / f"replica-{i}")) for i, g in enumerate(gpus)]
+    return members + [Member(ROUTER, s.port, None, Layout(base / ROUTER))]
+
+
+def router_command(s: Settings, replicas: list[Member], metrics_port: int) -> list[str]:
+    urls = [f"http://{s.probe_host}:{m.port}" for m in replicas]
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", s.host, "--port", str(s.port),
+            "--policy", s.router_policy, "--worker-urls", *urls, "--health-check-endpoint", "/health",
+            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+            "--health-success-threshold", "1", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+            str(metrics_port), "--log-level", "warn"]
+
+
+def check_router_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is None:
+        raise SettingsError("replicas need sglang-router in ember's environment (pip install 'sglang-router==0.3.2')")
+
+
+def member_argv(s: Settings, m: Member, members: list[Member]) -> list[str]:
+    argv = [sys.executable, "-m", "ember.daemon.cli_main", "daemon", "run", "--mode", "background",
+            "--host", s.host, "--port", str(m.port)]
+    if m.is_router:
+        replicas = [r for r in members if not r.is_router]
+        cmd = router_command(s, replicas, s.port + len(replicas) + 1)
+        argv += ["--command", shlex.join(cmd), "--health-url", f"{s.endpoint}/health", "--completions-url", ""]
+    return argv
+
+
+def configured_kv_dir(s: Settings, env: dict[str, str]) -> str | None:
+    """The worker's KV directory as the environment or ember.toml sets it (None: the default)."""
+    if env.get("EMBER_KV_DIR"):
+        return env["EMBER_KV_DIR"]
+    if s.config_path:
+        with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
+            data = tomllib.loads(Path(s.config_path).read_text())
+            sec = data.get("worker", data)
+            if isinstance(sec, dict) and isinstance(sec.get("kv_dir"), str):
+                return os.path.expanduser(sec["kv_dir"])
+    return None
+
+
+def member_env(s: Settings, m: Member, env: dict[str, str] | None = None) -> dict[str, str]:
+    out = dict(os.environ if env is None else env)
+    out.pop("NOTIFY_SOCKET", None)  # systemd hears from the fleet daemon alone
+    out.pop("WATCHDOG_USEC", None)
+    out[contract.ENV_STATE_DIR] = str(m.layout.state)
+    out[ENV_MEMBER] = m.name
+    if not m.is_router:
+        # each replica's KV store apart: a configured directory gets a subdirectory per replica; the
+        # default (<state dir>/kv) is already the member's own
+        base = configured_kv_dir(s, out)
+        if base:
+            out["EMBER_KV_DIR"] = str(Path(base) / m.name)
+        if m.gpu is not None:
+            out["CUDA_VISIBLE_DEVICES"] = m.gpu
+    return out
+
+
+def member_status(m: Member) -> dict[str, Any] | None:
+    resp = control.request(m.layout.control_sock, "status", timeout=2.0)
+    return resp.get("status") if resp and resp.get("ok") else None
+
+
+class Fleet:
+    """The fleet daemon's process (see the module docstring)."""
+
+    def __init__(self, settings: Settings, layout: Layout, *, mode: str = "foreground"):
+        self.s = settings
+        self.lay = layout
+        self.mode = "systemd" if under_systemd() else mode
+        self.members = plan(settings, layout)
+        self.commands: queue.Queue[str] = queue.Queue()
+        self.notifier = Notifier()
+        self.started_at = time.time()
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.gone_since: dict[str, float] = {}
+        self.seen: dict[str, dict[str, Any] | None] = {}
+        self._lock = threading.Lock()
+        self._log: JsonLog | None = None
+        self._lock_fd: int | None = None
+        self._stopping = False
+        self._ready_told = False
+
+    def log(self, event: str, level: str = "info", **fields: Any) -> None:
+        if self._log is not None:
+            self._log(event, level, **fields)
+
+    # -- the members -------------------------------------------------------------------------------------
+
+    def spawn(self, m: Member) -> None:
+        m.layout.ensure()
+        out = os.open(m.layout.daemon_out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.procs[m.name] = subprocess.Popen(member_argv(self.s, m, self.members), env=member_env(self.s, m),
+                                                  stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                                  start_new_session=True, close_fds=True)
+        finally:
+            os.close(out)
+        self.log("member_spawn", member=m.name, port=m.port, gpu=m.gpu, pid=self.procs[m.name].pid)
+
+    def look(self) -> None:
+        """Every member's status; a member daemon gone (and not stopped by us) is spawned again."""
+        now = time.monotonic()
+        for m in self.members:
+            st = member_status(m)
+            with self._lock:
+                self.seen[m.name] = st
+            p = self.procs.get(m.name)
+            if p is not None and p.poll() is not None:
+                self.log("member_exit", level="warning" if not self._stopping else "info", member=m.name,
+                         code=p.returncode)
+                del self.procs[m.name]
+            if st is not None or m.name in self.procs or self._stopping:
+                self.gone_since.pop(m.name, None)
+                continue
+            since = self.gone_since.setdefault(m.name, now)
+            if now - since >= RESPAWN_AFTER:
+                self.gone_since.pop(m.name, None)
+                self.spawn(m)
+
+    def tell(self, cmd: str) -> None:
+        for m in self.members:
+            control.request(m.layout.control_sock, cmd)
+
+    def stop_all(self) -> None:
+        """Drain the replicas, then stop the router, each member daemon to its end."""
+        self._stopping = True
+        self.notifier.stopping()
+        self.log("fleet_stop")
+        deadline = time.monotonic() + self.s.effective_stop_timeout + 30
+        for group in ([m for m in self.members if not m.is_router], [m for m in self.members if m.is_router]):
+            pids = []
+            for m in group:
+                st = member_status(m)
+                if st is not None:
+                    pids.append((st.get("daemon") or {}).get("pid"))
+                    control.request(m.layout.control_sock, "stop")
+            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+                time.sleep(0.1)
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+
+    # -- status ------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            seen = dict(self.seen)
+        rows = []
+        for m in self.members:
+            st = seen.get(m.name) or {}
+            w = st.get("worker") or {}
+            rows.append({"name": m.name, "port": m.port, "gpu": m.gpu, "state": st.get("state", Status.STOPPED),
+                         "daemon_pid": (st.get("daemon") or {}).get("pid"), "pid": w.get("pid"),
+                         "model": w.get("model"), "restarts": st.get("restarts", 0), "last_crash": st.get("last_crash"),
+                         "not_ready_reason": st.get("not_ready_reason"), "state_dir": str(m.layout.state)})
+        states = [r["state"] for r in rows]
+        if self._stopping:
+            state = Status.STOPPING
+        elif all(s == Status.READY for s in states):
+            state = Status.READY
+        elif rows[-1]["state"] == Status.FAILED or all(s == Status.FAILED for s in states[:-1]):
+            state = Status.FAILED
+        elif any(s in (Status.STARTING, Status.STOPPED) for s in states):
+            state = Status.STARTING
+        else:
+            state = Status.NOT_READY
+        waiting = [f"{r['name']} {r['state']}" for r in rows if r["state"] != Status.READY]
+        crashes = [r["last_crash"] for r in rows if r["last_crash"]]
+        model = next((r["model"] for r in rows if r["model"]), None)
+        return {
+            "state": state, "endpoint": self.s.endpoint,
+            "not_ready_reason": ", ".join(waiting) if waiting else None,
+            "failed_reason": "; ".join(f"{r['name']}: {r['not_ready_reason']}" for r in rows
+                                      if r["state"] == Status.FAILED) or None,
+            "daemon": {"pid": os.getpid(), "mode": self.mode, "uptime_seconds": round(time.time() - self.started_at, 1),
+                       "supervisor_pid": None, "version": ember_version()},
+            "worker": {"state": state, "engine": "replicas", "model": model, "pid": None},
+            "replicas": rows[:-1], "router": rows[-1],
+            "restarts": sum(r["restarts"] for r in rows),
+            "last_crash": max(crashes, key=lambda c: str(c.get("detected_at"))) if crashes else None,
+        }
+
+    # -- the process -------------------------------------------------------------------------------------
+
+    def _acquire_lock(self) -> None:
+        fd = os.open(self.lay.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SettingsError("another ember daemon is running in this state directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def run(self) -> int:
+        os.umask(0o077)
+        self.lay.ensure()
+        self._acquire_lock()
+        self._log = JsonLog(self.lay.daemon_log, stderr=self.mode != "background")
+        self.log("daemon_start", pid=os.getpid(), version=ember_version(), mode=self.mode, role="fleet",
+                 members=[{"name": m.name, "port": m.port, "gpu": m.gpu} for m in self.members])
+        for m in self.members:
+            if member_status(m) is None:
+                self.spawn(m)
+            else:
+                self.log("member_attach", member=m.name)
+        server = ControlServer(self.lay.control_sock, self.status, self.commands,
+                               on_error=lambda e: self.log("control_error", level="error", error=str(e)))
+        server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda n, f: self.commands.put("stop"))
+        try:
+            while True:
+                self.notifier.ping(time.monotonic())
+                try:
+                    cmd = self.commands.get_nowait()
+                except queue.Empty:
+                    cmd = ""
+                if cmd == "stop":
+                    self.stop_all()
+                    break
+                if cmd in ("start", "restart"):
+                    self.log("fleet_command", command=cmd)
+                    self.tell(cmd)
+                self.look()
+                st = self.status()
+                write_json(self.lay.status_file, st)
+                if st["state"] == Status.READY and not self._ready_told:
+                    self._ready_told = True
+                    self.notifier.ready(f"ready: {len(self.members) - 1} replicas behind the router")
+                time.sleep(POLL)
+        finally:
+            write_json(self.lay.status_file, {**self.status(), "state": Status.STOPPED})
+            server.close()
+            self.notifier.close()
+            self.log("daemon_exit", pid=os.getpid())
+            if self._log is not None:
+                self._log.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+        return 0
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (our own child, not yet reaped) is gone
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
