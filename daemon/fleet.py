@@ -88,13 +88,21 @@ def plan(s: Settings, lay: Layout) -> list[Member]:
     return members + [Member(ROUTER, s.port, None, Layout(base / ROUTER))]
 
 
+# How the router notices a replica gone: its health check every second, one failure enough; and its
+# circuit breaker opened by one failed request (for 2 s), so the router's own retries of that request
+# go to another replica. Without the breaker, cache_aware retries the replica holding the prompt's
+# prefix until they run out, and the first request after a crash fails with 500 (seen in CI).
+ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                 "--health-success-threshold", "1", "--cb-failure-threshold", "1", "--cb-success-threshold", "1",
+                 "--cb-timeout-duration-secs", "2")
+
+
 def router_command(s: Settings, replicas: list[Member], metrics_port: int) -> list[str]:
     urls = [f"http://{s.probe_host}:{m.port}" for m in replicas]
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", s.host, "--port", str(s.port),
             "--policy", s.router_policy, "--worker-urls", *urls, "--health-check-endpoint", "/health",
-            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-            "--health-success-threshold", "1", "--prometheus-host", "127.0.0.1", "--prometheus-port",
-            str(metrics_port), "--log-level", "warn"]
+            *ROUTER_HEALTH, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", "warn"]
 
 
 def check_router_installed() -> None:
