@@ -7,7 +7,8 @@ gives a byte-identical file.
 
 Shapes (`SHAPES`, what users type after --shape):
   tiny             a small test model of the chosen arch (tiny-llama, tiny-qwen2, tiny-qwen3,
-                   tiny-gemma3, tiny-qwen3moe, tiny-gpt-oss); a few layers, hidden 128, GQA, vocab 512-1000
+                   tiny-gemma3, tiny-qwen3moe, tiny-gpt-oss, tiny-deepseek4); a few layers, hidden 128,
+                   GQA, vocab 512-1000
   tiny-lowbit      (qwen3moe) a tiny MoE model whose matrices use every 2-5-bit type ember reads
   gemma3-270m      Gemma 3 270M, tensor for tensor the embedded Q4_K_M file
   gemma3-4b        Gemma 3 4B (text), Q4_K_M mix
@@ -94,7 +95,7 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_rope_freq_base(s.rope_base)
-    if a in ("qwen3", "gemma3", "qwen3moe", "gpt-oss") or s.head_dim * s.n_head != s.n_embd:
+    if a in ("qwen3", "gemma3", "qwen3moe", "gpt-oss", "deepseek4") or s.head_dim * s.n_head != s.n_embd:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
     if a == "llama":
@@ -115,6 +116,8 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
         w.add_sliding_window(s.sliding_window)
     if s.rope_base_swa is not None:
         w.add_rope_freq_base_swa(s.rope_base_swa)
+    if s.dsv4 is not None:
+        _add_dsv4_metadata(w, s)
     # tokenizer
     w.add_tokenizer_model(v.model)
     if v.pre:
@@ -139,7 +142,33 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     if v.chat_template:
         w.add_chat_template(v.chat_template)
     w.add_quantization_version(2)
-    w.add_file_type(int(LlamaFileType.MOSTLY_Q4_K_M))
+    w.add_file_type(int(LlamaFileType.MOSTLY_Q8_0 if s.mix == "q8_0" else LlamaFileType.MOSTLY_Q4_K_M))
+
+
+def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec) -> None:
+    """deepseek4's keys beyond a transformer's, as llama.cpp's converter writes them."""
+    d, a = s.dsv4, s.arch
+    assert d is not None
+    w.add_rope_dimension_count(d.n_rot)
+    w.add_uint32(f"{a}.attention.q_lora_rank", d.q_lora_rank)
+    w.add_uint32(f"{a}.expert_shared_count", d.n_shared)
+    w.add_float32(f"{a}.expert_weights_scale", d.expert_weights_scale)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_uint32(f"{a}.expert_gating_func", 4)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+    w.add_array(f"{a}.swiglu_clamp_exp", [d.swiglu_limit] * s.n_layer)
+    w.add_array(f"{a}.swiglu_clamp_shexp", [d.swiglu_limit] * s.n_layer)
+    w.add_uint32(f"{a}.attention.indexer.head_count", d.indexer_heads)
+    w.add_uint32(f"{a}.attention.indexer.key_length", d.indexer_dim)
+    w.add_uint32(f"{a}.attention.indexer.top_k", d.indexer_top_k)
+    w.add_uint32(f"{a}.attention.output_group_count", d.o_groups)
+    w.add_uint32(f"{a}.attention.output_lora_rank", d.o_lora_rank)
+    w.add_array(f"{a}.attention.compress_ratios", list(d.compress_ratios))
+    w.add_float32(f"{a}.attention.compress_rope_freq_base", d.compress_rope_base)
+    w.add_uint32(f"{a}.hyper_connection.count", d.hc_mult)
+    w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", d.hc_sinkhorn_iters)
+    w.add_float32(f"{a}.hyper_connection.epsilon", d.hc_eps)
+    w.add_uint32(f"{a}.hash_layer_count", d.hash_layers)
+    w.add_uint32(f"{a}.embedding_length_out", s.n_embd * d.hc_mult)
 
 
 def make_model(
@@ -191,7 +220,7 @@ def make_model(
             progress(0, total)
         for t in tensors:
             written = 0
-            for chunk in tensor_chunks(t, seed):
+            for chunk in tensor_chunks(t, seed, spec.n_expert):
                 fout.write(memoryview(chunk))
                 written += chunk.nbytes
                 done += chunk.nbytes

@@ -13,11 +13,36 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "deepseek4")
 
 
 class SynthError(ValueError):
     """A bad request (unknown arch or shape, unusable output path); str() is one line."""
+
+
+@dataclass(frozen=True)
+class Dsv4Shape:
+    """DeepSeek V4's settings beyond a transformer's (llama.cpp's deepseek4 keys): low-rank q and grouped
+    low-rank output projections, one KV head that is both key and value, per-layer attention kinds by
+    compress ratio (0 sliding window only, 4 CSA with the lightning indexer, 128 HCA), hash-routed first
+    layers, a shared expert and hyper-connections."""
+
+    q_lora_rank: int
+    n_rot: int  # the RoPE part at the end of each head
+    o_groups: int
+    o_lora_rank: int
+    compress_ratios: tuple[int, ...]  # one a layer
+    compress_rope_base: float
+    indexer_heads: int
+    indexer_dim: int
+    indexer_top_k: int
+    hash_layers: int  # the first layers route by token id (ffn_gate_tid2eid)
+    n_shared: int = 1
+    expert_weights_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,7 @@ class ShapeSpec:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     mix: str = "q4_k_m"
+    dsv4: Dsv4Shape | None = None  # deepseek4's own settings
     size_label: str = ""
     description: str = ""
     real: bool = False  # the shape of a released model (multi-GB file)
@@ -116,6 +142,15 @@ SHAPES: dict[str, ShapeSpec] = {
                   sliding_window=16, rope_yarn=(32.0, 4096), n_expert=8, n_expert_used=2, n_ff_exp=128,
                   mix="mxfp4", description="tiny gpt-oss test model: MXFP4 experts with biases, sinks, "
                   "window 16 on even layers, YaRN"),
+        ShapeSpec("tiny-deepseek4", "deepseek4", n_vocab=768, n_embd=128, n_layer=4, n_head=4, n_head_kv=1,
+                  head_dim=64, n_ff=0, n_ctx=4096, rope_base=10000.0, rms_eps=1e-6, tokenizer="bpe-qwen2",
+                  tied=False, sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=64, mix="q8_0",
+                  dsv4=Dsv4Shape(q_lora_rank=64, n_rot=16, o_groups=2, o_lora_rank=32,
+                                 compress_ratios=(0, 4, 128, 4), compress_rope_base=160000.0, indexer_heads=2,
+                                 indexer_dim=32, indexer_top_k=8, hash_layers=2),
+                  description="tiny deepseek4 test model: window 16, a sliding-window, two CSA (indexer top 8) "
+                  "and an HCA layer, two hash-routed layers, 8 experts (2 per token) and a shared one, "
+                  "4 hyper-connection streams"),
         ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
                   head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
                   tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,
@@ -230,11 +265,78 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
     return glob, layer
 
 
+def _dsv4_tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]],
+                                                 list[list[tuple[str, tuple[int, ...]]]]]:
+    """(global tensors, each layer's tensors) of a deepseek4 shape, as llama.cpp's loader creates them:
+    a layer's compressor and indexer tensors follow its compress ratio, its router its hash routing."""
+    d = s.dsv4
+    assert d is not None
+    e, hd, hc = s.n_embd, s.head_dim, d.hc_mult
+    hc_dim, hc_mix = hc * e, (2 + hc) * hc
+    glob = [("token_embd.weight", (e, s.n_vocab)), ("output_norm.weight", (e,)), ("output.weight", (e, s.n_vocab)),
+            ("output_hc_fn.weight", (hc_dim, hc)), ("output_hc_base.weight", (hc,)), ("output_hc_scale.weight", (1,))]
+    layers = []
+    for il, ratio in enumerate(d.compress_ratios):
+        t = [
+            ("attn_norm.weight", (e,)), ("attn_sinks.weight", (s.n_head,)),
+            ("attn_q_a.weight", (e, d.q_lora_rank)), ("attn_q_a_norm.weight", (d.q_lora_rank,)),
+            ("attn_q_b.weight", (d.q_lora_rank, s.n_head * hd)),
+            ("attn_kv.weight", (e, hd)), ("attn_kv_a_norm.weight", (hd,)),
+            # the file's shape; llama.cpp reads it as [heads * head_dim / groups, rank, groups]
+            ("attn_output_a.weight", (s.n_head * hd // d.o_groups, d.o_lora_rank * d.o_groups)),
+            ("attn_output_b.weight", (d.o_groups * d.o_lora_rank, e)),
+            ("hc_attn_fn.weight", (hc_dim, hc_mix)), ("hc_attn_base.weight", (hc_mix,)), ("hc_attn_scale.weight", (3,)),
+            ("hc_ffn_fn.weight", (hc_dim, hc_mix)), ("hc_ffn_base.weight", (hc_mix,)), ("hc_ffn_scale.weight", (3,)),
+            ("ffn_norm.weight", (e,)), ("ffn_gate_inp.weight", (e, s.n_expert)),
+            ("ffn_gate_exps.weight", (e, s.n_ff_exp, s.n_expert)), ("ffn_up_exps.weight", (e, s.n_ff_exp, s.n_expert)),
+            ("ffn_down_exps.weight", (s.n_ff_exp, e, s.n_expert)),
+            ("ffn_gate_shexp.weight", (e, s.n_ff_exp * d.n_shared)),
+            ("ffn_up_shexp.weight", (e, s.n_ff_exp * d.n_shared)),
+            ("ffn_down_shexp.weight", (s.n_ff_exp * d.n_shared, e)),
+        ]
+        if il < d.hash_layers:
+            t.append(("ffn_gate_tid2eid.weight", (s.n_expert_used, s.n_vocab)))
+        else:
+            t.append(("exp_probs_b.bias", (s.n_expert,)))
+        if ratio:
+            coff = 2 if ratio == 4 else 1  # CSA's blocks overlap: two halves of every state row
+            t += [("attn_compressor_kv.weight", (e, coff * hd)), ("attn_compressor_gate.weight", (e, coff * hd)),
+                  ("attn_compressor_ape.weight", (coff * hd, ratio)), ("attn_compressor_norm.weight", (hd,))]
+        if ratio == 4:
+            t += [("indexer.proj.weight", (e, d.indexer_heads)),
+                  ("indexer.attn_q_b.weight", (d.q_lora_rank, d.indexer_heads * d.indexer_dim)),
+                  ("indexer_compressor_kv.weight", (e, 2 * d.indexer_dim)),
+                  ("indexer_compressor_gate.weight", (e, 2 * d.indexer_dim)),
+                  ("indexer_compressor_ape.weight", (2 * d.indexer_dim, ratio)),
+                  ("indexer_compressor_norm.weight", (d.indexer_dim,))]
+        elif ratio not in (0, 128):
+            raise SynthError(f"deepseek4 compress ratios are 0, 4 or 128, not {ratio}")
+        layers.append(t)
+    return glob, layers
+
+
+# deepseek4's float tables: the hyper-connection mixers, the compressors' position biases, the router
+_F32_TABLES = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight", "attn_compressor_ape.weight",
+               "indexer_compressor_ape.weight", "ffn_gate_inp.weight")
+
+
 def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
     """The tensor table of a shape, in file order."""
-    glob, layer = _tensor_shapes(s)
-    if s.mix not in ("q4_k_m", "mxfp4"):
+    if s.mix not in ("q4_k_m", "mxfp4", "q8_0"):
         raise SynthError(f"unknown quantization mix {s.mix!r}")
+    if s.dsv4 is not None:  # Q8_0 matrices (as the released file has outside its experts), F32 tables
+        glob, layers = _dsv4_tensor_shapes(s)
+
+        def dsv4_type(name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
+            if name == "ffn_gate_tid2eid.weight":
+                return T.I32
+            return T.F32 if len(shape) == 1 or name in _F32_TABLES else T.Q8_0
+
+        out = [PlannedTensor(n, sh, dsv4_type(n, sh)) for n, sh in sorted(glob)]
+        for il, layer_shapes in enumerate(layers):
+            out += [PlannedTensor(f"blk.{il}.{n}", sh, dsv4_type(n, sh)) for n, sh in sorted(layer_shapes)]
+        return out
+    glob, layer = _tensor_shapes(s)
 
     def type_of(name: str, shape: tuple[int, ...], il: int) -> GGMLQuantizationType:
         if s.type_table is not None:

@@ -103,10 +103,17 @@ def _scale_to_std(t: GGMLQuantizationType, b: np.ndarray, spread: np.ndarray) ->
 
 
 def random_rows(name: str, t: GGMLQuantizationType, n_rows: int, row_len: int,
-                rng: np.random.Generator) -> np.ndarray:
-    """n_rows rows of tensor `name` as bytes."""
+                rng: np.random.Generator, n_index: int = 0) -> np.ndarray:
+    """n_rows rows of tensor `name` as bytes. An I32 tensor is an index table: each row `row_len`
+    distinct indices below `n_index` (deepseek4's hash routing, token -> experts)."""
+    if t == T.I32:
+        if not row_len <= n_index:
+            raise SynthError(f"{name}: {row_len} distinct indices a row need n_index >= {row_len}, got {n_index}")
+        rows = np.argsort(rng.random((n_rows, n_index)), axis=1)[:, :row_len]
+        return rows.astype(np.int32).view(np.uint8).reshape(-1)
     if t in (T.F32, T.F16, T.BF16):
-        if name.endswith("norm.weight"):  # norms near 1 (gemma's stored 1 + w included)
+        if name.endswith(("norm.weight", "hc_attn_scale.weight", "hc_ffn_scale.weight", "output_hc_scale.weight")):
+            # norms near 1 (gemma's stored 1 + w included); so are deepseek4's hyper-connection scales
             x = 1.0 + 0.05 * rng.standard_normal(n_rows * row_len, dtype=np.float32)
         else:  # biases and float weights
             x = WEIGHT_STD * rng.standard_normal(n_rows * row_len, dtype=np.float32)
@@ -122,8 +129,9 @@ def random_rows(name: str, t: GGMLQuantizationType, n_rows: int, row_len: int,
 _CHUNK_BYTES = 8 << 20  # tensor data generated and written per step
 
 
-def tensor_chunks(pt: PlannedTensor, seed: int):
-    """The tensor's bytes in chunks of whole rows; chunk k is a pure function of (seed, name, k)."""
+def tensor_chunks(pt: PlannedTensor, seed: int, n_index: int = 0):
+    """The tensor's bytes in chunks of whole rows; chunk k is a pure function of (seed, name, k).
+    n_index: the bound of an index table's entries (random_rows)."""
     row_len = pt.shape[0]
     n_rows = int(np.prod(pt.shape[1:], dtype=np.int64)) if len(pt.shape) > 1 else 1
     block, size = GGML_QUANT_SIZES[pt.ggml_type]
@@ -132,4 +140,4 @@ def tensor_chunks(pt: PlannedTensor, seed: int):
     name_key = zlib.crc32(pt.name.encode())
     for k, start in enumerate(range(0, n_rows, step)):
         rng = np.random.default_rng(np.random.SeedSequence([seed, name_key, k]))
-        yield random_rows(pt.name, pt.ggml_type, min(step, n_rows - start), row_len, rng)
+        yield random_rows(pt.name, pt.ggml_type, min(step, n_rows - start), row_len, rng, n_index)

@@ -166,8 +166,12 @@ class _Uploader:
 
 def check_runs(g: GGUFFile, config: ModelConfig) -> None:
     """A one-line ModelFileError, before anything is allocated, for a model this backend cannot run (the
-    numpy backend runs them all): YaRN, attention sinks, output or expert biases, the clamped SwiGLU, more
-    experts than the routing kernel takes, or a matrix of a type it has no kernels for."""
+    numpy backend runs them all): a HYPER stack (DeepSeek V4), YaRN, attention sinks, output or expert
+    biases, the clamped SwiGLU, more experts than the routing kernel takes, or a matrix of a type it has no
+    kernels for."""
+    if config.hyper is not None:
+        raise ModelFileError(g.path, f"the cuda backend does not run {config.arch} (hyper-connections, compressed "
+                                     "CSA/HCA attention, hash-routed experts) yet; --backend numpy runs it")
     moe = config.recipe.moe
     if moe is not None and (moe.biases or config.recipe.act is Act.SWIGLU_OAI or moe.gating not in MOE_GATINGS
                             or config.n_experts > ops.MOE_MAX_EXPERTS or config.n_experts_used > ops.MOE_MAX_K):

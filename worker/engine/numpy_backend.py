@@ -18,6 +18,7 @@ from ..model.config import ModelConfig
 from ..model.rope import inv_frequencies
 from ..model.weights import ModelWeights
 from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots, present
+from .numpy_hyper import HyperStack
 
 
 class NumpyBackend(Backend):
@@ -33,13 +34,20 @@ class NumpyBackend(Backend):
         self._drawn: dict[int, int] = {}  # the last step's draws, by chunk
         self.config, self.weights = config, weights
         self.block_size, self.n_blocks = block_size, n_blocks
-        shape = (config.n_layers, n_blocks, block_size, config.n_kv_heads, config.head_dim)
+        # a HYPER stack (DeepSeek V4) is numpy_hyper's: its own layer and pool of per-position rows
+        self.hyper = HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size) if config.hyper else None
+        if self.hyper is not None:
+            self.kv_layout = "numpy-hyper-v1"
+        shape = (0, 0, 0, 0, 0) if self.hyper else (config.n_layers, n_blocks, block_size, config.n_kv_heads,
+                                                    config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)
         self.v_pool = np.zeros(shape, dtype=np.float32)
         self._inv_freq_global, self._inv_freq_local, self._rope_mscale = inv_frequencies(config, weights.rope_freqs)
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+        if config.hyper is not None:
+            return block_size * HyperStack.width(config) * 4
         return 2 * config.n_layers * block_size * config.kv_dim * 4
 
     # -- one step ---------------------------------------------------------------------------------
@@ -70,6 +78,8 @@ class NumpyBackend(Backend):
         return out
 
     def _logits(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+        if self.hyper is not None:
+            return self.hyper.logits(chunks)
         cfg, w, recipe = self.config, self.weights, self.config.recipe
         tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
@@ -158,9 +168,14 @@ class NumpyBackend(Backend):
     # -- KV block transfer ------------------------------------------------------------------------
 
     def read_block(self, block: int) -> np.ndarray:
+        if self.hyper is not None:  # [block_size, row width]
+            return self.hyper.pool[block].copy()
         return np.stack([self.k_pool[:, block], self.v_pool[:, block]])
 
     def write_block(self, block: int, data: np.ndarray) -> None:
+        if self.hyper is not None:
+            self.hyper.pool[block] = data
+            return
         self.k_pool[:, block] = data[0]
         self.v_pool[:, block] = data[1]
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 
 import msgspec
+import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from ember.kernels.quants import SUPPORTED_TYPES
 
 from .arch import FAMILIES, family_of
-from .arch.recipe import EmbedScale, Family, MetadataKeys, Presence, Recipe, RopeScaling, SlidingWindow
+from .arch.recipe import EmbedScale, Family, MetadataKeys, Presence, Recipe, RopeScaling, SlidingWindow, Stack
 from .gguf_file import GGUFFile, ModelFileError
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -30,6 +32,30 @@ class Yarn(msgspec.Struct, frozen=True):
     beta_slow: float = 1.0  # pairs turning fewer times are interpolated by 1/factor
     ext_factor: float = 1.0  # the ramp's weight (0 turns YaRN into plain interpolation)
     attn_factor: float = 1.0  # multiplies the cos/sin scale
+
+
+class HyperConfig(msgspec.Struct, frozen=True):
+    """A HYPER stack's settings (recipe.Stack.HYPER, DeepSeek V4), read from llama.cpp's deepseek4 keys."""
+
+    window: int  # every layer attends to the last `window` positions' rows
+    n_rot: int  # RoPE on the last n_rot dimensions of each head (and of the indexer's)
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    compress_ratios: tuple[int, ...]  # per layer: 0 window only, 4 CSA, 128 HCA
+    compress_rope_base: float  # the RoPE base of the compressed layers (and of every compressed row)
+    indexer_heads: int
+    indexer_dim: int
+    indexer_top_k: int
+    hash_layers: int  # the first layers route each token by its id
+    n_shared: int  # shared experts (one gated MLP of n_shared * expert_ffn)
+    expert_weights_scale: float
+    expert_weights_norm: bool
+    swiglu_clamp_exp: tuple[float, ...]  # per layer; 0: no clamp
+    swiglu_clamp_shexp: tuple[float, ...]
+    hc_mult: int  # residual streams
+    hc_sinkhorn_iters: int
+    hc_eps: float
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -57,6 +83,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     n_experts: int = 0  # mixture of experts (recipe.moe): experts per layer, 0 for a dense MLP
     n_experts_used: int = 0  # experts each token goes through
     expert_ffn: int = 0  # each expert's feed-forward length
+    hyper: HyperConfig | None = None  # recipe.stack HYPER: its settings
 
     @property
     def recipe(self) -> Recipe:
@@ -85,7 +112,8 @@ def read_config(g: GGUFFile) -> ModelConfig:
     family = family_of(g)
     keys, recipe = family.keys, family.recipe
     for info in g.tensors.values():
-        if info.ggml_type not in SUPPORTED_TYPES:
+        if info.ggml_type not in SUPPORTED_TYPES and not (info.ggml_type is GGMLQuantizationType.I32
+                                                          and recipe.stack is Stack.HYPER):  # its routing table
             names = ", ".join(t.name for t in SUPPORTED_TYPES)
             raise ModelFileError(
                 g.path, f"tensor {info.name} has unsupported quant type {info.ggml_type.name} (supported: {names})"
@@ -142,7 +170,58 @@ def read_config(g: GGUFFile) -> ModelConfig:
         tied_output=_tied_output(g, family),
         family=family,
         **_experts(g, family, hidden, n_layers),
+        hyper=_hyper(g, family.name, n_layers, head_dim) if recipe.stack is Stack.HYPER else None,
     )
+
+
+def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
+    """A HYPER stack's settings, checked where a wrong one would be an index error mid-request."""
+    def per_layer(key: str, default: tuple[float, ...] | None = None) -> tuple[float, ...]:
+        value = g.get(key) if default is None else g.get(key, default)
+        if value is None:
+            raise ModelFileError(g.path, f"metadata is missing {key}")
+        flat = np.atleast_1d(np.asarray(value, dtype=np.float64))  # a value for all layers, or one a layer
+        values = tuple(float(v) for v in (flat if flat.size > 1 else np.repeat(flat, n_layers)))
+        if len(values) < n_layers:
+            raise ModelFileError(g.path, f"{key} has {len(values)} entries for {n_layers} layers")
+        return values[:n_layers]
+
+    ratios = tuple(int(r) for r in np.atleast_1d(np.asarray(_req(g, f"{a}.attention.compress_ratios"))))
+    if len(ratios) < n_layers:
+        raise ModelFileError(g.path, f"{a}.attention.compress_ratios has {len(ratios)} entries for {n_layers} layers")
+    if any(r not in (0, 4, 128) for r in ratios[:n_layers]):
+        raise ModelFileError(g.path, f"unsupported compress ratios {sorted(set(ratios))} (supported: 0, 4, 128)")
+    gating = int(_req(g, f"{a}.expert_gating_func"))
+    if gating != 4:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, all DeepSeek V4 uses
+        raise ModelFileError(g.path, f"unsupported expert gating function {gating} (supported: 4, sqrt-softplus)")
+    clamp = per_layer(f"{a}.swiglu_clamp_exp")
+    cfg = HyperConfig(
+        window=int(_req(g, f"{a}.attention.sliding_window")),
+        n_rot=int(_req(g, f"{a}.rope.dimension_count")),
+        q_lora_rank=int(_req(g, f"{a}.attention.q_lora_rank")),
+        o_groups=int(_req(g, f"{a}.attention.output_group_count")),
+        o_lora_rank=int(_req(g, f"{a}.attention.output_lora_rank")),
+        compress_ratios=ratios[:n_layers],
+        compress_rope_base=float(_req(g, f"{a}.attention.compress_rope_freq_base")),
+        indexer_heads=int(_req(g, f"{a}.attention.indexer.head_count")),
+        indexer_dim=int(_req(g, f"{a}.attention.indexer.key_length")),
+        indexer_top_k=int(_req(g, f"{a}.attention.indexer.top_k")),
+        hash_layers=int(_req(g, f"{a}.hash_layer_count")),
+        n_shared=int(_req(g, f"{a}.expert_shared_count")),
+        expert_weights_scale=float(_req(g, f"{a}.expert_weights_scale")),
+        expert_weights_norm=bool(_req(g, f"{a}.expert_weights_norm")),
+        swiglu_clamp_exp=clamp,
+        swiglu_clamp_shexp=per_layer(f"{a}.swiglu_clamp_shexp", clamp),
+        hc_mult=int(_req(g, f"{a}.hyper_connection.count")),
+        hc_sinkhorn_iters=int(_req(g, f"{a}.hyper_connection.sinkhorn_iterations")),
+        hc_eps=float(_req(g, f"{a}.hyper_connection.epsilon")),
+    )
+    if cfg.window <= 0:
+        raise ModelFileError(g.path, f"corrupt: sliding window {cfg.window}")
+    if not (0 < cfg.n_rot <= min(head_dim, cfg.indexer_dim) and cfg.n_rot % 2 == 0):
+        raise ModelFileError(g.path, f"corrupt: RoPE over {cfg.n_rot} dimensions of heads of {head_dim} "
+                                     f"(indexer {cfg.indexer_dim})")
+    return cfg
 
 
 def _experts(g: GGUFFile, family: Family, hidden: int, n_layers: int) -> dict[str, int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+from gguf.constants import GGMLQuantizationType
 
 from ember.kernels.quants import UnsupportedQuantError, dequantize
 
@@ -73,6 +74,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     rope_freqs: np.ndarray | None = None  # llama 3.1 style per-dimension frequency factors
     nbytes: int = field(default=0)
+    # a HYPER stack (recipe.Stack): every tensor of the file by its name (layers stays empty); index
+    # tables (I32) as int32, the rest float32
+    by_name: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _expected_shape(g: GGUFFile, name: str) -> tuple[int, ...]:
@@ -87,6 +91,8 @@ def load_weights(
     for stale in cache.parent.glob("weights-f32-v*"):  # caches of older layouts are dead weight
         if stale != cache:
             shutil.rmtree(stale, ignore_errors=True)
+    if config.hyper is not None:
+        return _load_by_name(g, cache, progress)
     names_of = config.family.tensors
     names = [names_of.token_embd, names_of.output_norm]
     if not config.tied_output:
@@ -117,6 +123,28 @@ def load_weights(
         rope_freqs=arrays.get(names_of.rope_freqs) if names_of.rope_freqs else None,
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
+
+
+def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None] | None) -> ModelWeights:
+    """Every tensor of the file by name (a HYPER stack reads its own): floats through the cache as
+    always, index tables as they are."""
+    plan = [_CacheFile(cache / f"{n}.npy", [n], n) for n in g.tensors]
+    _check_room(g, [f for f in plan if g.tensors[f.role].ggml_type != GGMLQuantizationType.I32])
+    total, done = sum(t.nbytes for t in g.tensors.values()), 0
+    arrays: dict[str, np.ndarray] = {}
+    for f in plan:
+        info = g.tensors[f.role]
+        if info.ggml_type == GGMLQuantizationType.I32:
+            arrays[f.role] = g.raw(f.role).view("<i4").reshape(_expected_shape(g, f.role)).copy()
+        else:
+            arrays[f.role] = _load(g, f.names, f.path)
+        done += info.nbytes
+        if progress:
+            progress(done, total)
+    embd = arrays["token_embd.weight"]
+    return ModelWeights(token_embd=embd, output=arrays.get("output.weight", embd),
+                        output_norm=arrays["output_norm.weight"], layers=[],
+                        nbytes=sum(a.nbytes for a in arrays.values()), by_name=arrays)
 
 
 @dataclass(frozen=True)

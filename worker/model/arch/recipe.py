@@ -72,6 +72,17 @@ class Gating(enum.Enum):
 
     SOFTMAX = "softmax"  # softmax over all experts, then the top k (qwen3moe; renormalised if norm_topk)
     SOFTMAX_TOPK = "softmax-topk"  # the top k logits, then a softmax over those k (gpt-oss)
+    SQRT_SOFTPLUS = "sqrt-softplus"  # sqrt(softplus(logit)) per expert, the top k of it plus a bias (deepseek4)
+
+
+class Stack(enum.Enum):
+    """What a layer is built around."""
+
+    RESIDUAL = "residual"  # one residual stream, attention over a KV cache of every kept position
+    # DeepSeek V4: several residual streams mixed by learned hyper-connections; one KV head that is key and
+    # value; per layer a sliding window alone, or with compressed rows (CSA, picked by a lightning indexer;
+    # HCA, all of them); a shared expert beside the routed ones, hash-routed first layers
+    HYPER = "hyper-connections"
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class Recipe:
     half_type: HalfType = HalfType.F16
     sliding_window: SlidingWindow | None = None
     moe: Moe | None = None  # None: a dense gated MLP
+    stack: Stack = Stack.RESIDUAL  # HYPER: the layer is numpy_hyper.py's, its own tensors beside the roles below
     # Neither backend runs these yet; they are named so that a family needing one fails here, loudly
     mlp_bias: bool = False
     logit_softcap: float = 0.0  # 0: none
@@ -119,7 +131,10 @@ class Recipe:
         return self.norms is Norms.PRE_AND_POST
 
     def layer_roles(self) -> dict[str, Presence]:
-        """Every tensor role a layer of this recipe has (ROLES), and whether a file must carry it."""
+        """Every tensor role a layer of this recipe has (ROLES), and whether a file must carry it. A HYPER
+        layer shares only its norms, sinks and experts with ROLES; its other tensors are its own."""
+        if self.stack is Stack.HYPER:
+            return dict.fromkeys(("attn_norm", "sinks", "ffn_norm", *MOE_ROLES), Presence.REQUIRED)
         mlp = MOE_ROLES if self.moe else ("w_gate", "w_up", "w_down")
         roles = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", *mlp), Presence.REQUIRED)
         if self.attn_bias is not Presence.NONE:

@@ -1,0 +1,280 @@
+"""DeepSeek V4's layer stack (recipe.Stack.HYPER) on the numpy backend: the readable reference.
+
+Computed as llama.cpp's deepseek4 graph computes it (its oracle): hyper-connections around every
+attention and MLP (several residual streams, mixed by a Sinkhorn-normalised matrix per token), low-rank
+queries, one KV head that is key and value at once with RoPE on its last dimensions (undone on the
+output), a sliding window in every layer plus, by the layer's compress ratio, compressed rows: CSA
+(ratio 4, blocks overlapping their predecessor, of which a lightning indexer picks the top k for each
+query) or HCA (ratio 128, all of them). The MLP is routed experts (hash-routed by token id in the first
+layers) plus a shared expert, with clamped SwiGLUs.
+
+The KV pool holds per position what the compressed rows are made of, not the rows themselves: each
+layer's key row, and the compressors' value and score rows (the indexer's too). A compressed row is a
+pure function of the positions of its block (and, for CSA, the block before), so it is recomputed
+from the pool when attention needs it. Every pool row belongs to one position, as a dense model's K
+and V do: prefix caching, block files and restores work unchanged (kv_layout names the layout).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ember.kernels import reference as ops
+
+from ..model.config import HyperConfig, ModelConfig
+from ..model.weights import ModelWeights
+from .backend import SeqChunk, kv_slots
+
+CSA, HCA = 4, 128  # the compress ratios llama.cpp knows (0: window only)
+
+# -- the pieces -----------------------------------------------------------------------------------
+
+
+def _norm(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
+    return ops.rms_norm(x, np.ones(x.shape[-1], np.float32) if weight is None else weight, eps)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def rope_tail(x: np.ndarray, pos: np.ndarray, base: float, n_rot: int, *, inverse: bool = False) -> np.ndarray:
+    """RoPE on the last n_rot dimensions, adjacent pairs rotated (llama.cpp's NORMAL type with an
+    offset); x [n, ..., dim], pos [n]. inverse: rotate back (the attention output's de-rotation)."""
+    half = np.arange(n_rot // 2, dtype=np.float64)
+    theta = pos.astype(np.float64)[:, None] * base ** (-2.0 * half / n_rot)[None, :]  # [n, n_rot/2]
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    if inverse:
+        sin = -sin
+    shape = (len(pos),) + (1,) * (x.ndim - 2) + (n_rot // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    out = x.copy()
+    tail = x[..., x.shape[-1] - n_rot :]
+    x0, x1 = tail[..., 0::2], tail[..., 1::2]
+    out[..., x.shape[-1] - n_rot :: 2] = x0 * cos - x1 * sin
+    out[..., x.shape[-1] - n_rot + 1 :: 2] = x0 * sin + x1 * cos
+    return out
+
+
+def hc_mix(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, h: HyperConfig,
+           eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A hyper-connection's input mix: (the layer's input [n, hidden], post [n, hc], comb [n, src, dst]).
+    x [n, hc, hidden]; fn [(2 + hc) * hc, hc * hidden] turns the normalised streams into the mix logits."""
+    n, hc = x.shape[0], h.hc_mult
+    mixes = _norm(x.reshape(n, -1), eps) @ fn.T
+    pre = _sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + np.float32(h.hc_eps)
+    post = 2.0 * _sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(n, hc, hc)  # [n, src, dst]
+    # Sinkhorn: a softmax over each source's destinations, then columns and rows normalised in turn
+    comb = ops.softmax(comb, axis=2) + np.float32(h.hc_eps)
+    comb = comb / (comb.sum(axis=1, keepdims=True) + np.float32(h.hc_eps))
+    for _ in range(1, h.hc_sinkhorn_iters):
+        comb = comb / (comb.sum(axis=2, keepdims=True) + np.float32(h.hc_eps))
+        comb = comb / (comb.sum(axis=1, keepdims=True) + np.float32(h.hc_eps))
+    return np.einsum("nse,ns->ne", x, pre), post, comb
+
+
+def hc_merge(y: np.ndarray, residual: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """The streams after a sublayer: stream d = post[d] * y + sum over s of comb[s, d] * residual[s]."""
+    return post[:, :, None] * y[:, None, :] + np.einsum("nse,nsd->nde", residual, comb)
+
+
+def compress(kv: np.ndarray, score: np.ndarray, ratio: int, n_blocks: int, overlap: bool) -> np.ndarray:
+    """n_blocks compressed rows from per-position compressor rows kv, score [positions, width]: each
+    block's positions softmax-weighted per dimension by their scores. overlap (CSA): rows are two halves,
+    and a block also weighs the first halves of the block before it (none before the first)."""
+    if n_blocks == 0:
+        return np.zeros((0, kv.shape[1] // (2 if overlap else 1)), np.float32)
+    kv = kv[: n_blocks * ratio].reshape(n_blocks, ratio, -1)
+    score = score[: n_blocks * ratio].reshape(n_blocks, ratio, -1)
+    if overlap:
+        d = kv.shape[2] // 2
+        prev_kv = np.concatenate([np.zeros_like(kv[:1, :, :d]), kv[:-1, :, :d]])
+        prev_score = np.concatenate([np.full_like(score[:1, :, :d], -np.inf), score[:-1, :, :d]])
+        kv = np.concatenate([prev_kv, kv[:, :, d:]], axis=1)
+        score = np.concatenate([prev_score, score[:, :, d:]], axis=1)
+    return (kv * ops.softmax(score, axis=1)).sum(axis=1)
+
+
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    if limit > 1e-6:
+        gate, up = np.minimum(gate, np.float32(limit)), np.clip(up, -limit, limit)
+    return ops.silu(gate) * up
+
+
+# -- the stack ------------------------------------------------------------------------------------
+
+
+class HyperStack:
+    """The weights, the per-position pool and the forward pass of a HYPER model."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int):
+        assert config.hyper is not None
+        self.config, self.h, self.w = config, config.hyper, weights.by_name
+        self.block_size, self.n_blocks = block_size, n_blocks
+        self.columns = self.layout(config)
+        self.pool = np.zeros((n_blocks, block_size, self.width(config)), np.float32)
+
+    @staticmethod
+    def layout(config: ModelConfig) -> list[dict[str, slice]]:
+        """Per layer, the pool columns of each per-position row: kv (the key/value row), and by the
+        layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows."""
+        h = config.hyper
+        assert h is not None
+        d, di, at, out = config.head_dim, h.indexer_dim, 0, []
+        for ratio in h.compress_ratios:
+            widths = {"kv": d}
+            if ratio == CSA:
+                widths |= {"c_kv": 2 * d, "c_score": 2 * d, "i_kv": 2 * di, "i_score": 2 * di}
+            elif ratio == HCA:
+                widths |= {"c_kv": d, "c_score": d}
+            cols = {}
+            for name, n in widths.items():
+                cols[name], at = slice(at, at + n), at + n
+            out.append(cols)
+        return out
+
+    @classmethod
+    def width(cls, config: ModelConfig) -> int:
+        return max(c.stop for layer in cls.layout(config) for c in layer.values())
+
+    def _t(self, layer: int, name: str) -> np.ndarray:
+        return self.w[f"blk.{layer}.{name}"]
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
+        cfg, h, w = self.config, self.h, self.w
+        eps = cfg.norm_eps
+        tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        spans, at = [], 0
+        for c in chunks:
+            spans.append((at, at + len(c.tokens)))
+            at += len(c.tokens)
+        slots = kv_slots(chunks, self.block_size, self.n_blocks)
+        rows = self.pool.reshape(-1, self.pool.shape[-1])
+
+        x = np.repeat(np.asarray(w["token_embd.weight"][tokens], np.float32)[:, None, :], h.hc_mult, axis=1)
+        for li in range(cfg.n_layers):
+            a, post, comb = hc_mix(x, self._t(li, "hc_attn_fn.weight"), self._t(li, "hc_attn_scale.weight"),
+                                   self._t(li, "hc_attn_base.weight"), h, eps)
+            a = self._attention(li, _norm(a, eps, self._t(li, "attn_norm.weight")), positions, chunks, spans,
+                                slots, rows)
+            x = hc_merge(a, x, post, comb)
+            m, post, comb = hc_mix(x, self._t(li, "hc_ffn_fn.weight"), self._t(li, "hc_ffn_scale.weight"),
+                                   self._t(li, "hc_ffn_base.weight"), h, eps)
+            x = hc_merge(self._mlp(li, _norm(m, eps, self._t(li, "ffn_norm.weight")), tokens), x, post, comb)
+
+        out: list[np.ndarray | None] = []
+        for c, (a0, b0) in zip(chunks, spans, strict=True):
+            if c.logits == "none":
+                out.append(None)
+                continue
+            streams = x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]
+            mixes = _norm(streams.reshape(len(streams), -1), eps) @ w["output_hc_fn.weight"].T
+            pre = _sigmoid(mixes * w["output_hc_scale.weight"][0] + w["output_hc_base.weight"]) + np.float32(h.hc_eps)
+            y = np.einsum("nse,ns->ne", streams, pre)
+            out.append(ops.linear(_norm(y, eps, w["output_norm.weight"]), w["output.weight"]))
+        return out
+
+    def _attention(self, li: int, x: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
+                   spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        cfg, h, t = self.config, self.h, self._t
+        eps, d, n_head, n = cfg.norm_eps, cfg.head_dim, cfg.n_heads, len(x)
+        ratio, cols = h.compress_ratios[li], self.columns[li]
+        base = h.compress_rope_base if ratio else cfg.rope_base
+
+        qr = _norm(x @ t(li, "attn_q_a.weight").T, eps, t(li, "attn_q_a_norm.weight"))
+        q = _norm((qr @ t(li, "attn_q_b.weight").T).reshape(n, n_head, d), eps)
+        q = rope_tail(q, positions, base, h.n_rot)
+        kv = rope_tail(_norm(x @ t(li, "attn_kv.weight").T, eps, t(li, "attn_kv_a_norm.weight")), positions, base,
+                       h.n_rot)
+        rows[slots, cols["kv"]] = kv
+        if ratio:
+            rows[slots, cols["c_kv"]] = x @ t(li, "attn_compressor_kv.weight").T
+            rows[slots, cols["c_score"]] = (x @ t(li, "attn_compressor_gate.weight").T
+                                            + t(li, "attn_compressor_ape.weight")[positions % ratio])
+        if ratio == CSA:
+            rows[slots, cols["i_kv"]] = x @ t(li, "indexer_compressor_kv.weight").T
+            rows[slots, cols["i_score"]] = (x @ t(li, "indexer_compressor_gate.weight").T
+                                            + t(li, "indexer_compressor_ape.weight")[positions % ratio])
+            iq = (qr @ t(li, "indexer.attn_q_b.weight").T).reshape(n, h.indexer_heads, h.indexer_dim)
+            iq = rope_tail(iq, positions, h.compress_rope_base, h.n_rot)
+            iw = (x @ t(li, "indexer.proj.weight").T) / np.float32(np.sqrt(h.indexer_dim * h.indexer_heads))
+
+        sinks = t(li, "attn_sinks.weight")
+        out = np.empty((n, n_head, d), np.float32)
+        for c, (a, b) in zip(chunks, spans, strict=True):
+            end = c.start + len(c.tokens)
+            table = np.asarray(c.block_table, np.int64)
+            seq = np.arange(end)
+            past = rows[table[seq // self.block_size] * self.block_size + seq % self.block_size]
+            pos = positions[a:b]
+            # the window: keys at positions p - window < p' <= p
+            first = max(0, c.start - h.window + 1)
+            keys = past[first:, cols["kv"]]
+            kpos = np.arange(first, end)
+            allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - h.window)
+            if ratio:
+                n_comp = end // ratio
+                comp = compress(past[:, cols["c_kv"]], past[:, cols["c_score"]], ratio, n_comp, ratio == CSA)
+                comp = rope_tail(_norm(comp, eps, t(li, "attn_compressor_norm.weight")),
+                                 np.arange(n_comp) * ratio, h.compress_rope_base, h.n_rot)
+                visible = np.arange(n_comp)[None, :] < ((pos + 1) // ratio)[:, None]  # whole blocks up to p
+                if ratio == CSA:
+                    visible &= self._indexer_pick(li, past, cols, iq[a:b], iw[a:b], visible)
+                keys = np.concatenate([keys, comp])
+                allowed = np.concatenate([allowed, visible], axis=1)
+            logits = np.einsum("nhd,kd->nhk", q[a:b], keys) * np.float32(1.0 / np.sqrt(d))
+            logits = np.where(allowed[:, None, :], logits, -np.inf)
+            # a learned sink logit per head joins each softmax's denominator
+            top = np.maximum(logits.max(axis=2), sinks[None, :])
+            p = np.exp(logits - top[:, :, None])
+            p /= (p.sum(axis=2) + np.exp(sinks[None, :] - top))[:, :, None]
+            out[a:b] = np.einsum("nhk,kd->nhd", p, keys)  # the key rows are the values too
+        out = rope_tail(out, positions, base, h.n_rot, inverse=True)
+        # grouped low-rank output: each group of heads through its own [rank, group width] matrix
+        groups = out.reshape(n, h.o_groups, -1)
+        wo_a = t(li, "attn_output_a.weight").reshape(h.o_groups, h.o_lora_rank, -1)
+        oa = np.einsum("ngi,gri->ngr", groups, wo_a).reshape(n, -1)
+        return oa @ t(li, "attn_output_b.weight").T
+
+    def _indexer_pick(self, li: int, past: np.ndarray, cols: dict[str, slice], iq: np.ndarray, iw: np.ndarray,
+                      visible: np.ndarray) -> np.ndarray:
+        """The lightning indexer: each query's top k visible compressed rows, by sum over the indexer's
+        heads of weight * relu(q . k) against its own compressed keys."""
+        h, n_comp = self.h, visible.shape[1]
+        ik = compress(past[:, cols["i_kv"]], past[:, cols["i_score"]], CSA, n_comp, True)
+        ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm.weight")),
+                       np.arange(n_comp) * CSA, h.compress_rope_base, h.n_rot)
+        score = np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
+        score = np.where(visible, score, -np.inf)
+        k = min(h.indexer_top_k, n_comp)
+        picked = np.zeros_like(visible)
+        if k:
+            top = np.argpartition(-score, k - 1, axis=1)[:, :k]
+            np.put_along_axis(picked, top, True, axis=1)
+        return picked
+
+    def _mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        cfg, h, t = self.config, self.h, self._t
+        probs = np.sqrt(np.logaddexp(0, x @ t(li, "ffn_gate_inp.weight").T))  # sqrt(softplus(logit))
+        if li < h.hash_layers:  # routed by the token id
+            chosen = t(li, "ffn_gate_tid2eid.weight")[tokens].astype(np.int64)
+        else:  # the top k of the scores plus a selection bias (the weights stay unbiased)
+            chosen = np.argsort(-(probs + t(li, "exp_probs_b.bias")), axis=1, kind="stable")[:, : cfg.n_experts_used]
+        weights = np.take_along_axis(probs, chosen, axis=1)
+        if h.expert_weights_norm:
+            weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
+        weights = weights * np.float32(h.expert_weights_scale)
+        gate, up, down = t(li, "ffn_gate_exps.weight"), t(li, "ffn_up_exps.weight"), t(li, "ffn_down_exps.weight")
+        out = np.zeros_like(x)
+        for e in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == e)
+            xe = x[rows]
+            y = clamped_swiglu(xe @ gate[e].T, xe @ up[e].T, h.swiglu_clamp_exp[li]) @ down[e].T
+            np.add.at(out, rows, y * weights[rows, slot][:, None])
+        shared = clamped_swiglu(x @ t(li, "ffn_gate_shexp.weight").T, x @ t(li, "ffn_up_shexp.weight").T,
+                                h.swiglu_clamp_shexp[li])
+        return out + shared @ t(li, "ffn_down_shexp.weight").T
