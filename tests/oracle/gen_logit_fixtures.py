@@ -34,11 +34,17 @@ Variants for Gemma 3 270M (the embedded model):
                   gguf.GGUFWriter into a temporary folder, never into the repo), evaluated along the
                   SAME token paths as gemma3-q4_k_m. llama.cpp does no activation quantization on
                   F32 weights, so this is the strict check of our math.
-Tiny synthetic llama / qwen2 / qwen3 / qwen3moe models, and qwen3moe in every low-bit type: written
+Tiny synthetic llama / qwen2 / qwen3 / qwen3moe / gpt-oss / deepseek4 models, and qwen3moe in every
+low-bit type: written
 by ember's deterministic generator (`ember bench make-model --arch A --shape tiny|tiny-lowbit --seed 0`,
 run through EMBER_PYTHON in a subprocess; SYNTH_MODELS);
 the fixture stores the model's sha256 so the test notices when the generator changes. Their
 prompts are seeded random token ids (the synthetic vocabularies are not natural language).
+deepseek4 has its own prompt lengths (past its window, its CSA indexer's top k and its HCA blocks;
+SYNTH_PROMPT_LENGTHS_BY_KEY) and keeps a top-32 + 96 random ids subset, not full logits, so its
+fixtures stay small (SYNTH_SUBSET_BY_KEY); its F32 copy runs with a float32 KV cache (SYNTH_KV_F32: the
+indexer's top-k choice is otherwise at the mercy of float16 keys). Integer tensors (its hash-routing
+table) stay as they are in the F32 copy.
 """
 
 from __future__ import annotations
@@ -68,10 +74,19 @@ N_THREADS = 2
 # fixture key -> (arch, shape) of `ember bench make-model`
 SYNTH_MODELS = {"llama": ("llama", "tiny"), "qwen2": ("qwen2", "tiny"), "qwen3": ("qwen3", "tiny"),
                 "qwen3moe": ("qwen3moe", "tiny"), "qwen3moe-lowbit": ("qwen3moe", "tiny-lowbit"),
-                "gpt-oss": ("gpt-oss", "tiny")}
+                "gpt-oss": ("gpt-oss", "tiny"), "deepseek4": ("deepseek4", "tiny")}
 SYNTH_SEED = 0
 SYNTH_PROMPT_SEED = 1234
 SYNTH_PROMPT_LENGTHS = (1, 3, 7, 12, 20, 31, 45, 64, 100, 1010)  # + BOS; the last one is over 1,000
+# deepseek4 (window 16, CSA blocks of 4 with an indexer's top 8, HCA blocks of 128): prompts inside the
+# window, past it, past the indexer's top k of CSA rows, and past one, three and seven HCA blocks
+SYNTH_PROMPT_LENGTHS_BY_KEY = {"deepseek4": (1, 3, 7, 12, 20, 45, 64, 150, 400, 1010)}
+# fixtures kept small (well under 1 MB): a top-32 and 96 random ids subset of the vocabulary, not full logits
+SYNTH_SUBSET_BY_KEY = {"deepseek4": (32, 96)}
+# the F32 copy's run keeps its KV cache in float32 too: deepseek4's lightning indexer picks the top k of
+# its compressed rows, and float16 keys move near-ties (a few in a hundred positions) to the other side,
+# which later positions inherit through the compressed rows built from them
+SYNTH_KV_F32 = ("deepseek4",)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE.parent / "fixtures" / "logits"
@@ -277,10 +292,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def open_llama(path: Path, n_tokens: int) -> llama_cpp.Llama:
+def open_llama(path: Path, n_tokens: int, kv_f32: bool = False) -> llama_cpp.Llama:
+    """kv_f32: keep K and V in float32 instead of llama.cpp's default float16 (SYNTH_KV_F32)."""
     n_ctx = max(256, -(-(n_tokens + 8) // 256) * 256)
+    kv = {"type_k": 0, "type_v": 0} if kv_f32 else {}  # GGML_TYPE_F32
     return llama_cpp.Llama(
         str(path),
+        **kv,
         n_ctx=n_ctx,
         n_batch=n_ctx,  # the whole path in one batch
         n_ubatch=n_ctx,
@@ -341,15 +359,16 @@ def top_sorted(x: np.ndarray, k: int) -> np.ndarray:
 class FixtureBuilder:
     """Collects per-position records for one (model, variant) fixture."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, subset: tuple[int, int] | None = None):
+        """subset: (top ids, random ids) kept per position whatever the vocabulary's size."""
         self.vocab = vocab
-        self.full = vocab <= FULL_LOGITS_MAX_VOCAB
+        self.full = subset is None and vocab <= FULL_LOGITS_MAX_VOCAB
         if self.full:
             self.top_k, self.rand_ids = 0, np.arange(vocab, dtype=np.int32)
         else:
             rng = np.random.default_rng(SUBSET_SEED)
-            self.top_k = TOP_K
-            self.rand_ids = np.sort(rng.choice(vocab, size=N_RANDOM, replace=False)).astype(np.int32)
+            self.top_k, n_random = subset or (TOP_K, N_RANDOM)
+            self.rand_ids = np.sort(rng.choice(vocab, size=n_random, replace=False)).astype(np.int32)
         self.rows: dict[str, list[np.ndarray]] = {
             k: [] for k in ("tokens", "top_ids", "sub_logits", "top8_ids", "top8_logits", "gap", "self_corr",
                             "self_corr_full")
@@ -473,15 +492,22 @@ def write_f32_copy(src: Path, dst: Path) -> None:
             value = int(gguf.LlamaFileType.ALL_F32)
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
     shapes = {}
+    index_tables = (gguf.GGMLQuantizationType.I32,)  # deepseek4's hash routing: ids, kept as they are
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order
         shapes[t.name] = shape
+        if t.tensor_type in index_tables:
+            writer.add_tensor_info(t.name, shape, np.dtype(np.int32), int(np.prod(shape)) * 4, t.tensor_type)
+            continue
         writer.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4,
                                gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in reader.tensors:
+        if t.tensor_type in index_tables:
+            writer.write_tensor_data(np.asarray(t.data, dtype=np.int32).reshape(shapes[t.name]))
+            continue
         arr = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shapes[t.name])
         writer.write_tensor_data(arr)
         del arr
@@ -565,7 +591,7 @@ def make_synth(arch: str, shape: str, out: Path, ember_python: str) -> None:
         sys.exit(f"make-model failed ({res.returncode}): {' '.join(cmd)}\n{res.stderr}")
 
 
-def synth_prompts(m: llama_cpp.Llama) -> list[list[int]]:
+def synth_prompts(m: llama_cpp.Llama, lengths: tuple[int, ...] = SYNTH_PROMPT_LENGTHS) -> list[list[int]]:
     """Seeded random token ids (BOS first), skipping control/special tokens."""
     vocab = m._model.vocab
     n = m.n_vocab()
@@ -574,7 +600,7 @@ def synth_prompts(m: llama_cpp.Llama) -> list[list[int]]:
     rng = np.random.default_rng(SYNTH_PROMPT_SEED)
     bos = m.token_bos()
     out = []
-    for length in SYNTH_PROMPT_LENGTHS:
+    for length in lengths:
         ids = rng.choice(normal, size=length).tolist()
         out.append(([bos] if bos >= 0 else []) + [int(i) for i in ids])
     return out
@@ -587,14 +613,15 @@ def synth_fixture(key: str, out: Path, tmp: Path, ember_python: str) -> list[dic
     sha = sha256_file(path)
     log(f"synthetic {key}: {path.stat().st_size / 1e6:.1f} MB, sha256 {sha[:16]}")
     probe = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    prompts = synth_prompts(probe)
+    prompts = synth_prompts(probe, SYNTH_PROMPT_LENGTHS_BY_KEY.get(key, SYNTH_PROMPT_LENGTHS))
     del probe
+    subset = SYNTH_SUBSET_BY_KEY.get(key)
     fb = None
     paths = []
     for prompt in prompts:
         m = open_llama(path, len(prompt) + GEN_TOKENS)
         if fb is None:
-            fb = FixtureBuilder(m.n_vocab())
+            fb = FixtureBuilder(m.n_vocab(), subset)
         gen = greedy_path(m, prompt, GEN_TOKENS)
         tokens = prompt + gen
         logits = batched_logits(m, tokens)
@@ -607,9 +634,9 @@ def synth_fixture(key: str, out: Path, tmp: Path, ember_python: str) -> list[dic
         del m
     f32 = tmp / f"synth-{key}-tiny-f32.gguf"
     write_f32_copy(path, f32)
-    exact = FixtureBuilder(fb.vocab)  # llama.cpp's exact math: the F32 copy along the same paths
+    exact = FixtureBuilder(fb.vocab, subset)  # llama.cpp's exact math: the F32 copy along the same paths
     for k, tokens in enumerate(paths):
-        m = open_llama(f32, len(tokens))
+        m = open_llama(f32, len(tokens), kv_f32=key in SYNTH_KV_F32)
         ref = batched_logits(m, tokens)
         x = fb.attach_reference(k, ref)
         exact.add({f: fb.prompts[k][f] for f in ("name", "chat", "description", "n_prompt", "n_gen")}, tokens, ref,
@@ -628,7 +655,8 @@ def synth_fixture(key: str, out: Path, tmp: Path, ember_python: str) -> list[dic
                  "dequantized to F32 (gguf.quants) in a temporary copy", "model_sha256": sha, "arch": arch,
         "variant": "synthetic-tiny-f32",
         "description": f"llama.cpp on the F32 copy of the tiny synthetic {arch} (--shape {shape}) model, along "
-                       "the quantized file's greedy paths: the exact math on the same weight values"})
+                       "the quantized file's greedy paths: the exact math on the same weight values"
+                       + ("; KV cache in float32" if key in SYNTH_KV_F32 else "")})
     path.unlink()
     return [res, res_f32]
 

@@ -96,6 +96,16 @@ def compress(kv: np.ndarray, score: np.ndarray, ratio: int, n_blocks: int, overl
     return (kv * ops.softmax(score, axis=1)).sum(axis=1)
 
 
+def indexer_top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """The k compressed rows of highest indexer score per query (in no particular order)."""
+    return np.argpartition(-scores, k - 1, axis=1)[:, :k]
+
+
+def route_top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """The k experts of highest score per row (learned routing), best first."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
 def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     if limit > 1e-6:
         gate, up = np.minimum(gate, np.float32(limit)), np.clip(up, -limit, limit)
@@ -249,12 +259,10 @@ class HyperStack:
         ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm.weight")),
                        np.arange(n_comp) * CSA, h.compress_rope_base, h.n_rot)
         score = np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
-        score = np.where(visible, score, -np.inf)
-        k = min(h.indexer_top_k, n_comp)
         picked = np.zeros_like(visible)
+        k = min(h.indexer_top_k, n_comp)
         if k:
-            top = np.argpartition(-score, k - 1, axis=1)[:, :k]
-            np.put_along_axis(picked, top, True, axis=1)
+            np.put_along_axis(picked, indexer_top_k(np.where(visible, score, -np.inf), k), True, axis=1)
         return picked
 
     def _mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -263,7 +271,7 @@ class HyperStack:
         if li < h.hash_layers:  # routed by the token id
             chosen = t(li, "ffn_gate_tid2eid.weight")[tokens].astype(np.int64)
         else:  # the top k of the scores plus a selection bias (the weights stay unbiased)
-            chosen = np.argsort(-(probs + t(li, "exp_probs_b.bias")), axis=1, kind="stable")[:, : cfg.n_experts_used]
+            chosen = route_top_k(probs + t(li, "exp_probs_b.bias"), cfg.n_experts_used)
         weights = np.take_along_axis(probs, chosen, axis=1)
         if h.expert_weights_norm:
             weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))

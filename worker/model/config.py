@@ -216,6 +216,8 @@ def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
         hc_sinkhorn_iters=int(_req(g, f"{a}.hyper_connection.sinkhorn_iterations")),
         hc_eps=float(_req(g, f"{a}.hyper_connection.epsilon")),
     )
+    if cfg.indexer_dim % 64:  # llama.cpp rotates the indexer's keys by Hadamard matrices of 64 and up
+        raise ModelFileError(g.path, f"unsupported indexer key length {cfg.indexer_dim} (a multiple of 64)")
     if cfg.window <= 0:
         raise ModelFileError(g.path, f"corrupt: sliding window {cfg.window}")
     if not (0 < cfg.n_rot <= min(head_dim, cfg.indexer_dim) and cfg.n_rot % 2 == 0):
