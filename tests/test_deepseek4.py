@@ -2,7 +2,8 @@
 keys; the oracle fixtures prove llama.cpp loads and runs it), the loader reads its settings or refuses
 in one line, the CUDA backend refuses it in one line, and the numpy forward pass keeps its per-position
 pool consistent: any chunking, scattered blocks, and blocks restored into a fresh backend give the same
-logits. Agreement with llama.cpp itself is test_forward_oracle.py's (synth-deepseek4-*)."""
+logits; a worker serves it, from its prefix cache and, after a restart, from its block files.
+Agreement with llama.cpp itself is test_forward_oracle.py's (synth-deepseek4-*)."""
 
 from __future__ import annotations
 
@@ -190,11 +191,13 @@ def test_compression_weighs_each_block_and_its_predecessor():
     np.testing.assert_allclose(got[:, 0], [np.mean([1, 3, 5, 7]), np.mean([0, 2, 4, 6, 9, 11, 13, 15])])
 
 
-def test_chat_through_the_worker_reuses_its_prefix(start_worker, openai_factory, tiny):
+def test_chat_through_the_worker_reuses_its_prefix_and_restarts_warm(start_worker, openai_factory, tiny,
+                                                                     tmp_path):
     """The worker serves the tiny model through the OpenAI API; a prompt past the window and an HCA block
     comes back the same when its prefix is served from the prefix cache (the pool's per-position rows are
-    reused, the compressed rows recomputed from them)."""
-    w = start_worker("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "32MiB", model=tiny)
+    reused, the compressed rows recomputed from them), and again from block files after a restart."""
+    flags = ("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "32MiB", "--kv-dir", str(tmp_path / "kv"))
+    w = start_worker(*flags, model=tiny)
     oa = openai_factory(w)
     words = " ".join(f"w{i}" for i in range(150))
     messages = [{"role": "user", "content": f"Repeat after me: {words}"}]
@@ -203,3 +206,8 @@ def test_chat_through_the_worker_reuses_its_prefix(start_worker, openai_factory,
     again = oa.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= 128
     assert again.choices[0].message.content == first.choices[0].message.content
+    assert w.stop(timeout=30) == 0
+    w2 = start_worker(*flags, model=tiny)
+    warm = openai_factory(w2).chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 128
+    assert warm.choices[0].message.content == first.choices[0].message.content
