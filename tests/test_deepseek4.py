@@ -44,12 +44,11 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def weights(tiny, tmp_path_factory):
-    import os
-
-    os.environ.setdefault("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    g = GGUFFile(tiny)
-    cfg = read_config(g)
-    return cfg, load_weights(g, cfg)
+    with pytest.MonkeyPatch.context() as mp:  # the dequantized weights' cache: the test's own
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        g = GGUFFile(tiny)
+        cfg = read_config(g)
+        yield cfg, load_weights(g, cfg)
 
 
 def test_tiny_covers_every_attention_kind_and_both_routings():
