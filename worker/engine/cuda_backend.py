@@ -8,9 +8,8 @@ read once per launch of up to 4-8 rows; Q4_K/Q5_K with x quantized to int8, as l
 choice of kernel: cuda_matmul.py); prefill-sized steps multiply on the tensor cores (ops.linear_tc)
 with a 16-bit copy of each matrix, decoded once at start when it fits (f16_weights) or else per
 step. Activations are float32; the KV pool (float16 by default) lives on the device with the numpy
-backend's block semantics. read_block / write_block copy one block to / from the host in the numpy
-layout [2, layers, block_size, kv_heads, head_dim] (float32), so the prefix cache and KV
-persistence work unchanged.
+backend's block semantics; blocks travel to and from the host through cuda_kv_blocks.py (the numpy
+layout, or batches on a copy stream), so the prefix cache and KV persistence work unchanged.
 
 Every buffer a step touches is allocated once, up front, and a step's inputs travel in one copy
 from pinned memory. Steps alternate between two slots, each with its own input buffers (host and
@@ -32,8 +31,6 @@ and 256) fall back to the numpy twin on the host (tiny test models only; never c
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ember.kernels import ops, reference
@@ -44,27 +41,15 @@ from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile, ModelFileError
 from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
+from .cuda_kv_blocks import CudaKVBlocks
 from .cuda_layers import QKV, check_fits, check_runs, upload_weights
 from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
 from .cuda_memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
-from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view
+from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view, poison_guard
 
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def _poison_guard(fn):
-    """Turn a sticky CUDA error into the worker's ContextPoisoned."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except StickyCudaError as e:
-            raise ContextPoisoned(e.code, e.name, e.message) from e
-
-    return wrapper
 
 
 def _bucket(n: int, buckets) -> int:
@@ -74,7 +59,7 @@ def _bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-class CudaBackend(CudaMatmuls, Backend):
+class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
     name = "cuda"
     fault_kinds = ("cuda-illegal-address",)  # inject_fault: a kernel really writes out of bounds
     samples_on_device = True  # chunks with `sample` set come back as SampledToken
@@ -279,7 +264,7 @@ class CudaBackend(CudaMatmuls, Backend):
 
     # -- one step ---------------------------------------------------------------------------------
 
-    @_poison_guard
+    @poison_guard
     def inject_illegal_address(self) -> None:
         """--fault cuda-illegal-address: a kernel really writes out of bounds (sticky error 700)."""
         self.dev.make_current()
@@ -291,7 +276,7 @@ class CudaBackend(CudaMatmuls, Backend):
     def forward(self, chunks: list[SeqChunk]) -> list:
         return self.submit(chunks).result()
 
-    @_poison_guard
+    @poison_guard
     def submit(self, chunks: list[SeqChunk], feed: list[int | None] | None = None) -> PendingStep:
         """Launch one step and return at once; its result() waits for the device. feed[i] = j: chunk i's
         one token is the draw of chunk j of the step submitted just before (still running, perhaps),
@@ -470,7 +455,7 @@ class CudaBackend(CudaMatmuls, Backend):
                                                                      self.down_stream)
         self._done[p.slot].record(self.down_stream)
 
-    @_poison_guard
+    @poison_guard
     def _collect(self, p: PendingStep) -> list:
         self.dev.make_current()
         self._done[p.slot].synchronize()
@@ -655,73 +640,3 @@ class CudaBackend(CudaMatmuls, Backend):
             res[a:b] = reference.attention(qh[a:b], keys, values, positions[a:b].astype(np.int64), window=window,
                                            scale=cfg.attn_scale).reshape(b - a, cfg.q_dim)
         att.view(0, n * cfg.q_dim).upload(res.reshape(-1))
-
-    # -- KV block transfer ------------------------------------------------------------------------
-
-    def _block_copy(self, block: int, host: np.ndarray, to_host: bool) -> None:
-        """K and V of one block for every layer <-> host [2, layers, block_size * kv_dim] (KV dtype):
-        two strided copies (a block's rows sit a layer's pool apart)."""
-        from ember.kernels.cuda_runtime import copy_2d
-
-        if not 0 <= block < self.n_blocks:
-            raise IndexError(f"block {block} outside the pool of {self.n_blocks}")
-        item = np.dtype(self.kv_dtype).itemsize
-        width = self.block_size * self.config.kv_dim * item
-        pitch = self._layer_elems * item
-        for half, pool in enumerate((self.k_pool, self.v_pool)):
-            dev_ptr = pool.ptr + block * width
-            host_ptr = host[half].ctypes.data
-            if to_host:
-                copy_2d(dst=host_ptr, dst_pitch=width, src=dev_ptr, src_pitch=pitch, width=width,
-                        height=self.config.n_layers, to_host=True)
-            else:
-                copy_2d(dst=dev_ptr, dst_pitch=pitch, src=host_ptr, src_pitch=width, width=width,
-                        height=self.config.n_layers, to_host=False)
-
-    @_poison_guard
-    def read_block(self, block: int) -> np.ndarray:
-        self.dev.make_current()
-        self.stream.synchronize()  # the step that wrote it is done
-        cfg = self.config
-        raw = np.empty((2, cfg.n_layers, self.block_size * cfg.kv_dim), dtype=self.kv_dtype)
-        self._block_copy(block, raw, to_host=True)
-        return raw.astype(np.float32, copy=False).reshape(2, cfg.n_layers, self.block_size, cfg.n_kv_heads,
-                                                          cfg.head_dim)
-
-    def _kv_transfer(self):
-        if self._transfer is None:
-            from .cuda_kv import KVTransfer
-
-            cfg = self.config
-            self._transfer = KVTransfer(self.dev, self.k_pool, self.v_pool, self.stream, layers=cfg.n_layers,
-                                        layer_elems=self._layer_elems, block_elems=self.block_size * cfg.kv_dim,
-                                        block_shape=(2, cfg.n_layers, self.block_size, cfg.n_kv_heads, cfg.head_dim),
-                                        dtype=self.kv_dtype)
-        return self._transfer
-
-    @_poison_guard
-    def save_blocks(self, blocks: list[int]):
-        """KV blocks off the device on a copy stream of their own (cuda_kv.py): no host wait, and the
-        compute stream waits only for the gather before its next step."""
-        if any(not 0 <= b < self.n_blocks for b in blocks):
-            raise IndexError(f"a block outside the pool of {self.n_blocks}")
-        self.dev.make_current()
-        return self._kv_transfer().save(list(blocks))
-
-    @_poison_guard
-    def load_blocks(self, blocks: list[int], payloads) -> None:
-        if any(not 0 <= b < self.n_blocks for b in blocks):
-            raise IndexError(f"a block outside the pool of {self.n_blocks}")
-        self.dev.make_current()
-        self._kv_transfer().load(list(blocks), payloads)
-
-    @_poison_guard
-    def write_block(self, block: int, data: np.ndarray) -> None:
-        self.dev.make_current()
-        self.stream.synchronize()  # no step still reads the block being replaced
-        cfg = self.config
-        raw = np.ascontiguousarray(np.asarray(data).reshape(2, cfg.n_layers, -1).astype(self.kv_dtype))
-        self._block_copy(block, raw, to_host=False)
-        # a copy from pageable memory may return before its DMA lands, and the backend's stream does
-        # not wait for the legacy stream it runs on: the next step must see the block
-        self.dev.synchronize()

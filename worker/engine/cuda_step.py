@@ -1,10 +1,12 @@
 """One CUDA step's host-side plumbing: where its inputs sit in the pinned staging buffer (StepLayout)
 and on the device (StepInputs), the handle of a launched step (PendingStep), and Gemma's post-norms
-held back until the matvecs that read them are known (PostNorms). cuda_backend.py drives them.
+held back until the matvecs that read them are known (PostNorms), and the guard that turns a sticky
+CUDA error into the worker's ContextPoisoned. cuda_backend.py drives them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,9 +14,25 @@ import numpy as np
 
 from ember.kernels import ops
 from ember.kernels.cuda_runtime import DeviceArray
+from ember.kernels.errors import StickyCudaError
+
+from .backend import ContextPoisoned
 
 if TYPE_CHECKING:
     from .cuda_backend import CudaBackend
+
+
+def poison_guard(fn):
+    """Turn a sticky CUDA error into the worker's ContextPoisoned."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except StickyCudaError as e:
+            raise ContextPoisoned(e.code, e.name, e.message) from e
+
+    return wrapper
 
 
 @dataclass
