@@ -25,6 +25,7 @@ from ember.ops.contract import ExitCode
 from . import control, supctl
 from .paths import Layout, layout, read_json
 from .phases import Status
+from .procs import alive
 from .settings import SettingsError, load
 
 EX_OK, EX_FAIL, EX_NOT_RUNNING, EX_CONFIG = ExitCode.OK, ExitCode.FAILURE, ExitCode.NOT_RUNNING, ExitCode.CONFIG
@@ -91,17 +92,6 @@ def cmd_daemon(argv: list[str]) -> int:
 def _status(lay: Layout) -> dict[str, Any] | None:
     resp = control.request(lay.control_sock, "status")
     return resp.get("status") if resp and resp.get("ok") else None
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
 
 
 def _systemd_unit() -> list[str] | None:
@@ -230,10 +220,10 @@ def cmd_stop(argv: list[str]) -> int:
     pids = {"daemon": st["daemon"]["pid"], "supervisord": st["daemon"].get("supervisor_pid"),
             "worker": (st.get("worker") or {}).get("pid")}
     resp = control.request(lay.control_sock, "stop")
-    if not (resp and resp.get("ok")) and _pid_alive(pids["daemon"]):
+    if not (resp and resp.get("ok")) and alive(pids["daemon"]):
         os.kill(pids["daemon"], signal.SIGTERM)  # no acknowledgement: the same stop, by its signal handler
-    _poll(lambda: not any(_pid_alive(p) for p in pids.values()), timeout)
-    left = {k: v for k, v in pids.items() if _pid_alive(v)}
+    _poll(lambda: not any(alive(p) for p in pids.values()), timeout)
+    left = {k: v for k, v in pids.items() if alive(v)}
     if left:
         print(f"ember: still running after {timeout:g}s: {left}", file=sys.stderr)
         return EX_FAIL
@@ -252,7 +242,7 @@ def _stop_orphan(lay: Layout, timeout: float) -> int:
     except Exception as e:
         print(f"ember: could not stop supervisord: {e}", file=sys.stderr)
         return EX_FAIL
-    _poll(lambda: not _pid_alive(sup_pid), 15)
+    _poll(lambda: not alive(sup_pid), 15)
     print("ember stopped (no daemon was running; its supervisord and worker are stopped)")
     return EX_OK
 

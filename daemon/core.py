@@ -21,7 +21,6 @@ stop supervisord and exit 0.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import queue
@@ -38,7 +37,7 @@ from .jsonlog import JsonLog
 from .lifecycle import Lifecycle, PoisonSeen
 from .logwatch import LogWatcher
 from .notify import Notifier, under_systemd
-from .paths import Layout, read_json, write_json, write_private
+from .paths import Layout, LockHeld, lock_exclusive, read_json, write_json, write_private
 from .phases import Phase, Status
 from .policy import RestartPolicy
 from .probe_schedule import ProbeMissed, ProbeSchedule
@@ -104,19 +103,10 @@ class Daemon:
     # == setup and teardown ================================================================================
 
     def _acquire_lock(self) -> None:
-        fd = os.open(self.lay.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                other = os.read(fd, 32).decode().strip()
-            except OSError:
-                other = "?"
-            os.close(fd)
-            raise DaemonError(f"another ember daemon is running (pid {other or '?'})") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+            self._lock_fd = lock_exclusive(self.lay.lock_file)
+        except LockHeld as e:
+            raise DaemonError(f"another ember daemon is running (pid {e.holder})") from None
 
     def setup(self) -> None:
         os.umask(0o077)

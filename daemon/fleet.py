@@ -19,7 +19,6 @@ and every replica are. `ember stop` drains them all.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import queue
 import shlex
@@ -40,8 +39,9 @@ from . import control
 from .control import ControlServer
 from .jsonlog import JsonLog
 from .notify import Notifier, under_systemd
-from .paths import Layout, write_json
+from .paths import Layout, LockHeld, lock_exclusive, write_json
 from .phases import Status
+from .procs import alive
 from .settings import Settings, SettingsError
 from .sysfacts import ember_version
 
@@ -231,7 +231,7 @@ class Fleet:
                 if st is not None:
                     pids.append((st.get("daemon") or {}).get("pid"))
                     control.request(m.layout.control_sock, "stop")
-            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            while time.monotonic() < deadline and any(alive(p) for p in pids):
                 time.sleep(0.1)
         for p in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -280,15 +280,10 @@ class Fleet:
     # -- the process -------------------------------------------------------------------------------------
 
     def _acquire_lock(self) -> None:
-        fd = os.open(self.lay.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SettingsError("another ember daemon is running in this state directory") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+            self._lock_fd = lock_exclusive(self.lay.lock_file)
+        except LockHeld as e:
+            raise SettingsError(f"another ember daemon is running in this state directory (pid {e.holder})") from None
 
     def run(self) -> int:
         os.umask(0o077)
@@ -338,19 +333,3 @@ class Fleet:
                 os.close(self._lock_fd)
         return 0
 
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (our own child, not yet reaped) is gone
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False

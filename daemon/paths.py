@@ -14,6 +14,7 @@ Directories are 0700 and files 0600: crash bundles and logs describe the user's 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -175,6 +176,32 @@ class Layout:
 
 def layout() -> Layout:
     return Layout(state_dir())
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; `holder` is the pid it wrote there ('?' when unreadable)."""
+
+    def __init__(self, holder: str):
+        super().__init__(f"held by pid {holder}")
+        self.holder = holder
+
+
+def lock_exclusive(path: Path) -> int:
+    """Take the daemon's lock file (flock, never waiting) and write our pid into it; the fd stays open
+    for the process's lifetime (the lock goes with it). Raises LockHeld naming the holder's pid."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.read(fd, 32).decode().strip() or "?"
+        except OSError:
+            holder = "?"
+        os.close(fd)
+        raise LockHeld(holder) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def write_private(path: Path, data: bytes | str) -> None:

@@ -17,6 +17,18 @@ from dataclasses import dataclass
 import psutil
 
 
+def alive(pid: int | None) -> bool:
+    """Whether the process runs: it exists and is no zombie (a child not yet reaped is gone)."""
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.AccessDenied:  # exists, owned by someone else
+        return True
+    except psutil.Error:
+        return False
+
+
 def ctime(pid: int | None) -> float | None:
     """The process's creation time, or None when there is no such process."""
     if not pid:
