@@ -123,16 +123,16 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
         if (sub == 0 && r0 + r < rows) {
             const float v = acc + (res ? res[r0 + r] : 0.0f);
             y[r0 + r] = v;
-            better(bv, bi, v, r0 + r);
+            if (beats(v, r0 + r, bv, bi)) { bv = v; bi = r0 + r; }
         }
     }
     if (!best_i) return;
-    warp_best(bv, bi);
+    warp_best<true>(bv, bi);
     if (lane == 0) { wv[warp] = bv; wi[warp] = bi; }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < SQ_WARPS; ++w)
-            if (wi[w] != NO_INDEX) better(bv, bi, wv[w], wi[w]);
+            if (beats(wv[w], wi[w], bv, bi)) { bv = wv[w]; bi = wi[w]; }
         part_v[blockIdx.x] = bv;
         part_i[blockIdx.x] = bi;
         __threadfence();
@@ -146,9 +146,9 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
     for (int b = lane; b < (int)gridDim.x; b += 32) {
         const float v = __ldcg(part_v + b);
         const int i = __ldcg(part_i + b);
-        if (i != NO_INDEX) better(bv, bi, v, i);
+        if (beats(v, i, bv, bi)) { bv = v; bi = i; }
     }
-    warp_best(bv, bi);
+    warp_best<true>(bv, bi);
     if (lane == 0) {
         best_v[0] = bv;
         best_i[0] = bi == NO_INDEX ? 0 : bi;
