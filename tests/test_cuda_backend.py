@@ -226,15 +226,14 @@ def test_sticky_error_becomes_context_poisoned(dev, model_dir):
         f"""
         import sys
         import numpy as np
-        from ember.kernels.cuda_runtime import I64
+        from ember.kernels.ops.fault import FAULT_ARGS
         from ember.worker.engine.backend import ContextPoisoned, SeqChunk
         from ember.worker.engine.cuda_backend import CudaBackend
         from ember.worker.model.loader import open_model
         m = open_model({str(path)!r})
         be = CudaBackend(m.config, m.gguf, n_blocks=4, block_size=16)
         be.forward([SeqChunk(np.array([1, 2, 3], np.int32), 0, [0], "last")])
-        buf = be.dev.scratch("fault", 256)
-        be.dev.kernel("fault", "fault_illegal_address").launch((1,), (1,), buf, I64(1 << 40), stream=be.stream)
+        be.dev.kernel("fault", "fault_illegal_address").launch((1,), (1,), *FAULT_ARGS, stream=be.stream)
         try:
             be.forward([SeqChunk(np.array([4], np.int32), 3, [0], "last")])
         except ContextPoisoned as e:

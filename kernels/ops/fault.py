@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from ..cuda_runtime import I64, Device
 
+# The write goes to the null page (address 16), which no allocation of the device or the host ever maps.
+# A write far past an allocation is not safe: where the GPU shares the process's address space with the
+# host (HMM, unified memory) it can land in host memory instead of faulting. On the H200 one such write
+# (4 TiB past a scratch buffer, under EMBER_CUDA_COMPAT=sm_80) raised 700, and afterwards print() wrote
+# NUL where its ' ' separator belongs: most likely the write had reached the Python heap.
+FAULT_ARGS = (None, I64(4))  # float* p = nullptr, offset 4 floats
+
 
 def fault_illegal_address(dev: Device) -> None:
-    """Launch a kernel that writes far outside any allocation and synchronize: raises
-    StickyCudaError (700, CUDA_ERROR_ILLEGAL_ADDRESS) and poisons this process's context. No twin: the
-    fault is the result."""
-    buf = dev.scratch("fault", 256)
-    dev.kernel("fault", "fault_illegal_address").launch((1,), (1,), buf, I64(1 << 40))
+    """Launch a kernel that writes to the null page and synchronize: raises StickyCudaError (700,
+    CUDA_ERROR_ILLEGAL_ADDRESS) and poisons this process's context. No twin: the fault is the result."""
+    dev.kernel("fault", "fault_illegal_address").launch((1,), (1,), *FAULT_ARGS)
     dev.synchronize()
