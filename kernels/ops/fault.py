@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from ..cuda_runtime import I64, Device
 
-# The write goes to the null page (address 16), which no allocation of the device or the host ever maps.
-# A write far past an allocation is not safe: where the GPU shares the process's address space with the
-# host (HMM, unified memory) it can land in host memory instead of faulting. On the H200 one such write
-# (4 TiB past a scratch buffer, under EMBER_CUDA_COMPAT=sm_80) raised 700, and afterwards print() wrote
-# NUL where its ' ' separator belongs: most likely the write had reached the Python heap.
+# The write goes to the null page (address 16), which no allocation of the device or the host maps; a
+# write at a fixed distance past an allocation (4 TiB, until 2026-12-04) could land in mapped memory
+# where the GPU shares the process's address space with the host (HMM, unified memory).
 FAULT_ARGS = (None, I64(4))  # float* p = nullptr, offset 4 floats
 
 
