@@ -27,19 +27,23 @@ EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
 POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
 
 
-def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy") -> int | None:
+def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy",
+                  mtp: bool = False) -> int | None:
     """The KV pool's blocks for --kv-mem (None: auto on CUDA, where the backend sizes the pool itself
-    from the device's free memory once everything else is allocated)."""
+    from the device's free memory once everything else is allocated). mtp: the numpy pool keeps the
+    next-token layer's rows too."""
     if backend == "cuda":  # float16 KV on the device
         if cfg_kv_mem == "auto":
             return None
-        from .engine.cuda_backend import CudaBackend as Backend
+        from .engine.cuda_backend import CudaBackend
+
+        per_block = CudaBackend.kv_bytes_per_block(model_config, block_size)
     else:
-        from .engine.numpy_backend import NumpyBackend as Backend
+        from .engine.numpy_backend import NumpyBackend
 
         if cfg_kv_mem == "auto":
             cfg_kv_mem = worker_config.NUMPY_AUTO_KV_MEM
-    per_block = Backend.kv_bytes_per_block(model_config, block_size)
+        per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size, mtp)
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
 
 
@@ -66,8 +70,12 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .model.weights import load_weights
 
     model = open_model(cfg.model)
+    mtp = cfg.spec == "mtp"
+    if mtp and not (model.config.hyper is not None and model.config.hyper.nextn_layers):
+        raise worker_config.ConfigError(f"spec: mtp needs a model with a next-token (MTP) layer; {model.path.name} "
+                                        "has none (try suffix or ngram)")
     chunk = worker_config.prefill_chunk(cfg)
-    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend)
+    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend, mtp)
     memory: dict = {}
     drafter = None
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
@@ -95,7 +103,12 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     else:
         assert n_blocks is not None
         weights = load_weights(model.gguf, model.config)
-        backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE)
+        backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
+        if mtp:
+            from .engine.mtp_drafter import MtpDrafter
+
+            assert backend.hyper is not None and backend.hyper.mtp is not None
+            drafter = MtpDrafter(backend.hyper.mtp)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)

@@ -26,7 +26,7 @@ class DraftState:
         self.fed: list[int] = []  # the tokens at the cache's positions 0.. (the last draft's included)
         self.blocks: list[int] = []
 
-    def sync(self, tokens) -> None:
+    def sync(self, tokens, blocks=None) -> None:  # its own cache: the target's blocks are no concern of it
         if len(tokens) > len(self.tokens):
             self.tokens.extend(int(t) for t in tokens[len(self.tokens):])
 

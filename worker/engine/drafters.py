@@ -29,11 +29,11 @@ POOL_MIN_TOKENS = 16  # shorter outputs teach the pool nothing
 
 
 class Drafter(Protocol):
-    """What speculation.py asks of a drafter (these two, and draft_model.ModelDrafter)."""
+    """What speculation.py asks of a drafter (these two, draft_model.ModelDrafter, mtp_drafter.MtpDrafter)."""
 
     name: str
 
-    def new_index(self) -> Any: ...  # a sequence's state: `tokens`, and `sync(tokens)` as it grows
+    def new_index(self) -> Any: ...  # a sequence's state: `tokens`, and `sync(tokens, blocks)` as it grows
 
     def propose(self, index: Any, k: int) -> tuple[list[int], int]: ...  # (draft, length of its match)
 
@@ -62,8 +62,9 @@ class TokenIndex:
                     self._prev[key] = old
                 self.ends[key] = end
 
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Follow a sequence that only grows (a sequence preempted and resumed keeps its tokens)."""
+    def sync(self, tokens: Sequence[int], blocks: Sequence[int] | None = None) -> None:
+        """Follow a sequence that only grows (a sequence preempted and resumed keeps its tokens); its
+        KV blocks are no concern of a drafter that reads text."""
         if len(tokens) > len(self.tokens):
             self.extend(tokens[len(self.tokens) :])
 

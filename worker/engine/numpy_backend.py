@@ -26,7 +26,7 @@ class NumpyBackend(Backend):
     block_dtype = np.dtype(np.float32)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16,
-                 draws: bool = False):
+                 draws: bool = False, mtp: bool = False):
         # draws: chunks with `sample` set come back as SampledToken, drawn by the CUDA sampler's twin,
         # and submit() feeds a step from the previous one's draws: the CUDA backend's contract on the
         # CPU, so the scheduler's run-ahead path is tested without a GPU
@@ -34,10 +34,14 @@ class NumpyBackend(Backend):
         self._drawn: dict[int, int] = {}  # the last step's draws, by chunk
         self.config, self.weights = config, weights
         self.block_size, self.n_blocks = block_size, n_blocks
-        # a HYPER stack (DeepSeek V4) is numpy_hyper's: its own layer and pool of per-position rows
-        self.hyper = HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size) if config.hyper else None
+        # a HYPER stack (DeepSeek V4) is numpy_hyper's: its own layer and pool of per-position rows. mtp: the
+        # pool also keeps what its next-token layer drafts from (numpy_mtp.py; --spec mtp)
+        if mtp and (config.hyper is None or not config.hyper.nextn_layers):
+            raise ValueError("the model has no next-token (MTP) layer")
+        self.hyper = (HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size, mtp=mtp)
+                      if config.hyper else None)
         if self.hyper is not None:
-            self.kv_layout = "numpy-hyper-v1"
+            self.kv_layout = "numpy-hyper-mtp-v1" if mtp else "numpy-hyper-v1"
         shape = (0, 0, 0, 0, 0) if self.hyper else (config.n_layers, n_blocks, block_size, config.n_kv_heads,
                                                     config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)
@@ -45,9 +49,9 @@ class NumpyBackend(Backend):
         self._inv_freq_global, self._inv_freq_local, self._rope_mscale = inv_frequencies(config, weights.rope_freqs)
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False) -> int:
         if config.hyper is not None:
-            return block_size * HyperStack.width(config) * 4
+            return block_size * HyperStack.width(config, mtp) * 4
         return 2 * config.n_layers * block_size * config.kv_dim * 4
 
     # -- one step ---------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ and V do: prefix caching, block files and restores work unchanged (kv_layout nam
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ember.kernels import reference as ops
@@ -24,6 +26,9 @@ from ember.kernels import reference as ops
 from ..model.config import HyperConfig, ModelConfig
 from ..model.weights import ModelWeights
 from .backend import SeqChunk, kv_slots
+
+if TYPE_CHECKING:
+    from .numpy_mtp import MtpHead
 
 CSA, HCA = 4, 128  # the compress ratios llama.cpp knows (0: window only)
 
@@ -112,29 +117,52 @@ def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
     return ops.silu(gate) * up
 
 
+def attend(q: np.ndarray, keys: np.ndarray, allowed: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """Attention of queries q [n, heads, d] over key rows [k, d] (the values too) where allowed [n, k], a
+    learned sink logit per head joining each softmax's denominator."""
+    logits = np.einsum("nhd,kd->nhk", q, keys) * np.float32(1.0 / np.sqrt(q.shape[-1]))
+    logits = np.where(allowed[:, None, :], logits, -np.inf)
+    top = np.maximum(logits.max(axis=2), sinks[None, :])
+    p = np.exp(logits - top[:, :, None])
+    p /= (p.sum(axis=2) + np.exp(sinks[None, :] - top))[:, :, None]
+    return np.einsum("nhk,kd->nhd", p, keys)
+
+
 # -- the stack ------------------------------------------------------------------------------------
 
 
 class HyperStack:
     """The weights, the per-position pool and the forward pass of a HYPER model."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int,
+                 mtp: bool = False):
+        """mtp: also keep what the next-token layer drafts from (numpy_mtp.py; the file must have one)."""
         assert config.hyper is not None
         self.config, self.h, self.w = config, config.hyper, weights.by_name
         self.block_size, self.n_blocks = block_size, n_blocks
-        self.columns = self.layout(config)
-        self.pool = np.zeros((n_blocks, block_size, self.width(config)), np.float32)
+        self.columns = self.layout(config, mtp)
+        self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
+        self.mtp: MtpHead | None = None
+        if mtp:
+            from .numpy_mtp import MtpHead
+
+            self.mtp = MtpHead(self)
 
     @staticmethod
-    def layout(config: ModelConfig) -> list[dict[str, slice]]:
+    def layout(config: ModelConfig, mtp: bool = False) -> list[dict[str, slice]]:
         """Per layer, the pool columns of each per-position row: kv (the key/value row), and by the
-        layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows."""
+        layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows. mtp: one
+        more entry, the next-token layer's: its kv row, and h, the trunk's output streams at the position
+        (what the next position's row, and a draft from there, are made of)."""
         h = config.hyper
         assert h is not None
         d, di, at, out = config.head_dim, h.indexer_dim, 0, []
-        for ratio in h.compress_ratios:
+        kinds: list[int | None] = [*h.compress_ratios, *([None] if mtp else [])]
+        for ratio in kinds:
             widths = {"kv": d}
-            if ratio == CSA:
+            if ratio is None:
+                widths |= {"h": h.hc_mult * config.hidden}
+            elif ratio == CSA:
                 widths |= {"c_kv": 2 * d, "c_score": 2 * d, "i_kv": 2 * di, "i_score": 2 * di}
             elif ratio == HCA:
                 widths |= {"c_kv": d, "c_score": d}
@@ -145,8 +173,8 @@ class HyperStack:
         return out
 
     @classmethod
-    def width(cls, config: ModelConfig) -> int:
-        return max(c.stop for layer in cls.layout(config) for c in layer.values())
+    def width(cls, config: ModelConfig, mtp: bool = False) -> int:
+        return max(c.stop for layer in cls.layout(config, mtp) for c in layer.values())
 
     def _t(self, layer: int, name: str) -> np.ndarray:
         return self.w[f"blk.{layer}.{name}"]
@@ -174,19 +202,25 @@ class HyperStack:
             x = hc_merge(a, x, post, comb)
             m, post, comb = hc_mix(x, self._t(li, "hc_ffn_fn.weight"), self._t(li, "hc_ffn_scale.weight"),
                                    self._t(li, "hc_ffn_base.weight"), h, eps)
-            x = hc_merge(self._mlp(li, _norm(m, eps, self._t(li, "ffn_norm.weight")), tokens), x, post, comb)
+            x = hc_merge(self.mlp(li, _norm(m, eps, self._t(li, "ffn_norm.weight")), tokens), x, post, comb)
 
+        if self.mtp is not None:  # the next-token layer's rows of these positions (they depend on nothing later)
+            self.mtp.write_rows(x, tokens, positions, chunks, spans, slots, rows)
         out: list[np.ndarray | None] = []
         for c, (a0, b0) in zip(chunks, spans, strict=True):
             if c.logits == "none":
                 out.append(None)
                 continue
-            streams = x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]
-            mixes = _norm(streams.reshape(len(streams), -1), eps) @ w["output_hc_fn.weight"].T
-            pre = _sigmoid(mixes * w["output_hc_scale.weight"][0] + w["output_hc_base.weight"]) + np.float32(h.hc_eps)
-            y = np.einsum("nse,ns->ne", streams, pre)
-            out.append(ops.linear(_norm(y, eps, w["output_norm.weight"]), w["output.weight"]))
+            out.append(self.head(x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]))
         return out
+
+    def head(self, streams: np.ndarray, norm: str = "output_norm.weight", out: str = "output.weight") -> np.ndarray:
+        """Logits from the streams [n, hc, hidden]: mixed into one by the head's own weights, normed, projected."""
+        w, h, eps = self.w, self.h, self.config.norm_eps
+        mixes = _norm(streams.reshape(len(streams), -1), eps) @ w["output_hc_fn.weight"].T
+        pre = _sigmoid(mixes * w["output_hc_scale.weight"][0] + w["output_hc_base.weight"]) + np.float32(h.hc_eps)
+        y = np.einsum("nse,ns->ne", streams, pre)
+        return ops.linear(_norm(y, eps, w[norm]), w[out])
 
     def _attention(self, li: int, x: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
                    spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -195,12 +229,8 @@ class HyperStack:
         ratio, cols = h.compress_ratios[li], self.columns[li]
         base = h.compress_rope_base if ratio else cfg.rope_base
 
-        qr = _norm(x @ t(li, "attn_q_a.weight").T, eps, t(li, "attn_q_a_norm.weight"))
-        q = _norm((qr @ t(li, "attn_q_b.weight").T).reshape(n, n_head, d), eps)
-        q = rope_tail(q, positions, base, h.n_rot)
-        kv = rope_tail(_norm(x @ t(li, "attn_kv.weight").T, eps, t(li, "attn_kv_a_norm.weight")), positions, base,
-                       h.n_rot)
-        rows[slots, cols["kv"]] = kv
+        qr, q = self.query(li, x, positions, base)
+        rows[slots, cols["kv"]] = self.key(li, x, positions, base)
         if ratio:
             rows[slots, cols["c_kv"]] = x @ t(li, "attn_compressor_kv.weight").T
             rows[slots, cols["c_score"]] = (x @ t(li, "attn_compressor_gate.weight").T
@@ -236,13 +266,27 @@ class HyperStack:
                     visible &= self._indexer_pick(li, past, cols, iq[a:b], iw[a:b], visible)
                 keys = np.concatenate([keys, comp])
                 allowed = np.concatenate([allowed, visible], axis=1)
-            logits = np.einsum("nhd,kd->nhk", q[a:b], keys) * np.float32(1.0 / np.sqrt(d))
-            logits = np.where(allowed[:, None, :], logits, -np.inf)
-            # a learned sink logit per head joins each softmax's denominator
-            top = np.maximum(logits.max(axis=2), sinks[None, :])
-            p = np.exp(logits - top[:, :, None])
-            p /= (p.sum(axis=2) + np.exp(sinks[None, :] - top))[:, :, None]
-            out[a:b] = np.einsum("nhk,kd->nhd", p, keys)  # the key rows are the values too
+            out[a:b] = attend(q[a:b], keys, allowed, sinks)
+        return self.output(li, out, positions, base)
+
+    # the attention's pieces, shared with the next-token layer (numpy_mtp.py)
+
+    def query(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
+        """(the low-rank query qr [n, rank], which the indexer reads too; the heads [n, heads, head_dim])."""
+        cfg, t, eps = self.config, self._t, self.config.norm_eps
+        qr = _norm(x @ t(li, "attn_q_a.weight").T, eps, t(li, "attn_q_a_norm.weight"))
+        q = _norm((qr @ t(li, "attn_q_b.weight").T).reshape(len(x), cfg.n_heads, cfg.head_dim), eps)
+        return qr, rope_tail(q, positions, base, self.h.n_rot)
+
+    def key(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+        """The single KV head's row of each position (the key, and the value too)."""
+        t, eps = self._t, self.config.norm_eps
+        return rope_tail(_norm(x @ t(li, "attn_kv.weight").T, eps, t(li, "attn_kv_a_norm.weight")), positions, base,
+                         self.h.n_rot)
+
+    def output(self, li: int, out: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+        """The heads' outputs [n, heads, head_dim], their RoPE undone, through the grouped low-rank projection."""
+        h, t, n = self.h, self._t, len(out)
         out = rope_tail(out, positions, base, h.n_rot, inverse=True)
         # grouped low-rank output: each group of heads through its own [rank, group width] matrix
         groups = out.reshape(n, h.o_groups, -1)
@@ -265,7 +309,7 @@ class HyperStack:
             np.put_along_axis(picked, indexer_top_k(np.where(visible, score, -np.inf), k), True, axis=1)
         return picked
 
-    def _mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         cfg, h, t = self.config, self.h, self._t
         probs = np.sqrt(np.logaddexp(0, x @ t(li, "ffn_gate_inp.weight").T))  # sqrt(softplus(logit))
         if li < h.hash_layers:  # routed by the token id

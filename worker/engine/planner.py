@@ -76,7 +76,7 @@ class Scheduler:
         if self.speculator is None or s.spec is None:
             return []
         left = s.req.max_tokens - s.out.generated - 1  # the position after the draft still yields a token
-        draft = self.speculator.draft(s.spec, s.tokens, decoding)
+        draft = self.speculator.draft(s.spec, s.tokens, decoding, s.kv.blocks)
         return draft[: max(0, min(left, budget - 1))]
 
     def _ensure_blocks(self, s: Seq, length: int, plan: StepPlan, live: list[Seq]) -> bool:

@@ -130,9 +130,10 @@ class Speculator:
     def state(self) -> SpecState:
         return SpecState(self.drafter.new_index())
 
-    def draft(self, st: SpecState, tokens: list[int], decoding: int) -> list[int]:
-        """The draft for a sequence's next step ([] for none). decoding: sequences decoding this step."""
-        st.index.sync(tokens)
+    def draft(self, st: SpecState, tokens: list[int], decoding: int, blocks: list[int] | None = None) -> list[int]:
+        """The draft for a sequence's next step ([] for none). decoding: sequences decoding this step;
+        blocks: where the sequence's KV lives (read by a drafter that drafts from it: mtp)."""
+        st.index.sync(tokens, blocks)
         if decoding > self.max_batch or len(tokens) >= self.max_context or self.costs.wants_narrow:
             return []
         k = min(self.k, self.max_context - len(tokens) - 1)

@@ -56,6 +56,10 @@ class HyperConfig(msgspec.Struct, frozen=True):
     hc_mult: int  # residual streams
     hc_sinkhorn_iters: int
     hc_eps: float
+    # next-token (MTP) layers after the trunk ({arch}.nextn_predict_layers): layer n_layers + i is
+    # blk.N.nextn.* plus a window-only attention and a learned-routing MoE of its own; the clamps above
+    # have an entry for them too
+    nextn_layers: int = 0
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -146,6 +150,8 @@ def read_config(g: GGUFFile) -> ModelConfig:
     linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0 and not yarn)
     sliding = int(g.get(keys.sliding_window, 0)) if swa else 0
     n_layers = int(_req(g, keys.block_count))
+    if recipe.stack is Stack.HYPER:  # the trunk: block_count counts the next-token (MTP) layers after it
+        n_layers -= _nextn_layers(g, family.name, n_layers)
     local_layers = _local_layers(g, family.keys, swa, n_layers) if swa and sliding else (False,) * n_layers
     return ModelConfig(
         arch=family.name,
@@ -174,23 +180,41 @@ def read_config(g: GGUFFile) -> ModelConfig:
     )
 
 
+def _nextn_layers(g: GGUFFile, a: str, n_all: int) -> int:
+    """How many of the file's n_all blocks are next-token (MTP) layers, each with its nextn tensors."""
+    n = int(g.get(f"{a}.nextn_predict_layers", 0))
+    if not 0 <= n < n_all:
+        raise ModelFileError(g.path, f"corrupt: {n} next-token layers of {n_all} blocks")
+    for il in range(n_all - n, n_all):
+        if f"blk.{il}.nextn.eh_proj.weight" not in g.tensors:
+            raise ModelFileError(g.path, f"{a}.nextn_predict_layers is {n} but blk.{il}.nextn.eh_proj.weight "
+                                         "is missing")
+    return n
+
+
 def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
     """A HYPER stack's settings, checked where a wrong one would be an index error mid-request."""
+    nextn = int(g.get(f"{a}.nextn_predict_layers", 0))
+    n_all = n_layers + nextn
+
     def per_layer(key: str, default: tuple[float, ...] | None = None) -> tuple[float, ...]:
         value = g.get(key) if default is None else g.get(key, default)
         if value is None:
             raise ModelFileError(g.path, f"metadata is missing {key}")
         flat = np.atleast_1d(np.asarray(value, dtype=np.float64))  # a value for all layers, or one a layer
-        values = tuple(float(v) for v in (flat if flat.size > 1 else np.repeat(flat, n_layers)))
-        if len(values) < n_layers:
-            raise ModelFileError(g.path, f"{key} has {len(values)} entries for {n_layers} layers")
-        return values[:n_layers]
+        values = tuple(float(v) for v in (flat if flat.size > 1 else np.repeat(flat, n_all)))
+        if len(values) < n_all:
+            raise ModelFileError(g.path, f"{key} has {len(values)} entries for {n_all} layers")
+        return values[:n_all]
 
     ratios = tuple(int(r) for r in np.atleast_1d(np.asarray(_req(g, f"{a}.attention.compress_ratios"))))
-    if len(ratios) < n_layers:
-        raise ModelFileError(g.path, f"{a}.attention.compress_ratios has {len(ratios)} entries for {n_layers} layers")
+    if len(ratios) < n_all:
+        raise ModelFileError(g.path, f"{a}.attention.compress_ratios has {len(ratios)} entries for {n_all} layers")
     if any(r not in (0, 4, 128) for r in ratios[:n_layers]):
         raise ModelFileError(g.path, f"unsupported compress ratios {sorted(set(ratios))} (supported: 0, 4, 128)")
+    if any(ratios[n_layers:n_all]):  # llama.cpp's MTP graph attends over a plain windowed cache
+        raise ModelFileError(g.path, "unsupported: next-token layers with compress ratios "
+                                     f"{list(ratios[n_layers:n_all])}")
     gating = int(_req(g, f"{a}.expert_gating_func"))
     if gating != 4:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, all DeepSeek V4 uses
         raise ModelFileError(g.path, f"unsupported expert gating function {gating} (supported: 4, sqrt-softplus)")
@@ -215,9 +239,12 @@ def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
         hc_mult=int(_req(g, f"{a}.hyper_connection.count")),
         hc_sinkhorn_iters=int(_req(g, f"{a}.hyper_connection.sinkhorn_iterations")),
         hc_eps=float(_req(g, f"{a}.hyper_connection.epsilon")),
+        nextn_layers=nextn,
     )
     if cfg.indexer_dim % 64:  # llama.cpp rotates the indexer's keys by Hadamard matrices of 64 and up
         raise ModelFileError(g.path, f"unsupported indexer key length {cfg.indexer_dim} (a multiple of 64)")
+    if nextn and n_layers < cfg.hash_layers:  # llama.cpp's MTP graph routes by its learned router only
+        raise ModelFileError(g.path, f"unsupported: a hash-routed next-token layer ({cfg.hash_layers} hash layers)")
     if cfg.window <= 0:
         raise ModelFileError(g.path, f"corrupt: sliding window {cfg.window}")
     if not (0 < cfg.n_rot <= min(head_dim, cfg.indexer_dim) and cfg.n_rot % 2 == 0):
