@@ -456,6 +456,17 @@ def test_the_forced_end_marker_goes_through_the_grammar(runtime, tok):
     assert last.reason is FinishReason.STOP
 
 
+def test_a_budget_spent_inside_a_character_closes_the_block_after_it(runtime, tok):
+    """A grammar's text is whole characters: the budget running out on the first byte of one holds the
+    marker back until the character's last byte, then closes the block (it failed the request before)."""
+    euro = [tok.id_of(f"<0x{b:02X}>") for b in "€".encode()]
+    words = _words(tok, 2)
+    g = grammar_from_lark('start: think "\\nDONE"\nthink[stop="</think>"]: /(.|\\n)*/')
+    text, tokens, last = _reasoning_run(runtime, tok, words + euro, budget=3, grammar=g)
+    assert tokens[:5] == words + euro and "€</think>" in text, text
+    assert text.endswith("</think>\nDONE") and last.reason is FinishReason.STOP
+
+
 def test_a_grammar_that_refuses_the_end_marker_fails_that_request_alone(runtime, tok):
     prompt = "Think first. "
     start, end = _markers(tok)

@@ -100,6 +100,10 @@ class OutputProcessor:
         o = s.out
         r = o.reasoning
         forced = r.forced_token() if r else None
+        if forced is not None and o.decoder.pending and o.constraint is not None and o.constraint.bias()[forced] < 0:
+            # the block's text stopped inside a character of several bytes, where the grammar takes no
+            # marker: sample its last bytes under the mask first (at most three steps), then close
+            forced = None
         if r is not None and forced is not None:
             if r.forced == 0:
                 log("reasoning_budget", request_id=s.req.request_id, seq=s.number, budget=r.budget)
