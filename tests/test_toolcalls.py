@@ -62,8 +62,9 @@ def test_detect_tool_format(tpl, fmt):
 def test_repo_templates_detect():
     import pathlib
     d = pathlib.Path(__file__).resolve().parents[1] / "worker" / "text" / "templates"
-    for f in d.glob("*.jinja"):
-        assert detect_tool_format(f.read_text()).name in ("hermes", "llama3", "mistral", "fenced")
+    found = {f.stem: detect_tool_format(f.read_text()).name for f in d.glob("*.jinja")}
+    assert set(found.values()) <= {"hermes", "llama3", "mistral", "dsml", "fenced"}
+    assert found["deepseek"] == "dsml" and found["chatml"] == "hermes"
 
 
 def test_ids():

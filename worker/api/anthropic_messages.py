@@ -2,15 +2,16 @@
 
 system: a string or text blocks. Messages may also carry role "system" (Claude Code sends some
 inside `messages`); they are passed to the chat template where they stand. Content blocks: text;
-tool_use and tool_result become the template's tool calls and tool messages; thinking blocks are
-dropped; images and documents are refused (text-only model). stop_sequences, temperature, top_p,
-top_k (the current SDK no longer offers temperature; absent, it is the API's default 1.0);
-max_tokens is clamped to the context (and may be left out). output_config.format (or the beta's
-top-level output_format) constrains the output to a JSON schema (structured.py). cache_control,
-metadata, output_config.effort and unknown fields are ignored: the prefix cache is automatic.
-tools / tool_choice and thinking ({type: enabled, budget_tokens}): see tool_plan.py; the output
-then holds thinking blocks, a text block and tool_use blocks (stop_reason tool_use), streamed as
-thinking_delta and input_json_delta.
+tool_use and tool_result become the template's tool calls and tool messages; an assistant's thinking
+blocks become its reasoning_content (templates that replay reasoning, DeepSeek's, read it); images
+and documents are refused (text-only model). stop_sequences, temperature, top_p, top_k (the current
+SDK no longer offers temperature; absent, it is the API's default 1.0); max_tokens is clamped to the
+context (and may be left out). output_config.format (or the beta's top-level output_format)
+constrains the output to a JSON schema (structured.py). cache_control, metadata,
+output_config.effort and unknown fields are ignored: the prefix cache is automatic. tools /
+tool_choice and thinking ({type: enabled, budget_tokens}): see tool_plan.py; the output then holds
+thinking blocks, a text block and tool_use blocks (stop_reason tool_use), streamed as thinking_delta
+and input_json_delta.
 
 Usage: input_tokens is the uncached part of the prompt, cache_read_input_tokens the part served
 from the prefix cache (so input + cache_read = the whole prompt), cache_creation_input_tokens 0.
@@ -73,7 +74,7 @@ class TextBlock(msgspec.Struct):
 
 class ThinkingBlock(msgspec.Struct):
     thinking: str
-    signature: str = ""  # nothing to sign: ember drops thinking blocks sent back to it
+    signature: str = ""  # nothing to sign: a thinking block sent back is taken as it is
     type: str = "thinking"
 
 
@@ -199,9 +200,12 @@ def template_messages(body: MessagesRequest) -> list[dict]:
         texts: list[str] = []
         calls: list[dict] = []
         results: list[dict] = []
+        thoughts: list[str] = []
         for j, block in enumerate(m.content):
             kind = block.get("type")
-            if kind == "text":
+            if kind == "thinking" and m.role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])  # the template decides whether prior reasoning is kept
+            elif kind == "text":
                 texts.append(_text_of([block], param))
             elif kind in ("image", "document"):
                 _text_of([block], param)  # raises the 400
@@ -211,12 +215,14 @@ def template_messages(body: MessagesRequest) -> list[dict]:
             elif kind == "tool_result":
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                 "content": _text_of(block.get("content"), f"{param}[{j}].content")})
-            # thinking, redacted_thinking, server tool blocks: nothing for the prompt
+            # redacted_thinking, server tool blocks: nothing for the prompt
         msgs.extend(results)
         if texts or calls or not results:
             d: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts or not calls else None}
             if calls:
                 d["tool_calls"] = calls
+            if thoughts:
+                d["reasoning_content"] = "\n".join(thoughts)
             msgs.append(d)
     return msgs
 

@@ -40,6 +40,7 @@ class ChatMessageIn(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, sent back (DeepSeek asks for it)
 
 
 class ChatRequest(common.SamplingFields, kw_only=True):
@@ -224,6 +225,8 @@ def template_messages(messages: list[ChatMessageIn]) -> list[dict]:
             d["tool_calls"] = calls
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content and m.role == "assistant":
+            d["reasoning_content"] = m.reasoning_content  # the template decides whether it is kept
         out.append(d)
     return out
 

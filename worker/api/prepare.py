@@ -88,8 +88,9 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
     if formats.channels is not None:  # Harmony: the effort becomes its reasoning level (low/medium/high)
         kwargs["reasoning_effort"] = ask.effort or effort_for_budget(ask.budget)
     elif r is not None:
-        if ask.disabled:
-            kwargs["enable_thinking"] = False  # Qwen 3 style templates then pre-close the block
+        # a thinking model thinks unless asked not to (as llama-server does): Qwen 3 style templates
+        # then leave the block to the model or pre-close it; DeepSeek's, off by default, open or close it
+        kwargs["enable_thinking"] = not ask.disabled
         if ask.effort and ask.effort != "none":
             kwargs["reasoning_effort"] = ask.effort
     text, prompt = await common.render_prompt(ctx, msgs, tools, param, bounded=bounded, **kwargs)

@@ -59,7 +59,8 @@ class ShapeSpec:
     n_ctx: int
     rope_base: float
     rms_eps: float
-    tokenizer: str  # "spm-llama" | "spm-gemma" | "bpe-qwen2" | "bpe-qwen3" | "bpe-llama3" | "bpe-gpt-oss"
+    # "spm-llama" | "spm-gemma" | "bpe-qwen2" | "bpe-qwen3" | "bpe-llama3" | "bpe-gpt-oss" | "bpe-deepseek4"
+    tokenizer: str
     tied: bool  # no output.weight: logits through token_embd
     sliding_window: int = 0  # gemma3: local attention window (5 local : 1 global layers)
     rope_base_swa: float | None = None  # gemma3: rope base of the local layers, written when set
@@ -143,7 +144,7 @@ SHAPES: dict[str, ShapeSpec] = {
                   mix="mxfp4", description="tiny gpt-oss test model: MXFP4 experts with biases, sinks, "
                   "window 16 on even layers, YaRN"),
         ShapeSpec("tiny-deepseek4", "deepseek4", n_vocab=768, n_embd=128, n_layer=4, n_head=4, n_head_kv=1,
-                  head_dim=64, n_ff=0, n_ctx=4096, rope_base=10000.0, rms_eps=1e-6, tokenizer="bpe-qwen2",
+                  head_dim=64, n_ff=0, n_ctx=4096, rope_base=10000.0, rms_eps=1e-6, tokenizer="bpe-deepseek4",
                   tied=False, sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=64, mix="q8_0",
                   dsv4=Dsv4Shape(q_lora_rank=64, n_rot=16, o_groups=2, o_lora_rank=32,
                                  compress_ratios=(0, 4, 128, 4), compress_rope_base=160000.0, indexer_heads=8,

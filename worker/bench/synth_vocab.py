@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from gguf import TokenType
 
+from ember.worker.text.chat_template import builtin_source
 from ember.worker.text.vocab_build import bytes_to_unicode
 
 from .synth_shapes import ShapeSpec, SynthError
@@ -217,6 +218,9 @@ _HARMONY_TEMPLATE = (
 _HARMONY_SPECIALS = {0: "<|startoftext|>", 1: "<|endoftext|>", 4: "<|return|>", 5: "<|constrain|>",
                      7: "<|channel|>", 8: "<|start|>", 9: "<|end|>", 10: "<|message|>", 14: "<|call|>"}
 _HARMONY_FIRST_SPECIAL = 199998
+# DeepSeek V4's: begin and end of sentence, the two turn markers (templates/deepseek.jinja), the think tags
+_DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                      "</think>")
 
 
 def _vocab_spm_llama(n_vocab: int) -> Vocab:
@@ -283,6 +287,9 @@ def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
         if kind == "bpe-qwen3":
             specials += ["<tool_call>", "</tool_call>", "<think>", "</think>"]
             special_types += [TokenType.USER_DEFINED] * 4
+    if kind == "bpe-deepseek4":  # DeepSeek V4's turn tokens and think tags (the DSML markup is text here)
+        specials = list(_DEEPSEEK_SPECIALS)
+        special_types = [TokenType.CONTROL] * 4 + [TokenType.USER_DEFINED] * 2
     n_regular = n_vocab - len(specials)
     merges = _bpe_merges(min(max(0, n_regular - 256), 4096))
     seen = set(tokens)
@@ -305,6 +312,9 @@ def _vocab_bpe(n_vocab: int, kind: str) -> Vocab:
         return Vocab("gpt2", "gpt-4o", tokens, types, None, merge_strs,
                      {"bos": first_special, "eos": first_special + 4, "pad": first_special + 1}, add_bos=False,
                      chat_template=_HARMONY_TEMPLATE)
+    if kind == "bpe-deepseek4":  # bos and eos as DeepSeek's; its template prints the bos itself
+        return Vocab("gpt2", "qwen2", tokens, types, None, merge_strs, {"bos": first_special, "eos": first_special + 1},
+                     add_bos=True, chat_template=builtin_source("deepseek"))
     return Vocab("gpt2", "qwen2", tokens, types, None, merge_strs,
                  {"bos": first_special, "eos": first_special + 2, "pad": first_special}, add_bos=False,
                  chat_template=_QWEN3_TEMPLATE if kind == "bpe-qwen3" else _CHATML)
@@ -315,7 +325,7 @@ def build_vocab(spec: ShapeSpec) -> Vocab:
         v = _vocab_spm_llama(spec.n_vocab)
     elif spec.tokenizer == "spm-gemma":
         v = _vocab_spm_gemma(spec.n_vocab)
-    elif spec.tokenizer in ("bpe-qwen2", "bpe-qwen3", "bpe-llama3", "bpe-gpt-oss"):
+    elif spec.tokenizer in ("bpe-qwen2", "bpe-qwen3", "bpe-llama3", "bpe-gpt-oss", "bpe-deepseek4"):
         v = _vocab_bpe(spec.n_vocab, spec.tokenizer)
     else:
         raise SynthError(f"unknown tokenizer kind {spec.tokenizer!r}")

@@ -5,13 +5,15 @@ jinja2's ImmutableSandboxedEnvironment with the environment HF's ``apply_chat_te
 ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, a no-op ``{% generation %}``
 block, ``raise_exception(msg)``, ``strftime_now(fmt)``, a ``tojson`` filter with HF's semantics
 (``json.dumps``, no HTML escaping, ``ensure_ascii=False``, optional ``indent``/``separators``/
-``sort_keys``) and the variables ``messages``, ``tools``, ``add_generation_prompt``,
+``sort_keys``), a ``from_json`` filter (llama.cpp's, which DeepSeek V3.2/V4 templates use to read string
+arguments) and the variables ``messages``, ``tools``, ``add_generation_prompt``,
 ``bos_token``/``eos_token`` (plus ``pad_token``/``unk_token`` when the vocabulary has them) and any
 extra keyword arguments (``enable_thinking``, ``reasoning_effort``...).
 
 A GGUF without a template (the embedded Gemma 3 270M has none) gets a built-in one chosen by its
-vocabulary and architecture: ``gemma`` (``<start_of_turn>``), ``llama3`` (header format) or
-``chatml`` (``<|im_start|>``, Qwen 2/3). They live in ``templates/*.jinja``.
+vocabulary and architecture: ``gemma`` (``<start_of_turn>``), ``llama3`` (header format),
+``chatml`` (``<|im_start|>``, Qwen 2/3) or ``deepseek`` (``<｜Assistant｜>``, DeepSeek V4 with DSML tool
+calls). They live in ``templates/*.jinja``.
 
 Every template failure (syntax error, ``raise_exception``, a sandbox violation, a type error
 inside the template) raises ``ChatTemplateError`` with a one-line message.
@@ -35,13 +37,14 @@ from ember.worker.text.tokenizer import Tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES"]
 
-BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml")
+BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml", "deepseek")
 
 # Architectures whose built-in template is known when the vocabulary does not tell.
 _ARCH_TEMPLATES = {
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "gemma-embedding": "gemma",
     "llama": "llama3", "llama4": "llama3",
     "qwen2": "chatml", "qwen3": "chatml", "qwen2moe": "chatml", "qwen3moe": "chatml", "qwen2vl": "chatml",
+    "deepseek4": "deepseek",
 }
 
 # Limits against templates that try to exhaust memory or CPU (the sandbox already caps range()).
@@ -105,6 +108,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 def _environment() -> jinja2.Environment:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = json.loads  # a ValueError on bad JSON is a ChatTemplateError (render)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -131,7 +135,8 @@ def builtin_source(name: str) -> str:
 def pick_builtin(arch: str, tokenizer: Tokenizer | None) -> str | None:
     """The built-in template for a model without one: by the turn tokens its vocabulary has, then by arch."""
     if tokenizer is not None:
-        turns = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"))
+        turns = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"),
+                 ("<｜Assistant｜>", "deepseek"))
         for token, name in turns:
             if tokenizer.id_of(token) is not None:
                 return name

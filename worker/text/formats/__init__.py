@@ -1,6 +1,6 @@
 """Tool-call and reasoning formats, one class each, resolved once per model (registry.py).
 
-A tool format (tool_format.py; hermes, llama3, mistral, fenced) owns its markers, its streaming
+A tool format (tool_format.py; hermes, llama3, mistral, dsml, fenced) owns its markers, its streaming
 parser, the grammar that forces a call in it, and how prior calls and results are written into a
 prompt. A reasoning format (reasoning.py) owns its markers, its splitter and the grammar for
 reasoning before a forced call. Harmony (harmony.py, gpt-oss) owns the whole turn: it renders the

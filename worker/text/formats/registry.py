@@ -21,6 +21,7 @@ from typing import Any
 from ember.worker.logs import log
 
 from ..harmony_vocab import HarmonyUnavailable, harmony_encoding
+from .dsml import Dsml
 from .fenced import FencedJson
 from .harmony import Harmony
 from .hermes import Hermes
@@ -30,7 +31,7 @@ from .mistral import Mistral
 from .reasoning import ReasoningFormat, detect, parse_override
 from .tool_format import ToolFormat
 
-TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Harmony, Hermes, Mistral, Llama3, FencedJson)
+TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Harmony, Dsml, Hermes, Mistral, Llama3, FencedJson)
 
 
 def tool_format(name: str) -> ToolFormat:
@@ -90,10 +91,7 @@ class ModelFormats:
         """Lark that forces one call of the named tools (schema JSON texts), or up to `more` more, in the
         model's format. reasoning_open: None (no reasoning), False (an optional reasoning block may
         come first), True (the prompt opened the block: the output starts inside it)."""
-        rules = [f"args{i}: %json{schema}" for i, (_, schema) in enumerate(schemas)]
-        tail = f" {lark_literal(self.tool.call_tail)}" if self.tool.call_tail else ""
-        rules.append("obj: " + " | ".join(f'{lark_literal(self.tool.call_head(name))} args{i}{tail}'
-                                          for i, (name, _) in enumerate(schemas)))
+        rules = self.tool.call_rules(schemas, self.term)
         call_rules, calls = self.tool.calls_lark(self.term, more)
         rules += call_rules
         if reasoning_open is None or self.reasoning is None:

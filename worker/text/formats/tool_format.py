@@ -3,7 +3,7 @@
 A format knows how a chat template shows it (`signals`), which of its markup may be single special
 tokens of the vocabulary (`markers`), how to parse it from a stream (`parser_class`), how to force
 it with a grammar (`calls_lark`, the Lark for one turn of calls), and how prior calls and results are
-written back into a prompt (`history`). To add a format (DeepSeek's DSML...): subclass ToolFormat in
+written back into a prompt (`history`). To add a format: subclass ToolFormat in
 a module of its own and list it in registry.TOOL_FORMATS, ahead of the fenced-JSON fallback. A
 format that owns the whole turn (harmony.py: it renders the prompt and parses reasoning too) is
 one such subclass that the registry and the API layer know by its type.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from .events import ParseResult, collect, openai_call_id
-from .lark import Term
+from .lark import Term, lark_literal
 from .tool_stream import ToolCallStreamParser
 
 
@@ -62,6 +62,16 @@ class ToolFormat:
     def call_head(self, name: str) -> str:
         """A forced call object up to its arguments."""
         return "{" + f'"name": {json.dumps(name, ensure_ascii=False)}, "{self.args_key}": '
+
+    def call_rules(self, schemas: list[tuple[str, str]], term: Term) -> list[str]:
+        """Lark rules that define `obj`: one call of one of the named tools (schema JSON texts), its
+        arguments held to the schema. The default is a JSON call object (call_head, the arguments,
+        call_tail); a format whose arguments are not one JSON value writes its own (dsml.py)."""
+        rules = [f"args{i}: %json{schema}" for i, (_, schema) in enumerate(schemas)]
+        tail = f" {lark_literal(self.call_tail)}" if self.call_tail else ""
+        rules.append("obj: " + " | ".join(f'{lark_literal(self.call_head(name))} args{i}{tail}'
+                                          for i, (name, _) in enumerate(schemas)))
+        return rules
 
     def calls_lark(self, term: Term, more: int) -> tuple[list[str], str]:
         """(rules, expression): Lark for one call, or up to `more` more, given a rule `obj` that
