@@ -136,6 +136,10 @@ class Speculator:
         st.index.sync(tokens, blocks)
         if decoding > self.max_batch or len(tokens) >= self.max_context or self.costs.wants_narrow:
             return []
+        if st.paused > 0 and st.steps >= TRUST_STEPS:  # nothing a draft says ends this pause: make none
+            st.paused -= 1
+            st.probe = st.paused == 0
+            return []
         k = min(self.k, self.max_context - len(tokens) - 1)
         draft, match = self._propose(st, k) if k > 0 else ([], 0)
         if st.paused > 0:
