@@ -329,7 +329,14 @@ def test_a_tool_loop_is_replayed_in_dsml(worker, openai_factory):
                                           {"type": "tool_use", "id": "tu_1", "name": "get_weather",
                                            "input": {"city": "Lima"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "20 C"}]}])
-    prompts = _prompts(worker)[-2:]
+    oa.responses.create(model="m", max_output_tokens=8, tools=[{"type": "function", "name": "get_weather",
+                                                                  "parameters": TOOL}], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Paris, then."}]},
+        {"type": "function_call", "call_id": "fc_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "fc_1", "output": "15 C"}])
+    prompts = _prompts(worker)[-3:]
     replay = ("<think>Use the tool.</think>\n\n" + _block(_invoke("get_weather", _param("city", "Oslo"),
                                                                   _param("days", "2", False))) +
               "<｜end▁of▁sentence｜><｜User｜><tool_result>3 C</tool_result><｜Assistant｜><think>")
@@ -337,3 +344,5 @@ def test_a_tool_loop_is_replayed_in_dsml(worker, openai_factory):
     lima = "<think>Lima, then.</think>\n\n" + _block(_invoke("get_weather", _param("city", "Lima")))
     result = "<｜end▁of▁sentence｜><｜User｜><tool_result>20 C</tool_result><｜Assistant｜><think>"
     assert prompts[1].endswith(lima + result)  # Anthropic's thinking block sent back is the turn's reasoning
+    paris = "<think>Paris, then.</think>\n\n" + _block(_invoke("get_weather", _param("city", "Paris")))
+    assert prompts[2].endswith(paris + result.replace("20 C", "15 C"))  # and so is a Responses reasoning item

@@ -2,8 +2,9 @@
 
 input: a string or a list of items: messages (role user/system/developer/assistant, content a
 string or input_text/output_text parts), function_call / function_call_output items (and the
-other *_call / *_call_output kinds, rendered as tool calls and tool results); reasoning items are
-skipped. tools (function tools) / tool_choice / parallel_tool_calls and reasoning.effort: see
+other *_call / *_call_output kinds, rendered as tool calls and tool results); a reasoning item's
+text is the reasoning_content of the assistant turn right after it (templates that replay reasoning,
+DeepSeek's, read it). tools (function tools) / tool_choice / parallel_tool_calls and reasoning.effort: see
 tool_plan.py and prepare.py; the output is then reasoning items, a message and function_call items,
 streamed with response.reasoning_text.delta and response.function_call_arguments.delta/.done events.
 instructions becomes a leading system message. max_output_tokens caps the output; when it is
@@ -228,6 +229,7 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
     if isinstance(body.input, str):
         msgs.append({"role": "user", "content": body.input})
         return msgs
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(body.input):
         param = f"input[{i}]"
         kind = item.get("type")
@@ -241,6 +243,7 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": flatten_content(content, f"{param}.content")})
         elif kind == "reasoning":
+            reasoning = reasoning_text(item)
             continue
         elif isinstance(kind, str) and kind.endswith("_call_output"):
             out = item.get("output")
@@ -262,9 +265,23 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
         else:
             raise bad_request(f"{param}: items of type {kind!r} are not supported", param=param,
                               code="unsupported_value")
+        if reasoning and msgs[-1]["role"] == "assistant":
+            msgs[-1]["reasoning_content"] = reasoning  # the template decides whether it is kept
+        reasoning = ""
     if not msgs:
         raise bad_request("input must not be empty", param="input")
     return msgs
+
+
+def reasoning_text(item: dict) -> str:
+    """A reasoning input item's text: its reasoning_text parts (as ember writes them), else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
 
 
 async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str) -> GenerationRequest:
