@@ -210,6 +210,31 @@ def test_the_synthetic_model_speaks_deepseek(tiny, formats):
     assert tok.decode(ids[1:], skip_special=False) == text
 
 
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "not-thinking"])
+def test_the_output_parser_splits_reasoning_answer_and_calls_token_by_token(tiny, formats, thinking):
+    from ember.worker.api.output_parser import OutputPlan
+    from ember.worker.text.formats.events import ReasoningDelta
+    from ember.worker.text.tokenizer import IncrementalDecoder
+
+    tok = tiny.tokenizer
+    prompt = tiny.template.render(ASK, tools=TOOLS, enable_thinking=thinking)
+    inside = formats.reasoning.starts_inside(prompt)
+    assert inside == thinking
+    out = ("Oslo, then.</think>" if thinking else "") + TWO_CALLS + "<｜end▁of▁sentence｜>"
+    plan = OutputPlan(formats.tool, formats.reasoning, inside, formats.marker_tokens)
+    p, dec = plan.parser(tok, id_factory=lambda: "c"), IncrementalDecoder(tok)
+    ids = tok.encode(out, add_special=False, parse_special=True)
+    pieces = [tok.token_piece(i) for i in ids]
+    assert any(b.decode("utf-8", "replace") != b.decode("utf-8", "ignore") for b in pieces)  # ｜ cut in bytes
+    events = []
+    for i in ids:  # one token per delta, as the engine streams (the end of sentence is hidden)
+        events += p.feed(dec.feed(i), [i])
+    events += p.finish()
+    r = collect(events)
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == ("Oslo, then." if thinking else "")
+    assert r.content == "Let me look that up." and _calls(r) == WANT
+
+
 @pytest.mark.parametrize("reasoning_open", [None, False, True], ids=["no-reasoning", "optional", "open"])
 def test_the_forced_call_grammar_takes_exactly_dsml(tiny, formats, reasoning_open):
     import llguidance
