@@ -17,8 +17,9 @@ from test_daemon_support import FAST, Ember, kill, to_toml
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path(os.environ.get("EMBER_LLAMA_SERVER") or ROOT / "build" / "llama.cpp" / "bin" / "llama-server")
 
-pytestmark = pytest.mark.skipif(not LLAMA_SERVER.is_file(),
-                                reason=f"no llama-server at {LLAMA_SERVER} (.ci/run builds it; or set EMBER_LLAMA_SERVER)")
+pytestmark = pytest.mark.skipif(
+    not LLAMA_SERVER.is_file(),
+    reason=f"no llama-server at {LLAMA_SERVER} (.ci/run builds it; or set EMBER_LLAMA_SERVER)")
 
 
 @pytest.fixture(scope="module")
