@@ -73,7 +73,7 @@ def test_tiny_reads_back_with_plan_and_metadata(arch, tiny_files):
         assert g.architecture == arch
         assert md[f"{arch}.context_length"] == s.n_ctx
         assert md[f"{arch}.embedding_length"] == s.n_embd
-        assert md[f"{arch}.block_count"] == s.n_layer
+        assert md[f"{arch}.block_count"] == s.n_layer + (1 if arch == "deepseek4" else 0)  # its next-token layer
         assert md[f"{arch}.feed_forward_length"] == s.n_ff
         assert md[f"{arch}.attention.head_count"] == s.n_head
         assert md[f"{arch}.attention.head_count_kv"] == s.n_head_kv

@@ -71,6 +71,7 @@ __all__ = [
     "q4_k_m_type",
     "resolve_shape",
     "run_make_model",
+    "write_model",
 ]
 
 
@@ -89,7 +90,7 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     w.add_uint32("ember.synthetic.seed", seed)
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + (s.dsv4.nextn_layers if s.dsv4 else 0))  # the next-token (MTP) layers count too
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
@@ -155,20 +156,23 @@ def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec) -> None:
     w.add_float32(f"{a}.expert_weights_scale", d.expert_weights_scale)
     w.add_bool(f"{a}.expert_weights_norm", True)
     w.add_uint32(f"{a}.expert_gating_func", 4)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
-    w.add_array(f"{a}.swiglu_clamp_exp", [d.swiglu_limit] * s.n_layer)
-    w.add_array(f"{a}.swiglu_clamp_shexp", [d.swiglu_limit] * s.n_layer)
+    n_all = s.n_layer + d.nextn_layers  # per-layer arrays cover the next-token (MTP) layers after the trunk
+    w.add_array(f"{a}.swiglu_clamp_exp", [d.swiglu_limit] * n_all)
+    w.add_array(f"{a}.swiglu_clamp_shexp", [d.swiglu_limit] * n_all)
     w.add_uint32(f"{a}.attention.indexer.head_count", d.indexer_heads)
     w.add_uint32(f"{a}.attention.indexer.key_length", d.indexer_dim)
     w.add_uint32(f"{a}.attention.indexer.top_k", d.indexer_top_k)
     w.add_uint32(f"{a}.attention.output_group_count", d.o_groups)
     w.add_uint32(f"{a}.attention.output_lora_rank", d.o_lora_rank)
-    w.add_array(f"{a}.attention.compress_ratios", list(d.compress_ratios))
+    w.add_array(f"{a}.attention.compress_ratios", [*d.compress_ratios, *[0] * d.nextn_layers])  # MTP: window only
     w.add_float32(f"{a}.attention.compress_rope_freq_base", d.compress_rope_base)
     w.add_uint32(f"{a}.hyper_connection.count", d.hc_mult)
     w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", d.hc_sinkhorn_iters)
     w.add_float32(f"{a}.hyper_connection.epsilon", d.hc_eps)
     w.add_uint32(f"{a}.hash_layer_count", d.hash_layers)
     w.add_uint32(f"{a}.embedding_length_out", s.n_embd * d.hc_mult)
+    if d.nextn_layers:
+        w.add_uint32(f"{a}.nextn_predict_layers", d.nextn_layers)
 
 
 def make_model(
@@ -184,7 +188,12 @@ def make_model(
     called with bytes of tensor data written so far. Raises SynthError for an unknown arch or shape
     or an unusable output path, OSError for failures while writing.
     """
-    spec = resolve_shape(arch, shape)
+    return write_model(resolve_shape(arch, shape), out, seed, progress)
+
+
+def write_model(spec: ShapeSpec, out: Path | str, seed: int = 0,
+                progress: Callable[[int, int], None] | None = None) -> Path:
+    """make_model for a ShapeSpec of one's own (a variant of a known shape, as a test needs)."""
     if not 0 <= seed < 2**32:
         raise SynthError(f"seed must be in 0..{2**32 - 1}, got {seed}")
     tensors = plan_spec(spec)

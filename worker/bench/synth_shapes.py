@@ -43,6 +43,9 @@ class Dsv4Shape:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    # next-token (MTP) layers after the trunk (DeepSeek V4 ships one): blocks n_layer.., each a window-only
+    # layer with a learned router plus the nextn tensors
+    nextn_layers: int = 1
 
 
 @dataclass(frozen=True)
@@ -269,15 +272,22 @@ def _tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]], lis
 def _dsv4_tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]],
                                                  list[list[tuple[str, tuple[int, ...]]]]]:
     """(global tensors, each layer's tensors) of a deepseek4 shape, as llama.cpp's loader creates them:
-    a layer's compressor and indexer tensors follow its compress ratio, its router its hash routing."""
+    a layer's compressor and indexer tensors follow its compress ratio, its router its hash routing. The
+    next-token (MTP) layers come after the trunk's: a window-only layer's attention (ratio 0: llama.cpp's
+    MTP graph attends over a plain windowed cache), a learned router's MoE (its graph routes by the
+    router alone), and the nextn tensors: eh_proj over each stream's [embedding, h], enorm, hnorm and
+    shared_head_norm (DeepSeek V4's converter writes no nextn.embed_tokens or shared_head_head: the
+    trunk's serve)."""
     d = s.dsv4
     assert d is not None
     e, hd, hc = s.n_embd, s.head_dim, d.hc_mult
     hc_dim, hc_mix = hc * e, (2 + hc) * hc
     glob = [("token_embd.weight", (e, s.n_vocab)), ("output_norm.weight", (e,)), ("output.weight", (e, s.n_vocab)),
             ("output_hc_fn.weight", (hc_dim, hc)), ("output_hc_base.weight", (hc,)), ("output_hc_scale.weight", (1,))]
+    nextn = [("nextn.eh_proj.weight", (2 * e, e)), ("nextn.enorm.weight", (e,)), ("nextn.hnorm.weight", (e,)),
+             ("nextn.shared_head_norm.weight", (e,))]
     layers = []
-    for il, ratio in enumerate(d.compress_ratios):
+    for il, ratio in enumerate([*d.compress_ratios, *[0] * d.nextn_layers]):
         t = [
             ("attn_norm.weight", (e,)), ("attn_sinks.weight", (s.n_head,)),
             ("attn_q_a.weight", (e, d.q_lora_rank)), ("attn_q_a_norm.weight", (d.q_lora_rank,)),
@@ -299,6 +309,8 @@ def _dsv4_tensor_shapes(s: ShapeSpec) -> tuple[list[tuple[str, tuple[int, ...]]]
             t.append(("ffn_gate_tid2eid.weight", (s.n_expert_used, s.n_vocab)))
         else:
             t.append(("exp_probs_b.bias", (s.n_expert,)))
+        if il >= len(d.compress_ratios):
+            t += nextn
         if ratio:
             coff = 2 if ratio == 4 else 1  # CSA's blocks overlap: two halves of every state row
             t += [("attn_compressor_kv.weight", (e, coff * hd)), ("attn_compressor_gate.weight", (e, coff * hd)),
