@@ -137,6 +137,10 @@ def test_the_heads_rows_and_drafts_are_a_fresh_pass_over_the_prefix(model):
     chain = head.draft(table, tokens[n - 1], n - 1, 3)
     assert chain[0] == int(np.argmax(fresh[n - 1])) and len(chain) == 3
     assert chain == head.draft(table, tokens[n - 1], n - 1, 3)  # drafting writes nothing to the pool
+    restored = NumpyBackend(cfg, w, n_blocks=12, block_size=bs, mtp=True)  # as the KV store restores blocks
+    restored.load_blocks(table, b.save_blocks(table).wait())
+    assert restored.hyper is not None and restored.hyper.mtp is not None
+    assert restored.hyper.mtp.draft(table, tokens[n - 1], n - 1, 3) == chain
 
 
 def test_a_model_without_the_layer_has_no_head(model):
@@ -241,7 +245,8 @@ MTP_SCRIPT = Path(__file__).resolve().parent / "oracle" / "mtp_logits.py"
 @pytest.mark.slow
 def test_the_head_is_llama_cpps_mtp_graph(tmp_path, monkeypatch):
     """Teacher-forced over 60 positions (past the window): llama.cpp's MTP context on the F32 copy of the
-    file, fed the trunk's h_nextn as its speculative drafter feeds it, against our head on the file.
+    file, fed the trunk's h_nextn as its speculative drafter feeds it, against our head on the file; then
+    a draft of three from the last position, each step on the layer's own streams, as that drafter makes it.
 
     The file is the tiny shape with 128-wide indexer keys: llama.cpp forces its Hadamard key rotation on
     deepseek4 caches whose head size equals the indexer's key length (the tiny shape's 64 and 64), and
@@ -281,6 +286,11 @@ def test_the_head_is_llama_cpps_mtp_graph(tmp_path, monkeypatch):
     assert corr(h, ref["h"]).min() >= 0.99999  # the streams it is fed: the trunk's h_nextn
     assert corr(ours, ref["mtp"]).min() >= 0.99999
     assert (ours.argmax(1) == ref["mtp"].argmax(1))[decided].all()
+    # a draft of three from the last position: each step fed the layer's own streams and its last guess
+    guesses, steps = hyper.mtp.chain([0, 1, 2, 3], tokens[-1], n - 1, len(ref["chain"]))
+    theirs = ref["chain"].argmax(1).tolist()
+    print(f"draft {guesses} (llama.cpp {theirs}), corr min {corr(steps, ref['chain']).min():.7f}")
+    assert guesses == theirs and corr(steps, ref["chain"]).min() >= 0.99999
 
 
 def test_a_worker_with_spec_mtp_answers_as_one_without(start_worker, openai_factory, tiny, tmp_path):

@@ -5,7 +5,8 @@ LLAMA_CONTEXT_TYPE_MTP); like gen_logit_fixtures.py it does NOT import ember. Th
 its MTP layer; a normal context decodes the tokens and hands back the trunk's logits and its output
 streams at every position (h_nextn, unmasked); an MTP context then decodes the same tokens, each
 paired with the trunk's streams at the position before it (zeros before the first), as
-common/speculative.cpp's MTP drafter feeds it, and hands back the layer's logits. KV caches in float32.
+common/speculative.cpp's MTP drafter feeds it, and hands back the layer's logits; then drafts CHAIN
+tokens from the last position on as that drafter does. KV caches in float32.
 
     mtp_logits.py MODEL.gguf OUT.npz 1,5,9,... [--f32]   # --f32: run on an F32 copy of MODEL
 """
@@ -24,6 +25,8 @@ from llama_cpp import llama_cpp_ext as X
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_logit_fixtures import write_f32_copy  # noqa: E402
+
+CHAIN = 3  # the draft's length from the last position
 
 
 def _context(model, kind: int):
@@ -73,8 +76,26 @@ def run(path: Path, tokens: list[int]) -> dict[str, np.ndarray]:
     if L.llama_decode(mtp_ctx, b) != 0:
         raise SystemExit("llama.cpp's MTP decode failed")
     mtp = np.ctypeslib.as_array(L.llama_get_logits(mtp_ctx), shape=(n, n_vocab)).copy()
+    # a draft from the last position on, as the drafter chains a single layer: each step's argmax at the
+    # next position, paired with the layer's own h_nextn of the step before
+    chain = []
+    h_row = np.ctypeslib.as_array(X.llama_get_embeddings_nextn(mtp_ctx), shape=(n, width))[-1].copy()
+    guess = int(np.argmax(mtp[-1]))
+    for step in range(CHAIN - 1):
+        b = L.llama_batch_init(1, 0, 1)
+        b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = guess, n + step, 1, 1
+        b.seq_id[0][0] = 0
+        b.n_tokens = 1
+        row = np.ascontiguousarray(h_row, np.float32)
+        b.embd = ctypes.cast((ctypes.c_float * width).from_buffer(row), ctypes.POINTER(ctypes.c_float))
+        if L.llama_decode(mtp_ctx, b) != 0:
+            raise SystemExit("llama.cpp's MTP draft step failed")
+        chain.append(np.ctypeslib.as_array(L.llama_get_logits(mtp_ctx), shape=(1, n_vocab))[0].copy())
+        h_row = np.ctypeslib.as_array(X.llama_get_embeddings_nextn(mtp_ctx), shape=(1, width))[0].copy()
+        guess = int(np.argmax(chain[-1]))
     return {"tokens": np.asarray(tokens), "trunk": trunk, "h": h, "mtp": mtp,
-            "n_layer_nextn": np.asarray(L.llama_model_n_layer_nextn(model))}
+            "n_layer_nextn": np.asarray(L.llama_model_n_layer_nextn(model)),
+            "chain": np.asarray([mtp[-1], *chain])}
 
 
 def main() -> int:

@@ -123,6 +123,10 @@ class MtpHead:
     def draft(self, block_table: list[int], token: int, at: int, k: int) -> list[int]:
         """k greedy guesses after `token` at position `at` (the trunk has computed every position before
         it): each step's output streams are the next step's h, and its key row joins the window's."""
+        return self.chain(block_table, token, at, k)[0]
+
+    def chain(self, block_table: list[int], token: int, at: int, k: int) -> tuple[list[int], np.ndarray]:
+        """draft's guesses, and the logits [k, vocab] each was the argmax of."""
         s, bs, hc, hidden = self.s, self.s.block_size, self.s.h.hc_mult, self.s.config.hidden
         rows = s.pool.reshape(-1, s.pool.shape[-1])
         table = np.asarray(block_table, np.int64)
@@ -133,10 +137,12 @@ class MtpHead:
         if at > 0:
             h[0] = rows[table[(at - 1) // bs] * bs + (at - 1) % bs, self.cols["h"]].reshape(hc, hidden)
         guesses: list[int] = []
+        logits = np.zeros((k, len(self.embd)), np.float32)
         for i in range(k):
             tokens, positions = np.array([token], np.int64), np.array([at + i])
             h, kv = self._block(self._input(h, tokens), tokens, positions, keys, kpos)
             keys, kpos = np.concatenate([keys, kv]), np.concatenate([kpos, positions])
-            token = int(np.argmax(self.logits(h)[0]))
+            logits[i] = self.logits(h)[0]
+            token = int(np.argmax(logits[i]))
             guesses.append(token)
-        return guesses
+        return guesses, logits
