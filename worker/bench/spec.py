@@ -147,7 +147,8 @@ def add_spec_parser(bsub) -> None:
                                      "identical greedy output against spec off")
     p.add_argument("--model", metavar="PATH", help="GGUF model (default: the embedded model)")
     p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
-    p.add_argument("--spec", choices=("ngram", "suffix"), default="suffix", help="the drafter (default suffix)")
+    p.add_argument("--spec", choices=("ngram", "suffix", "mtp"), default="suffix",
+                   help="the drafter (default suffix; mtp: the model's next-token layer, where it has one)")
     p.add_argument("--gen", type=int, default=128, help="greedy tokens a session (default 128)")
     p.add_argument("--lines", type=int, default=200, help="lines of the edited file (default 200)")
     p.add_argument("--sessions", nargs="+", choices=tuple(sessions(8)), help="only these sessions")
