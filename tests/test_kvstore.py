@@ -348,6 +348,32 @@ def _store_block_bytes(runtime):
     return int(np.prod(runtime.backend.read_block(0).shape)) * 4
 
 
+def test_a_restarted_store_times_its_disk_before_the_first_restore(runtime, tmp_path, capfd):
+    """The scan reads the newest files whole, checked as a restore reads them, and times it: the
+    disk tier's rate for a restarted worker's first warm admit, instead of a prior."""
+    empty = _store(runtime, tmp_path / "empty")
+    assert empty.scan_done.wait(10) and empty.take_disk_probe() is None  # nothing on disk: nothing measured
+    empty.close()
+    s1 = _store(runtime, tmp_path)
+    _run(runtime, s1)
+    assert s1.flush()
+    s1.close()
+    files = _files(tmp_path)
+    assert files
+    s2 = _store(runtime, tmp_path)
+    try:
+        assert s2.scan_done.wait(10)
+        probe = s2.take_disk_probe()
+        assert probe is not None
+        nbytes, seconds = probe
+        assert nbytes == sum(f.stat().st_size for f in files) and seconds > 0  # every file: far under PROBE_BYTES
+        assert s2.take_disk_probe() is None  # taken once
+        assert s2.stats.quarantined == 0
+    finally:
+        s2.close()
+    assert '"kv_disk_probe"' in capfd.readouterr().err
+
+
 def test_restore_or_recompute_whichever_measured_faster(runtime, tmp_path, capfd):
     from ember.worker.engine.restore_policy import RestoreCosts
 

@@ -158,6 +158,9 @@ class KVManager:
 
     def worth_restoring(self, s: Seq, tiers: list[str]) -> bool:
         """Restore the stored blocks, or compute them again: whichever this worker measured faster."""
+        probe = self.store.take_disk_probe()
+        if probe is not None:  # the scan's timed reads of this disk: the first disk rate, or one more
+            self.costs.observe_restore("disk", *probe)
         host = tiers.count("host") * self.store.block_bytes
         c = self.costs.choose(len(tiers) * self.bs, host, len(tiers) * self.store.block_bytes - host)
         self.metrics.restore_choices.labels("restore" if c.restore else "recompute").inc()

@@ -7,9 +7,11 @@ thousands of tokens a second); on a slow one (a DGX Spark at about 900 tok/s, th
 few hundred) reading wins by far. Both are measured by this worker as it runs (a fit of real
 prefill steps, step_costs.py, and a moving average of real restores) and kept beside the KV blocks
 (`rates.json`), so a restarted worker decides its first warm admits by them too; until the prefill
-cost is known, restoring is assumed to win, so the first restore measures it. Until a tier's
-bandwidth is measured, a conservative prior stands for it (block files are read one by one and
-checked, well below a disk's sequential rate). The engine logs each choice (`kv_restore_choice`).
+cost is known, restoring is assumed to win, so the first restore measures it. The disk's rate is
+measured at start too when the store holds files (its scan reads the newest whole, timed:
+KVStore.take_disk_probe); until a tier's bandwidth is measured, a conservative prior stands for
+it (block files are read one by one and checked, well below a disk's sequential rate). The engine
+logs each choice (`kv_restore_choice`).
 """
 
 from __future__ import annotations

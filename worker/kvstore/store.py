@@ -11,8 +11,9 @@ are not fsynced one by one: a file a power loss truncates or garbles fails its c
 quarantined, and its block is computed again; a KV block is a cache. A restarted worker finds its
 blocks by name: the path is derived from the chain hash, so lookups need no index. The index, built
 by a background scan of headers only, orders this store's files for eviction (LRU, leaves of a
-chain first). The directory itself, the disk budget shared with every other store on the KV dir,
-and quarantine are kvdir's.
+chain first); the scan then reads the newest files whole, timed, so the first restore-or-recompute
+choice of a restarted worker goes by this disk's measured rate. The directory itself, the disk
+budget shared with every other store on the KV dir, and quarantine are kvdir's.
 
 Nothing on disk can hurt the worker: every read is checked (see blockfile), a bad file is moved
 to quarantine, logged once, and treated as a miss, and an I/O error is a miss too, so the request
@@ -43,6 +44,7 @@ from . import blockfile
 from .kvdir import KVDir, layout_key
 
 EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
+PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this disk's restore rate
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
 
 
@@ -137,6 +139,9 @@ class KVStore:
         self._reader_dead = self._writer_dead = False
         self._stop = threading.Event()
         self.scan_done = threading.Event()
+        # (bytes, seconds) of the scan's timed reads of the newest files, read and checked as a
+        # restore reads them: the disk tier's rate before this worker has restored anything
+        self._disk_probe: tuple[int, float] | None = None
         if self.writable:
             try:
                 self.kvdir.open()
@@ -239,6 +244,12 @@ class KVStore:
             self._busy.update(hashes)
             self._reads.put(job)
         return job
+
+    def take_disk_probe(self) -> tuple[int, float] | None:
+        """The scan's timed reads (bytes, seconds), once; None before the scan measured any."""
+        with self._lock:
+            probe, self._disk_probe = self._disk_probe, None
+        return probe
 
     @property
     def write_queue_depth(self) -> int:
@@ -447,6 +458,10 @@ class KVStore:
                 payload = self._host.get(h)
             if payload is not None:
                 return payload
+        return self._read_file(h)
+
+    def _read_file(self, h: bytes) -> np.ndarray | None:
+        """Block `h`'s file, read and fully checked (a missing, unreadable or bad file: None)."""
         path = self.path_for(h)
         try:
             data = path.read_bytes()
@@ -461,6 +476,29 @@ class KVStore:
         except blockfile.BadBlockFile as e:
             self._quarantine(path, str(e))
             return None
+
+    def _probe(self) -> None:
+        """Time reading the newest files (up to PROBE_BYTES) as a restore reads them: the rate a
+        restarted worker's first warm admits are decided by, measured on this disk (and through
+        its page cache, as the restores will be) instead of assumed."""
+        with self._lock:
+            newest = sorted(self._index.items(), key=lambda kv: kv[1][1], reverse=True)
+        picked, total = [], 0
+        for h, (size, _) in newest:
+            if total >= PROBE_BYTES or self._stop.is_set():
+                break
+            picked.append((h, size))
+            total += size
+        if not picked:
+            return
+        t0 = time.monotonic()
+        got = sum(size for h, size in picked if self._read_file(h) is not None)
+        seconds = time.monotonic() - t0
+        if got and seconds > 0:
+            with self._lock:
+                self._disk_probe = (got, seconds)
+            log("kv_disk_probe", files=len(picked), bytes=got, seconds=round(seconds, 4),
+                bytes_per_s=round(got / seconds))
 
     def _scan(self) -> None:
         """Index the directory from headers only; quarantine what fails; then fit the budget."""
@@ -509,6 +547,7 @@ class KVStore:
                     _remove_dirs(doomed)
                 except OSError as e:
                     self._degrade(e)
+            self._probe()
         finally:
             self.scan_done.set()
 
