@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -75,6 +75,27 @@ def kv_slots(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> np.ndarr
         pos = np.arange(c.start, c.start + len(c.tokens))
         parts.append(np.asarray(c.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class StepRows(NamedTuple):
+    """A step's chunks stacked into one run of rows (see step_rows)."""
+
+    tokens: np.ndarray  # int64 [rows] every chunk's new tokens, chunk after chunk
+    positions: np.ndarray  # [rows] the position of each
+    spans: list[tuple[int, int]]  # per chunk, its rows [a, b)
+    slots: np.ndarray  # [rows] the pool slot each row's KV goes to (kv_slots)
+
+
+def step_rows(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> StepRows:
+    """The chunks' tokens, positions, row spans and KV slots, stacked once so that the numpy backends
+    index a step's rows the same way."""
+    spans, at = [], 0
+    for c in chunks:
+        spans.append((at, at + len(c.tokens)))
+        at += len(c.tokens)
+    return StepRows(tokens=np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks]),
+                    positions=np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks]),
+                    spans=spans, slots=kv_slots(chunks, block_size, n_blocks))
 
 
 class BlockCopy(Protocol):

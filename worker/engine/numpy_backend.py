@@ -17,7 +17,7 @@ from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.rope import inv_frequencies
 from ..model.weights import ModelWeights
-from .backend import Backend, Copied, Done, SampledToken, SeqChunk, kv_slots, present
+from .backend import Backend, Copied, Done, SampledToken, SeqChunk, present, step_rows
 from .numpy_hyper import HyperStack
 
 
@@ -85,13 +85,7 @@ class NumpyBackend(Backend):
         if self.hyper is not None:
             return self.hyper.logits(chunks)
         cfg, w, recipe = self.config, self.weights, self.config.recipe
-        tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
-        positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
-        spans, at = [], 0
-        for c in chunks:
-            spans.append((at, at + len(c.tokens)))
-            at += len(c.tokens)
-        slots = kv_slots(chunks, self.block_size, self.n_blocks)
+        tokens, positions, spans, slots = step_rows(chunks, self.block_size, self.n_blocks)
 
         x = np.asarray(w.token_embd[tokens], dtype=np.float32)
         if cfg.embed_scale != 1.0:

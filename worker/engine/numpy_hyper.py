@@ -25,7 +25,7 @@ from ember.kernels import reference as ops
 
 from ..model.config import HyperConfig, ModelConfig
 from ..model.weights import ModelWeights
-from .backend import SeqChunk, kv_slots
+from .backend import SeqChunk, step_rows
 
 if TYPE_CHECKING:
     from .numpy_mtp import MtpHead
@@ -184,13 +184,7 @@ class HyperStack:
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray | None]:
         cfg, h, w = self.config, self.h, self.w
         eps = cfg.norm_eps
-        tokens = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
-        positions = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
-        spans, at = [], 0
-        for c in chunks:
-            spans.append((at, at + len(c.tokens)))
-            at += len(c.tokens)
-        slots = kv_slots(chunks, self.block_size, self.n_blocks)
+        tokens, positions, spans, slots = step_rows(chunks, self.block_size, self.n_blocks)
         rows = self.pool.reshape(-1, self.pool.shape[-1])
 
         x = np.repeat(np.asarray(w["token_embd.weight"][tokens], np.float32)[:, None, :], h.hc_mult, axis=1)
