@@ -7,7 +7,12 @@ chain, and through the engine greedy output is the same with and without drafts:
 (its random head guesses badly) and on a head made to agree with the trunk (every guess stands, and
 with the trunk's layers partly on, guesses are refused and the head's rows written over: its drafts
 are still those of a fresh pass over the accepted tokens). A model without the layer is refused in
-one line. And the head computes what llama.cpp's own MTP graph computes (opt-in, with llama-cpp-python)."""
+one line. And the head computes what llama.cpp's own MTP graph computes (opt-in, with llama-cpp-python).
+
+`--spec mtp:PATH` reads the layer from its own file, the pair llama.cpp's converter writes with --no-mtp
+and --mtp (`make-model --mtp-out`): the pair is the whole file split, drafts as it does, a layer file's own
+embedding, output and hyper-connection head are the ones its head reads, and every way a pair can
+disagree is refused in one line."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from ember.worker.bench.synth import MTP as MTP_PART
 from ember.worker.bench.synth import make_model, plan, resolve_shape, write_model
 from ember.worker.engine.backend import SeqChunk
 from ember.worker.engine.mtp_drafter import MtpDrafter
@@ -33,6 +39,7 @@ from ember.worker.metrics import Metrics
 from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.loader import open_model
+from ember.worker.model.mtp_file import GLOBALS, OWN, check_pair, open_mtp_file
 from ember.worker.model.weights import load_weights
 
 SPEC = resolve_shape("deepseek4", "tiny")
@@ -312,3 +319,154 @@ def test_a_worker_with_spec_mtp_answers_as_one_without(start_worker, openai_fact
         assert (float(drafted[0].split()[-1]) > 0) == (spec == "mtp")
         assert w.stop(timeout=30) == 0
     assert answers["mtp"] == answers["off"] and answers["off"][0] == answers["off"][1] and answers["off"][0]
+
+
+# -- the layer in its own file (--spec mtp:PATH) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("pair")
+    return make_model("deepseek4", "tiny", d / "trunk.gguf", mtp_out=d / "mtp-tiny.gguf"), d / "mtp-tiny.gguf"
+
+
+def test_the_pair_is_the_whole_file_split_as_llama_cpps_converter_splits_it(tiny, pair):
+    """--no-mtp: the trunk's tensors and no nextn_predict_layers; --mtp: the layer's block, the model-level
+    tensors its graph reads from its own model, and the keys that place the layer after the trunk."""
+    files = [GGUFFile(p) for p in (tiny, *pair)]
+    whole, trunk, layer = files
+    try:
+        block = {n for n in whole.tensors if n.startswith(f"blk.{MTP}.")}
+        assert set(trunk.tensors) == set(whole.tensors) - block
+        assert set(layer.tensors) == block | set(GLOBALS)
+        for g in (trunk, layer):
+            assert all(np.array_equal(g.raw(n), whole.raw(n)) for n in g.tensors)
+        tmd, lmd = trunk.metadata, layer.metadata
+        assert tmd["deepseek4.block_count"] == SPEC.n_layer and "deepseek4.nextn_predict_layers" not in tmd
+        assert len(tmd["deepseek4.swiglu_clamp_exp"]) == SPEC.n_layer
+        assert lmd["general.architecture"] == "deepseek4" and lmd["deepseek4.block_count"] == SPEC.n_layer + 1
+        assert lmd["deepseek4.nextn_predict_layers"] == 1
+        assert len(lmd["deepseek4.swiglu_clamp_shexp"]) == SPEC.n_layer + 1
+        for md in (tmd, lmd):  # the checkpoint's ratios, the layer's included
+            assert list(md["deepseek4.attention.compress_ratios"]) == [*D4.compress_ratios, 0]
+        assert read_config(trunk).hyper.nextn_layers == 0
+    finally:
+        for g in files:
+            g.close()
+
+
+def test_spec_mtp_path_drafts_as_the_whole_file_does(model, pair):
+    m, w = model
+    trunk = open_model(str(pair[0]))
+    layer = open_mtp_file(pair[1], trunk)
+    assert layer.config == m.config  # the trunk's config with the layer: the whole file's
+    weights = layer.attach(load_weights(trunk.gguf, trunk.config))
+    assert set(weights.by_name) == set(w.by_name)  # the layer file's model-level tensors are the trunk's bytes
+    tokens = [int(t) for t in np.random.default_rng(4).integers(3, 700, 40)]
+    drafts = []
+    for cfg, wts in ((m.config, w), (layer.config, weights)):
+        b = NumpyBackend(cfg, wts, n_blocks=4, block_size=16, mtp=True)
+        b.forward([SeqChunk(np.asarray(tokens[:-1], np.int32), 0, [0, 1, 2, 3], "none")])
+        assert b.hyper is not None and b.hyper.mtp is not None
+        drafts.append(b.hyper.mtp.chain([0, 1, 2, 3], tokens[-1], len(tokens) - 1, 3))
+    assert drafts[0][0] == drafts[1][0]
+    np.testing.assert_array_equal(drafts[0][1], drafts[1][1])
+    assert trunk.fingerprint != dataclasses.replace(trunk, mtp_gguf=layer.gguf).fingerprint  # its KV blocks apart
+
+
+def test_a_layer_files_own_embedding_output_and_head_are_read(model, pair, tmp_path):
+    """A layer file whose model-level tensors are not the trunk's (another seed): they join as mtp.* and the
+    head reads them, as llama.cpp's MTP graph reads the model it runs on; its logits are HyperStack.head's
+    mix over them."""
+    m, _ = model
+    trunk = open_model(str(pair[0]))
+    own = open_mtp_file(write_model(SPEC, tmp_path / "mtp-7.gguf", seed=7, part=MTP_PART), trunk)
+    weights = own.attach(load_weights(trunk.gguf, trunk.config))
+    assert {n for n in weights.by_name if n.startswith(OWN)} == {OWN + n for n in GLOBALS}
+    b = NumpyBackend(own.config, weights, n_blocks=2, block_size=16, mtp=True)
+    assert b.hyper is not None and b.hyper.mtp is not None
+    head = b.hyper.mtp
+    assert head.embd is weights.by_name[OWN + "token_embd.weight"] and head.head_out == OWN + "output.weight"
+    assert head.head_norm == f"blk.{MTP}.nextn.shared_head_norm.weight"
+    streams = np.random.default_rng(0).standard_normal((3, D4.hc_mult, SPEC.n_embd)).astype(np.float32)
+    by = dict(weights.by_name) | {n: weights.by_name[OWN + n] for n in GLOBALS}  # the layer file's in their place
+    theirs = NumpyBackend(own.config, dataclasses.replace(weights, by_name=by), n_blocks=2, block_size=16).hyper
+    assert theirs is not None
+    np.testing.assert_allclose(head.logits(streams), theirs.head(streams, head.head_norm), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(head.logits(streams), b.hyper.head(streams, head.head_norm), atol=1e-3)
+
+
+def _set(key, value):
+    def change(g):
+        g.metadata[key] = value
+    return change
+
+
+def _drop(name):
+    def change(g):
+        del g.tensors[name]
+    return change
+
+
+def _reshape(name):
+    def change(g):
+        g.tensors[name] = dataclasses.replace(g.tensors[name], shape=(SPEC.n_embd, 7))
+    return change
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_set("general.architecture", "qwen3moe"), "architecture qwen3moe, the model's is deepseek4"),
+    (_set("deepseek4.nextn_predict_layers", 0), r"no next-token layer \(deepseek4.nextn_predict_layers is 0\)"),
+    (_set("deepseek4.block_count", SPEC.n_layer + 2), f"follows {SPEC.n_layer + 1} trunk layers, trunk.gguf has 4"),
+    (_set("deepseek4.embedding_length", 256), "deepseek4.embedding_length is 256, trunk.gguf's is 128"),
+    (_set("deepseek4.hyper_connection.count", 2), "deepseek4.hyper_connection.count is 2"),
+    (_set("tokenizer.ggml.tokens", ["a", "b"]), r"its vocabulary \(2 tokens\) is not trunk.gguf's"),
+    (_drop(f"blk.{MTP}.nextn.hnorm.weight"), f"missing tensor blk.{MTP}.nextn.hnorm.weight"),
+    (_drop("output_hc_fn.weight"), "missing tensor output_hc_fn.weight"),
+    (_reshape(f"blk.{MTP}.attn_kv.weight"), rf"tensor blk.{MTP}.attn_kv.weight has shape \[128, 7\], blk.0.attn_kv"),
+    (_set("deepseek4.attention.compress_ratios", [*D4.compress_ratios, 4]), "compress ratio is 4 \\(supported: 0\\)"),
+])
+def test_a_layer_file_that_does_not_fit_the_trunk_is_refused_in_one_line(pair, change, message):
+    trunk = open_model(str(pair[0]))
+    g = GGUFFile(pair[1])
+    change(g)  # as a file saying so would read
+    with pytest.raises(ModelFileError, match=message) as e:
+        check_pair(g, trunk)
+    assert "\n" not in str(e.value) and str(e.value).startswith(str(pair[1]))
+
+
+def test_a_layer_file_beside_a_model_that_cannot_take_it_is_refused(tiny, pair):
+    trunk = open_model(str(pair[0]))
+    dense = dataclasses.replace(trunk, config=msgspec.structs.replace(trunk.config, arch="qwen3", hyper=None))
+    for model, message in ((open_model(str(tiny)), "tiny.gguf carries its own next-token layer; use --spec mtp"),
+                           (dense, "a next-token layer file needs a deepseek4 model; trunk.gguf is qwen3")):
+        with pytest.raises(ModelFileError, match=message):
+            open_mtp_file(pair[1], model)
+
+
+def test_a_worker_with_spec_mtp_path_answers_as_one_without(start_worker, openai_factory, pair, tmp_path):
+    import httpx
+
+    prompt = "Repeat after me: " + " ".join(f"w{i}" for i in range(30))
+    answers = {}
+    for spec in ("off", f"mtp:{pair[1]}"):
+        w = start_worker("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "32MiB", "--spec", spec, model=pair[0])
+        got = openai_factory(w).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        answers[spec[:3]] = got.choices[0].text
+        metrics = httpx.get(w.url + "/metrics", headers={"Authorization": f"Bearer {w.api_key}"}).text
+        drafted = [line for line in metrics.splitlines() if line.startswith("ember_spec_drafted_tokens_total")]
+        assert (float(drafted[0].split()[-1]) > 0) == (spec != "off")
+        assert w.stop(timeout=30) == 0
+    assert answers["mtp"] == answers["off"] and answers["off"]
+
+
+def test_spec_mtp_path_with_a_file_of_another_model_is_refused_in_one_line(worker_env, pair, default_model_path):
+    from test_daemon_support import free_port
+
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(free_port()), "--model",
+                        str(pair[0]), "--spec", f"mtp:{default_model_path}"], env=worker_env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 78 and "Traceback" not in p.stderr
+    (err,) = [e for e in map(json.loads, filter(lambda x: x.startswith("{"), p.stderr.splitlines()))
+              if e["event"] == "config_error"]
+    assert "architecture gemma3, the model's is deepseek4" in err["error"] and "\n" not in err["error"]

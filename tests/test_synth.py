@@ -295,12 +295,19 @@ def test_cli_writes_model_and_prints_sha(tmp_path, capsys):
     assert "writing" in captured.err and "100%" in captured.err
 
 
+def test_cli_writes_the_split_pair_and_prints_both_shas(tmp_path, capsys):
+    out, mtp = tmp_path / "trunk.gguf", tmp_path / "mtp-tiny.gguf"
+    assert _cli(["make-model", "--arch", "deepseek4", "--shape", "tiny", "--out", str(out), "--mtp-out", str(mtp)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{out}  sha256 {sha256(out)}", f"{mtp}  sha256 {sha256(mtp)}"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--arch", "mamba", "--shape", "tiny"], "unknown arch"),
         (["--arch", "llama", "--shape", "70b"], "unknown shape"),
         (["--arch", "llama", "--shape", "tiny", "--seed", "-1"], "seed"),
+        (["--arch", "llama", "--shape", "tiny", "--mtp-out", "mtp.gguf"], "no next-token (MTP) layer to split off"),
     ],
 )
 def test_cli_bad_request_is_one_line_exit_2(argv, message, tmp_path, capsys):

@@ -117,8 +117,9 @@ HELP = {
     "loop_guard_repeats": "back-to-back copies of a block (1-64 tokens) that count as a loop (default 8)",
     "loop_guard_min_span": "and the copies must span at least this many tokens (default 128)",
     "spec": "speculative decoding: off (default), ngram (prompt lookup), suffix (longest match in the sequence "
-            "and recent outputs, adaptive length), draft:PATH (a small GGUF with the model's vocabulary) or mtp "
-            "(the model's own next-token layer, where the GGUF has one: DeepSeek V4's nextn)",
+            "and recent outputs, adaptive length), draft:PATH (a small GGUF with the model's vocabulary), mtp "
+            "(the model's own next-token layer, where the GGUF has one: DeepSeek V4's nextn) or mtp:PATH (that "
+            "layer from its own GGUF, as llama.cpp's converter writes it with --mtp)",
     "spec_k": "the longest draft, in tokens (default 8)",
     "spec_max_batch": "no drafts when more sequences than this decode together (default 8)",
     "spec_max_context": "no drafts past this many tokens of context (default 32768)",
@@ -230,9 +231,13 @@ def validate(cfg: WorkerConfig) -> None:
     if cfg.spec.startswith("draft:"):
         if not Path(cfg.spec[6:]).expanduser().is_file():
             raise ConfigError(f"spec: the draft model {cfg.spec[6:]!r} is not a file")
+    elif cfg.spec.startswith("mtp:"):
+        if not Path(cfg.spec[4:]).expanduser().is_file():
+            raise ConfigError(f"spec: the next-token layer file {cfg.spec[4:]!r} is not a file")
     elif cfg.spec not in ("off", "ngram", "suffix", "mtp"):
-        raise ConfigError(f"spec: {cfg.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp)")
-    if cfg.spec == "mtp" and cfg.backend != "numpy":
+        raise ConfigError(f"spec: {cfg.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, "
+                          "mtp:PATH)")
+    if (cfg.spec == "mtp" or cfg.spec.startswith("mtp:")) and cfg.backend != "numpy":
         raise ConfigError("spec: mtp runs on the numpy backend only (the CUDA backend has no next-token layer yet)")
     if not 1 <= cfg.spec_k <= 64:
         raise ConfigError("spec_k: must be between 1 and 64 tokens")

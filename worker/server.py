@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -70,7 +71,13 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .model.weights import load_weights
 
     model = open_model(cfg.model)
-    mtp = cfg.spec == "mtp"
+    mtp_file = None
+    if cfg.spec.startswith("mtp:"):  # the layer from its own file: the model is the trunk and that layer
+        from .model.mtp_file import open_mtp_file
+
+        mtp_file = open_mtp_file(cfg.spec[4:], model)
+        model = dataclasses.replace(model, config=mtp_file.config, mtp_gguf=mtp_file.gguf)
+    mtp = cfg.spec == "mtp" or mtp_file is not None
     if mtp and not (model.config.hyper is not None and model.config.hyper.nextn_layers):
         raise worker_config.ConfigError(f"spec: mtp needs a model with a next-token (MTP) layer; {model.path.name} "
                                         "has none (try suffix or ngram)")
@@ -103,6 +110,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     else:
         assert n_blocks is not None
         weights = load_weights(model.gguf, model.config)
+        if mtp_file is not None:
+            weights = mtp_file.attach(weights)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
         if mtp:
             from .engine.mtp_drafter import MtpDrafter

@@ -72,14 +72,45 @@ __all__ = [
     "resolve_shape",
     "run_make_model",
     "write_model",
+    "WHOLE",
+    "TRUNK",
+    "MTP",
 ]
 
 
 # -- writing --------------------------------------------------------------------------------------
 
 
-def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
+# what write_model writes of a deepseek4 shape, as llama.cpp's converter splits DeepSeek V4
+# (conversion/deepseek.py, DeepseekV4Model): WHOLE, trunk and next-token (MTP) layer in one file (what
+# llama.cpp's loader reads with load_mtp); TRUNK, the file without the layer (the converter's default and
+# --no-mtp: no nextn_predict_layers, block_count the trunk's); MTP, the layer alone (its --mtp,
+# "mtp-NAME.gguf": the layer's block, nextn_predict_layers and block_count over trunk and layer, and the
+# model-level tensors its graph reads from its own model: token_embd, output_norm, output and a
+# hyper-connection head, which the converter takes from the checkpoint's mtp.0.hc_head_*; here they are
+# the trunk's bytes, so the pair computes as the whole file does)
+WHOLE, TRUNK, MTP = "whole", "trunk", "mtp"
+_MTP_GLOBALS = ("token_embd.weight", "output_norm.weight", "output.weight", "output_hc_fn.weight",
+                "output_hc_base.weight", "output_hc_scale.weight")
+
+
+def _part_tensors(spec: ShapeSpec, part: str) -> list[PlannedTensor]:
+    tensors = plan_spec(spec)
+    if part == WHOLE:
+        return tensors
+    if spec.dsv4 is None or not spec.dsv4.nextn_layers:
+        raise SynthError(f"{spec.name} has no next-token (MTP) layer to split off")
+    layer = tuple(f"blk.{il}." for il in range(spec.n_layer, spec.n_layer + spec.dsv4.nextn_layers))
+    if part == TRUNK:
+        return [t for t in tensors if not t.name.startswith(layer)]
+    if part == MTP:
+        return [t for t in tensors if t.name.startswith(layer) or t.name in _MTP_GLOBALS]
+    raise SynthError(f"unknown part {part!r} (whole, trunk or mtp)")
+
+
+def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int, part: str = WHOLE) -> None:
     a = s.arch
+    nextn = s.dsv4.nextn_layers if s.dsv4 and part != TRUNK else 0
     w.add_type("model")
     w.add_name(f"ember synthetic {s.name}")
     w.add_description(f"random weights in the shape of {s.description or s.name}; "
@@ -90,7 +121,7 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     w.add_uint32("ember.synthetic.seed", seed)
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer + (s.dsv4.nextn_layers if s.dsv4 else 0))  # the next-token (MTP) layers count too
+    w.add_block_count(s.n_layer + nextn)  # the next-token (MTP) layers count too
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
@@ -118,7 +149,7 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     if s.rope_base_swa is not None:
         w.add_rope_freq_base_swa(s.rope_base_swa)
     if s.dsv4 is not None:
-        _add_dsv4_metadata(w, s)
+        _add_dsv4_metadata(w, s, nextn)
     # tokenizer
     w.add_tokenizer_model(v.model)
     if v.pre:
@@ -146,8 +177,10 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int) -> None:
     w.add_file_type(int(LlamaFileType.MOSTLY_Q8_0 if s.mix == "q8_0" else LlamaFileType.MOSTLY_Q4_K_M))
 
 
-def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec) -> None:
-    """deepseek4's keys beyond a transformer's, as llama.cpp's converter writes them."""
+def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec, nextn: int) -> None:
+    """deepseek4's keys beyond a transformer's, as llama.cpp's converter writes them (nextn: the file's
+    next-token layers; the compress ratios cover them whether the file holds them or not, as the
+    checkpoint's config lists them)."""
     d, a = s.dsv4, s.arch
     assert d is not None
     w.add_rope_dimension_count(d.n_rot)
@@ -156,7 +189,7 @@ def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec) -> None:
     w.add_float32(f"{a}.expert_weights_scale", d.expert_weights_scale)
     w.add_bool(f"{a}.expert_weights_norm", True)
     w.add_uint32(f"{a}.expert_gating_func", 4)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
-    n_all = s.n_layer + d.nextn_layers  # per-layer arrays cover the next-token (MTP) layers after the trunk
+    n_all = s.n_layer + nextn  # per-layer arrays cover the next-token (MTP) layers after the trunk
     w.add_array(f"{a}.swiglu_clamp_exp", [d.swiglu_limit] * n_all)
     w.add_array(f"{a}.swiglu_clamp_shexp", [d.swiglu_limit] * n_all)
     w.add_uint32(f"{a}.attention.indexer.head_count", d.indexer_heads)
@@ -171,8 +204,8 @@ def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec) -> None:
     w.add_float32(f"{a}.hyper_connection.epsilon", d.hc_eps)
     w.add_uint32(f"{a}.hash_layer_count", d.hash_layers)
     w.add_uint32(f"{a}.embedding_length_out", s.n_embd * d.hc_mult)
-    if d.nextn_layers:
-        w.add_uint32(f"{a}.nextn_predict_layers", d.nextn_layers)
+    if nextn:
+        w.add_uint32(f"{a}.nextn_predict_layers", nextn)
 
 
 def make_model(
@@ -181,22 +214,32 @@ def make_model(
     out: Path | str,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    mtp_out: Path | str | None = None,
 ) -> Path:
     """Write a synthetic GGUF model of `arch`/`shape` to `out`; returns the path.
 
     The file appears atomically (written to `out`.part, then renamed). `progress(done, total)` is
-    called with bytes of tensor data written so far. Raises SynthError for an unknown arch or shape
-    or an unusable output path, OSError for failures while writing.
+    called with bytes of tensor data written so far. mtp_out: write the next-token (MTP) layer there
+    and the trunk alone to `out`, the pair llama.cpp's converter writes with --mtp and --no-mtp. Raises
+    SynthError for an unknown arch or shape or an unusable output path, OSError for failures while
+    writing.
     """
-    return write_model(resolve_shape(arch, shape), out, seed, progress)
+    spec = resolve_shape(arch, shape)
+    if mtp_out is None:
+        return write_model(spec, out, seed, progress)
+    _part_tensors(spec, MTP)  # a shape without the layer is refused before anything is written
+    write_model(spec, mtp_out, seed, progress, part=MTP)
+    return write_model(spec, out, seed, progress, part=TRUNK)
 
 
 def write_model(spec: ShapeSpec, out: Path | str, seed: int = 0,
-                progress: Callable[[int, int], None] | None = None) -> Path:
-    """make_model for a ShapeSpec of one's own (a variant of a known shape, as a test needs)."""
+                progress: Callable[[int, int], None] | None = None, part: str = WHOLE) -> Path:
+    """make_model for a ShapeSpec of one's own (a variant of a known shape, as a test needs); part: WHOLE,
+    TRUNK or MTP (a deepseek4 shape's file without its next-token layer, or that layer's own file).
+    Every tensor's bytes are the same in each part (drawn by name and seed)."""
     if not 0 <= seed < 2**32:
         raise SynthError(f"seed must be in 0..{2**32 - 1}, got {seed}")
-    tensors = plan_spec(spec)
+    tensors = _part_tensors(spec, part)
     out = Path(out)
     if out.is_dir():
         raise SynthError(f"{out} is a directory; give a file name such as {out / (spec.name + '.gguf')}")
@@ -214,7 +257,7 @@ def write_model(spec: ShapeSpec, out: Path | str, seed: int = 0,
     tmp = out.with_name(out.name + ".part")
     writer = GGUFWriter(tmp, spec.arch)
     try:
-        _add_metadata(writer, spec, vocab, seed)
+        _add_metadata(writer, spec, vocab, seed, part)
         for t in tensors:
             writer.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.nbytes,
                                    raw_dtype=t.ggml_type)
@@ -293,7 +336,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     """Handler of `make-model`: returns the exit code (0 done, 2 bad request or write failure)."""
     out = Path(args.out)
     try:
-        path = make_model(args.arch, args.shape, out, seed=args.seed, progress=_Progress(out))
+        mtp_out = Path(args.mtp_out) if args.mtp_out else None
+        path = make_model(args.arch, args.shape, out, seed=args.seed, progress=_Progress(out), mtp_out=mtp_out)
     except SynthError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
@@ -303,7 +347,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("make-model: interrupted", file=sys.stderr)
         return 130
-    print(f"{path}  sha256 {_sha256(path)}")
+    for written in (path, mtp_out) if mtp_out else (path,):
+        print(f"{written}  sha256 {_sha256(written)}")
     return 0
 
 
@@ -319,6 +364,9 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, help=f"architecture: {', '.join(ARCHS)}")
     p.add_argument("--shape", required=True, help=f"shape: {shapes}")
     p.add_argument("--out", required=True, help="output .gguf file (replaced if it exists)")
+    p.add_argument("--mtp-out", metavar="PATH",
+                   help="deepseek4: write the next-token (MTP) layer to PATH and the trunk alone to --out, as "
+                        "llama.cpp's converter splits it (--mtp, --no-mtp); serve the pair with --spec mtp:PATH")
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same file (default 0)")
     p.set_defaults(func=run_make_model)
     return p

@@ -6,9 +6,12 @@ token after next. At position p it takes the trunk's output streams at p - 1 (h,
 nextn.hnorm) and the embedding of the token at p (normed by nextn.enorm, the same for every stream),
 projects each stream's [embedding, h] through nextn.eh_proj, and runs one block as the trunk runs its
 own: hyper-connections, an attention over the sliding window only (with sinks), learned routing with
-the shared expert. The trunk's head (its hyper-connection mix, then nextn.shared_head_norm and
+the shared expert. The model's head (its hyper-connection mix, then nextn.shared_head_norm and
 nextn.shared_head_head where the file has them, else the output norm and matrix) gives its logits,
-and its output streams stand in for the trunk's h at the next step of a longer draft.
+and its output streams stand in for the trunk's h at the next step of a longer draft. A layer read from
+its own file (--spec mtp:PATH, model/mtp_file.py) brings that file's embedding, output norm and matrix
+and hyper-connection head, under "mtp." names where they are not the trunk's: llama.cpp's MTP graph
+reads them from the model it runs on, which is then that file.
 
 Its attention reads this layer's key rows over the window. The trunk's forward pass writes them into
 the pool with every position it computes (HyperStack.columns[n_layers]: at position p the layer's key
@@ -26,6 +29,7 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
+from ..model.mtp_file import OWN
 from .backend import SeqChunk
 from .numpy_hyper import attend, hc_merge, hc_mix
 
@@ -43,11 +47,15 @@ class MtpHead:
         self.s, self.li = stack, cfg.n_layers
         self.cols = stack.columns[cfg.n_layers]
         w, nextn = stack.w, f"blk.{cfg.n_layers}.nextn."
-        self.embd = w.get(nextn + "embed_tokens.weight", w["token_embd.weight"])
-        self.head_norm = nextn + "shared_head_norm.weight" if nextn + "shared_head_norm.weight" in w \
-            else "output_norm.weight"
-        self.head_out = nextn + "shared_head_head.weight" if nextn + "shared_head_head.weight" in w \
-            else "output.weight"
+
+        def pick(*names: str) -> str:  # the first the weights hold (the last always is)
+            return next(n for n in names if n in w)
+
+        self.embd = w[pick(nextn + "embed_tokens.weight", OWN + "token_embd.weight", "token_embd.weight")]
+        self.head_norm = pick(nextn + "shared_head_norm.weight", OWN + "output_norm.weight", "output_norm.weight")
+        self.head_out = pick(nextn + "shared_head_head.weight", OWN + "output.weight", "output.weight")
+        self.hc_head = tuple(pick(OWN + n, n) for n in ("output_hc_fn.weight", "output_hc_scale.weight",
+                                                       "output_hc_base.weight"))
 
     def _t(self, name: str) -> np.ndarray:
         return self.s.w[f"blk.{self.li}.{name}"]
@@ -90,7 +98,13 @@ class MtpHead:
         return hc_merge(s.mlp(self.li, self._norm(m, t("ffn_norm.weight")), tokens), x, post, comb), kv
 
     def logits(self, streams: np.ndarray) -> np.ndarray:
-        return self.s.head(streams, self.head_norm, self.head_out)
+        """HyperStack.head's mix over this layer's hyper-connection head (the trunk's, or its own file's)."""
+        w, eps = self.s.w, self.s.config.norm_eps
+        fn, scale, base = (w[n] for n in self.hc_head)
+        flat = streams.reshape(len(streams), -1)
+        mixes = ops.rms_norm(flat, np.ones(flat.shape[-1], np.float32), eps) @ fn.T
+        pre = 1.0 / (1.0 + np.exp(-(mixes * scale[0] + base))) + np.float32(self.s.h.hc_eps)
+        return ops.linear(self._norm(np.einsum("nse,ns->ne", streams, pre), w[self.head_norm]), w[self.head_out])
 
     def forward(self, h_prev: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The layer's logits over a whole sequence from scratch (no pool): position p from the trunk's

@@ -19,10 +19,14 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     template: ChatTemplate
+    mtp_gguf: GGUFFile | None = None  # --spec mtp:PATH: the next-token layer's own file (mtp_file.py)
 
     @property
     def fingerprint(self) -> str:
-        return self.gguf.fingerprint
+        """The model's identity; with a next-token layer file, both files' (the KV pool's rows hold the layer's)."""
+        if self.mtp_gguf is None:
+            return self.gguf.fingerprint
+        return f"{self.gguf.fingerprint}+{self.mtp_gguf.fingerprint}"
 
 
 def resolve_model_path(path: str | Path | None) -> Path:

@@ -126,11 +126,26 @@ def load_weights(
 
 
 def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None] | None) -> ModelWeights:
-    """Every tensor of the file by name (a HYPER stack reads its own): floats through the cache as
-    always, index tables as they are."""
-    plan = [_CacheFile(cache / f"{n}.npy", [n], n) for n in g.tensors]
+    """Every tensor of the file by name (a HYPER stack reads its own)."""
+    arrays = _arrays(g, list(g.tensors), cache, progress)
+    embd = arrays["token_embd.weight"]
+    return ModelWeights(token_embd=embd, output=arrays.get("output.weight", embd),
+                        output_norm=arrays["output_norm.weight"], layers=[],
+                        nbytes=sum(a.nbytes for a in arrays.values()), by_name=arrays)
+
+
+def load_tensors(g: GGUFFile, names: list[str]) -> dict[str, np.ndarray]:
+    """The tensors `names` of a file that is not a model of its own (a next-token layer's file,
+    model/mtp_file.py), through the file's own cache as load_weights reads a model's."""
+    return _arrays(g, names, model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}", None)
+
+
+def _arrays(g: GGUFFile, names: list[str], cache: Path,
+            progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
+    """Tensors by name: floats through the cache as always, index tables as they are."""
+    plan = [_CacheFile(cache / f"{n}.npy", [n], n) for n in names]
     _check_room(g, [f for f in plan if g.tensors[f.role].ggml_type != GGMLQuantizationType.I32])
-    total, done = sum(t.nbytes for t in g.tensors.values()), 0
+    total, done = sum(g.tensors[n].nbytes for n in names), 0
     arrays: dict[str, np.ndarray] = {}
     for f in plan:
         info = g.tensors[f.role]
@@ -141,10 +156,7 @@ def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None]
         done += info.nbytes
         if progress:
             progress(done, total)
-    embd = arrays["token_embd.weight"]
-    return ModelWeights(token_embd=embd, output=arrays.get("output.weight", embd),
-                        output_norm=arrays["output_norm.weight"], layers=[],
-                        nbytes=sum(a.nbytes for a in arrays.values()), by_name=arrays)
+    return arrays
 
 
 @dataclass(frozen=True)
