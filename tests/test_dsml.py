@@ -269,6 +269,61 @@ def test_the_forced_call_grammar_takes_exactly_dsml(tiny, formats, reasoning_ope
     assert not accepts(lead + "Sure.\n\n" + one)  # a forced call is the whole answer
 
 
+def _matcher(tiny, formats, tools):
+    import llguidance
+
+    from ember.worker.api.prepare import _schema_json
+    from ember.worker.engine.constraints import lltokenizer_for
+
+    tok = tiny.tokenizer
+    grammar = llguidance.grammar_from("lark", formats.forced_calls_lark(
+        [(name, _schema_json(schema)) for name, schema in tools], 7, None))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    lt = lltokenizer_for(tok, tok.vocab_size)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(lt, grammar)
+        return m.consume_tokens(tok.encode(text, add_special=False, parse_special=True)) and m.is_accepting()
+
+    return accepts
+
+
+def test_a_forced_calls_parameters_may_come_in_any_order(tiny, formats):
+    """Each at most once, every required one present, in whatever order the model writes them (a tool of
+    three: two required, one optional; and one of four optional ones)."""
+    import itertools
+
+    three = {"type": "object", "properties": {"days": DAYS, "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+             "required": ["city", "days"]}
+    four = {"type": "object", "properties": {k: {"type": "string"} for k in "abcd"}}
+    accepts = _matcher(tiny, formats, [("get_weather", three), ("note", four)])
+    params = {"city": _param("city", "Oslo"), "days": _param("days", "3", False), "unit": _param("unit", "f")}
+
+    def weather(*keys: str) -> str:
+        return _block(_invoke("get_weather", *(params[k] for k in keys)))
+
+    for n in (2, 3):
+        for keys in itertools.permutations(params, n):
+            assert accepts(weather(*keys)) == ({"city", "days"} <= set(keys)), keys
+    assert not accepts(weather("city", "days", "city"))  # at most once
+    assert not accepts(weather("unit", "days", "unit", "city"))
+    assert not accepts(weather("days", "unit"))  # city is required
+    for keys in ["", "d", "ca", "dbac", "bd"]:
+        assert accepts(_block(_invoke("note", *(_param(k, k.upper()) for k in keys)))), keys
+    assert not accepts(_block(_invoke("note", _param("b", "1"), _param("a", "2"), _param("b", "3"))))
+
+
+def test_a_tool_past_the_any_order_bound_keeps_the_schemas_order(tiny, formats):
+    from ember.worker.text.formats.dsml import ANY_ORDER_PARAMS
+
+    keys = [f"k{i}" for i in range(ANY_ORDER_PARAMS + 1)]
+    wide = {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": keys[:2]}
+    accepts = _matcher(tiny, formats, [("wide", wide)])
+    assert accepts(_block(_invoke("wide", *(_param(k, "x") for k in [*keys[:2], keys[5], keys[7]]))))
+    assert not accepts(_block(_invoke("wide", *(_param(k, "x") for k in [*keys[:2], keys[7], keys[5]]))))
+    assert not accepts(_block(_invoke("wide", *(_param(k, "x") for k in [keys[0], keys[5]]))))
+
+
 def test_a_dsml_special_token_is_referenced_by_id():
     # a vocabulary holding ｜DSML｜ as one special token: grammars name it by id, the rest stays literal
     def term(text: str) -> str:

@@ -37,6 +37,9 @@ PARAM_END = f"</{DSML}parameter>"
 _INVOKE = re.compile(f'<{DSML}invoke name="([^"<>]+)">')
 _PARAM = re.compile(f'<{DSML}parameter name="([^"<>]+)" string="(true|false)">')
 GENERIC_PARAMS = 16  # parameters a forced call may pass to a tool whose schema declares none
+# a forced call's parameters may come in any order up to this many (a rule per set of those written: 2^n);
+# a tool with more keeps them in the schema's order, required ones first
+ANY_ORDER_PARAMS = 8
 
 
 def parse_invokes(body: str) -> tuple[list[tuple[str, str]], int]:
@@ -162,25 +165,31 @@ class Dsml(ToolFormat):
         return rules
 
     def _param_rules(self, tag: str, schema: dict, term: Term, rules: list[str]) -> str:
-        """Rules for one tool's parameters (required ones in order, then each optional one at most
-        once, in order); the expression for all of them, or for the blank line of a call without any."""
+        """Rules for one tool's parameters, in any order as the model may write them: each at most once,
+        every required one present. The expression for all of them, or for the blank line of a call
+        without any."""
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         required = [k for k in schema.get("required") or [] if k in props]
         shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-        parts: list[str] = []
-        for n, key in enumerate([*required, *(k for k in props if k not in required)]):
+        keys = [*required, *(k for k in props if k not in required)]
+        params = []
+        for n, key in enumerate(keys):
             rule = f"{tag}p{n}"
             rules.append(f"{rule}: {self._param(rule, key, props[key], shared, term, rules)}")
-            parts.append(rule if key in required else f"{rule}?")
+            params.append(rule)
         if not props and schema.get("additionalProperties", True) is not False:
             rule = f"{tag}any"
             rules.append(f'{rule}: {_spell(term, f"<{DSML}parameter name=")} "\\"" /[A-Za-z0-9_.-]{{1,64}}/ '
                          f'"\\" string=\\"true\\">" {rule}v "\\n"')
             rules.append(f'{rule}v[stop={lark_literal(PARAM_END)}]: /(.|\\n){{0,256}}/')
-            parts.append(f"{rule}{{0,{GENERIC_PARAMS}}}")
-        if not required:
-            return f'({" ".join(parts)} | "\\n")' if parts else '"\\n"'
-        return " ".join(parts)
+            return f'({rule}{{1,{GENERIC_PARAMS}}} | "\\n")'
+        if not params:
+            return '"\\n"'
+        if len(params) <= ANY_ORDER_PARAMS:
+            expr = _any_order(tag, params, len(required), rules)
+        else:  # past the bound: required ones in order, then each optional one at most once, in order
+            expr = " ".join(rule if n < len(required) else f"{rule}?" for n, rule in enumerate(params))
+        return f'({expr} | "\\n")' if not required else expr
 
     def _param(self, rule: str, key: str, sub: Any, shared: dict, term: Term, rules: list[str]) -> str:
         head = f'<{DSML}parameter name="{key}" string='
@@ -200,6 +209,24 @@ class Dsml(ToolFormat):
 
     def history(self, messages: list[dict]) -> list[dict]:
         return super().history(in_call_order(messages))
+
+
+def _any_order(tag: str, params: list[str], n_required: int, rules: list[str]) -> str:
+    """The parameter rules `params` (the first n_required of them required) in any order, each at most
+    once: one rule per set of those already written (a bit mask), which offers each one not yet written
+    and may end once every required one is in. A call's first parameter is never optional here: a call
+    without any is its blank line."""
+    full, need = (1 << len(params)) - 1, (1 << n_required) - 1
+
+    def after(mask: int) -> str:
+        return f"{tag}s{mask}"
+
+    for mask in range(full):  # the full set offers nothing more: the last parameter written ends it
+        alts = [params[i] + ("" if mask | 1 << i == full else f" {after(mask | 1 << i)}")
+                for i in range(len(params)) if not mask & 1 << i]
+        body = " | ".join(alts)
+        rules.append(f"{after(mask)}: ({body})?" if mask and mask & need == need else f"{after(mask)}: {body}")
+    return after(0)
 
 
 def _plain_string(schema: dict) -> bool:
