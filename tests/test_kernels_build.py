@@ -32,7 +32,7 @@ def built(tmp_path_factory):
     _nvrtc_or_skip()
     from ember.kernels.cli import main
 
-    cache = tmp_path_factory.getbasetemp() / "kernels-sm90"
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
     t = time.perf_counter()
     rc = main(["build", "--arch", "sm_90", "--cache-dir", str(cache)])
     return cache, rc, time.perf_counter() - t

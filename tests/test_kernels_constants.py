@@ -35,7 +35,7 @@ def compiled(tmp_path_factory):
     """Every module compiled for sm_90 through build.py (the table among its options), into the session's
     shared kernel cache (tests/test_kernels_build.py builds into the same one, so a run of both compiles once)."""
     _nvrtc_or_skip()
-    cache = tmp_path_factory.getbasetemp() / "kernels-sm90"
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
     return {r.module: r for r in build.build_all("sm_90", cache=cache)}
 
 
