@@ -28,6 +28,7 @@ from ember.worker.model.arch.recipe import (
     Recipe,
     SlidingWindow,
 )
+from ember.worker.model.config import HyperConfig
 from ember.worker.model.gguf_file import ModelFileError
 from ember.worker.model.loader import open_model
 from ember.worker.model.weights import load_weights
@@ -86,6 +87,26 @@ def test_metadata_keys_are_the_families_own(name):
             assert key is None, f.name
         else:
             assert isinstance(key, str) and key.startswith(f"{name}."), (f.name, key)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if arch.FAMILIES[n].hyper is not None])
+def test_hyper_names_are_the_families_own(name):
+    family = arch.FAMILIES[name]
+    names = family.hyper
+    assert names is not None
+    assert set(HyperConfig.__struct_fields__) <= set(names.keys)  # every setting is read from a key
+    assert all(key.startswith(f"{name}.") for key in names.keys.values())
+    assert not set(names.layer) & set(family.tensors.layer)  # beside the generic roles, never over them
+    for tensor in [*names.layer.values(), *names.model.values()]:
+        assert tensor.endswith((".weight", ".bias")), tensor
+
+
+def test_only_a_hyper_recipe_names_its_own_keys_and_tensors():
+    deepseek4, llama = arch.FAMILIES["deepseek4"], arch.FAMILIES["llama"]
+    with pytest.raises(ValueError, match="HYPER"):
+        dataclasses.replace(deepseek4, hyper=None)
+    with pytest.raises(ValueError, match="HYPER"):
+        dataclasses.replace(llama, hyper=deepseek4.hyper)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -137,8 +137,11 @@ class HyperStack:
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int,
                  mtp: bool = False):
         """mtp: also keep what the next-token layer drafts from (numpy_mtp.py; the file must have one)."""
-        assert config.hyper is not None
+        assert config.hyper is not None and config.family.hyper is not None
         self.config, self.h, self.w = config, config.hyper, weights.by_name
+        # the family's tensor names (arch/<family>.py): the stack's own roles beside the generic ones
+        self.tensors, self.model_names = config.family.tensors, config.family.hyper.model
+        self.layer_names = {**self.tensors.layer, **config.family.hyper.layer}
         self.block_size, self.n_blocks = block_size, n_blocks
         self.columns = self.layout(config, mtp)
         self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
@@ -176,8 +179,8 @@ class HyperStack:
     def width(cls, config: ModelConfig, mtp: bool = False) -> int:
         return max(c.stop for layer in cls.layout(config, mtp) for c in layer.values())
 
-    def _t(self, layer: int, name: str) -> np.ndarray:
-        return self.w[f"blk.{layer}.{name}"]
+    def _t(self, layer: int, role: str) -> np.ndarray:
+        return self.w[f"blk.{layer}.{self.layer_names[role]}"]
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -187,16 +190,16 @@ class HyperStack:
         tokens, positions, spans, slots = step_rows(chunks, self.block_size, self.n_blocks)
         rows = self.pool.reshape(-1, self.pool.shape[-1])
 
-        x = np.repeat(np.asarray(w["token_embd.weight"][tokens], np.float32)[:, None, :], h.hc_mult, axis=1)
+        x = np.repeat(np.asarray(w[self.tensors.token_embd][tokens], np.float32)[:, None, :], h.hc_mult, axis=1)
         for li in range(cfg.n_layers):
-            a, post, comb = hc_mix(x, self._t(li, "hc_attn_fn.weight"), self._t(li, "hc_attn_scale.weight"),
-                                   self._t(li, "hc_attn_base.weight"), h, eps)
-            a = self._attention(li, _norm(a, eps, self._t(li, "attn_norm.weight")), positions, chunks, spans,
+            a, post, comb = hc_mix(x, self._t(li, "attn_mix_fn"), self._t(li, "attn_mix_scale"),
+                                   self._t(li, "attn_mix_base"), h, eps)
+            a = self._attention(li, _norm(a, eps, self._t(li, "attn_norm")), positions, chunks, spans,
                                 slots, rows)
             x = hc_merge(a, x, post, comb)
-            m, post, comb = hc_mix(x, self._t(li, "hc_ffn_fn.weight"), self._t(li, "hc_ffn_scale.weight"),
-                                   self._t(li, "hc_ffn_base.weight"), h, eps)
-            x = hc_merge(self.mlp(li, _norm(m, eps, self._t(li, "ffn_norm.weight")), tokens), x, post, comb)
+            m, post, comb = hc_mix(x, self._t(li, "ffn_mix_fn"), self._t(li, "ffn_mix_scale"),
+                                   self._t(li, "ffn_mix_base"), h, eps)
+            x = hc_merge(self.mlp(li, _norm(m, eps, self._t(li, "ffn_norm")), tokens), x, post, comb)
 
         if self.mtp is not None:  # the next-token layer's rows of these positions (they depend on nothing later)
             self.mtp.write_rows(x, tokens, positions, chunks, spans, slots, rows)
@@ -208,13 +211,14 @@ class HyperStack:
             out.append(self.head(x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]))
         return out
 
-    def head(self, streams: np.ndarray, norm: str = "output_norm.weight", out: str = "output.weight") -> np.ndarray:
-        """Logits from the streams [n, hc, hidden]: mixed into one by the head's own weights, normed, projected."""
-        w, h, eps = self.w, self.h, self.config.norm_eps
-        mixes = _norm(streams.reshape(len(streams), -1), eps) @ w["output_hc_fn.weight"].T
-        pre = _sigmoid(mixes * w["output_hc_scale.weight"][0] + w["output_hc_base.weight"]) + np.float32(h.hc_eps)
+    def head(self, streams: np.ndarray, norm: str | None = None, out: str | None = None) -> np.ndarray:
+        """Logits from the streams [n, hc, hidden]: mixed into one by the head's own weights, normed, projected.
+        norm, out: other tensors for the norm and the projection (the next-token layer's), by full name."""
+        w, h, eps, model = self.w, self.h, self.config.norm_eps, self.model_names
+        mixes = _norm(streams.reshape(len(streams), -1), eps) @ w[model["output_mix_fn"]].T
+        pre = _sigmoid(mixes * w[model["output_mix_scale"]][0] + w[model["output_mix_base"]]) + np.float32(h.hc_eps)
         y = np.einsum("nse,ns->ne", streams, pre)
-        return ops.linear(_norm(y, eps, w[norm]), w[out])
+        return ops.linear(_norm(y, eps, w[norm or self.tensors.output_norm]), w[out or self.tensors.output])
 
     def _attention(self, li: int, x: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
                    spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -226,18 +230,18 @@ class HyperStack:
         qr, q = self.query(li, x, positions, base)
         rows[slots, cols["kv"]] = self.key(li, x, positions, base)
         if ratio:
-            rows[slots, cols["c_kv"]] = x @ t(li, "attn_compressor_kv.weight").T
-            rows[slots, cols["c_score"]] = (x @ t(li, "attn_compressor_gate.weight").T
-                                            + t(li, "attn_compressor_ape.weight")[positions % ratio])
+            rows[slots, cols["c_kv"]] = x @ t(li, "compressor_kv").T
+            rows[slots, cols["c_score"]] = (x @ t(li, "compressor_gate").T
+                                            + t(li, "compressor_ape")[positions % ratio])
         if ratio == CSA:
-            rows[slots, cols["i_kv"]] = x @ t(li, "indexer_compressor_kv.weight").T
-            rows[slots, cols["i_score"]] = (x @ t(li, "indexer_compressor_gate.weight").T
-                                            + t(li, "indexer_compressor_ape.weight")[positions % ratio])
-            iq = (qr @ t(li, "indexer.attn_q_b.weight").T).reshape(n, h.indexer_heads, h.indexer_dim)
+            rows[slots, cols["i_kv"]] = x @ t(li, "indexer_compressor_kv").T
+            rows[slots, cols["i_score"]] = (x @ t(li, "indexer_compressor_gate").T
+                                            + t(li, "indexer_compressor_ape")[positions % ratio])
+            iq = (qr @ t(li, "indexer_q_b").T).reshape(n, h.indexer_heads, h.indexer_dim)
             iq = rope_tail(iq, positions, h.compress_rope_base, h.n_rot)
-            iw = (x @ t(li, "indexer.proj.weight").T) / np.float32(np.sqrt(h.indexer_dim * h.indexer_heads))
+            iw = (x @ t(li, "indexer_proj").T) / np.float32(np.sqrt(h.indexer_dim * h.indexer_heads))
 
-        sinks = t(li, "attn_sinks.weight")
+        sinks = t(li, "sinks")
         out = np.empty((n, n_head, d), np.float32)
         for c, (a, b) in zip(chunks, spans, strict=True):
             end = c.start + len(c.tokens)
@@ -253,7 +257,7 @@ class HyperStack:
             if ratio:
                 n_comp = end // ratio
                 comp = compress(past[:, cols["c_kv"]], past[:, cols["c_score"]], ratio, n_comp, ratio == CSA)
-                comp = rope_tail(_norm(comp, eps, t(li, "attn_compressor_norm.weight")),
+                comp = rope_tail(_norm(comp, eps, t(li, "compressor_norm")),
                                  np.arange(n_comp) * ratio, h.compress_rope_base, h.n_rot)
                 visible = np.arange(n_comp)[None, :] < ((pos + 1) // ratio)[:, None]  # whole blocks up to p
                 if ratio == CSA:
@@ -268,14 +272,14 @@ class HyperStack:
     def query(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
         """(the low-rank query qr [n, rank], which the indexer reads too; the heads [n, heads, head_dim])."""
         cfg, t, eps = self.config, self._t, self.config.norm_eps
-        qr = _norm(x @ t(li, "attn_q_a.weight").T, eps, t(li, "attn_q_a_norm.weight"))
-        q = _norm((qr @ t(li, "attn_q_b.weight").T).reshape(len(x), cfg.n_heads, cfg.head_dim), eps)
+        qr = _norm(x @ t(li, "q_a").T, eps, t(li, "q_a_norm"))
+        q = _norm((qr @ t(li, "q_b").T).reshape(len(x), cfg.n_heads, cfg.head_dim), eps)
         return qr, rope_tail(q, positions, base, self.h.n_rot)
 
     def key(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
         """The single KV head's row of each position (the key, and the value too)."""
         t, eps = self._t, self.config.norm_eps
-        return rope_tail(_norm(x @ t(li, "attn_kv.weight").T, eps, t(li, "attn_kv_a_norm.weight")), positions, base,
+        return rope_tail(_norm(x @ t(li, "kv").T, eps, t(li, "kv_norm")), positions, base,
                          self.h.n_rot)
 
     def output(self, li: int, out: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
@@ -284,9 +288,9 @@ class HyperStack:
         out = rope_tail(out, positions, base, h.n_rot, inverse=True)
         # grouped low-rank output: each group of heads through its own [rank, group width] matrix
         groups = out.reshape(n, h.o_groups, -1)
-        wo_a = t(li, "attn_output_a.weight").reshape(h.o_groups, h.o_lora_rank, -1)
+        wo_a = t(li, "o_a").reshape(h.o_groups, h.o_lora_rank, -1)
         oa = np.einsum("ngi,gri->ngr", groups, wo_a).reshape(n, -1)
-        return oa @ t(li, "attn_output_b.weight").T
+        return oa @ t(li, "o_b").T
 
     def _indexer_pick(self, li: int, past: np.ndarray, cols: dict[str, slice], iq: np.ndarray, iw: np.ndarray,
                       visible: np.ndarray) -> np.ndarray:
@@ -294,7 +298,7 @@ class HyperStack:
         heads of weight * relu(q . k) against its own compressed keys."""
         h, n_comp = self.h, visible.shape[1]
         ik = compress(past[:, cols["i_kv"]], past[:, cols["i_score"]], CSA, n_comp, True)
-        ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm.weight")),
+        ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm")),
                        np.arange(n_comp) * CSA, h.compress_rope_base, h.n_rot)
         score = np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
         picked = np.zeros_like(visible)
@@ -305,22 +309,22 @@ class HyperStack:
 
     def mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         cfg, h, t = self.config, self.h, self._t
-        probs = np.sqrt(np.logaddexp(0, x @ t(li, "ffn_gate_inp.weight").T))  # sqrt(softplus(logit))
+        probs = np.sqrt(np.logaddexp(0, x @ t(li, "router").T))  # sqrt(softplus(logit))
         if li < h.hash_layers:  # routed by the token id
-            chosen = t(li, "ffn_gate_tid2eid.weight")[tokens].astype(np.int64)
+            chosen = t(li, "token_to_experts")[tokens].astype(np.int64)
         else:  # the top k of the scores plus a selection bias (the weights stay unbiased)
-            chosen = route_top_k(probs + t(li, "exp_probs_b.bias"), cfg.n_experts_used)
+            chosen = route_top_k(probs + t(li, "router_select_bias"), cfg.n_experts_used)
         weights = np.take_along_axis(probs, chosen, axis=1)
         if h.expert_weights_norm:
             weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
         weights = weights * np.float32(h.expert_weights_scale)
-        gate, up, down = t(li, "ffn_gate_exps.weight"), t(li, "ffn_up_exps.weight"), t(li, "ffn_down_exps.weight")
+        gate, up, down = t(li, "gate_exps"), t(li, "up_exps"), t(li, "down_exps")
         out = np.zeros_like(x)
         for e in np.unique(chosen):
             rows, slot = np.nonzero(chosen == e)
             xe = x[rows]
             y = clamped_swiglu(xe @ gate[e].T, xe @ up[e].T, h.swiglu_clamp_exp[li]) @ down[e].T
             np.add.at(out, rows, y * weights[rows, slot][:, None])
-        shared = clamped_swiglu(x @ t(li, "ffn_gate_shexp.weight").T, x @ t(li, "ffn_up_shexp.weight").T,
+        shared = clamped_swiglu(x @ t(li, "shared_gate").T, x @ t(li, "shared_up").T,
                                 h.swiglu_clamp_shexp[li])
-        return out + shared @ t(li, "ffn_down_shexp.weight").T
+        return out + shared @ t(li, "shared_down").T

@@ -16,7 +16,17 @@ from gguf.constants import GGMLQuantizationType
 from ember.kernels.quants import SUPPORTED_TYPES
 
 from .arch import FAMILIES, family_of
-from .arch.recipe import EmbedScale, Family, MetadataKeys, Presence, Recipe, RopeScaling, SlidingWindow, Stack
+from .arch.recipe import (
+    EmbedScale,
+    Family,
+    HyperNames,
+    MetadataKeys,
+    Presence,
+    Recipe,
+    RopeScaling,
+    SlidingWindow,
+    Stack,
+)
 from .gguf_file import GGUFFile, ModelFileError
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -35,7 +45,8 @@ class Yarn(msgspec.Struct, frozen=True):
 
 
 class HyperConfig(msgspec.Struct, frozen=True):
-    """A HYPER stack's settings (recipe.Stack.HYPER, DeepSeek V4), read from llama.cpp's deepseek4 keys."""
+    """A HYPER stack's settings (recipe.Stack.HYPER, DeepSeek V4), read from the keys its family names
+    (Family.hyper.keys, one a field)."""
 
     window: int  # every layer attends to the last `window` positions' rows
     n_rot: int  # RoPE on the last n_rot dimensions of each head (and of the indexer's)
@@ -56,7 +67,7 @@ class HyperConfig(msgspec.Struct, frozen=True):
     hc_mult: int  # residual streams
     hc_sinkhorn_iters: int
     hc_eps: float
-    # next-token (MTP) layers after the trunk ({arch}.nextn_predict_layers): layer n_layers + i is
+    # next-token (MTP) layers after the trunk (the file's nextn_predict_layers): layer n_layers + i is
     # blk.N.nextn.* plus a window-only attention and a learned-routing MoE of its own; the clamps above
     # have an entry for them too
     nextn_layers: int = 0
@@ -150,8 +161,8 @@ def read_config(g: GGUFFile) -> ModelConfig:
     linear = scaling_type == "linear" or (recipe.rope_scaling is RopeScaling.LINEAR and factor != 1.0 and not yarn)
     sliding = int(g.get(keys.sliding_window, 0)) if swa else 0
     n_layers = int(_req(g, keys.block_count))
-    if recipe.stack is Stack.HYPER:  # the trunk: block_count counts the next-token (MTP) layers after it
-        n_layers -= _nextn_layers(g, family.name, n_layers)
+    if family.hyper is not None:  # a HYPER stack's trunk: block_count counts the next-token (MTP) layers after it
+        n_layers -= _nextn_layers(g, family.hyper, n_layers)
     local_layers = _local_layers(g, family.keys, swa, n_layers) if swa and sliding else (False,) * n_layers
     return ModelConfig(
         arch=family.name,
@@ -176,25 +187,26 @@ def read_config(g: GGUFFile) -> ModelConfig:
         tied_output=_tied_output(g, family),
         family=family,
         **_experts(g, family, hidden, n_layers),
-        hyper=_hyper(g, family.name, n_layers, head_dim) if recipe.stack is Stack.HYPER else None,
+        hyper=_hyper(g, family.hyper, n_layers, head_dim) if family.hyper is not None else None,
     )
 
 
-def _nextn_layers(g: GGUFFile, a: str, n_all: int) -> int:
+def _nextn_layers(g: GGUFFile, names: HyperNames, n_all: int) -> int:
     """How many of the file's n_all blocks are next-token (MTP) layers, each with its nextn tensors."""
-    n = int(g.get(f"{a}.nextn_predict_layers", 0))
+    key = names.keys["nextn_layers"]
+    n = int(g.get(key, 0))
     if not 0 <= n < n_all:
         raise ModelFileError(g.path, f"corrupt: {n} next-token layers of {n_all} blocks")
     for il in range(n_all - n, n_all):
-        if f"blk.{il}.nextn.eh_proj.weight" not in g.tensors:
-            raise ModelFileError(g.path, f"{a}.nextn_predict_layers is {n} but blk.{il}.nextn.eh_proj.weight "
-                                         "is missing")
+        if names.layer_name(il, "nextn_eh_proj") not in g.tensors:
+            raise ModelFileError(g.path, f"{key} is {n} but {names.layer_name(il, 'nextn_eh_proj')} is missing")
     return n
 
 
-def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
+def _hyper(g: GGUFFile, names: HyperNames, n_layers: int, head_dim: int) -> HyperConfig:
     """A HYPER stack's settings, checked where a wrong one would be an index error mid-request."""
-    nextn = int(g.get(f"{a}.nextn_predict_layers", 0))
+    key = names.keys
+    nextn = int(g.get(key["nextn_layers"], 0))
     n_all = n_layers + nextn
 
     def per_layer(key: str, default: tuple[float, ...] | None = None) -> tuple[float, ...]:
@@ -207,38 +219,38 @@ def _hyper(g: GGUFFile, a: str, n_layers: int, head_dim: int) -> HyperConfig:
             raise ModelFileError(g.path, f"{key} has {len(values)} entries for {n_all} layers")
         return values[:n_all]
 
-    ratios = tuple(int(r) for r in np.atleast_1d(np.asarray(_req(g, f"{a}.attention.compress_ratios"))))
+    ratios = tuple(int(r) for r in np.atleast_1d(np.asarray(_req(g, key["compress_ratios"]))))
     if len(ratios) < n_all:
-        raise ModelFileError(g.path, f"{a}.attention.compress_ratios has {len(ratios)} entries for {n_all} layers")
+        raise ModelFileError(g.path, f"{key['compress_ratios']} has {len(ratios)} entries for {n_all} layers")
     if any(r not in (0, 4, 128) for r in ratios[:n_layers]):
         raise ModelFileError(g.path, f"unsupported compress ratios {sorted(set(ratios))} (supported: 0, 4, 128)")
     if any(ratios[n_layers:n_all]):  # llama.cpp's MTP graph attends over a plain windowed cache
         raise ModelFileError(g.path, "unsupported: next-token layers with compress ratios "
                                      f"{list(ratios[n_layers:n_all])}")
-    gating = int(_req(g, f"{a}.expert_gating_func"))
+    gating = int(_req(g, key["expert_gating"]))
     if gating != 4:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, all DeepSeek V4 uses
         raise ModelFileError(g.path, f"unsupported expert gating function {gating} (supported: 4, sqrt-softplus)")
-    clamp = per_layer(f"{a}.swiglu_clamp_exp")
+    clamp = per_layer(key["swiglu_clamp_exp"])
     cfg = HyperConfig(
-        window=int(_req(g, f"{a}.attention.sliding_window")),
-        n_rot=int(_req(g, f"{a}.rope.dimension_count")),
-        q_lora_rank=int(_req(g, f"{a}.attention.q_lora_rank")),
-        o_groups=int(_req(g, f"{a}.attention.output_group_count")),
-        o_lora_rank=int(_req(g, f"{a}.attention.output_lora_rank")),
+        window=int(_req(g, key["window"])),
+        n_rot=int(_req(g, key["n_rot"])),
+        q_lora_rank=int(_req(g, key["q_lora_rank"])),
+        o_groups=int(_req(g, key["o_groups"])),
+        o_lora_rank=int(_req(g, key["o_lora_rank"])),
         compress_ratios=ratios[:n_layers],
-        compress_rope_base=float(_req(g, f"{a}.attention.compress_rope_freq_base")),
-        indexer_heads=int(_req(g, f"{a}.attention.indexer.head_count")),
-        indexer_dim=int(_req(g, f"{a}.attention.indexer.key_length")),
-        indexer_top_k=int(_req(g, f"{a}.attention.indexer.top_k")),
-        hash_layers=int(_req(g, f"{a}.hash_layer_count")),
-        n_shared=int(_req(g, f"{a}.expert_shared_count")),
-        expert_weights_scale=float(_req(g, f"{a}.expert_weights_scale")),
-        expert_weights_norm=bool(_req(g, f"{a}.expert_weights_norm")),
+        compress_rope_base=float(_req(g, key["compress_rope_base"])),
+        indexer_heads=int(_req(g, key["indexer_heads"])),
+        indexer_dim=int(_req(g, key["indexer_dim"])),
+        indexer_top_k=int(_req(g, key["indexer_top_k"])),
+        hash_layers=int(_req(g, key["hash_layers"])),
+        n_shared=int(_req(g, key["n_shared"])),
+        expert_weights_scale=float(_req(g, key["expert_weights_scale"])),
+        expert_weights_norm=bool(_req(g, key["expert_weights_norm"])),
         swiglu_clamp_exp=clamp,
-        swiglu_clamp_shexp=per_layer(f"{a}.swiglu_clamp_shexp", clamp),
-        hc_mult=int(_req(g, f"{a}.hyper_connection.count")),
-        hc_sinkhorn_iters=int(_req(g, f"{a}.hyper_connection.sinkhorn_iterations")),
-        hc_eps=float(_req(g, f"{a}.hyper_connection.epsilon")),
+        swiglu_clamp_shexp=per_layer(key["swiglu_clamp_shexp"], clamp),
+        hc_mult=int(_req(g, key["hc_mult"])),
+        hc_sinkhorn_iters=int(_req(g, key["hc_sinkhorn_iters"])),
+        hc_eps=float(_req(g, key["hc_eps"])),
         nextn_layers=nextn,
     )
     if cfg.indexer_dim % 64:  # llama.cpp rotates the indexer's keys by Hadamard matrices of 64 and up

@@ -1,7 +1,8 @@
 """What a model family is, as data: the vocabulary every `arch/<family>.py` file is written in.
 
 A family names its GGUF metadata keys (MetadataKeys), its tensors (TensorNames), how a layer is
-computed (Recipe) and the text formats it speaks by default (Formats). The loader reads a file
+computed (Recipe) and the text formats it speaks by default (Formats); a HYPER stack's family also
+names the keys and tensors only that stack has (HyperNames). The loader reads a file
 through these, and both backends build their forward pass from the Recipe alone: neither looks at
 the architecture's name. This module holds no family itself; it says what a complete one holds.
 """
@@ -251,6 +252,19 @@ class MetadataKeys:
 
 
 @dataclass(frozen=True)
+class HyperNames:
+    """A HYPER stack's own GGUF names (Stack.HYPER), which MetadataKeys and TensorNames have no place for:
+    the metadata key of each of its settings, and its tensors by role."""
+
+    keys: Mapping[str, str]  # a setting (config.HyperConfig's field, or a checked one) -> its metadata key
+    layer: Mapping[str, str]  # role -> the name after `blk.N.` (beside TensorNames.layer's roles)
+    model: Mapping[str, str]  # role -> a model-wide tensor's name
+
+    def layer_name(self, layer: int, role: str) -> str:
+        return f"blk.{layer}.{self.layer[role]}"
+
+
+@dataclass(frozen=True)
 class Formats:
     """The text formats a family speaks when its file does not say (names the text layer resolves):
     the built-in chat template for a file without one, the tool-call format of that template, and
@@ -270,3 +284,8 @@ class Family:
     tensors: TensorNames
     recipe: Recipe
     formats: Formats
+    hyper: HyperNames | None = None  # a HYPER stack's own names; every HYPER family has them, no other does
+
+    def __post_init__(self) -> None:
+        if (self.recipe.stack is Stack.HYPER) != (self.hyper is not None):
+            raise ValueError(f"{self.name}: a HYPER recipe needs its own names (hyper), and no other has them")
