@@ -162,6 +162,39 @@ def test_thinking_on_and_off():
     assert "Guess." not in t.render(chat, tools=TOOLS, enable_thinking=False)
 
 
+# DeepSeek V4's strongest thinking mode, word for word as llama.cpp's copy of its template writes it
+# (models/templates/deepseek-ai-DeepSeek-V4.jinja: reasoning_effort_max, after the BOS when thinking)
+MAX_EFFORT = ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your "
+              "thinking and comprehensively decompose the problem to resolve the root cause, rigorously "
+              "stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
+              "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+              "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+              "unchecked.\n\n")
+
+
+def test_reasoning_effort_max_is_deepseek_v4s_strongest_thinking_mode():
+    t = _template()
+    assert t.effort_levels == {"max"}  # V4's template knows this one level
+    plain = t.render(ASK, tools=TOOLS, enable_thinking=True)
+    top = t.render(ASK, tools=TOOLS, enable_thinking=True, reasoning_effort="max")
+    bos = "<｜begin▁of▁sentence｜>"
+    assert top == bos + MAX_EFFORT + plain.removeprefix(bos)  # before the system part, the rest unchanged
+    for effort in ("high", "xhigh", "low"):
+        assert t.render(ASK, tools=TOOLS, enable_thinking=True, reasoning_effort=effort) == plain
+    assert MAX_EFFORT not in t.render(ASK, enable_thinking=False, reasoning_effort="max")  # only when thinking
+
+
+def test_the_apis_top_effort_is_the_templates_strongest_level():
+    from ember.worker.api.tool_plan import template_effort
+
+    v4, flash_0731 = frozenset({"max"}), ChatTemplate(
+        "{% if reasoning_effort == 'high' %}H{% elif reasoning_effort == \"max\" %}M{% endif %}").effort_levels
+    assert flash_0731 == {"high", "max"}
+    assert [template_effort(e, v4) for e in ("xhigh", "max", "high", "low")] == ["max", "max", "high", "low"]
+    assert [template_effort(e, flash_0731) for e in ("xhigh", "max", "high")] == ["max", "max", "high"]
+    assert template_effort("xhigh", frozenset()) == template_effort("xhigh", frozenset({"xhigh", "max"})) == "xhigh"
+
+
 def test_tool_results_follow_the_order_of_the_calls():
     msgs = [{"role": "assistant", "tool_calls": [{"id": "a"}, {"id": "b"}]}, {"role": "tool", "tool_call_id": "b"},
             {"role": "user", "content": "and"}, {"role": "tool", "tool_call_id": "a"},
@@ -355,6 +388,7 @@ def test_forced_calls_on_all_three_apis_with_thinking_on_and_off(worker, openai_
     import anthropic
 
     oa = openai_factory(worker)
+    before = len(_prompts(worker))
     named = {"type": "function", "function": {"name": "get_weather"}}
     # thinking on (the random model reasons until the budget closes the block; with seed 3 it is inside
     # a character of several bytes then), then off. A DSML call is about 200 tokens of this vocabulary.
@@ -385,7 +419,7 @@ def test_forced_calls_on_all_three_apis_with_thinking_on_and_off(worker, openai_
     assert final.stop_reason == "tool_use" and use.name == "get_weather"
     jsonschema.validate(use.input, TOOL)
     # DeepSeek's prompts: the tools with the DSML convention, the reply opened with <think> or </think>
-    prompts = _prompts(worker)
+    prompts = _prompts(worker)[before:]
     assert len(prompts) == 4 and all(f"<{D}tool_calls>" in p for p in prompts)
     assert [p.endswith("<｜Assistant｜><think>") for p in prompts] == [True, False, False, True]
     assert all(p.endswith("<｜Assistant｜></think>") for p in prompts[1:3])
@@ -426,3 +460,36 @@ def test_a_tool_loop_is_replayed_in_dsml(worker, openai_factory):
     assert prompts[1].endswith(lima + result)  # Anthropic's thinking block sent back is the turn's reasoning
     paris = "<think>Paris, then.</think>\n\n" + _block(_invoke("get_weather", _param("city", "Paris")))
     assert prompts[2].endswith(paris + result.replace("20 C", "15 C"))  # and so is a Responses reasoning item
+
+
+def test_the_top_effort_of_each_api_reaches_deepseeks_max_mode(worker, openai_factory):
+    """Chat completions' reasoning_effort xhigh (and llama-server's max), Responses' reasoning.effort xhigh,
+    Anthropic's output_config.effort max and a thinking budget of 31999 tokens (Claude Code's largest) put
+    V4's strongest mode into the prompt; high, a smaller budget and thinking off do not."""
+    import anthropic
+    import openai
+
+    oa = openai_factory(worker)
+    an = anthropic.Anthropic(base_url=worker.url, api_key=worker.api_key, max_retries=0, timeout=300)
+    before = len(_prompts(worker))
+    want = []
+    for effort in ("xhigh", "max", "high", "none"):
+        oa.chat.completions.create(model="m", messages=ASK, max_tokens=1, reasoning_effort=effort)  # type: ignore
+        want.append(effort in ("xhigh", "max"))
+    oa.responses.create(model="m", input="Weather in Oslo?", max_output_tokens=16, reasoning={"effort": "xhigh"})
+    want.append(True)
+    for effort, thinking in (("max", None), ("high", None), ("max", {"type": "disabled"})):
+        an.messages.create(model="m", max_tokens=1, messages=ASK, extra_body={"output_config": {"effort": effort}},
+                           **({"thinking": thinking} if thinking else {}))
+        want.append(effort == "max" and thinking is None)
+    for budget in (31999, 4000):  # a budget's effort: the smallest whose budget covers it (xhigh, medium)
+        with an.messages.stream(model="m", max_tokens=budget + 1, messages=ASK,
+                                thinking={"type": "enabled", "budget_tokens": budget}) as stream:
+            next(iter(stream))  # the prompt is rendered and logged at admission; the rest is not needed
+        want.append(budget > 16384)
+    prompts = _prompts(worker)[before:]
+    assert [MAX_EFFORT in p for p in prompts] == want
+    with pytest.raises(anthropic.BadRequestError, match="output_config.effort must be one of low, medium, high"):
+        an.messages.create(model="m", max_tokens=1, messages=ASK, extra_body={"output_config": {"effort": "ultra"}})
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of"):
+        oa.chat.completions.create(model="m", messages=ASK, max_tokens=1, reasoning_effort="ultra")  # type: ignore

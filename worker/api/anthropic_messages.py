@@ -7,8 +7,9 @@ blocks become its reasoning_content (templates that replay reasoning, DeepSeek's
 and documents are refused (text-only model). stop_sequences, temperature, top_p, top_k (the current
 SDK no longer offers temperature; absent, it is the API's default 1.0); max_tokens is clamped to the
 context (and may be left out). output_config.format (or the beta's top-level output_format)
-constrains the output to a JSON schema (structured.py). cache_control, metadata,
-output_config.effort and unknown fields are ignored: the prefix cache is automatic. tools /
+constrains the output to a JSON schema (structured.py). output_config.effort (low, medium, high,
+max) is the level a template reads (max: DeepSeek V4's strongest thinking mode), never a budget.
+cache_control, metadata and unknown fields are ignored: the prefix cache is automatic. tools /
 tool_choice and thinking ({type: enabled, budget_tokens}): see tool_plan.py; the output then holds
 thinking blocks, a text block and tool_use blocks (stop_reason tool_use), streamed as thinking_delta
 and input_json_delta.
@@ -233,7 +234,7 @@ async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = Fa
         raise bad_request("messages must not be empty", param="messages")
     ctx.limits.tools(body.tools)
     plan = tool_plan.anthropic_plan(body.tools, body.tool_choice)
-    ask = tool_plan.anthropic_ask(body.thinking, body.max_tokens)
+    ask = tool_plan.anthropic_ask(body.thinking, body.max_tokens, (body.output_config or {}).get("effort"))
     return await prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured, bounded=bounded)
 
 

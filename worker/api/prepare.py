@@ -20,7 +20,7 @@ from ..text.formats import ModelFormats
 from . import common, structured
 from .errors import bad_request
 from .output_parser import OutputPlan
-from .tool_plan import ReasoningAsk, Tool, ToolPlan, effort_for_budget
+from .tool_plan import ReasoningAsk, Tool, ToolPlan, effort_for_budget, template_effort
 
 MAX_PARALLEL_CALLS = 8  # a forced-call grammar allows this many calls in one turn (parallel on)
 
@@ -91,8 +91,11 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         # a thinking model thinks unless asked not to (as llama-server does): Qwen 3 style templates
         # then leave the block to the model or pre-close it; DeepSeek's, off by default, open or close it
         kwargs["enable_thinking"] = not ask.disabled
-        if ask.effort and ask.effort != "none":
-            kwargs["reasoning_effort"] = ask.effort
+        # the effort asked for, or the one whose budget covers the thinking budget asked for (Anthropic's
+        # budget_tokens: 31999 is xhigh), as the template names it (xhigh: DeepSeek V4's "max")
+        effort = ask.effort or effort_for_budget(ask.budget)
+        if effort and effort != "none" and not ask.disabled:
+            kwargs["reasoning_effort"] = template_effort(effort, ctx.model.template.effort_levels)
     text, prompt = await common.render_prompt(ctx, msgs, tools, param, bounded=bounded, **kwargs)
     inside = r is not None and r.starts_inside(text)
     if structured and inside:

@@ -18,7 +18,15 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 # reasoning_effort -> token budget. "none" closes the block at once (and asks the template not to
 # think, through enable_thinking=False).
-EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
+# "max" (Anthropic's top output_config.effort, and a level llama-server passes on) is xhigh's equal.
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768,
+                  "max": 32768}
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "max")  # output_config.effort
+# the APIs' top level as a template may name it instead: DeepSeek V4's template has one level, "max",
+# its strongest thinking mode (an instruction before the system part); V4-Flash-0731's has "high" and
+# "max". A level the template names passes as it is, so "high" is 0731's high and nothing to V4's, and
+# a template that names none (Qwen 3's) is given the API's name, which it does not read.
+TOP_EFFORT_NAMES = {"xhigh": ("max",)}
 
 # -- tools -----------------------------------------------------------------------------------------------
 
@@ -247,6 +255,13 @@ def effort_ask(effort: Any, param: str) -> ReasoningAsk:
     return ReasoningAsk(budget, disabled=budget == 0, effort=effort)
 
 
+def template_effort(effort: str, levels: frozenset[str]) -> str:
+    """The API's effort as a template that compares reasoning_effort with `levels` names it."""
+    if effort in levels:
+        return effort
+    return next((name for name in TOP_EFFORT_NAMES.get(effort, ()) if name in levels), effort)
+
+
 def effort_for_budget(budget: int | None) -> str | None:
     """The smallest named effort whose budget covers `budget` tokens (for formats with effort levels)."""
     if budget is None:
@@ -254,8 +269,19 @@ def effort_for_budget(budget: int | None) -> str | None:
     return next((name for name, b in EFFORT_BUDGETS.items() if b >= budget), "xhigh")
 
 
-def anthropic_ask(thinking: Any, max_tokens: int | None) -> ReasoningAsk:
-    """Anthropic thinking {type: enabled, budget_tokens} | {type: disabled} | {type: adaptive}."""
+def anthropic_ask(thinking: Any, max_tokens: int | None, effort: Any = None) -> ReasoningAsk:
+    """Anthropic thinking {type: enabled, budget_tokens} | {type: disabled} | {type: adaptive}, and
+    output_config.effort (low, medium, high, max): the level a template reads, never a budget."""
+    if effort is not None and effort not in ANTHROPIC_EFFORTS:
+        raise bad_request(f"output_config.effort must be one of {', '.join(ANTHROPIC_EFFORTS)} (got {effort!r})",
+                          param="output_config.effort", code="invalid_value")
+    ask = _anthropic_thinking(thinking, max_tokens)
+    if effort is not None and not ask.disabled:
+        ask.effort = effort
+    return ask
+
+
+def _anthropic_thinking(thinking: Any, max_tokens: int | None) -> ReasoningAsk:
     if thinking is None:
         return ReasoningAsk()
     if not isinstance(thinking, dict):

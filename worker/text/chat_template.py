@@ -22,6 +22,7 @@ inside the template) raises ``ChatTemplateError`` with a one-line message.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from importlib import resources
 from typing import Any
@@ -50,6 +51,9 @@ _ARCH_TEMPLATES = {
 # Limits against templates that try to exhaust memory or CPU (the sandbox already caps range()).
 _MAX_REPEAT = 1 << 22  # characters or items a single `*` may produce
 _MAX_POW_EXPONENT = 4096
+
+
+_EFFORT_TEST = re.compile(r"""reasoning_effort\s*==\s*["']([A-Za-z_-]+)["']""")
 
 
 class ChatTemplateError(Exception):
@@ -150,6 +154,9 @@ class ChatTemplate:
                  extra_tokens: dict[str, str] | None = None, name: str = "custom",
                  tokenizer: Tokenizer | None = None):
         self.source = source
+        # the reasoning_effort levels the template compares with (DeepSeek V4's: "max"); api/tool_plan.py
+        # names the APIs' top level as the template does
+        self.effort_levels = frozenset(_EFFORT_TEST.findall(source))
         self.name = name  # "gguf" for the model's own template, else the built-in's name
         self.bos_token = bos_token
         self.eos_token = eos_token

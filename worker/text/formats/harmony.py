@@ -43,7 +43,7 @@ FUNCTIONS = "functions."
 HEADER_LIMIT = 128  # tokens of header without <|message|>: the output is not Harmony, show it as text
 # the APIs' effort names (api/tool_plan.py EFFORT_BUDGETS) -> Harmony's three levels
 EFFORT_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-                 "xhigh": "high"}
+                 "xhigh": "high", "max": "high"}
 
 
 @dataclass(frozen=True)
