@@ -36,10 +36,11 @@ from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.metrics import Metrics
+from ember.worker.model.arch import FAMILIES
 from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.loader import open_model
-from ember.worker.model.mtp_file import GLOBALS, OWN, check_pair, open_mtp_file
+from ember.worker.model.mtp_file import OWN, check_pair, layer_tensors, model_tensors, open_mtp_file
 from ember.worker.model.weights import load_weights
 
 SPEC = resolve_shape("deepseek4", "tiny")
@@ -324,6 +325,9 @@ def test_a_worker_with_spec_mtp_answers_as_one_without(start_worker, openai_fact
 # -- the layer in its own file (--spec mtp:PATH) ---------------------------------------------------------
 
 
+GLOBALS = model_tensors(FAMILIES["deepseek4"])  # the model-level tensors a layer file holds
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("pair")
@@ -339,6 +343,9 @@ def test_the_pair_is_the_whole_file_split_as_llama_cpps_converter_splits_it(tiny
         block = {n for n in whole.tensors if n.startswith(f"blk.{MTP}.")}
         assert set(trunk.tensors) == set(whole.tensors) - block
         assert set(layer.tensors) == block | set(GLOBALS)
+        # what a layer file must hold: llama.cpp's required tensors of the layer (shared_head_norm is optional)
+        assert {f"blk.{MTP}.{n}" for n in layer_tensors(FAMILIES["deepseek4"])} == \
+            block - {f"blk.{MTP}.nextn.shared_head_norm.weight"}
         for g in (trunk, layer):
             assert all(np.array_equal(g.raw(n), whole.raw(n)) for n in g.tensors)
         tmd, lmd = trunk.metadata, layer.metadata

@@ -51,11 +51,12 @@ class MtpHead:
         def pick(*names: str) -> str:  # the first the weights hold (the last always is)
             return next(n for n in names if n in w)
 
-        self.embd = w[pick(nextn + "embed_tokens.weight", OWN + "token_embd.weight", "token_embd.weight")]
-        self.head_norm = pick(nextn + "shared_head_norm.weight", OWN + "output_norm.weight", "output_norm.weight")
-        self.head_out = pick(nextn + "shared_head_head.weight", OWN + "output.weight", "output.weight")
-        self.hc_head = tuple(pick(OWN + n, n) for n in ("output_hc_fn.weight", "output_hc_scale.weight",
-                                                       "output_hc_base.weight"))
+        t, model = stack.tensors, stack.model_names
+        self.embd = w[pick(nextn + "embed_tokens.weight", OWN + t.token_embd, t.token_embd)]
+        self.head_norm = pick(nextn + "shared_head_norm.weight", OWN + t.output_norm, t.output_norm)
+        self.head_out = pick(nextn + "shared_head_head.weight", OWN + t.output, t.output)
+        self.hc_head = tuple(pick(OWN + model[role], model[role])
+                             for role in ("output_mix_fn", "output_mix_scale", "output_mix_base"))
 
     def _t(self, name: str) -> np.ndarray:
         return self.s.w[f"blk.{self.li}.{name}"]

@@ -25,32 +25,38 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from .arch.recipe import Family
 from .config import ModelConfig
 from .gguf_file import GGUFFile, ModelFileError
 from .loader import Model
 from .weights import ModelWeights, load_tensors
 
-# the layer's block as llama.cpp's load_arch_tensors requires it past the trunk: a window-only layer's
-# attention (compress ratio 0) and a learned router's MoE, then the nextn tensors its MTP graph asserts
-LAYER = ("attn_norm.weight", "attn_sinks.weight", "attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight",
-         "attn_kv.weight", "attn_kv_a_norm.weight", "attn_output_a.weight", "attn_output_b.weight",
-         "hc_attn_fn.weight", "hc_attn_base.weight", "hc_attn_scale.weight", "hc_ffn_fn.weight",
-         "hc_ffn_base.weight", "hc_ffn_scale.weight", "ffn_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias",
-         "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_shexp.weight",
-         "ffn_up_shexp.weight", "ffn_down_shexp.weight", "nextn.eh_proj.weight", "nextn.enorm.weight",
-         "nextn.hnorm.weight")
-OPTIONAL = ("nextn.shared_head_norm.weight", "nextn.embed_tokens.weight", "nextn.shared_head_head.weight")
-# the file's own model-level tensors (all required by llama.cpp's loader)
-GLOBALS = ("token_embd.weight", "output_norm.weight", "output.weight", "output_hc_fn.weight",
-           "output_hc_base.weight", "output_hc_scale.weight")
+# a next-token layer is a window-only layer (compress ratio 0) with a learned router, as llama.cpp's
+# load_arch_tensors requires it past the trunk: the family's layer roles but these
+NOT_IN_THE_LAYER = ("compressor_", "indexer_", "token_to_experts")
+# and the nextn tensors beside eh_proj (the family's table names that one, numpy_mtp.py reads these)
+NEXTN = ("nextn.enorm.weight", "nextn.hnorm.weight")
 OWN = "mtp."  # the prefix of the file's model-level tensors where they are not the trunk's
-# the keys a layer must share with its trunk to run on the trunk's streams (beside the vocabulary)
-SHARED_KEYS = ("embedding_length", "embedding_length_out", "head_count", "attention.key_length",
-               "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
-               "attention.sliding_window", "attention.q_lora_rank", "attention.output_group_count",
-               "attention.output_lora_rank", "expert_count", "expert_used_count", "expert_feed_forward_length",
-               "expert_shared_count", "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
-               "hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon")
+# the settings a layer must share with its trunk to run on the trunk's streams (beside the vocabulary):
+# MetadataKeys' and the stack's own (HyperNames.keys), not those of the trunk's layers alone
+SHARED = ("embedding_length", "head_count", "key_length", "rms_eps", "rope_freq_base", "expert_count",
+          "expert_used_count", "expert_feed_forward_length")
+SHARED_HYPER = ("window", "n_rot", "q_lora_rank", "o_groups", "o_lora_rank", "n_shared", "expert_gating",
+                "expert_weights_scale", "expert_weights_norm", "hc_mult", "hc_sinkhorn_iters", "hc_eps")
+
+
+def layer_tensors(family: Family) -> list[str]:
+    """The names after `blk.N.` that a next-token layer of `family` must have."""
+    assert family.hyper is not None
+    roles = {**family.tensors.layer, **family.hyper.layer}
+    return [*(name for role, name in roles.items() if not role.startswith(NOT_IN_THE_LAYER)), *NEXTN]
+
+
+def model_tensors(family: Family) -> list[str]:
+    """The model-level tensors a next-token layer's file holds: its graph reads them from its own model."""
+    assert family.hyper is not None
+    t = family.tensors
+    return [t.token_embd, t.output_norm, t.output, *family.hyper.model.values()]
 
 
 @dataclasses.dataclass
@@ -69,7 +75,7 @@ class MtpFile:
         """The trunk's weights with the layer's, and the file's model-level tensors that are not the trunk's."""
         g, il = self.gguf, self.config.n_layers
         names = [n for n in g.tensors if n.startswith(f"blk.{il}.")]
-        own = [n for n in GLOBALS if not _same_bytes(g, n, self.trunk)]
+        own = [n for n in model_tensors(self.config.family) if not _same_bytes(g, n, self.trunk)]
         arrays = load_tensors(g, names + own)
         by_name = dict(weights.by_name)
         by_name.update({n: arrays[n] for n in names})
@@ -87,54 +93,54 @@ def check_pair(g: GGUFFile, model: Model) -> MtpFile:
     """g checked against the trunk as llama.cpp would run them together (and where it would not notice a
     mismatch, as its MTP context only checks the streams' width)."""
     cfg, trunk = model.config, model.gguf
-    a = cfg.arch
-    if cfg.hyper is None:
+    a, family = cfg.arch, cfg.family
+    if cfg.hyper is None or family.hyper is None:
         raise ModelFileError(g.path, f"a next-token layer file needs a deepseek4 model; {model.path.name} is {a}")
     if cfg.hyper.nextn_layers:
         raise ModelFileError(g.path, f"{model.path.name} carries its own next-token layer; use --spec mtp")
     if g.architecture != a:
         raise ModelFileError(g.path, f"architecture {g.architecture}, the model's is {a}")
-    nextn = int(g.get(f"{a}.nextn_predict_layers", 0))
+    keys, hkeys = family.keys, family.hyper.keys
+    nextn = int(g.get(hkeys["nextn_layers"], 0))
     if nextn < 1:
-        raise ModelFileError(g.path, f"no next-token layer ({a}.nextn_predict_layers is {nextn})")
-    il = int(g.get(f"{a}.block_count", 0)) - nextn
+        raise ModelFileError(g.path, f"no next-token layer ({hkeys['nextn_layers']} is {nextn})")
+    il = int(g.get(keys.block_count, 0)) - nextn
     if il != cfg.n_layers:
         raise ModelFileError(g.path, f"its next-token layer follows {il} trunk layers, {model.path.name} has "
                                      f"{cfg.n_layers}")
-    for key in SHARED_KEYS:
-        ours, theirs = trunk.get(f"{a}.{key}"), g.get(f"{a}.{key}")
+    for key in [getattr(keys, k) for k in SHARED] + [hkeys[k] for k in SHARED_HYPER]:
+        ours, theirs = trunk.get(key), g.get(key)
         if not np.array_equal(np.asarray(ours), np.asarray(theirs)):
-            raise ModelFileError(g.path, f"{a}.{key} is {theirs}, {model.path.name}'s is {ours}")
+            raise ModelFileError(g.path, f"{key} is {theirs}, {model.path.name}'s is {ours}")
     tokens, ours_tokens = g.get("tokenizer.ggml.tokens"), trunk.get("tokenizer.ggml.tokens")
-    embd = g.tensors.get("token_embd.weight")
-    if embd is None or embd.shape != trunk.tensors["token_embd.weight"].shape or \
+    embd = g.tensors.get(family.tensors.token_embd)
+    if embd is None or embd.shape != trunk.tensors[family.tensors.token_embd].shape or \
             list(tokens or []) != list(ours_tokens or []):
         n = len(tokens) if tokens is not None else "no"
         raise ModelFileError(g.path, f"its vocabulary ({n} tokens) is not {model.path.name}'s ({cfg.vocab_size}): "
                                      "a next-token layer must share the model's tokenizer")
-    for name in [*(f"blk.{il}.{n}" for n in LAYER), *GLOBALS]:
+    layer = layer_tensors(family)
+    for name in [*(f"blk.{il}.{n}" for n in layer), *model_tensors(family)]:
         if name not in g.tensors:
             raise ModelFileError(g.path, f"missing tensor {name}")
-    for name in (f"blk.{il}.{n}" for n in LAYER):  # each the shape of the trunk's where a trunk layer has it
-        like = next((f"blk.{li}.{name.split('.', 2)[2]}" for li in range(cfg.n_layers)
-                     if f"blk.{li}.{name.split('.', 2)[2]}" in trunk.tensors), None)
-        if like is not None and trunk.tensors[like].shape != g.tensors[name].shape:
-            raise ModelFileError(g.path, f"tensor {name} has shape {list(g.tensors[name].shape)}, {like} of "
-                                         f"{model.path.name} has {list(trunk.tensors[like].shape)}")
-    eh = g.tensors[f"blk.{il}.nextn.eh_proj.weight"].shape
-    if list(eh) != [2 * cfg.hidden, cfg.hidden]:
-        raise ModelFileError(g.path, f"tensor blk.{il}.nextn.eh_proj.weight has shape {list(eh)}, not "
+    for n in layer:  # each the shape of the trunk's where a trunk layer has it
+        like = next((f"blk.{li}.{n}" for li in range(cfg.n_layers) if f"blk.{li}.{n}" in trunk.tensors), None)
+        if like is not None and trunk.tensors[like].shape != g.tensors[f"blk.{il}.{n}"].shape:
+            raise ModelFileError(g.path, f"tensor blk.{il}.{n} has shape {list(g.tensors[f'blk.{il}.{n}'].shape)}, "
+                                         f"{like} of {model.path.name} has {list(trunk.tensors[like].shape)}")
+    eh = family.hyper.layer_name(il, "nextn_eh_proj")
+    if list(g.tensors[eh].shape) != [2 * cfg.hidden, cfg.hidden]:
+        raise ModelFileError(g.path, f"tensor {eh} has shape {list(g.tensors[eh].shape)}, not "
                                      f"[{2 * cfg.hidden}, {cfg.hidden}]")
-    ratios = np.atleast_1d(np.asarray(g.get(f"{a}.attention.compress_ratios", [])))
+    ratios = np.atleast_1d(np.asarray(g.get(hkeys["compress_ratios"], [])))
     if len(ratios) <= il or int(ratios[il]):  # llama.cpp's MTP graph attends over a plain windowed cache
         raise ModelFileError(g.path, f"the next-token layer's compress ratio is "
                                      f"{int(ratios[il]) if len(ratios) > il else 'missing'} (supported: 0)")
     if il < cfg.hyper.hash_layers:  # its graph routes by the learned router only
         raise ModelFileError(g.path, f"a hash-routed next-token layer ({cfg.hyper.hash_layers} hash layers)")
-    exp = _clamp(g, f"{a}.swiglu_clamp_exp", None, il)
-    shexp = _clamp(g, f"{a}.swiglu_clamp_shexp", exp, il)
-    hyper = msgspec.structs.replace(cfg.hyper, nextn_layers=1,
-                                    swiglu_clamp_exp=(*cfg.hyper.swiglu_clamp_exp, exp),
+    exp = _clamp(g, hkeys["swiglu_clamp_exp"], None, il)
+    shexp = _clamp(g, hkeys["swiglu_clamp_shexp"], exp, il)
+    hyper = msgspec.structs.replace(cfg.hyper, nextn_layers=1, swiglu_clamp_exp=(*cfg.hyper.swiglu_clamp_exp, exp),
                                     swiglu_clamp_shexp=(*cfg.hyper.swiglu_clamp_shexp, shexp))
     return MtpFile(g, trunk, msgspec.structs.replace(cfg, hyper=hyper))
 
