@@ -113,21 +113,6 @@ class BlockCopy(Protocol):
         ...
 
 
-class Copied:
-    """Blocks already copied (a backend whose KV pools are host memory)."""
-
-    owned = True
-
-    def __init__(self, payloads: np.ndarray):
-        self.payloads = payloads
-
-    def wait(self) -> np.ndarray:
-        return self.payloads
-
-    def release(self) -> None:
-        pass
-
-
 class Done:
     """A step computed when it was submitted (backends without asynchronous steps)."""
 

@@ -13,11 +13,12 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
+from ..kvstore.store import Landed
 from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.rope import inv_frequencies
 from ..model.weights import ModelWeights
-from .backend import Backend, Copied, Done, SampledToken, SeqChunk, present, step_rows
+from .backend import Backend, Done, SampledToken, SeqChunk, present, step_rows
 from .numpy_hyper import HyperStack
 
 
@@ -177,8 +178,8 @@ class NumpyBackend(Backend):
         self.k_pool[:, block] = data[0]
         self.v_pool[:, block] = data[1]
 
-    def save_blocks(self, blocks: list[int]) -> Copied:
-        return Copied(np.stack([self.read_block(b) for b in blocks]) if blocks else
+    def save_blocks(self, blocks: list[int]) -> Landed:
+        return Landed(np.stack([self.read_block(b) for b in blocks]) if blocks else
                       np.zeros((0, *self.read_block(0).shape), np.float32))
 
     def load_blocks(self, blocks: list[int], payloads) -> None:

@@ -48,8 +48,9 @@ PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
 
 
-class _Landed:
-    """Payloads already on the host, offered as a batch."""
+class Landed:
+    """Payloads already on the host, offered as a batch (what a backend whose KV pools are host
+    memory, the numpy backend, saves its blocks as)."""
 
     owned = True
 
@@ -165,7 +166,7 @@ class KVStore:
     def offer(self, h: bytes, parent: bytes, tokens: list[int], payload: np.ndarray) -> None:
         """One completed block whose payload is already on the host."""
         if self.accept([(h, parent)]):
-            self.offer_batch([(h, parent, list(tokens))], _Landed(payload[None]))
+            self.offer_batch([(h, parent, list(tokens))], Landed(payload[None]))
 
     def accept(self, blocks: list[tuple[bytes, bytes]]) -> list[bytes]:
         """Which of a step's completed blocks (hash, parent) to copy off the device (engine thread,
