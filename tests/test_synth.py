@@ -301,12 +301,23 @@ def test_cli_writes_the_split_pair_and_prints_both_shas(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [f"{out}  sha256 {sha256(out)}", f"{mtp}  sha256 {sha256(mtp)}"]
 
 
+def test_cli_ctx_sets_the_declared_context_length(tmp_path, capsys):
+    """--ctx: a long-conversation benchmark on a shape whose real model declares a short context."""
+    out = tmp_path / "long.gguf"
+    assert _cli(["make-model", "--arch", "llama", "--shape", "tiny", "--out", str(out), "--ctx", "32768"]) == 0
+    assert GGUFFile(out).metadata["llama.context_length"] == 32768
+    plain = tmp_path / "plain.gguf"
+    assert _cli(["make-model", "--arch", "llama", "--shape", "tiny", "--out", str(plain)]) == 0
+    assert GGUFFile(plain).metadata["llama.context_length"] == resolve_shape("llama", "tiny").n_ctx != 32768
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--arch", "mamba", "--shape", "tiny"], "unknown arch"),
         (["--arch", "llama", "--shape", "70b"], "unknown shape"),
         (["--arch", "llama", "--shape", "tiny", "--seed", "-1"], "seed"),
+        (["--arch", "llama", "--shape", "tiny", "--ctx", "8"], "ctx must be in 16.."),
         (["--arch", "llama", "--shape", "tiny", "--mtp-out", "mtp.gguf"], "no next-token (MTP) layer to split off"),
     ],
 )

@@ -31,6 +31,7 @@ are synth_shapes, the tokenizers synth_vocab, the random weights synth_tensors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -215,16 +216,23 @@ def make_model(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     mtp_out: Path | str | None = None,
+    ctx: int | None = None,
 ) -> Path:
     """Write a synthetic GGUF model of `arch`/`shape` to `out`; returns the path.
 
     The file appears atomically (written to `out`.part, then renamed). `progress(done, total)` is
     called with bytes of tensor data written so far. mtp_out: write the next-token (MTP) layer there
-    and the trunk alone to `out`, the pair llama.cpp's converter writes with --mtp and --no-mtp. Raises
-    SynthError for an unknown arch or shape or an unusable output path, OSError for failures while
-    writing.
+    and the trunk alone to `out`, the pair llama.cpp's converter writes with --mtp and --no-mtp. ctx:
+    the context length the file declares, instead of the shape's (random weights have no trained
+    length: a benchmark of long conversations on a shape whose model has a short one). Raises
+    SynthError for an unknown arch or shape, a bad ctx or an unusable output path, OSError for
+    failures while writing.
     """
     spec = resolve_shape(arch, shape)
+    if ctx is not None:
+        if not 16 <= ctx <= 1 << 24:
+            raise SynthError(f"ctx must be in 16..{1 << 24}, got {ctx}")
+        spec = dataclasses.replace(spec, n_ctx=ctx)
     if mtp_out is None:
         return write_model(spec, out, seed, progress)
     _part_tensors(spec, MTP)  # a shape without the layer is refused before anything is written
@@ -337,7 +345,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         mtp_out = Path(args.mtp_out) if args.mtp_out else None
-        path = make_model(args.arch, args.shape, out, seed=args.seed, progress=_Progress(out), mtp_out=mtp_out)
+        path = make_model(args.arch, args.shape, out, seed=args.seed, progress=_Progress(out), mtp_out=mtp_out,
+                          ctx=args.ctx)
     except SynthError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
@@ -368,5 +377,8 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
                    help="deepseek4: write the next-token (MTP) layer to PATH and the trunk alone to --out, as "
                         "llama.cpp's converter splits it (--mtp, --no-mtp); serve the pair with --spec mtp:PATH")
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same file (default 0)")
+    p.add_argument("--ctx", type=int, metavar="TOKENS",
+                   help="context length the file declares (default: the shape's; llama-8b's is 8192, so a 16k "
+                        "conversation needs --ctx 32768)")
     p.set_defaults(func=run_make_model)
     return p
