@@ -12,7 +12,7 @@ one line. And the head computes what llama.cpp's own MTP graph computes (opt-in,
 `--spec mtp:PATH` reads the layer from its own file, the pair llama.cpp's converter writes with --no-mtp
 and --mtp (`make-model --mtp-out`): the pair is the whole file split, drafts as it does, a layer file's own
 embedding, output and hyper-connection head are the ones its head reads, and every way a pair can
-disagree is refused in one line."""
+disagree is refused in one line; and llama-server drafts with the pair (where .ci/run built it)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from ember.worker.bench.synth import MTP as MTP_PART
+from ember.worker.bench.synth import TRUNK as TRUNK_PART
 from ember.worker.bench.synth import make_model, plan, resolve_shape, write_model
 from ember.worker.engine.backend import SeqChunk
 from ember.worker.engine.mtp_drafter import MtpDrafter
@@ -477,3 +478,45 @@ def test_spec_mtp_path_with_a_file_of_another_model_is_refused_in_one_line(worke
     (err,) = [e for e in map(json.loads, filter(lambda x: x.startswith("{"), p.stderr.splitlines()))
               if e["event"] == "config_error"]
     assert "architecture gemma3, the model's is deepseek4" in err["error"] and "\n" not in err["error"]
+
+
+LLAMA_SERVER = Path(__file__).resolve().parents[1] / "build" / "llama.cpp" / "bin" / "llama-server"
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"no llama-server at {LLAMA_SERVER} (.ci/run builds it)")
+def test_llama_server_drafts_with_the_pair(tmp_path):
+    """The pair is llama.cpp's: its server loads the trunk with the layer file as the MTP draft
+    (-md FILE --spec-type draft-mtp) and drafts with it. The shape's indexer keys are 128 wide: llama.cpp's
+    MTP context cannot start on the tiny shape's 64 (see test_the_head_is_llama_cpps_mtp_graph)."""
+    import re
+    import time
+
+    import httpx
+    from test_daemon_support import free_port
+
+    spec = dataclasses.replace(SPEC, dsv4=dataclasses.replace(D4, indexer_dim=128))
+    trunk = write_model(spec, tmp_path / "trunk.gguf", part=TRUNK_PART)
+    layer = write_model(spec, tmp_path / "mtp-trunk.gguf", part=MTP_PART)
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([str(LLAMA_SERVER), "-m", str(trunk), "-md", str(layer), "--spec-type", "draft-mtp",
+                              "--port", str(port), "-c", "512", "-t", "1", "--no-warmup"], stdout=out, stderr=out)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(url + "/completion", json={"prompt": "Repeat after me: a b c d", "n_predict": 16,
+                                                  "temperature": 0}, timeout=300)
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 16
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    text = log.read_text(errors="replace")
+    assert f"loading draft model '{layer}'" in text
+    (generated,) = [int(m) for m in re.findall(r"accepted /\s*(\d+) generated", text)]
+    assert generated > 0
