@@ -211,12 +211,16 @@ class HyperStack:
             out.append(self.head(x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]))
         return out
 
-    def head(self, streams: np.ndarray, norm: str | None = None, out: str | None = None) -> np.ndarray:
+    def head(self, streams: np.ndarray, norm: str | None = None, out: str | None = None,
+             mix: tuple[str, str, str] | None = None) -> np.ndarray:
         """Logits from the streams [n, hc, hidden]: mixed into one by the head's own weights, normed, projected.
-        norm, out: other tensors for the norm and the projection (the next-token layer's), by full name."""
+        norm, out, mix: other tensors for the norm, the projection and the mix's (fn, scale, base), by full
+        name (the next-token layer's, where its file has its own)."""
         w, h, eps, model = self.w, self.h, self.config.norm_eps, self.model_names
-        mixes = _norm(streams.reshape(len(streams), -1), eps) @ w[model["output_mix_fn"]].T
-        pre = _sigmoid(mixes * w[model["output_mix_scale"]][0] + w[model["output_mix_base"]]) + np.float32(h.hc_eps)
+        fn, scale, base = (w[n] for n in mix or (model["output_mix_fn"], model["output_mix_scale"],
+                                                 model["output_mix_base"]))
+        mixes = _norm(streams.reshape(len(streams), -1), eps) @ fn.T
+        pre = _sigmoid(mixes * scale[0] + base) + np.float32(h.hc_eps)
         y = np.einsum("nse,ns->ne", streams, pre)
         return ops.linear(_norm(y, eps, w[norm or self.tensors.output_norm]), w[out or self.tensors.output])
 

@@ -55,8 +55,9 @@ class MtpHead:
         self.embd = w[pick(nextn + "embed_tokens.weight", OWN + t.token_embd, t.token_embd)]
         self.head_norm = pick(nextn + "shared_head_norm.weight", OWN + t.output_norm, t.output_norm)
         self.head_out = pick(nextn + "shared_head_head.weight", OWN + t.output, t.output)
-        self.hc_head = tuple(pick(OWN + model[role], model[role])
-                             for role in ("output_mix_fn", "output_mix_scale", "output_mix_base"))
+        fn, scale, base = (pick(OWN + model[role], model[role])
+                           for role in ("output_mix_fn", "output_mix_scale", "output_mix_base"))
+        self.hc_head = (fn, scale, base)
 
     def _t(self, name: str) -> np.ndarray:
         return self.s.w[f"blk.{self.li}.{name}"]
@@ -99,13 +100,9 @@ class MtpHead:
         return hc_merge(s.mlp(self.li, self._norm(m, t("ffn_norm.weight")), tokens), x, post, comb), kv
 
     def logits(self, streams: np.ndarray) -> np.ndarray:
-        """HyperStack.head's mix over this layer's hyper-connection head (the trunk's, or its own file's)."""
-        w, eps = self.s.w, self.s.config.norm_eps
-        fn, scale, base = (w[n] for n in self.hc_head)
-        flat = streams.reshape(len(streams), -1)
-        mixes = ops.rms_norm(flat, np.ones(flat.shape[-1], np.float32), eps) @ fn.T
-        pre = 1.0 / (1.0 + np.exp(-(mixes * scale[0] + base))) + np.float32(self.s.h.hc_eps)
-        return ops.linear(self._norm(np.einsum("nse,ns->ne", streams, pre), w[self.head_norm]), w[self.head_out])
+        """The model's head over this layer's hyper-connection head, norm and projection (the trunk's, or
+        its own file's)."""
+        return self.s.head(streams, self.head_norm, self.head_out, self.hc_head)
 
     def forward(self, h_prev: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The layer's logits over a whole sequence from scratch (no pool): position p from the trunk's
