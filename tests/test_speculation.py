@@ -235,6 +235,28 @@ def test_bench_spec_replays_sessions_against_real_workers(capsys):
     assert s["drafted"] is not None and report["machine"]["cores"]
 
 
+@pytest.mark.parametrize("spec, error", [("suffix", None), ("mtp", None), ("draft:{model}", None),
+                                         ("mtp:{model}", None), ("mtp:/nowhere/mtp-x.gguf", "is not a file"),
+                                         ("off", "is not a drafter"), ("beam", "is not a drafter"),
+                                         ("draft:", "is not a drafter")])
+def test_bench_spec_takes_every_drafter_the_worker_takes(spec, error, default_model_path, capsys):
+    """`ember bench spec --spec`: the worker's drafters, PATH forms included (mtp:PATH, draft:PATH); a
+    missing file or an unknown drafter is argparse's one-line usage error."""
+    import argparse
+
+    from ember.worker.bench.spec import add_spec_parser
+
+    parser = argparse.ArgumentParser(prog="ember bench")
+    add_spec_parser(parser.add_subparsers())
+    spec = spec.format(model=default_model_path)
+    if error is None:
+        assert parser.parse_args(["spec", "--spec", spec]).spec == spec
+        return
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["spec", "--spec", spec])
+    assert e.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_model_path):
     """--spec draft:PATH with the model itself as its draft: every guess stands, the output is the same."""
     from ember.worker.engine.draft_model import ModelDrafter

@@ -93,8 +93,9 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {name: {} for name in prompts}
     with tempfile.TemporaryDirectory(prefix="ember-bench-spec-") as tmp:
         for mode in ("off", args.spec):
-            with WorkerProcess(*common, "--spec", mode, "--kv-dir", str(Path(tmp) / mode),
-                               log_path=Path(tmp) / f"{mode}.log") as w:
+            kind = mode.partition(":")[0]  # draft:PATH and mtp:PATH name no folder
+            with WorkerProcess(*common, "--spec", mode, "--kv-dir", str(Path(tmp) / kind),
+                               log_path=Path(tmp) / f"{kind}.log") as w:
                 for name, prompt in prompts.items():
                     _stream(w.url, prompt, 4)  # warm: the prompt's prefill is cached, so decode is what is timed
                     before = _counters(w.url)
@@ -142,13 +143,24 @@ def cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drafter(text: str) -> str:
+    """--spec as the worker takes it, less off (the bench compares against off itself); a PATH must be a file."""
+    kind, _, path = text.partition(":")
+    if text in ("ngram", "suffix", "mtp") or (kind in ("draft", "mtp") and path and Path(path).expanduser().is_file()):
+        return text
+    if kind in ("draft", "mtp") and path:
+        raise argparse.ArgumentTypeError(f"{path!r} is not a file")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a drafter (ngram, suffix, draft:PATH, mtp, mtp:PATH)")
+
+
 def add_spec_parser(bsub) -> None:
     p = bsub.add_parser("spec", help="speculative decoding on agent-shaped sessions: speed, acceptance, and "
                                      "identical greedy output against spec off")
     p.add_argument("--model", metavar="PATH", help="GGUF model (default: the embedded model)")
     p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
-    p.add_argument("--spec", choices=("ngram", "suffix", "mtp"), default="suffix",
-                   help="the drafter (default suffix; mtp: the model's next-token layer, where it has one)")
+    p.add_argument("--spec", type=_drafter, default="suffix",
+                   help="the drafter: ngram, suffix (default), draft:PATH (a small GGUF of the model's vocabulary), "
+                        "mtp (the model's next-token layer, where it has one) or mtp:PATH (that layer's own GGUF)")
     p.add_argument("--gen", type=int, default=128, help="greedy tokens a session (default 128)")
     p.add_argument("--lines", type=int, default=200, help="lines of the edited file (default 200)")
     p.add_argument("--sessions", nargs="+", choices=tuple(sessions(8)), help="only these sessions")
