@@ -11,6 +11,7 @@ logits for the positions each chunk asks for.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -96,6 +97,14 @@ def step_rows(chunks: list[SeqChunk], block_size: int, n_blocks: int) -> StepRow
     return StepRows(tokens=np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks]),
                     positions=np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks]),
                     spans=spans, slots=kv_slots(chunks, block_size, n_blocks))
+
+
+def chunk_logits(chunks: list[SeqChunk], spans: list[tuple[int, int]], x: np.ndarray,
+                 head: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray | None]:
+    """Each chunk's logits as it asks for them (none, its last row's, or every row's) from the step's
+    final rows x, through the model's head."""
+    return [None if c.logits == "none" else head(x[b - 1 : b] if c.logits == "last" else x[a:b])
+            for c, (a, b) in zip(chunks, spans, strict=True)]
 
 
 class BlockCopy(Protocol):

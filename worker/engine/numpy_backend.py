@@ -18,7 +18,7 @@ from ..model.arch.recipe import Rope
 from ..model.config import ModelConfig
 from ..model.rope import inv_frequencies
 from ..model.weights import ModelWeights
-from .backend import Backend, Done, SampledToken, SeqChunk, present, step_rows
+from .backend import Backend, Done, SampledToken, SeqChunk, chunk_logits, present, step_rows
 from .numpy_hyper import HyperStack
 
 
@@ -139,14 +139,8 @@ class NumpyBackend(Backend):
                 m = ops.rms_norm(m, present(lw.post_ffn_norm), cfg.norm_eps)
             x = x + m
 
-        out: list[np.ndarray | None] = []
-        for c, (a, b) in zip(chunks, spans, strict=True):
-            if c.logits == "none":
-                out.append(None)
-                continue
-            rows = x[b - 1 : b] if c.logits == "last" else x[a:b]
-            out.append(ops.linear(ops.rms_norm(rows, w.output_norm, cfg.norm_eps), w.output))
-        return out
+        return chunk_logits(chunks, spans, x, lambda rows: ops.linear(ops.rms_norm(rows, w.output_norm, cfg.norm_eps),
+                                                                      w.output))
 
     def _gather(self, layer: int, block_table: list[int], first: int,
                 length: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -25,7 +25,7 @@ from ember.kernels import reference as ops
 
 from ..model.config import HyperConfig, ModelConfig
 from ..model.weights import ModelWeights
-from .backend import SeqChunk, step_rows
+from .backend import SeqChunk, chunk_logits, step_rows
 
 if TYPE_CHECKING:
     from .numpy_mtp import MtpHead
@@ -203,13 +203,7 @@ class HyperStack:
 
         if self.mtp is not None:  # the next-token layer's rows of these positions (they depend on nothing later)
             self.mtp.write_rows(x, tokens, positions, chunks, spans, slots, rows)
-        out: list[np.ndarray | None] = []
-        for c, (a0, b0) in zip(chunks, spans, strict=True):
-            if c.logits == "none":
-                out.append(None)
-                continue
-            out.append(self.head(x[b0 - 1 : b0] if c.logits == "last" else x[a0:b0]))
-        return out
+        return chunk_logits(chunks, spans, x, self.head)
 
     def head(self, streams: np.ndarray, norm: str | None = None, out: str | None = None,
              mix: tuple[str, str, str] | None = None) -> np.ndarray:
