@@ -212,7 +212,11 @@ class Comparison:
 
 class RouterMargins:
     """Records, while in use, each mixture-of-experts layer's routing margin per row: how far the k-th
-    expert's probability lies above the (k+1)-th's (a near-tie flips with float32 summation order)."""
+    expert's probability lies above the (k+1)-th's (a near-tie flips with float32 summation order). And
+    deepseek4's lightning indexer, which routes compressed rows to each query the same way: the k-th
+    row's score above the (k+1)-th's, relative to it. Its scores sum relu'd products, so rows whose every
+    head's product is negative tie at exactly 0, and which of them fill the top k is then the sort's
+    choice (llama.cpp's CPU backend takes std::partial_sort's, its CUDA backend another's)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.calls: list[np.ndarray] = []
@@ -234,6 +238,17 @@ class RouterMargins:
             return top_k(scores, k)
 
         monkeypatch.setattr(numpy_hyper, "route_top_k", recording_hyper)
+        indexer_top_k = numpy_hyper.indexer_top_k
+
+        def recording_indexer(scores, k):  # -inf: rows the query cannot see
+            s = np.sort(scores, axis=-1)[:, ::-1]
+            if s.shape[1] > k:
+                with np.errstate(invalid="ignore"):
+                    rel = (s[:, k - 1] - s[:, k]) / np.maximum(np.abs(s[:, k - 1]), 1e-30)
+                self.calls.append(np.where(np.isfinite(s[:, k]), rel, np.inf))
+            return indexer_top_k(scores, k)
+
+        monkeypatch.setattr(numpy_hyper, "indexer_top_k", recording_indexer)
 
     def take(self, n: int) -> np.ndarray:
         """The smallest margin of each of the last step's n rows over its layers (inf without experts)."""

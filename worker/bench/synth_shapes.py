@@ -149,12 +149,13 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("tiny-deepseek4", "deepseek4", n_vocab=768, n_embd=128, n_layer=4, n_head=4, n_head_kv=1,
                   head_dim=64, n_ff=0, n_ctx=4096, rope_base=10000.0, rms_eps=1e-6, tokenizer="bpe-deepseek4",
                   tied=False, sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=64, mix="q8_0",
+                  rope_yarn=(16.0, 256),  # V4-Flash's factor, its original context scaled down: prompts pass it
                   dsv4=Dsv4Shape(q_lora_rank=64, n_rot=16, o_groups=2, o_lora_rank=32,
                                  compress_ratios=(0, 4, 128, 4), compress_rope_base=160000.0, indexer_heads=8,
                                  indexer_dim=64, indexer_top_k=8, hash_layers=2),
                   description="tiny deepseek4 test model: window 16, a sliding-window, two CSA (indexer: 8 heads, "
                   "top 8) and an HCA layer, two hash-routed layers, 8 experts (2 per token) and a shared one, "
-                  "4 hyper-connection streams"),
+                  "4 hyper-connection streams, YaRN on the compressed layers"),
         ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
                   head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
                   tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,

@@ -23,7 +23,8 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..model.config import HyperConfig, ModelConfig
+from ..model.config import HyperConfig, ModelConfig, Yarn
+from ..model.rope import yarn_factors
 from ..model.weights import ModelWeights
 from .backend import SeqChunk, chunk_logits, step_rows
 
@@ -43,11 +44,19 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def rope_tail(x: np.ndarray, pos: np.ndarray, base: float, n_rot: int, *, inverse: bool = False) -> np.ndarray:
-    """RoPE on the last n_rot dimensions, adjacent pairs rotated (llama.cpp's NORMAL type with an
-    offset); x [n, ..., dim], pos [n]. inverse: rotate back (the attention output's de-rotation)."""
-    half = np.arange(n_rot // 2, dtype=np.float64)
-    theta = pos.astype(np.float64)[:, None] * base ** (-2.0 * half / n_rot)[None, :]  # [n, n_rot/2]
+def rope_frequencies(base: float, n_rot: int, yarn: Yarn | None = None) -> np.ndarray:
+    """The inverse frequencies of the n_rot / 2 rotated pairs (float64), with YaRN's per-pair multipliers
+    where given. Their cos and sin stay unscaled: llama.cpp's deepseek4 passes YaRN an attention factor
+    of 1 / (1 + 0.1 ln factor), which cancels the magnitude YaRN would give them."""
+    inv = base ** (-2.0 * np.arange(n_rot // 2, dtype=np.float64) / n_rot)
+    return inv if yarn is None else inv * yarn_factors(n_rot, base, yarn)[0]
+
+
+def rope_tail(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+    """RoPE on the last 2 * len(inv_freq) dimensions, adjacent pairs rotated (llama.cpp's NORMAL type with
+    an offset); x [n, ..., dim], pos [n]. inverse: rotate back (the attention output's de-rotation)."""
+    n_rot = 2 * len(inv_freq)
+    theta = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [n, n_rot/2]
     cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
     if inverse:
         sin = -sin
@@ -143,6 +152,10 @@ class HyperStack:
         self.tensors, self.model_names = config.family.tensors, config.family.hyper.model
         self.layer_names = {**self.tensors.layer, **config.family.hyper.layer}
         self.block_size, self.n_blocks = block_size, n_blocks
+        # window-only layers turn at the model's base; compressed layers, their rows and the indexer at the
+        # compressed base, with the file's YaRN (llama.cpp's deepseek4: YaRN on the compressed ropes only)
+        self.rope_window = rope_frequencies(config.rope_base, self.h.n_rot)
+        self.rope_compressed = rope_frequencies(self.h.compress_rope_base, self.h.n_rot, config.rope_yarn)
         self.columns = self.layout(config, mtp)
         self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
         self.mtp: MtpHead | None = None
@@ -223,10 +236,10 @@ class HyperStack:
         cfg, h, t = self.config, self.h, self._t
         eps, d, n_head, n = cfg.norm_eps, cfg.head_dim, cfg.n_heads, len(x)
         ratio, cols = h.compress_ratios[li], self.columns[li]
-        base = h.compress_rope_base if ratio else cfg.rope_base
+        freqs = self.rope_compressed if ratio else self.rope_window
 
-        qr, q = self.query(li, x, positions, base)
-        rows[slots, cols["kv"]] = self.key(li, x, positions, base)
+        qr, q = self.query(li, x, positions, freqs)
+        rows[slots, cols["kv"]] = self.key(li, x, positions, freqs)
         if ratio:
             rows[slots, cols["c_kv"]] = x @ t(li, "compressor_kv").T
             rows[slots, cols["c_score"]] = (x @ t(li, "compressor_gate").T
@@ -236,7 +249,7 @@ class HyperStack:
             rows[slots, cols["i_score"]] = (x @ t(li, "indexer_compressor_gate").T
                                             + t(li, "indexer_compressor_ape")[positions % ratio])
             iq = (qr @ t(li, "indexer_q_b").T).reshape(n, h.indexer_heads, h.indexer_dim)
-            iq = rope_tail(iq, positions, h.compress_rope_base, h.n_rot)
+            iq = rope_tail(iq, positions, self.rope_compressed)
             iw = (x @ t(li, "indexer_proj").T) / np.float32(np.sqrt(h.indexer_dim * h.indexer_heads))
 
         sinks = t(li, "sinks")
@@ -256,34 +269,33 @@ class HyperStack:
                 n_comp = end // ratio
                 comp = compress(past[:, cols["c_kv"]], past[:, cols["c_score"]], ratio, n_comp, ratio == CSA)
                 comp = rope_tail(_norm(comp, eps, t(li, "compressor_norm")),
-                                 np.arange(n_comp) * ratio, h.compress_rope_base, h.n_rot)
+                                 np.arange(n_comp) * ratio, self.rope_compressed)
                 visible = np.arange(n_comp)[None, :] < ((pos + 1) // ratio)[:, None]  # whole blocks up to p
                 if ratio == CSA:
                     visible &= self._indexer_pick(li, past, cols, iq[a:b], iw[a:b], visible)
                 keys = np.concatenate([keys, comp])
                 allowed = np.concatenate([allowed, visible], axis=1)
             out[a:b] = attend(q[a:b], keys, allowed, sinks)
-        return self.output(li, out, positions, base)
+        return self.output(li, out, positions, freqs)
 
     # the attention's pieces, shared with the next-token layer (numpy_mtp.py)
 
-    def query(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
+    def query(self, li: int, x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the low-rank query qr [n, rank], which the indexer reads too; the heads [n, heads, head_dim])."""
         cfg, t, eps = self.config, self._t, self.config.norm_eps
         qr = _norm(x @ t(li, "q_a").T, eps, t(li, "q_a_norm"))
         q = _norm((qr @ t(li, "q_b").T).reshape(len(x), cfg.n_heads, cfg.head_dim), eps)
-        return qr, rope_tail(q, positions, base, self.h.n_rot)
+        return qr, rope_tail(q, positions, freqs)
 
-    def key(self, li: int, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    def key(self, li: int, x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
         """The single KV head's row of each position (the key, and the value too)."""
         t, eps = self._t, self.config.norm_eps
-        return rope_tail(_norm(x @ t(li, "kv").T, eps, t(li, "kv_norm")), positions, base,
-                         self.h.n_rot)
+        return rope_tail(_norm(x @ t(li, "kv").T, eps, t(li, "kv_norm")), positions, freqs)
 
-    def output(self, li: int, out: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    def output(self, li: int, out: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
         """The heads' outputs [n, heads, head_dim], their RoPE undone, through the grouped low-rank projection."""
         h, t, n = self.h, self._t, len(out)
-        out = rope_tail(out, positions, base, h.n_rot, inverse=True)
+        out = rope_tail(out, positions, freqs, inverse=True)
         # grouped low-rank output: each group of heads through its own [rank, group width] matrix
         groups = out.reshape(n, h.o_groups, -1)
         wo_a = t(li, "o_a").reshape(h.o_groups, h.o_lora_rank, -1)
@@ -297,7 +309,7 @@ class HyperStack:
         h, n_comp = self.h, visible.shape[1]
         ik = compress(past[:, cols["i_kv"]], past[:, cols["i_score"]], CSA, n_comp, True)
         ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm")),
-                       np.arange(n_comp) * CSA, h.compress_rope_base, h.n_rot)
+                       np.arange(n_comp) * CSA, self.rope_compressed)
         score = np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
         picked = np.zeros_like(visible)
         k = min(h.indexer_top_k, n_comp)

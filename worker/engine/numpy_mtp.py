@@ -81,20 +81,20 @@ class MtpHead:
         return self._norm(a, t("attn_norm.weight")), post, comb
 
     def _key(self, a: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return self.s.key(self.li, a, positions, self.s.config.rope_base)
+        return self.s.key(self.li, a, positions, self.s.rope_window)  # a window-only layer: no YaRN
 
     def _block(self, x: np.ndarray, tokens: np.ndarray, positions: np.ndarray, keys: np.ndarray,
                kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The block over input streams x at positions, attending over key rows `keys` at kpos (those
         before, which this pass's own rows join): (its output streams, its own key rows)."""
-        s, t, base = self.s, self._t, self.s.config.rope_base
+        s, t, freqs = self.s, self._t, self.s.rope_window
         a, post, comb = self._attn_input(x)
         kv = self._key(a, positions)
         keys, kpos = np.concatenate([keys, kv]), np.concatenate([kpos, positions])
-        _, q = s.query(self.li, a, positions, base)
+        _, q = s.query(self.li, a, positions, freqs)
         allowed = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] > positions[:, None] - s.h.window)
         out = attend(q, keys, allowed, t("attn_sinks.weight"))
-        x = hc_merge(s.output(self.li, out, positions, base), x, post, comb)
+        x = hc_merge(s.output(self.li, out, positions, freqs), x, post, comb)
         m, post, comb = hc_mix(x, t("hc_ffn_fn.weight"), t("hc_ffn_scale.weight"), t("hc_ffn_base.weight"), s.h,
                                s.config.norm_eps)
         return hc_merge(s.mlp(self.li, self._norm(m, t("ffn_norm.weight")), tokens), x, post, comb), kv
