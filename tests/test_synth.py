@@ -233,6 +233,32 @@ def test_llama_8b_plan_is_llama3_8b_q4_k_m():
     assert 4.85e9 < total < 4.95e9  # llama.cpp's Llama-3-8B Q4_K_M is 4.92 GB
 
 
+def test_deepseek_v4_flash_l8_plan_is_the_real_models_layers_in_the_users_mix():
+    """V4-Flash's config (hidden 4096, 64 heads of 512 over one KV head, q and output ranks 1024 in 8
+    groups, 256 experts of 2048, vocabulary 129,280, indexer 64 x 128): 8 of its 43 layers, whose
+    compress ratios hold every attention kind, and the MTP layer; IQ2_XXS gate/up, Q2_K down, Q8_0 else."""
+    s = SHAPES["deepseek-v4-flash-L8"]
+    assert s.dsv4 is not None and set(s.dsv4.compress_ratios) == {0, 4, 128} and s.dsv4.hash_layers == 3
+    p = {t.name: t for t in plan("deepseek4", "deepseek-v4-flash-L8")}
+    assert p["token_embd.weight"].shape == (4096, 129280) and p["token_embd.weight"].ggml_type == T.Q8_0
+    for il in range(9):  # the 8 trunk layers and the MTP layer (blk.8)
+        assert p[f"blk.{il}.ffn_gate_exps.weight"].shape == (4096, 2048, 256)
+        assert p[f"blk.{il}.ffn_gate_exps.weight"].ggml_type == p[f"blk.{il}.ffn_up_exps.weight"].ggml_type == T.IQ2_XXS
+        assert p[f"blk.{il}.ffn_down_exps.weight"].ggml_type == T.Q2_K
+        assert p[f"blk.{il}.attn_q_b.weight"].shape == (1024, 64 * 512)
+        assert p[f"blk.{il}.attn_output_a.weight"].shape == (64 * 512 // 8, 8 * 1024)
+        assert p[f"blk.{il}.attn_q_a.weight"].ggml_type == T.Q8_0
+        assert (f"blk.{il}.ffn_gate_tid2eid.weight" in p) == (il < 3)  # hash routing in the first three
+    assert "blk.2.indexer.attn_q_b.weight" in p and p["blk.2.indexer.attn_q_b.weight"].shape == (1024, 64 * 128)
+    assert "blk.3.attn_compressor_kv.weight" in p and "blk.3.indexer.proj.weight" not in p  # HCA: no indexer
+    assert "blk.8.nextn.eh_proj.weight" in p
+    total = sum(t.nbytes for t in p.values())
+    assert 18.5e9 < total < 19.3e9
+    # the same per-layer bytes over the real 43 layers and the MTP layer: the users' file of about 81 GiB
+    model_level = sum(t.nbytes for n, t in p.items() if not n.startswith("blk."))
+    assert 79 * 2**30 < model_level + (total - model_level) / 9 * 44 < 84 * 2**30
+
+
 def test_gemma3_4b_plan():
     s = SHAPES["gemma3-4b"]
     p = {t.name: t for t in plan("gemma3", "gemma3-4b")}

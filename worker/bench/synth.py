@@ -15,6 +15,9 @@ Shapes (`SHAPES`, what users type after --shape):
   llama-8b         Llama 3 8B, Q4_K_M mix, Llama 3 BPE vocabulary
   qwen3-30b-a3b    Qwen3-Coder-30B-A3B (qwen3moe: 128 experts, 8 per token), Q4_K_M mix
   gpt-oss-20b      gpt-oss-20b (32 experts, 4 per token): MXFP4 experts, Q8_0 elsewhere
+  deepseek-v4-flash-L8
+                   DeepSeek-V4-Flash's first 8 of 43 layers (every attention kind, both routings) and its
+                   MTP layer: IQ2_XXS gate/up experts, Q2_K down, Q8_0 elsewhere, as users run it
 
 Weights use llama.cpp's Q4_K_M type choice (llama-quant.cpp): Q4_K everywhere, Q6_K for the output
 (or the tied embedding) and for attn_v / ffn_down on the "use_more_bits" layers, with llama.cpp's
@@ -175,7 +178,8 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int, part: str = 
     if v.chat_template:
         w.add_chat_template(v.chat_template)
     w.add_quantization_version(2)
-    w.add_file_type(int(LlamaFileType.MOSTLY_Q8_0 if s.mix == "q8_0" else LlamaFileType.MOSTLY_Q4_K_M))
+    file_type = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "ds4-flash": LlamaFileType.MOSTLY_IQ2_XXS}
+    w.add_file_type(int(file_type.get(s.mix, LlamaFileType.MOSTLY_Q4_K_M)))
 
 
 def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec, nextn: int) -> None:

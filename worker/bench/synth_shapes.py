@@ -156,6 +156,19 @@ SHAPES: dict[str, ShapeSpec] = {
                   description="tiny deepseek4 test model: window 16, a sliding-window, two CSA (indexer: 8 heads, "
                   "top 8) and an HCA layer, two hash-routed layers, 8 experts (2 per token) and a shared one, "
                   "4 hyper-connection streams, YaRN on the compressed layers"),
+        # DeepSeek-V4-Flash (its config.json, as llama.cpp's converter maps it): the first 8 of its 43 layers,
+        # which hold every kind (window-only, CSA, HCA; hash routing in 0-2, learned after) and the MTP layer,
+        # in the users' quant mix: IQ2_XXS gate/up experts, Q2_K down experts, Q8_0 for the rest
+        ShapeSpec("deepseek-v4-flash-L8", "deepseek4", n_vocab=129280, n_embd=4096, n_layer=8, n_head=64,
+                  n_head_kv=1, head_dim=512, n_ff=0, n_ctx=1048576, rope_base=10000.0, rms_eps=1e-6,
+                  tokenizer="bpe-deepseek4", tied=False, sliding_window=128, n_expert=256, n_expert_used=6,
+                  n_ff_exp=2048, mix="ds4-flash", rope_yarn=(16.0, 65536),
+                  dsv4=Dsv4Shape(q_lora_rank=1024, n_rot=64, o_groups=8, o_lora_rank=1024,
+                                 compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), compress_rope_base=160000.0,
+                                 indexer_heads=64, indexer_dim=128, indexer_top_k=512, hash_layers=3),
+                  size_label="284B-A13B", real=True,
+                  description="DeepSeek-V4-Flash's first 8 of 43 layers and its MTP layer: IQ2_XXS gate/up and "
+                  "Q2_K down experts (256, 6 per token, and a shared one), Q8_0 elsewhere"),
         ShapeSpec("gemma3-270m", "gemma3", n_vocab=262144, n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
                   head_dim=256, n_ff=2048, n_ctx=32768, rope_base=1000000.0, rms_eps=1e-6, tokenizer="spm-gemma",
                   tied=True, sliding_window=512, size_label="270M", real=True, type_table=_GEMMA3_270M_TYPES,
@@ -334,17 +347,23 @@ _F32_TABLES = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight", "
                "indexer_compressor_ape.weight", "ffn_gate_inp.weight")
 
 
+# the routed experts of the users' DeepSeek-V4-Flash files (about 81 GiB whole): 2-bit i-quant gate/up, Q2_K down
+_DS4_FLASH_EXPERTS = {"ffn_gate_exps.weight": T.IQ2_XXS, "ffn_up_exps.weight": T.IQ2_XXS,
+                      "ffn_down_exps.weight": T.Q2_K}
+
+
 def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
     """The tensor table of a shape, in file order."""
-    if s.mix not in ("q4_k_m", "mxfp4", "q8_0"):
+    if s.mix not in ("q4_k_m", "mxfp4", "q8_0", "ds4-flash"):
         raise SynthError(f"unknown quantization mix {s.mix!r}")
     if s.dsv4 is not None:  # Q8_0 matrices (as the released file has outside its experts), F32 tables
         glob, layers = _dsv4_tensor_shapes(s)
+        experts = _DS4_FLASH_EXPERTS if s.mix == "ds4-flash" else {}
 
         def dsv4_type(name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
             if name == "ffn_gate_tid2eid.weight":
                 return T.I32
-            return T.F32 if len(shape) == 1 or name in _F32_TABLES else T.Q8_0
+            return T.F32 if len(shape) == 1 or name in _F32_TABLES else experts.get(name, T.Q8_0)
 
         out = [PlannedTensor(n, sh, dsv4_type(n, sh)) for n, sh in sorted(glob)]
         for il, layer_shapes in enumerate(layers):

@@ -4,6 +4,7 @@ a pure function of (seed, tensor name, chunk index) so the same seed gives the s
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -84,21 +85,38 @@ def _random_blocks(t: GGMLQuantizationType, n: int, rng: np.random.Generator) ->
 _SCALED_BY_GGUF = (T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.MXFP4)
 
 
-def _scale_to_std(t: GGMLQuantizationType, b: np.ndarray, spread: np.ndarray) -> None:
-    """Scale each block (values linear in its float16 scales, or in 2^e for MXFP4) to WEIGHT_STD * spread."""
+def _halves(dt: np.dtype) -> list[str]:
+    return [n for n in dt.names or () if dt[n] == np.dtype("<f2")]
+
+
+@functools.cache
+def _unit_std(t: GGMLQuantizationType) -> float:
+    """The mean standard deviation of a block of random codes of type t as gguf-py decodes it with every
+    float16 scale 1 (MXFP4: 2^0), over a fixed sample: decoding every block of a multi-GB file through
+    gguf-py would take most of an hour (IQ2_XXS: a few MB/s)."""
+    dt = BLOCK_DTYPES[t]
+    rng = np.random.default_rng(np.random.SeedSequence([0x5CA1E, int(t)]))
+    b = np.frombuffer(rng.bytes(_UNIT_SAMPLE * dt.itemsize), dtype=np.uint8).copy().view(dt)
     if t == T.MXFP4:
         b["e"] = 127
-    halves = [n for n in b.dtype.names if b.dtype[n] == np.dtype("<f2")]
-    for n in halves:
+    for n in _halves(dt):
         b[n] = 1.0
     from gguf import quants as gguf_quants
 
     values = gguf_quants.dequantize(b.view(np.uint8).reshape(len(b), -1), t)
-    std = np.maximum(values.std(axis=-1), 1e-6)
-    target = WEIGHT_STD * spread / std
+    return float(values.std(axis=-1).mean())
+
+
+_UNIT_SAMPLE = 4096  # blocks
+
+
+def _scale_to_std(t: GGMLQuantizationType, b: np.ndarray, spread: np.ndarray) -> None:
+    """Scale the blocks (values linear in their float16 scales, or in 2^e for MXFP4) to about WEIGHT_STD *
+    spread each: the codes' own spread is the sample's (_unit_std), not each block's."""
+    target = WEIGHT_STD * spread / _unit_std(t)
     if t == T.MXFP4:
         b["e"] = np.clip(127 + np.rint(np.log2(target)), 1, 254).astype(np.uint8)
-    for n in halves:
+    for n in _halves(b.dtype):
         b[n] = _f16(target)
 
 
