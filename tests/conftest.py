@@ -107,3 +107,29 @@ def hardened_worker(start_worker) -> WorkerProcess:
     return start_worker("--max-seqs", "4", "--max-queue", "64", "--ctx", "2048", "--kv-mem", "160MiB",
                         "--prefill-chunk", "128", "--max-output-tokens", "2", "--metrics-auth",
                         "--allowed-origins", "https://ok.example")
+
+
+LLAMA_CPP_BUILD = Path(__file__).resolve().parents[1] / "build" / "llama.cpp"
+LLAMA_SERVER_WAIT = 40 * 60  # seconds: .ci/run's background build takes about 10 minutes beside the tests
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    """llama.cpp's llama-server ($EMBER_LLAMA_SERVER, or what .ci/run builds into build/llama.cpp/bin).
+    .ci/run builds it in the background while the suite runs (a `building` file beside it until done,
+    `failed` with the log's end if the build failed): a test that needs it waits for the build, fails
+    when it failed, and skips only where nothing builds it."""
+    import time
+
+    path = Path(os.environ.get("EMBER_LLAMA_SERVER") or LLAMA_CPP_BUILD / "bin" / "llama-server")
+    deadline = time.monotonic() + LLAMA_SERVER_WAIT
+    while (LLAMA_CPP_BUILD / "building").exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    if path.is_file():
+        return path
+    failed = LLAMA_CPP_BUILD / "failed"
+    if failed.exists():
+        pytest.fail(f"the llama-server build failed:\n{failed.read_text()[-2000:]}")
+    if (LLAMA_CPP_BUILD / "building").exists():
+        pytest.fail(f"the llama-server build was still running after {LLAMA_SERVER_WAIT} s")
+    pytest.skip(f"no llama-server at {path} (.ci/run builds it; or set EMBER_LLAMA_SERVER)")

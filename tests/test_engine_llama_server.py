@@ -7,19 +7,11 @@ test_engine_profiles.py; the stand-in replaying other engines' behaviour in test
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
 import pytest
 from test_daemon_support import FAST, Ember, kill, to_toml
-
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_SERVER = Path(os.environ.get("EMBER_LLAMA_SERVER") or ROOT / "build" / "llama.cpp" / "bin" / "llama-server")
-
-pytestmark = pytest.mark.skipif(
-    not LLAMA_SERVER.is_file(),
-    reason=f"no llama-server at {LLAMA_SERVER} (.ci/run builds it; or set EMBER_LLAMA_SERVER)")
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +23,9 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def test_llama_server_is_supervised_archived_and_restarted(ember: Ember, tiny_model: Path):
+def test_llama_server_is_supervised_archived_and_restarted(ember: Ember, tiny_model: Path, llama_server: Path):
     e = ember
-    command = [str(LLAMA_SERVER), "-m", str(tiny_model), "--host", "127.0.0.1", "--port", str(e.port),
+    command = [str(llama_server), "-m", str(tiny_model), "--host", "127.0.0.1", "--port", str(e.port),
                "-c", "512", "-np", "1", "-t", "1"]
     e.config.write_text(to_toml({"worker": {"port": e.port},
                                  "daemon": {**FAST, "command": command, "engine": "llama-server",

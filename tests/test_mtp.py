@@ -480,11 +480,7 @@ def test_spec_mtp_path_with_a_file_of_another_model_is_refused_in_one_line(worke
     assert "architecture gemma3, the model's is deepseek4" in err["error"] and "\n" not in err["error"]
 
 
-LLAMA_SERVER = Path(__file__).resolve().parents[1] / "build" / "llama.cpp" / "bin" / "llama-server"
-
-
-@pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"no llama-server at {LLAMA_SERVER} (.ci/run builds it)")
-def test_llama_server_drafts_with_the_pair(tmp_path):
+def test_llama_server_drafts_with_the_pair(tmp_path, llama_server):
     """The pair is llama.cpp's: its server loads the trunk with the layer file as the MTP draft
     (-md FILE --spec-type draft-mtp) and drafts with it. The shape's indexer keys are 128 wide: llama.cpp's
     MTP context cannot start on the tiny shape's 64 (see test_the_head_is_llama_cpps_mtp_graph)."""
@@ -499,7 +495,7 @@ def test_llama_server_drafts_with_the_pair(tmp_path):
     layer = write_model(spec, tmp_path / "mtp-trunk.gguf", part=MTP_PART)
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen([str(LLAMA_SERVER), "-m", str(trunk), "-md", str(layer), "--spec-type", "draft-mtp",
+        p = subprocess.Popen([str(llama_server), "-m", str(trunk), "-md", str(layer), "--spec-type", "draft-mtp",
                               "--port", str(port), "-c", "512", "-t", "1", "--no-warmup"], stdout=out, stderr=out)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
