@@ -41,8 +41,8 @@ run through EMBER_PYTHON in a subprocess; SYNTH_MODELS);
 the fixture stores the model's sha256 so the test notices when the generator changes. Their
 prompts are seeded random token ids (the synthetic vocabularies are not natural language).
 deepseek4 has its own prompt lengths (past its window, its CSA indexer's top k and its HCA blocks;
-SYNTH_PROMPT_LENGTHS_BY_KEY) and keeps a top-32 + 96 random ids subset, not full logits, so its
-fixtures stay small (SYNTH_SUBSET_BY_KEY); its F32 copy runs with a float32 KV cache (SYNTH_KV_F32: the
+SYNTH_PROMPT_LENGTHS_BY_KEY) and, as gpt-oss and qwen3moe-lowbit do, keeps a top-32 + 96 random ids
+subset, not full logits, so their fixtures stay small (SYNTH_SUBSET_BY_KEY); its F32 copy runs with a float32 KV cache (SYNTH_KV_F32: the
 indexer's top-k choice is otherwise at the mercy of float16 keys). Integer tensors (its hash-routing
 table) stay as they are in the F32 copy.
 """
@@ -82,7 +82,7 @@ SYNTH_PROMPT_LENGTHS = (1, 3, 7, 12, 20, 31, 45, 64, 100, 1010)  # + BOS; the la
 # window, past it, past the indexer's top k of CSA rows, and past one, three and seven HCA blocks
 SYNTH_PROMPT_LENGTHS_BY_KEY = {"deepseek4": (1, 3, 7, 12, 20, 45, 64, 150, 400, 1010)}
 # fixtures kept small (well under 1 MB): a top-32 and 96 random ids subset of the vocabulary, not full logits
-SYNTH_SUBSET_BY_KEY = {"deepseek4": (32, 96)}
+SYNTH_SUBSET_BY_KEY = {"deepseek4": (32, 96), "gpt-oss": (32, 96), "qwen3moe-lowbit": (32, 96)}
 # the F32 copy's run keeps its KV cache in float32 too: deepseek4's lightning indexer picks the top k of
 # its compressed rows, and float16 keys move near-ties (a few in a hundred positions) to the other side,
 # which later positions inherit through the compressed rows built from them
