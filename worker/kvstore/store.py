@@ -482,8 +482,9 @@ class KVStore:
         """Time reading the newest files (up to PROBE_BYTES) as a restore reads them: the rate a
         restarted worker's first warm admits are decided by, measured on this disk (and through
         its page cache, as the restores will be) instead of assumed."""
-        with self._lock:
-            newest = sorted(self._index.items(), key=lambda kv: kv[1][1], reverse=True)
+        with self._lock:  # copied under the lock, sorted outside it: the engine thread takes this lock
+            items = list(self._index.items())
+        newest = sorted(items, key=lambda kv: kv[1][1], reverse=True)
         picked, total = [], 0
         for h, (size, _) in newest:
             if total >= PROBE_BYTES or self._stop.is_set():
