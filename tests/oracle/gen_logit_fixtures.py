@@ -42,9 +42,9 @@ the fixture stores the model's sha256 so the test notices when the generator cha
 prompts are seeded random token ids (the synthetic vocabularies are not natural language).
 deepseek4 has its own prompt lengths (past its window, its CSA indexer's top k and its HCA blocks;
 SYNTH_PROMPT_LENGTHS_BY_KEY) and, as gpt-oss and qwen3moe-lowbit do, keeps a top-32 + 96 random ids
-subset, not full logits, so their fixtures stay small (SYNTH_SUBSET_BY_KEY); its F32 copy runs with a float32 KV cache (SYNTH_KV_F32: the
-indexer's top-k choice is otherwise at the mercy of float16 keys). Integer tensors (its hash-routing
-table) stay as they are in the F32 copy.
+subset, not full logits, so their fixtures stay small (SYNTH_SUBSET_BY_KEY); its F32 copy runs with a
+float32 KV cache (SYNTH_KV_F32: the indexer's top-k choice is otherwise at the mercy of float16 keys).
+Integer tensors (its hash-routing table) stay as they are in the F32 copy.
 """
 
 from __future__ import annotations
