@@ -2,7 +2,7 @@
 with SIGKILL mid-churn, runs the restart command and resumes. Against an ember numpy worker started
 here as a separate process (reached only by URL, as if foreign), and against llama.cpp's llama-server
 on a tiny synthetic llama where .ci/run built it. The report's structure and sanity are asserted, never
-its speeds."""
+its speeds; then `--compare` renders two reports side by side."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import hermetic_env
 
+from ember.worker.bench.soak_compare import targets
 from ember.worker.bench.soak_load import COMPLETED, ERROR, LOST, Record, Window, stream
 from ember.worker.bench.soak_report import Phase, client_errors, find_problems
 from ember.worker.bench.soak_target import listener_pid
@@ -107,6 +108,34 @@ def test_the_kill_phase_kills_restarts_and_resumes_by_url(ember_url_report):
     assert k["resumed"] and all(x["ttft_s"] > 0 and x["cached"] > 0 and x["expected_cached"] > 0
                                 for x in k["resumed"])
     assert k["long_identical"] and k["long_warm_cached_tokens"] > 0 and k["long_cold_ttft_s"] > 0
+
+
+def test_compare_renders_a_report_against_itself(ember_url_report, tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({k: v for k, v in ember_url_report.items() if not k.startswith("_")}))
+    argv = [sys.executable, "-m", "ember.worker", "bench", "soak", "--compare", str(path), str(path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    text = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, timeout=60).stdout
+    for row in ("churn requests completed", "TTFT warm admits p50", "decode ITL p99 under churn",
+                "decode tok/s per stream under churn", "5xx", "lost outside the kill", "kill -9 to ready again"):
+        assert row in text, row
+    c = json.loads(subprocess.run([*argv, "--json"], check=True, capture_output=True, text=True, env=env,
+                                  timeout=60).stdout)
+    assert c["settings_differ"] == {}
+    assert c["ratios"]["churn_requests_completed"] == 1.0 and c["ratios"]["warm_ttft_p50_s"] == 1.0
+    # against itself: no 2x, no half, no 1.5x; clean, and its ITL target is its own against 50 ms
+    t = c["targets"]
+    assert t["churn_requests_at_least_2x"] is False and t["warm_ttft_p50_at_most_half"] is False
+    assert t["decode_tok_s_per_stream_at_least_1_5x"] is False and t["no_5xx_lost_or_greedy_drift"] is True
+    assert c["a"]["figures"]["lost"] == 0 and c["a"]["figures"]["restart_ready_s"] > 0
+
+
+def test_compare_refuses_what_is_not_a_report(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"phases": {}}')
+    argv = [sys.executable, "-m", "ember.worker", "bench", "soak", "--compare", str(bad), str(bad)]
+    out = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "ember bench soak --json" in out.stderr
 
 
 def test_url_refuses_worker_flags():
@@ -230,3 +259,20 @@ def test_client_errors_count_what_the_client_saw():
     # in a killed window, a lost connection is the kill's (kill_ends_only_in_flight judges it)
     killed = Phase("kill_restart", [], windows=[Window([cut], 1.0, {}, {}, None, killed_at=cut.t_done)], setup=[[]])
     assert find_problems([killed], logs=False)["no_client_errors"] == []
+
+
+def test_the_targets_against_another_server():
+    base = {"churn_requests_completed": 10, "warm_ttft_p50_s": 1.0, "decode_itl_p99_s": 0.08,
+            "decode_tok_s_per_stream": 20.0, "http_5xx": 0, "lost": 0, "greedy_identical": True}
+    good = {**base, "churn_requests_completed": 20, "warm_ttft_p50_s": 0.5, "decode_itl_p99_s": 0.05,
+            "decode_tok_s_per_stream": 30.0}
+    assert all(targets(good, base).values())
+    short = {**good, "churn_requests_completed": 19, "warm_ttft_p50_s": 0.51, "decode_itl_p99_s": 0.051,
+             "decode_tok_s_per_stream": 29.9, "http_5xx": 1}
+    assert not any(targets(short, base).values())
+    # below 50 ms but above the other server's ITL p99 misses too; a missing figure is None, not a miss
+    assert targets({**good, "decode_itl_p99_s": 0.04}, {**base, "decode_itl_p99_s": 0.03})[
+        "decode_itl_p99_at_most_50ms_and_b"] is False
+    assert targets({**good, "warm_ttft_p50_s": None}, base)["warm_ttft_p50_at_most_half"] is None
+    assert targets({**good, "lost": 1}, base)["no_5xx_lost_or_greedy_drift"] is False
+    assert targets({**good, "greedy_identical": False}, base)["no_5xx_lost_or_greedy_drift"] is False

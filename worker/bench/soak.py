@@ -19,8 +19,9 @@ With `--url` the soak drives a server it did not start (ember, llama-server, ano
 token-id prompts on /v1/completions and has llama-server's /tokenize) with the same clients, prompts
 and seeds: (1) baseline, (2) churn, (3) with `--restart-cmd`: the kill -9 mid-churn, the command,
 the long conversation and the churn again. Its figures and checks are the client's alone (the
-report names those that read a worker's log and did not apply). Finding, killing and restarting
-servers: soak_target.py.
+report names those that read a worker's log and did not apply); `--compare A.json B.json` puts two
+such reports side by side against the issue's targets (soak_compare.py). Finding, killing and
+restarting servers: soak_target.py.
 """
 
 from __future__ import annotations
@@ -353,6 +354,11 @@ def add_soak_parser(bsub) -> None:
                    help="the process to kill (default: the one of this machine listening on the URL's port)")
     u.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
                    help="seconds the server may take to be ready, at the start and after the restart (default 900)")
+    p.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
+                   help="no soak: put two --json reports side by side, A against B, with the issue's targets "
+                        "(ember against llama-server: churn requests >= 2x, warm-admit TTFT p50 <= 0.5x, decode "
+                        "ITL p99 <= 50 ms and <= B's, decode tok/s per stream >= 1.5x, no 5xx, lost requests or "
+                        "greedy drift)")
     p.set_defaults(func=cmd_soak)
 
 
@@ -376,6 +382,7 @@ against a running server (--url):
 
   ember bench soak --url http://127.0.0.1:8081 --ctx 32768 --json \\
       --restart-cmd 'llama-server -m M.gguf -ngl 99 -fa on -np 6 -c 196608 --cache-reuse 256 --port 8081' >B.json
+  ember bench soak --compare A.json B.json
 """
 
 
@@ -414,6 +421,10 @@ def _misused(args: argparse.Namespace) -> str | None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
+    if args.compare:
+        from .soak_compare import cmd_compare
+
+        return cmd_compare(args.compare[0], args.compare[1], args.json)
     problem = _misused(args)
     if problem:
         print(f"ember bench soak: {problem}", file=sys.stderr)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..metrics import OUTCOMES
-from .machine import machine_facts
+from .machine import gpu_names, machine_facts
 from .serve_load import _pct
 from .soak_load import (
     ABANDONED,
@@ -288,7 +288,7 @@ def build_report(phases: list[Phase], settings: dict, notes: list[str]) -> dict:
         "phases": report_phases,
         "compare": compare,
         "targets": targets,
-        "machine": machine_facts(),
+        "machine": machine_facts() | {"gpus": gpu_names()},
     }
 
 
@@ -317,9 +317,9 @@ def build_url_report(phases: list[Phase], settings: dict, notes: list[str]) -> d
         "notes": notes,
         "phases": report_phases,
         "compare": {"decode_itl_p99_churn_over_baseline": _ratio(itl, _decode_itl_p99(base) if base else None)},
-        # the absolute target
+        # the absolute target; those against another server: `ember bench soak --compare`
         "targets": {"decode_itl_p99_at_most_50ms": None if itl is None else itl <= 0.05},
-        "machine": machine_facts(),
+        "machine": machine_facts() | {"gpus": gpu_names()},
     }
 
 
