@@ -43,3 +43,18 @@ def machine_facts() -> dict:
         "python": platform.python_version(),
         "blas": _blas(),
     }
+
+
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs nvidia-smi lists (none where it is missing or fails)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]

@@ -6,9 +6,11 @@ suffix), and truncations abandoned at a random point of their prefill by closing
 Decoders stream long greedy answers back to back. Prompts are token ids on /v1/completions, so cut
 points are exact; every request streams (one chunk per token, whose text the worker holds back only
 inside a multi-byte character), so TTFT and inter-token gaps come from chunk arrival times. A window
-runs the clients against one worker for a while, samples /v1/stats (the persistence backlog) and can
-kill the worker at its end, mid-request. Not here: starting workers (soak.py), the checks and the
-report (soak_report.py).
+runs the clients against one server for a while, samples ember's /v1/stats (the persistence backlog)
+where the server is ember, and can kill the server at its end, mid-request. Everything else the
+clients use is what llama-server offers too (/v1/completions with token ids, /tokenize), so the same
+traffic drives either. Not here: starting, finding and killing servers (soak_target.py), the phases
+(soak.py), the checks and the report (soak_report.py).
 """
 
 from __future__ import annotations
@@ -47,15 +49,21 @@ class Shape:
     truncate_share: float  # share of a churner's requests that are truncations (abandoned or not)
 
 
+EMBER, LLAMA_SERVER, OTHER = "ember", "llama-server", "other"  # the kinds of server the soak knows
+
+
 @dataclass(frozen=True)
 class Engine:
-    """What the clients need to know of the worker (from /v1/stats)."""
+    """What the clients need to know of the server (ember's /v1/stats, llama-server's /props)."""
 
     model: str
     backend: str
-    context: int
-    step_tokens: int  # prompt tokens a step computes, at most
-    block_size: int
+    context: int  # tokens one request may hold, prompt and answer
+    # prompt tokens a step computes, at most; None: the soak does not watch the server's steps, and
+    # an abandon's point in the prefill is a share of its expected time alone
+    step_tokens: int | None
+    block_size: int  # the granularity of the server's prefix cache (1: any token)
+    server: str = EMBER
 
     @classmethod
     def of(cls, url: str) -> Engine:
@@ -106,6 +114,7 @@ class Record:
     prompt_tokens: int = 0
     cached: int = 0
     abandon_phase: str | None = None  # prefill (no token yet) | decode
+    status: int | None = None  # the response's HTTP status; None: no response began
     resume: bool = False  # a churner's first request after a worker restart
     expect_cached: int = 0  # for a resume: the full blocks of the last prompt completed before it
     error: str | None = None
@@ -138,12 +147,17 @@ async def _read(resp: httpx.Response, rec: Record, text: list[str], stop_at_firs
         if "error" in chunk:
             rec.outcome, rec.error = ERROR, json.dumps(chunk["error"])[:300]
             return
+        rec.rid = rec.rid or chunk.get("id")  # a server that sends no x-request-id (llama-server)
         if chunk.get("usage"):
             rec.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
             rec.cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rec.tokens = chunk["usage"].get("completion_tokens", rec.tokens)
+        if not rec.cached and isinstance(chunk.get("timings"), dict):  # llama-server's own count
+            rec.cached = chunk["timings"].get("cache_n") or 0
         for choice in chunk.get("choices", []):
             if not choice.get("text"):
+                if choice.get("finish_reason") and rec.ttft is None:  # the first token ended it (an end of text)
+                    rec.ttft = time.monotonic() - rec.t0
                 continue
             now = time.monotonic()
             if rec.t_last is None:
@@ -167,7 +181,7 @@ async def stream(http: httpx.AsyncClient, url: str, rec: Record, max_tokens: int
     text: list[str] = []
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            rec.rid = resp.headers.get("x-request-id")
+            rec.rid, rec.status = resp.headers.get("x-request-id"), resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
                 rec.outcome, rec.error = ERROR, f"HTTP {resp.status_code}: {resp.text[:300]}"
@@ -251,10 +265,14 @@ class Churner(_Client):
 
     async def _abandon_point(self, http: httpx.AsyncClient, url: str, new: int, rate: RateEstimate
                              ) -> Callable[[], Awaitable]:
-        """A random point of the new tokens' prefill: a share of its expected time, and never past
-        the engine step that could at the earliest finish it (a step computes at most
-        `step_tokens` prompt tokens), so a slow or loaded worker still sees the abandon mid-prefill."""
+        """A random point of the new tokens' prefill: a share of its expected time, and, on a worker
+        whose steps the soak watches, never past the engine step that could at the earliest finish
+        it (a step computes at most `step_tokens` prompt tokens), so a slow or loaded worker still
+        sees the abandon mid-prefill. A server reached by URL gets the share of the time alone, the
+        same rule for every server compared."""
         seconds = self.rng.uniform(0.1, 0.8) * new / rate.tok_s
+        if self.engine.step_tokens is None:
+            return lambda: asyncio.sleep(seconds)
         steps = self.rng.randint(1, max(1, -(-new // self.engine.step_tokens) - 1))
         start = await _engine_steps(http, url)
 
@@ -333,9 +351,12 @@ async def prime(url: str, churners: list[Churner]) -> list[Record]:
 
 
 async def run_window(url: str, clients: list, duration: float, rate: RateEstimate,
-                     kill: Callable[[], object] | None = None, sample_s: float = 0.25) -> Window:
+                     kill: Callable[[], object] | None = None, sample_s: float = 0.25,
+                     sample_stats: bool = True) -> Window:
     """Run every client's requests back to back for `duration` seconds. Then new requests stop and
-    those in flight finish, or, with `kill`, the worker is killed under them (they end LOST)."""
+    those in flight finish, or, with `kill`, the server is killed under them (they end LOST). With
+    `sample_stats` (an ember server) /v1/stats is sampled meanwhile; without, the window's stats are
+    empty."""
     stop = asyncio.Event()
     records: list[Record] = []
     stats: list[dict] = []
@@ -361,14 +382,15 @@ async def run_window(url: str, clients: list, duration: float, rate: RateEstimat
             backlog.append(m["ember_kv_write_queue_depth"])
 
     async def sample(http: httpx.AsyncClient) -> None:
-        while True:
+        while sample_stats:
             await asyncio.sleep(sample_s)
             await sample_once(http)
 
     async with httpx.AsyncClient(timeout=5) as stats_http:
-        await sample_once(stats_http)  # the first figures, before any request
-        if not stats:
-            raise RuntimeError(f"the worker at {url} does not answer /v1/stats")
+        if sample_stats:
+            await sample_once(stats_http)  # the first figures, before any request
+            if not stats:
+                raise RuntimeError(f"the worker at {url} does not answer /v1/stats")
         t0 = time.monotonic()
         sampler = asyncio.create_task(sample(stats_http))
         tasks = [asyncio.create_task(loop(c)) for c in clients]
@@ -382,6 +404,7 @@ async def run_window(url: str, clients: list, duration: float, rate: RateEstimat
         wall = time.monotonic() - t0
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-        if kill is None:
+        if kill is None and sample_stats:
             await sample_once(stats_http)  # after the last request in flight ended
-    return Window(records, wall, stats[0], stats[-1], max(backlog, default=None), killed_at)
+    return Window(records, wall, stats[0] if stats else {}, stats[-1] if stats else {}, max(backlog, default=None),
+                  killed_at)

@@ -1,8 +1,10 @@
 """The soak's report: figures by phase and request class, the checks, the comparisons, the tables.
 
 Pure functions over what the soak's clients recorded (soak_load.Record) and the workers' JSON logs;
-nothing here talks to a worker. The checks decide the exit status; the figures and the issue's
-targets are only recorded.
+nothing here talks to a server. The checks decide the exit status; the figures and the issue's
+targets are only recorded. A server the soak did not start (reached by URL) gets the client's
+figures and checks alone: what its log would say is not the soak's to read, and the report names
+the checks that did not apply.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..metrics import OUTCOMES
-from .machine import machine_facts
+from .machine import gpu_names, machine_facts
 from .serve_load import _pct
 from .soak_load import (
     ABANDONED,
@@ -38,7 +40,7 @@ class Phase:
     flags: list[str]  # the worker flags under test
     windows: list[Window] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
-    setup: list[list[Record]] = field(default_factory=list)  # per worker: greedy, priming, long requests
+    setup: list[list[Record]] = field(default_factory=list)  # per server: greedy, priming, long requests
     greedy_before: list[str] = field(default_factory=list)
     greedy_after: list[str] = field(default_factory=list)
     kill: dict = field(default_factory=dict)
@@ -101,8 +103,19 @@ def _stats_delta(windows: list[Window], key: str) -> float:
     return sum(w.stats_last.get(key, 0) - w.stats_first.get(key, 0) for w in windows)
 
 
-def summarize(ph: Phase, events: list[dict]) -> dict:
-    """One phase's figures from its measured windows (`outcomes`: every request in its logs)."""
+def client_errors(recs: list[Record]) -> dict[str, int]:
+    """What went wrong as the client saw it: error statuses, errors inside a 200 stream, and connections
+    that died without [DONE] (a kill's in-flight requests among them)."""
+    err = [r for r in recs if r.outcome == ERROR]
+    return {"http_5xx": sum(r.status is not None and r.status >= 500 for r in err),
+            "http_4xx": sum(r.status is not None and 400 <= r.status < 500 for r in err),
+            "stream_errors": sum(r.status == 200 for r in err),
+            "lost": sum(r.outcome == LOST for r in recs)}
+
+
+def client_figures(ph: Phase) -> dict:
+    """One phase's figures from its measured windows, as its clients saw them: nothing from a server's
+    log or metrics, so they mean the same for any server."""
     recs = [r for w in ph.windows for r in w.records]
     wall = sum(w.wall_s for w in ph.windows)
     done = [r for r in recs if r.outcome == COMPLETED]
@@ -114,33 +127,50 @@ def summarize(ph: Phase, events: list[dict]) -> dict:
             continue
         ttft = [r.ttft for r in ok if r.ttft is not None]
         gaps = [g for r in ok for g in r.gaps]
+        latency = [r.t_done - r.t0 for r in ok]
         prompt = sum(r.prompt_tokens for r in ok)
         classes[cls] = {"started": len(mine), "completed": len(ok),
                         "abandoned": sum(r.outcome == ABANDONED for r in mine),
                         "requests_per_s": rnd(len(ok) / wall if wall else None),
                         "ttft_p50_s": rnd(_pct(ttft, 50)), "ttft_p99_s": rnd(_pct(ttft, 99)),
                         "itl_p50_s": rnd(_pct(gaps, 50)), "itl_p99_s": rnd(_pct(gaps, 99)),
+                        "latency_p50_s": rnd(_pct(latency, 50)), "latency_p99_s": rnd(_pct(latency, 99)),
                         "cached_token_share": rnd(sum(r.cached for r in ok) / prompt if prompt else None, 3)}
     per_stream: dict[str, tuple[int, float]] = {}
     for r in done:
         if r.cls == DECODE and r.tokens > 1:
             t, s = per_stream.get(r.client, (0, 0.0))
             per_stream[r.client] = (t + r.tokens - 1, s + r.decode_s)
-    window_ids = {r.rid for r in recs}
-    canceled = [e for e in events if e["event"] == "canceled" and e.get("request_id") in window_ids]
-    phases: dict[str, int] = {}
-    for e in canceled:
-        phases[e.get("phase", "?")] = phases.get(e.get("phase", "?"), 0) + 1
+    abandoned = [r for r in recs if r.outcome == ABANDONED]
     prompt = sum(r.prompt_tokens for r in done)
     return {
-        "worker_flags": ph.flags,
         "wall_s": round(wall, 1),
         "requests_completed": len(done),
         "requests_per_s": rnd(len(done) / wall if wall else None),
         "classes": classes,
         "decode_tok_s_per_stream": {c: round(t / s, 2) for c, (t, s) in sorted(per_stream.items()) if s > 0},
         "cached_token_share": rnd(sum(r.cached for r in done) / prompt if prompt else None, 3),
-        "abandoned": sum(r.outcome == ABANDONED for r in recs),
+        "abandoned": len(abandoned),
+        # where the client closed it: before its first token (mid-prefill, as meant) or after
+        "abandoned_in": {w: sum(r.abandon_phase == w for r in abandoned) for w in ("prefill", "decode")},
+        "errors": client_errors(recs),
+        "greedy_identical": ph.greedy_before == ph.greedy_after,
+        "greedy_outputs": ph.greedy_before,
+    }
+
+
+def summarize(ph: Phase, events: list[dict]) -> dict:
+    """One phase's figures: the clients' (client_figures), and from the workers' logs (`outcomes`: every
+    request in them) and /v1/stats."""
+    recs = [r for w in ph.windows for r in w.records]
+    window_ids = {r.rid for r in recs}
+    canceled = [e for e in events if e["event"] == "canceled" and e.get("request_id") in window_ids]
+    phases: dict[str, int] = {}
+    for e in canceled:
+        phases[e.get("phase", "?")] = phases.get(e.get("phase", "?"), 0) + 1
+    return {
+        "worker_flags": ph.flags,
+        **client_figures(ph),
         "cancels": len(canceled),
         "cancel_phases": phases,
         "outcomes": {o: sum(e["event"] == o for e in events) for o in OUTCOMES},
@@ -148,15 +178,25 @@ def summarize(ph: Phase, events: list[dict]) -> dict:
                                            default=None),
                         "backlog_end": ph.windows[-1].stats_last.get("ember_kv_write_queue_depth"),
                         **{k: _stats_delta(ph.windows, key) for k, key in STAT_COUNTERS.items()}},
-        "greedy_identical": ph.greedy_before == ph.greedy_after,
-        "greedy_outputs": ph.greedy_before,
     }
 
 
-def find_problems(phases: list[Phase]) -> dict[str, list[str]]:
-    """Each check's problems (none: it passed)."""
+def _client_problems(ph: Phase) -> list[str]:
+    """A server reached by URL: requests that ended in an error, or lost outside a kill (a kill's are
+    judged by kill_ends_only_in_flight)."""
+    out = []
+    for setup, w in zip(ph.setup, ph.windows, strict=False):
+        for r in setup + w.records:
+            if r.outcome == ERROR or (r.outcome == LOST and w.killed_at is None):
+                out.append(f"{ph.name}: {r.rid or 'a request'}: the {r.cls} request ended {r.outcome}: {r.error}")
+    return out
+
+
+def find_problems(phases: list[Phase], logs: bool = True) -> dict[str, list[str]]:
+    """Each check's problems (none: it passed). Without `logs` (a server the soak did not start) the
+    checks that read the workers' logs make way for the client's half of them, `no_client_errors`."""
     checks: dict[str, list[str]] = {"greedy_identical": [], "greedy_identical_across_phases": [],
-                                    **{c: [] for c in OUTCOME_CHECKS}}
+                                    **{c: [] for c in (OUTCOME_CHECKS if logs else ("no_client_errors",))}}
     first = phases[0]
     for ph in phases:
         if ph.greedy_before != ph.greedy_after:
@@ -164,6 +204,9 @@ def find_problems(phases: list[Phase]) -> dict[str, list[str]]:
         if ph.greedy_before != first.greedy_before:
             checks["greedy_identical_across_phases"].append(
                 f"{ph.name} vs {first.name}: {_diff(first.greedy_before, ph.greedy_before)}")
+        if not logs:
+            checks["no_client_errors"] += _client_problems(ph)
+            continue
         for log, setup, w in zip(ph.logs, ph.setup, ph.windows, strict=False):
             unsettled: frozenset[str] = frozenset()
             if w.killed_at is not None:
@@ -181,12 +224,13 @@ def find_problems(phases: list[Phase]) -> dict[str, list[str]]:
             f"{r.rid}: the connection died {killed_at - r.t_done:.2f} s before the kill"
             for r in w.records if r.outcome == LOST and r.t_done < killed_at]
         if k["killed_exit"] != -signal.SIGKILL:
-            checks["kill_ends_only_in_flight"].append(f"the worker was not alive at the kill (exit {k['killed_exit']})")
-        checks["restart_restores"] = [
-            f"{r['client']}: a {r['prompt_tokens']}-token conversation resumed with no cached tokens"
-            for r in k["resumed"] if r["cached"] == 0 and r["restore_choice"] != "recompute"]
-        if not k["resumed"]:
-            checks["restart_restores"].append("no conversation was resumed after the restart")
+            checks["kill_ends_only_in_flight"].append(f"the server was not alive at the kill (exit {k['killed_exit']})")
+        if logs:
+            checks["restart_restores"] = [
+                f"{r['client']}: a {r['prompt_tokens']}-token conversation resumed with no cached tokens"
+                for r in k["resumed"] if r["cached"] == 0 and r["restore_choice"] != "recompute"]
+            if not k["resumed"]:
+                checks["restart_restores"].append("no conversation was resumed after the restart")
         checks["long_identical_warm_and_cold"] = [] if k["long_identical"] else [
             "the long conversation's warm answer after the restart differs from its cold answer"]
     return checks
@@ -244,7 +288,38 @@ def build_report(phases: list[Phase], settings: dict, notes: list[str]) -> dict:
         "phases": report_phases,
         "compare": compare,
         "targets": targets,
-        "machine": machine_facts(),
+        "machine": machine_facts() | {"gpus": gpu_names()},
+    }
+
+
+# the checks a server reached by URL does not get, and why
+NOT_APPLIED = {
+    "one_outcome_per_request": "reads the server's own log (ember's JSON request events)",
+    "abandons_canceled": "reads the server's own log (ember's `canceled` events)",
+    "no_failures": "reads the server's own log; its client half is no_client_errors",
+    "restart_restores": "reads ember's restore decisions (kv_restore_choice) in its log; each resumed "
+                        "conversation's cached tokens are reported instead",
+}
+
+
+def build_url_report(phases: list[Phase], settings: dict, notes: list[str]) -> dict:
+    """The report for a server the soak did not start: the client's figures and checks alone."""
+    report_phases = {ph.name: {**client_figures(ph), **({"kill": ph.kill} if ph.kill else {})} for ph in phases}
+    checks = find_problems(phases, logs=False)
+    base, churn = report_phases.get("baseline", {}), report_phases.get("churn", {})
+    itl = _decode_itl_p99(churn) if churn else None
+    return {
+        "ok": not any(checks.values()),
+        "checks": {k: not v for k, v in checks.items()},
+        "problems": {k: v for k, v in checks.items() if v},
+        "not_applied": NOT_APPLIED,
+        "settings": settings,
+        "notes": notes,
+        "phases": report_phases,
+        "compare": {"decode_itl_p99_churn_over_baseline": _ratio(itl, _decode_itl_p99(base) if base else None)},
+        # the issue's absolute target; those against another server: `ember bench soak --compare`
+        "targets": {"decode_itl_p99_at_most_50ms": None if itl is None else itl <= 0.05},
+        "machine": machine_facts() | {"gpus": gpu_names()},
     }
 
 
@@ -260,23 +335,58 @@ def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _phase_rows(report: dict) -> list[str]:
+    """The phase table: a worker's persistence beside what its clients saw, or for a server reached by
+    URL what went wrong at the client."""
+    ours = "not_applied" not in report
+    head = (f"{'canceled (where)':>22} {'backlog':>7} {'writes':>7} {'drops':>5} {'restored':>8}" if ours
+            else f"{'5xx':>4} {'4xx':>4} {'stream err':>10} {'lost':>4}")
+    out = [f"\n{'phase':13} {'done':>5} {'req/s':>6} {'cached':>6} {'abandon (prefill/decode)':>24} {head}  "
+           "decode tok/s per stream"]
+    for name, p in report["phases"].items():
+        a = p.get("abandoned_in", {})
+        abandon = f"{p['abandoned']} ({a.get('prefill', '-')}/{a.get('decode', '-')})"
+        if ours:
+            per = p["persistence"]
+            where = ", ".join(f"{k} {v}" for k, v in p["cancel_phases"].items())
+            canceled = f"{p['cancels']} ({where})" if where else str(p["cancels"])
+            tail = (f"{canceled:>22} {_num(per['backlog_max']):>7} {per['writes']:>7g} {per['drops']:>5g} "
+                    f"{per['restore_hits']:>8g}")
+        else:
+            e = p["errors"]
+            tail = f"{e['http_5xx']:>4} {e['http_4xx']:>4} {e['stream_errors']:>10} {e['lost']:>4}"
+        out.append(f"{name:13} {p['requests_completed']:>5} {p['requests_per_s'] or 0:>6.2f} "
+                   f"{_share(p['cached_token_share']):>6} {abandon:>24} {tail}  "
+                   + ", ".join(f"{x:g}" for x in p["decode_tok_s_per_stream"].values()))
+    return out
+
+
+def _kill_rows(k: dict) -> list[str]:
+    restart = k.get("restart") or {}
+    pid = f" (pid {k['killed_pid']})" if k.get("killed_pid") else ""
+    out = [f"\nkill -9 mid-churn{pid}: {k['in_flight_lost']} in flight lost, {k['completed_before_kill']} "
+           "completed before it"
+           + (f", backlog {k['backlog_at_kill']}" if k.get("backlog_at_kill") is not None else "")
+           + (f"; ready again {restart['kill_to_ready_s']} s after the kill" if restart else "")]
+    out.append("resumed (cached/tokens, TTFT): " + ", ".join(
+        f"{r['cached']}/{r['prompt_tokens']} (expected {r['expected_cached']}), {_ms(r.get('ttft_s'))}"
+        for r in k["resumed"]))
+    chose = f", worker chose {k['long_restore_choice']}" if k.get("long_restore_choice") else ""
+    out.append(f"long conversation ({k['long_tokens']} tokens): cold {_ms(k['long_cold_ttft_s'])}, warm after the "
+               f"restart {_ms(k['long_warm_ttft_s'])} ({k['long_speedup']}x, {k['long_warm_cached_tokens']} "
+               f"cached{chose}), {'identical' if k['long_identical'] else 'DIFFERENT'} answer")
+    return out
+
+
 def render(report: dict) -> str:
     s = report["settings"]
-    out = [(f"model {s['model']} ({s['backend']} backend, context {s['context']}); {s['churners']} churners, "
+    where = f"{s['server']} at {s['url']}" if s.get("url") else f"{s['backend']} backend"
+    where += f", context {s['context']}"
+    out = [(f"model {s['model']} ({where}); {s['churners']} churners, "
             f"{s['decoders']} decoders, {s['duration_s']:g} s a phase; suffixes {s['suffix'][0]}-{s['suffix'][1]}, "
             f"conversation {s['conversation']}, abandon {s['abandon']:g}")]
     out += [f"note: {n}" for n in report["notes"]]
-    out.append(f"\n{'phase':13} {'done':>5} {'req/s':>6} {'cached':>6} {'abandon':>7} {'canceled (where)':>22} "
-               f"{'backlog':>7} {'writes':>7} {'drops':>5} {'restored':>8}  decode tok/s per stream")
-    for name, p in report["phases"].items():
-        per = p["persistence"]
-        where = ", ".join(f"{k} {v}" for k, v in p["cancel_phases"].items())
-        canceled = f"{p['cancels']} ({where})" if where else str(p["cancels"])
-        out.append(f"{name:13} {p['requests_completed']:>5} {p['requests_per_s'] or 0:>6.2f} "
-                   f"{_share(p['cached_token_share']):>6} {p['abandoned']:>7} "
-                   f"{canceled:>22} "
-                   f"{_num(per['backlog_max']):>7} {per['writes']:>7g} {per['drops']:>5g} {per['restore_hits']:>8g}  "
-                   + ", ".join(f"{x:g}" for x in p["decode_tok_s_per_stream"].values()))
+    out += _phase_rows(report)
     out.append(f"\n{'class':9} {'phase':13} {'sent':>5} {'done':>5} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
                f"{'ITL p50':>8} {'ITL p99':>8} {'cached':>6}")
     for cls in CLASSES:
@@ -288,21 +398,16 @@ def render(report: dict) -> str:
                            f"{_ms(c['itl_p99_s']):>8} {_share(c['cached_token_share']):>6}")
     k = report["phases"].get("kill_restart", {}).get("kill")
     if k:
-        out.append(f"\nkill -9 mid-churn: {k['in_flight_lost']} in flight lost, {k['completed_before_kill']} "
-                   f"completed before it, backlog {k['backlog_at_kill']}; resumed (cached/tokens): "
-                   + ", ".join(f"{r['cached']}/{r['prompt_tokens']} (expected {r['expected_cached']})"
-                               for r in k["resumed"]))
-        out.append(f"long conversation ({k['long_tokens']} tokens): cold {_ms(k['long_cold_ttft_s'])}, warm after the "
-                   f"restart {_ms(k['long_warm_ttft_s'])} ({k['long_speedup']}x, "
-                   f"{k['long_warm_cached_tokens']} cached, "
-                   f"worker chose {k['long_restore_choice'] or '-'}), "
-                   f"{'identical' if k['long_identical'] else 'DIFFERENT'} answer")
+        out += _kill_rows(k)
     out.append("\ncompare   " + ", ".join(f"{k} {v}" for k, v in report["compare"].items()))
     out.append("targets   (the issue's, for the H200; recorded, never the exit status) "
                + ", ".join(f"{k} {v}" for k, v in report["targets"].items()))
     out.append("checks    " + ", ".join(f"{k} {'ok' if v else 'FAIL'}" for k, v in report["checks"].items()))
     for check, problems in report["problems"].items():
         out += [f"  {check}: {p}" for p in problems[:10]]
+    if "not_applied" in report:
+        out.append("not applied (a server the soak did not start): " + ", ".join(report["not_applied"]))
     m = report["machine"]
-    out.append(f"machine   {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['blas']}")
+    gpus = f", {', '.join(m['gpus'])}" if m.get("gpus") else ""
+    out.append(f"machine   {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['blas']}{gpus}")
     return "\n".join(out)
