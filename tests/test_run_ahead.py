@@ -148,8 +148,7 @@ def _drive(runtime, ahead: bool, first, late, join_after: int):
         engine.submit(handles[-1])
 
     def step():
-        engine.waiting.extend(engine._inbox)
-        engine._inbox.clear()
+        engine.queues.take_inbox()
         engine._step()
 
     arrive(first)

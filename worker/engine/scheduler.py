@@ -22,10 +22,8 @@ the reasoning block itself), and the loop guard (a repeating n-gram ends the gen
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from .loopguard import LoopGuard
 from .output import Finish, OutputProcessor
 from .planner import Scheduler
 from .prefill_sizing import FLOOR_TOKENS, PrefillSizing
+from .queues import RequestQueues
 from .reasoning_budget import ReasoningTracker
 from .requests import Failed, Finished, Keepalive, Outcome, RequestHandle, Started
 from .restore_policy import RestoreCosts
@@ -122,11 +121,7 @@ class Engine:
         self.on_poisoned = on_poisoned
         self.pool = BlockPool(backend.n_blocks, backend.block_size, kv_salt(model.fingerprint, backend.kv_layout))
         self.metrics.kv_blocks_total.set(backend.n_blocks)
-        self._lock = threading.Lock()
-        self._inbox: collections.deque[Seq] = collections.deque()
-        self._wake = threading.Condition(self._lock)
-        self.waiting: collections.deque[Seq] = collections.deque()
-        self.running: list[Seq] = []
+        self.queues = RequestQueues()  # inbox, waiting and running: one owner, one remove()
         self.accepting = True
         self.poisoned: ContextPoisoned | None = None
         self.dead: str | None = None  # why the loop thread died
@@ -152,9 +147,6 @@ class Engine:
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
         self._thread = self.watch.thread("ember-engine", self._run, on_death=self._died, stopping=lambda: self._stop)
         self.faults.arm_threads(self.watch)
-
-    # -- HTTP side -----------------------------------------------------------------------------------
-
 
     # -- HTTP side -----------------------------------------------------------------------------------
 
@@ -206,10 +198,10 @@ class Engine:
                 " (raise --kv-mem)"
             )
         tok = self.model.tokenizer
-        with self._lock:
+        with self.queues.lock:
             if self.dead is not None:
                 raise NotAccepting(f"the engine loop thread died ({self.dead}); the worker is restarting")
-            if len(self.waiting) + len(self._inbox) >= self.limits.max_queue:
+            if self.queues.depth >= self.limits.max_queue:
                 raise QueueFull(f"{self.limits.max_queue} requests are already waiting")
             self._arrivals += 1
             out = OutputState(
@@ -225,9 +217,8 @@ class Engine:
                 compiling=self.constraints.compile(req.grammar) if req.grammar is not None else None,
                 spec=self.speculator.state() if self.speculator is not None else None,
             )
-            self._inbox.append(seq)
+            self.queues.put(seq)
             self.metrics.started.inc()
-            self._wake.notify()
 
     def _loop_guard(self) -> LoopGuard | None:
         lim = self.limits
@@ -238,15 +229,22 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting or self._inbox)
+        return self.queues.busy
+
+    @property
+    def running(self) -> list[Seq]:
+        return self.queues.running
+
+    @property
+    def waiting(self):
+        return self.queues.waiting
 
     def stop_accepting(self) -> None:
         self.accepting = False
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self._stop = True
-            self._wake.notify()
+        self._stop = True
+        self.queues.wake()
         self.faults.stop_hang.set()
         self._thread.join(timeout)
         self.constraints.shutdown()
@@ -254,15 +252,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stop and not self._inbox and not self.waiting and not self.running:
-                    self._wake.wait(timeout=1.0)
-                    self.last_progress = time.monotonic()
-                if self._stop:
-                    break
-                self.waiting.extend(self._inbox)
-                self._inbox.clear()
+        while self.queues.wait_for_work(lambda: self._stop, self._heartbeat):
             if self.watch.doomed:  # fault injection (thread-die:thread=engine)
                 self.watch.checkpoint()
             try:
@@ -273,10 +263,9 @@ class Engine:
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
                 log("engine_error", level="error", error=f"{type(e).__name__}: {e}")
                 self._drop_ahead()
-                for s in list(self.running) + list(self.waiting):
+                for s in self.queues.in_flight():
                     self._settle(s, Outcome.FAILED, Failed(f"internal error: {type(e).__name__}"))
-                self.running.clear()
-                self.waiting.clear()
+                self.queues.clear()
             self.last_progress = time.monotonic()
             self._update_gauges()
             if self._rates is not None and self.store.writable and self.restore_costs.prefill.model is not None and (
@@ -286,25 +275,27 @@ class Engine:
         self._drop_ahead()
         if self._rates is not None and self.store.writable:
             self.restore_costs.save(self._rates)
-        for s in list(self.running) + list(self.waiting):
+        self.queues.take_inbox()
+        for s in self.queues.in_flight():
             self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
+
+    def _heartbeat(self) -> None:
+        self.last_progress = time.monotonic()
 
     def _died(self, e: BaseException) -> None:
         """The loop thread is dying (still on it): refuse new requests and fail those in flight with
         a 503, so no client waits on a loop that is gone."""
-        with self._lock:
+        with self.queues.lock:
             self.dead = f"{type(e).__name__}: {e}"
             self.accepting = False
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
+        self.queues.take_inbox()
         failed = Failed("the worker's engine loop failed; the worker is restarting", status=503, kind="overloaded")
-        for s in list(self.running) + list(self.waiting):
+        for s in self.queues.in_flight():
             try:
                 self._settle(s, Outcome.FAILED, failed)
             except Exception:  # the state it would clean up may be what broke: the client hears anyway
                 s.handle.push([failed])
-        self.running.clear()
-        self.waiting.clear()
+        self.queues.clear()
         with contextlib.suppress(Exception):
             self._update_gauges()
 
@@ -408,7 +399,7 @@ class Engine:
             return None, True  # forward() reruns it, and _isolate finds the culprit
 
     def _launch_ahead(self, chunks: list[SeqChunk], members: list[Seq], rows: list[int]) -> Ahead | None:
-        admitting = bool(self.waiting or self._inbox) and len(self.running) < self.limits.max_seqs
+        admitting = self.queues.depth > 0 and len(self.running) < self.limits.max_seqs
         return self.run_ahead.launch(chunks, members, rows, self.running, admitting, self._count_step)
 
     def _isolate(self, chunks: list[SeqChunk], members: list[Seq]) -> list:
@@ -442,13 +433,12 @@ class Engine:
             if prefix is None:
                 if self.running:
                     return  # wait for running sequences to free blocks
-                self._settle(self.waiting.popleft(), Outcome.REFUSED,
+                self._settle(s, Outcome.REFUSED,
                              Failed("not enough KV cache for this prompt", status=503, kind="overloaded"))
                 continue
-            self.waiting.popleft()
+            self.queues.admit(s)
             self.kv.take_prefix(s, prefix)
             s.last_keepalive = time.monotonic()
-            self.running.append(s)
             if prefix.stored and self.kv.worth_restoring(s, prefix.stored):
                 self.kv.start_restore(s, prefix)
             else:
@@ -495,8 +485,7 @@ class Engine:
         """The scheduler's plan for this step, its preemptions and failures applied."""
         plan = self.scheduler.plan(self.running, self.prefill_chunk())
         for s in plan.preempted:  # its blocks are back in the pool; its full ones stay in the prefix cache
-            self.running.remove(s)
-            self.waiting.appendleft(s)
+            self.queues.requeue(s)
             log("preempt", request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))
         for s in plan.failed:
             self._settle(s, Outcome.FAILED, Failed("the KV cache is full", status=503, kind="overloaded"))
@@ -553,14 +542,13 @@ class Engine:
         return end
 
     def _settle(self, s: Seq, outcome: Outcome, event) -> None:
-        """The one place a request ends: free its blocks, send its last event, log its outcome."""
+        """The one place a request ends: out of its queue, its blocks freed, its last event sent and its
+        outcome logged."""
         if s in self.running:
             self.kv.finished(s)  # its last full blocks copied off before the pool may hand them out again
-            self.running.remove(s)
+        self.queues.remove(s)
         if s.spec is not None and self.speculator is not None:
             self.speculator.release(s.spec)
-        elif s in self.waiting:
-            self.waiting.remove(s)
         self.kv.free(s)
         if event is None:
             event = Failed("the client went away", status=499, kind="canceled")
@@ -589,8 +577,8 @@ class Engine:
         self.accepting = False
         log("engine_poisoned", level="error", code=e.code, name=e.name, message=e.message, step=self.step_count,
             running=[s.req.request_id for s in self.running])
-        for s in list(self.running) + list(self.waiting):
-            self.running.remove(s) if s in self.running else self.waiting.remove(s)
+        for s in self.queues.in_flight():
+            self.queues.remove(s)
             s.kv.blocks = []  # the device memory is gone; nothing to release into
             s.handle.push([Failed(f"the engine's compute context failed ({e.name}); the worker is restarting",
                                   status=503, kind="overloaded")])
@@ -601,7 +589,7 @@ class Engine:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.queue_depth.set(len(self.waiting) + len(self._inbox))
+        m.queue_depth.set(self.queues.depth)
         m.running.set(len(self.running))
         m.kv_blocks_used.set(self.pool.in_use)
         m.kv_blocks_cached.set(self.pool.cached_count)
