@@ -10,8 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from ember.worker.engine.backend import DeviceSample, SampledToken, SeqChunk
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.backends.base import DeviceSample, SampledToken, SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
+from ember.worker.engine.loop import Engine, EngineLimits
 from ember.worker.engine.requests import (
     Delta,
     Failed,
@@ -21,10 +22,9 @@ from ember.worker.engine.requests import (
     ReasoningBudget,
     RequestHandle,
 )
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n    ",

@@ -1,4 +1,4 @@
-"""Speculative decoding (worker/engine/speculation.py, drafters.py): drafts never change the output.
+"""Speculative decoding (worker/engine/spec/speculation.py, drafters.py): drafts never change the output.
 
 Greedy outputs are token-for-token those of decoding without drafts, through the real engine on the
 embedded model, with stop strings and a grammar in force; sampled ones keep the target distribution
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from ember.worker import config as worker_config
-from ember.worker.engine.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.loop import Engine, EngineLimits
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import Sampler, SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
-from ember.worker.engine.speculation import PAUSE_STEPS, Speculator, tokens_per_step
+from ember.worker.engine.spec.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.spec.speculation import PAUSE_STEPS, Speculator, tokens_per_step
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -259,7 +259,7 @@ def test_bench_spec_takes_every_drafter_the_worker_takes(spec, error, default_mo
 
 def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_model_path):
     """--spec draft:PATH with the model itself as its draft: every guess stands, the output is the same."""
-    from ember.worker.engine.draft_model import ModelDrafter
+    from ember.worker.engine.spec.draft_model import ModelDrafter
 
     drafter = ModelDrafter.load(str(default_model_path), runtime.model, "numpy", n_blocks=64, block_size=16)
     prose = "Write a short essay about the history of lighthouses.\n\n"
@@ -273,7 +273,7 @@ def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_mode
 
 def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(runtime, tmp_path):
     from ember.worker.bench.synth import make_model
-    from ember.worker.engine.draft_model import ModelDrafter
+    from ember.worker.engine.spec.draft_model import ModelDrafter
     from ember.worker.model.gguf_file import ModelFileError
 
     other = make_model("llama", "tiny", tmp_path / "tiny.gguf")

@@ -13,16 +13,16 @@ import httpx
 import pytest
 
 from ember.worker.api.state import ServerState
+from ember.worker.backends.faults import FaultInjector, FaultSpecError, parse_faults
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.constraints import grammar_from_json_schema
-from ember.worker.engine.faults import FaultInjector, FaultSpecError, parse_faults
 from ember.worker.engine.kv_blocks import chain_hash, kv_salt
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.engine.loop import Engine, EngineLimits, NotAccepting
 from ember.worker.engine.requests import Delta, Failed, Finished, GenerationRequest, RequestHandle, Started
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits, NotAccepting
 from ember.worker.kvstore.store import KVStore
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 from ember.worker.threads import GuardedPool, ThreadDied, ThreadWatch
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -62,7 +62,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     loop_guard: bool = True
     loop_guard_repeats: int = 8
     loop_guard_min_span: int = 128
-    # Speculative decoding (worker/engine/speculation.py): drafts from text the sequence or its session
+    # Speculative decoding (worker/engine/spec/speculation.py): drafts from text the sequence or its session
     # already has, checked by the model in one step; never changes the output (greedy: token for token).
     spec: str = "off"
     spec_k: int = 8

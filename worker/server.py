@@ -36,11 +36,11 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str =
     if backend == "cuda":  # float16 KV on the device
         if cfg_kv_mem == "auto":
             return None
-        from .engine.cuda_backend import CudaBackend
+        from .backends.cuda.backend import CudaBackend
 
         per_block = CudaBackend.kv_bytes_per_block(model_config, block_size)
     else:
-        from .engine.numpy_backend import NumpyBackend
+        from .backends.numpy.backend import NumpyBackend
 
         if cfg_kv_mem == "auto":
             cfg_kv_mem = worker_config.NUMPY_AUTO_KV_MEM
@@ -64,11 +64,11 @@ class _Loaded:
 
 def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loaded:
     """Open the model, build backend, KV store and engine (blocking; runs off the event loop)."""
-    from .engine.numpy_backend import NumpyBackend
-    from .engine.runtime import DEFAULT_BLOCK_SIZE
-    from .engine.scheduler import Engine, EngineLimits
+    from .backends.numpy.backend import NumpyBackend
+    from .engine.loop import Engine, EngineLimits
     from .model.loader import open_model
     from .model.weights import load_weights
+    from .runtime import DEFAULT_BLOCK_SIZE
 
     model = open_model(cfg.model)
     mtp_file = None
@@ -86,7 +86,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     memory: dict = {}
     drafter = None
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
-        from .engine.draft_model import ModelDrafter
+        from .engine.spec.draft_model import ModelDrafter
 
         room = min(cfg.ctx or model.config.context_length, model.config.context_length) + cfg.spec_k
         drafter = ModelDrafter.load(cfg.spec[6:], model, cfg.backend,
@@ -96,7 +96,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
 
-        from .engine.cuda_backend import CudaBackend
+        from .backends.cuda.backend import CudaBackend
 
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
@@ -114,15 +114,15 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
             weights = mtp_file.attach(weights)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
         if mtp:
-            from .engine.mtp_drafter import MtpDrafter
+            from .engine.spec.mtp_drafter import MtpDrafter
 
             assert backend.hyper is not None and backend.hyper.mtp is not None
             drafter = MtpDrafter(backend.hyper.mtp)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)
-    if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see engine/faults.py
-        from .engine.faults import FaultyBackend
+    if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see backends/faults.py
+        from .backends.faults import FaultyBackend
 
         backend = FaultyBackend(backend, faults)
     from .text.formats import resolve as resolve_formats
@@ -163,7 +163,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     from .api.limits import RequestLimits
     from .api.security import Guard
     from .api.state import ServerState
-    from .engine.faults import FaultInjector, FaultSpecError, parse_faults
+    from .backends.faults import FaultInjector, FaultSpecError, parse_faults
     from .metrics import Metrics
     from .model.gguf_file import ModelFileError
     from .model.loader import resolve_model_path

@@ -16,6 +16,7 @@ import msgspec
 
 from ember.ops.contract import HealthState
 
+from ..engine.loop import NotAccepting, PromptTooLong, QueueFull
 from ..engine.requests import (
     Delta,
     Failed,
@@ -27,7 +28,6 @@ from ..engine.requests import (
     TokenLogprob,
 )
 from ..engine.sampling import SamplingParams
-from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
 from ..logs import log
 from ..text.formats import ModelFormats
 from ..text.tokenizer import TooManyTokens

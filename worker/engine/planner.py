@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import SeqChunk
+from ..backends.base import SeqChunk
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .sequence import Seq
-from .speculation import Speculator
+from .spec.speculation import Speculator
 
 
 @dataclass

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..backends.base import Backend, ContextPoisoned, SampledToken, SeqChunk
 from ..logs import log
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .sequence import Seq

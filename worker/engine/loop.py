@@ -6,7 +6,7 @@ requests while there are sequence slots and KV blocks, applies the step plan the
 sequence's output to the output processor (output.py), settling the requests it ends. KV blocks,
 prefix matching and the KV store are the KV manager's (kv_manager.py); decode steps launched
 before the last one's tokens are read are run_ahead.py's; injected step faults wrap the backend
-(faults.FaultyBackend).
+(backends/faults.FaultyBackend).
 
 Every request settles exactly once (completed, failed, canceled or refused) with one log line.
 A failure inside one request fails that request alone; a poisoned compute context stops the
@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import Backend, ContextPoisoned, SampledToken, SeqChunk
+from ..backends.faults import FaultInjector, FaultyBackend
 from ..logs import log
 from ..metrics import Metrics
 from ..model.loader import Model
 from ..text.tokenizer import IncrementalDecoder
 from ..threads import ThreadWatch
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk
 from .constraints import Constraints, GrammarError
-from .faults import FaultInjector, FaultyBackend
 from .kv_blocks import BlockPool, kv_salt
 from .kv_manager import KVManager
 from .loopguard import LoopGuard
@@ -52,7 +52,7 @@ from .restore_policy import RestoreCosts
 from .run_ahead import Ahead, RunAhead
 from .sampling import Sampler
 from .sequence import OutputState, Seq
-from .speculation import Speculator
+from .spec.speculation import Speculator
 from .step_costs import PrefillCost
 from .textstream import StopMatcher
 

@@ -23,13 +23,13 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..model.config import HyperConfig, ModelConfig, Yarn
-from ..model.rope import yarn_factors
-from ..model.weights import ModelWeights
-from .backend import SeqChunk, chunk_logits, step_rows
+from ...model.config import HyperConfig, ModelConfig, Yarn
+from ...model.rope import yarn_factors
+from ...model.weights import ModelWeights
+from ..base import SeqChunk, chunk_logits, step_rows
 
 if TYPE_CHECKING:
-    from .numpy_mtp import MtpHead
+    from .mtp import MtpHead
 
 CSA, HCA = 4, 128  # the compress ratios llama.cpp knows (0: window only)
 
@@ -145,7 +145,7 @@ class HyperStack:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int,
                  mtp: bool = False):
-        """mtp: also keep what the next-token layer drafts from (numpy_mtp.py; the file must have one)."""
+        """mtp: also keep what the next-token layer drafts from (mtp.py; the file must have one)."""
         assert config.hyper is not None and config.family.hyper is not None
         self.config, self.h, self.w = config, config.hyper, weights.by_name
         # the family's tensor names (arch/<family>.py): the stack's own roles beside the generic ones
@@ -160,7 +160,7 @@ class HyperStack:
         self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
         self.mtp: MtpHead | None = None
         if mtp:
-            from .numpy_mtp import MtpHead
+            from .mtp import MtpHead
 
             self.mtp = MtpHead(self)
 
@@ -278,7 +278,7 @@ class HyperStack:
             out[a:b] = attend(q[a:b], keys, allowed, sinks)
         return self.output(li, out, positions, freqs)
 
-    # the attention's pieces, shared with the next-token layer (numpy_mtp.py)
+    # the attention's pieces, shared with the next-token layer (mtp.py)
 
     def query(self, li: int, x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the low-rank query qr [n, rank], which the indexer reads too; the heads [n, heads, head_dim])."""

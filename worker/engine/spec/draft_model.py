@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.gguf_file import ModelFileError
-from .backend import Backend, SeqChunk
+from ...backends.base import Backend, SeqChunk
+from ...model.gguf_file import ModelFileError
 
 DRAFT_MATCH = 8  # the "match length" a model's draft reports to the policy (speculation.MATCH_PRIOR)
 
@@ -43,7 +43,7 @@ class ModelDrafter:
     @classmethod
     def load(cls, path: str, target_model, backend_kind: str, n_blocks: int, block_size: int) -> ModelDrafter:
         """The draft model at `path`, refused in one line where its vocabulary is not the target's."""
-        from ..model.loader import open_model
+        from ...model.loader import open_model
 
         model = open_model(path)
         ours, theirs = (m.gguf.get("tokenizer.ggml.tokens") for m in (target_model, model))
@@ -53,12 +53,12 @@ class ModelDrafter:
                                              "share the model's tokenizer")
         backend: Backend
         if backend_kind == "cuda":
-            from .cuda_backend import CudaBackend
+            from ...backends.cuda.backend import CudaBackend
 
             backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size)
         else:
-            from ..model.weights import load_weights
-            from .numpy_backend import NumpyBackend
+            from ...backends.numpy.backend import NumpyBackend
+            from ...model.weights import load_weights
 
             backend = NumpyBackend(model.config, load_weights(model.gguf, model.config), n_blocks=n_blocks,
                                    block_size=block_size)

@@ -1,5 +1,5 @@
 """`--spec mtp`: the model's own next-token (MTP) layer drafts, where the GGUF ships one (DeepSeek V4's
-blk.N.nextn.*; numpy_mtp.MtpHead computes it).
+blk.N.nextn.*; backends/numpy/mtp.MtpHead computes it).
 
 From the last token and the trunk's output streams at the position before it, the layer guesses the
 next token; its own output streams and that guess make the next guess, and so on (llama.cpp drafts
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .numpy_mtp import MtpHead
+from ...backends.numpy.mtp import MtpHead
 
 MTP_MATCH = 8  # the "match length" its drafts report to the policy (speculation.MATCH_PRIOR): a trained
 # head's first guess stands about as often as a draft model's

@@ -1,7 +1,7 @@
 """One CUDA step's host-side plumbing: where its inputs sit in the pinned staging buffer (StepLayout)
 and on the device (StepInputs), the handle of a launched step (PendingStep), and Gemma's post-norms
 held back until the matvecs that read them are known (PostNorms), and the guard that turns a sticky
-CUDA error into the worker's ContextPoisoned. cuda_backend.py drives them.
+CUDA error into the worker's ContextPoisoned. backend.py drives them.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from ember.kernels import ops
 from ember.kernels.cuda_runtime import DeviceArray
 from ember.kernels.errors import StickyCudaError
 
-from .backend import ContextPoisoned
+from ..base import ContextPoisoned
 
 if TYPE_CHECKING:
-    from .cuda_backend import CudaBackend
+    from .backend import CudaBackend
 
 
 def poison_guard(fn):

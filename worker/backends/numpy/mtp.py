@@ -1,5 +1,5 @@
 """DeepSeek V4's next-token (MTP) layer on the numpy backend: the readable reference of llama.cpp's
-deepseek4 MTP graph, and what `--spec mtp` drafts with (mtp_drafter.py).
+deepseek4 MTP graph, and what `--spec mtp` drafts with (engine/spec/mtp_drafter.py).
 
 The layer (blk.{n_layers}: its nextn.* tensors and a block's attention and MoE tensors) guesses the
 token after next. At position p it takes the trunk's output streams at p - 1 (h, each stream normed by
@@ -29,12 +29,12 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..model.mtp_file import OWN
-from .backend import SeqChunk
-from .numpy_hyper import attend, hc_merge, hc_mix
+from ...model.mtp_file import OWN
+from ..base import SeqChunk
+from .hyper import attend, hc_merge, hc_mix
 
 if TYPE_CHECKING:
-    from .numpy_hyper import HyperStack
+    from .hyper import HyperStack
 
 
 class MtpHead:

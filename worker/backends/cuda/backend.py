@@ -1,14 +1,14 @@
 """The CUDA backend: the numpy backend's forward pass on the GPU, through ember.kernels.ops.
 
 The layer is the family's recipe (model/arch/recipe.py), turned once at load into switches on the
-backend (rope flavour, post-norms, half type) and explicit variants per layer (cuda_layers.py); the
+backend (rope flavour, post-norms, half type) and explicit variants per layer (layers.py); the
 step never looks at the family's name nor probes which weights a layer has. Weights stay in their
 GGUF block formats on the device (QuantMatrix). Decode-sized steps use the quantized matvec (weights
 read once per launch of up to 4-8 rows; Q4_K/Q5_K with x quantized to int8, as llama.cpp does; the
-choice of kernel: cuda_matmul.py); prefill-sized steps multiply on the tensor cores (ops.linear_tc)
+choice of kernel: matmul.py); prefill-sized steps multiply on the tensor cores (ops.linear_tc)
 with a 16-bit copy of each matrix, decoded once at start when it fits (f16_weights) or else per
 step. Activations are float32; the KV pool (float16 by default) lives on the device with the numpy
-backend's block semantics; blocks travel to and from the host through cuda_kv_blocks.py (the numpy
+backend's block semantics; blocks travel to and from the host through kv_blocks.py (the numpy
 layout, or batches on a copy stream), so the prefix cache and KV persistence work unchanged.
 
 Every buffer a step touches is allocated once, up front, and a step's inputs travel in one copy
@@ -20,7 +20,7 @@ sequence) is captured once per (batch bucket, context bucket, slot) as a CUDA gr
 with one launch, so the host does not bound small models. Chunks that ask for it (`SeqChunk.sample`)
 are sampled on the device and come back as `SampledToken`; the rest come back as logits. submit()
 launches a step and returns at once (two steps may be in flight, each with its own pinned buffers;
-cuda_step.py holds their plumbing); a step's tokens may be the previous step's draws, copied on the
+step.py holds their plumbing); a step's tokens may be the previous step's draws, copied on the
 device (`feed`), so the scheduler launches decode step n + 1 before it reads step n's tokens and
 the host's work overlaps the GPU's.
 
@@ -37,15 +37,15 @@ from ember.kernels import ops, reference
 from ember.kernels.cuda_runtime import Graph, pdl_launches
 from ember.kernels.errors import StickyCudaError
 
-from ..model.arch.recipe import Rope
-from ..model.config import ModelConfig
-from ..model.gguf_file import GGUFFile, ModelFileError
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
-from .cuda_kv_blocks import CudaKVBlocks
-from .cuda_layers import QKV, check_fits, check_runs, upload_weights
-from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
-from .cuda_memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
-from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view, poison_guard
+from ...model.arch.recipe import Rope
+from ...model.config import ModelConfig
+from ...model.gguf_file import GGUFFile, ModelFileError
+from ..base import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
+from .kv_blocks import CudaKVBlocks
+from .layers import QKV, check_fits, check_runs, upload_weights
+from .matmul import TC_MIN_ROWS, CudaMatmuls
+from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
+from .step import PendingStep, PostNorms, StepInputs, StepLayout, host_view, poison_guard
 
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
@@ -70,7 +70,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
                  tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
                  f16_weights: str = "auto", pdl: bool = True, host_tier_bytes: int = 0):
         """n_blocks None: the KV pool takes what is free once everything else has its memory (--kv-mem
-        auto; cuda_memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
+        auto; memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
         comes out of the same memory."""
         from ember.kernels.cuda_runtime import Device, Event, HostBuffer, Stream
 
@@ -91,7 +91,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self._kv_name = kv_dtype
         self.block_dtype = np.dtype(self.kv_dtype)  # blocks go to the KV store as they are on the device
-        # float16 blocks on disk since KV layout 2 of the store (cuda_kv.py); float32 files stay apart
+        # float16 blocks on disk since KV layout 2 of the store (kv.py); float32 files stay apart
         self.kv_layout = "cuda" if kv_dtype == "f32" else f"cuda-{kv_dtype}"
         self._transfer = None  # KVTransfer, made on the first save or load (pinned slabs)
         self.max_rows = max(8, -(-max(max_rows, max_seqs) // 8) * 8)
@@ -101,7 +101,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self.int8_activations = int8_activations
         # captured decode steps launch each kernel early (programmatic dependent launch, sm_90+)
         self.pdl = pdl and self.dev.caps.pdl
-        # the forward pass as the family's recipe has it, decided once (the layers' variants: cuda_layers.py)
+        # the forward pass as the family's recipe has it, decided once (the layers' variants: layers.py)
         recipe = config.recipe
         self.half_kind = recipe.half_type  # tensor-core matmuls round to bf16 where activations outgrow f16
         self.neox = recipe.rope is Rope.NEOX
@@ -168,7 +168,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
     def _keep_half_weights(self, mode: str, kv_sized: bool) -> bool:
         """Decode the tensor-core matmuls' weights to 16 bits once: prefill and batched decode then skip a
         decode of every matrix per step (on the 8B at 64 streams, 5.3 ms of a step). "auto" keeps them
-        where cuda_memory.keep_half_copy says (never the experts: they are not tensor-core matrices)."""
+        where memory.keep_half_copy says (never the experts: they are not tensor-core matrices)."""
         if not self.tensor_cores:
             return False
         mats = self._tc_matrices()
@@ -182,7 +182,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         return True
 
     def _auto_blocks(self, host_tier: int) -> int:
-        """--kv-mem auto: the blocks that what is free now holds (cuda_memory.auto_kv_bytes), at least one
+        """--kv-mem auto: the blocks that what is free now holds (memory.auto_kv_bytes), at least one
         MIN_KV_TOKENS-token sequence's, else a one-line ModelFileError."""
         free, total = self.dev.memory_info()
         per_block = self.kv_bytes_per_block(self.config, self.block_size, self._kv_name)
@@ -232,7 +232,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self.moe_scratch = None if moe is None else ops.MoeScratch.alloc(
             self.dev, R, moe.experts, cfg.n_experts_used, hid, moe.ffn,
             apart=any(lw.moe is not None and lw.moe.gate_up is None for lw in self.layers))
-        # the residual's second buffer, for post-norms done inside the next matvec (cuda_step.PostNorms)
+        # the residual's second buffer, for post-norms done inside the next matvec (step.PostNorms)
         self.x_alt = e((hid,)) if self.post_norms and hid <= ops.XPRO_COLS else None
         self.logits = e((R * cfg.vocab_size,))
         # the sampler's per-row counters (kept at zero by the kernel) and per-block partial results

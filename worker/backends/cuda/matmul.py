@@ -9,9 +9,9 @@ from __future__ import annotations
 from ember.kernels import ops
 from ember.kernels.cuda_runtime import Device, DeviceArray, Stream
 
-from ..model.config import ModelConfig
-from .backend import present
-from .cuda_layers import CudaLayer
+from ...model.config import ModelConfig
+from ..base import present
+from .layers import CudaLayer
 
 # From this many rows a matmul decodes its weights to 16 bits and runs on the tensor cores (3
 # launches) instead of the matvec (one launch, and one read of the weights, per 8 rows). Measured on
@@ -71,7 +71,7 @@ class CudaMatmuls:
 
     def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True, argmax=None) -> None:
         out = w is self.output
-        if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (cuda_step.PostNorms)
+        if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (step.PostNorms)
             ops.matvec_post_norm(self.dev, w, x, y, stream=self.stream)
         elif self._streamed(w, n):
             ops.matvec_stream_q8_0(self.dev, w, x, y, res=res, argmax=argmax, stream=self.stream)
