@@ -2,7 +2,7 @@
 
 One thread owns the backend. Each step it takes new requests and cancellations, admits waiting
 requests while there are sequence slots and KV blocks, applies the step plan the scheduler returns
-(planner.py: decode tokens, prefill chunks, preemptions), runs the backend once, and hands each
+(scheduler.py: decode tokens, prefill chunks, preemptions), runs the backend once, and hands each
 sequence's output to the output processor (output.py), settling the requests it ends. KV blocks,
 prefix matching and the KV store are the KV manager's (kv_manager.py); decode steps launched
 before the last one's tokens are read are run_ahead.py's; injected step faults wrap the backend
@@ -43,7 +43,6 @@ from .kv_blocks import BlockPool, kv_salt
 from .kv_manager import KVManager
 from .loopguard import LoopGuard
 from .output import Finish, OutputProcessor
-from .planner import Scheduler
 from .prefill_sizing import FLOOR_TOKENS, PrefillSizing
 from .queues import RequestQueues
 from .reasoning_budget import ReasoningTracker
@@ -51,6 +50,7 @@ from .requests import Failed, Finished, Keepalive, Outcome, RequestHandle, Start
 from .restore_policy import RestoreCosts
 from .run_ahead import Ahead, RunAhead
 from .sampling import Sampler
+from .scheduler import Scheduler
 from .sequence import OutputState, Seq
 from .spec.speculation import Speculator
 from .step_costs import PrefillCost

@@ -46,7 +46,7 @@ class MtpDrafter:
         return MtpState()
 
     def propose(self, st: MtpState, k: int) -> tuple[list[int], int]:
-        """k guesses after the last token; every position before it is in the pool (the planner drafts
+        """k guesses after the last token; every position before it is in the pool (the scheduler drafts
         only for a sequence whose last token is all it has left to compute)."""
         at = len(st.tokens) - 1
         if at < 1 or k < 1 or len(st.blocks) * self.head.s.block_size <= at - 1:

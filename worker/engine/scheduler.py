@@ -1,4 +1,4 @@
-"""The step planner: which running sequences a backend step computes, in which chunks.
+"""The scheduler: which running sequences a backend step computes, in which chunks.
 
 `Scheduler.plan` returns a `StepPlan` and changes no queue: decode tokens first (one per running
 sequence, so streams never wait behind a prefill), then prefill chunks up to the step's token
