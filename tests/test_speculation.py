@@ -259,9 +259,13 @@ def test_bench_spec_takes_every_drafter_the_worker_takes(spec, error, default_mo
 
 def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_model_path):
     """--spec draft:PATH with the model itself as its draft: every guess stands, the output is the same."""
-    from ember.worker.engine.spec.draft_model import ModelDrafter
+    from ember.worker.backends.numpy.backend import NumpyBackend
+    from ember.worker.engine.spec.draft_model import ModelDrafter, open_draft_model
+    from ember.worker.model.weights import load_weights
 
-    drafter = ModelDrafter.load(str(default_model_path), runtime.model, "numpy", n_blocks=64, block_size=16)
+    draft = open_draft_model(str(default_model_path), runtime.model)
+    drafter = ModelDrafter(draft, NumpyBackend(draft.config, load_weights(draft.gguf, draft.config), n_blocks=64,
+                                               block_size=16), n_blocks=64)
     prose = "Write a short essay about the history of lighthouses.\n\n"
     (text0, toks0, _), _ = _run(runtime, "off", prose, 24)
     (text1, toks1, _), m = _run(runtime, f"draft:{default_model_path}", prose, 24, drafter=drafter)
@@ -273,12 +277,12 @@ def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_mode
 
 def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(runtime, tmp_path):
     from ember.worker.bench.synth import make_model
-    from ember.worker.engine.spec.draft_model import ModelDrafter
+    from ember.worker.engine.spec.draft_model import open_draft_model
     from ember.worker.model.gguf_file import ModelFileError
 
     other = make_model("llama", "tiny", tmp_path / "tiny.gguf")
     with pytest.raises(ModelFileError, match="vocabulary .* is not the model's") as e:
-        ModelDrafter.load(str(other), runtime.model, "numpy", n_blocks=8, block_size=16)
+        open_draft_model(str(other), runtime.model)
     assert "\n" not in str(e.value)
     with pytest.raises(worker_config.ConfigError, match="is not a file"):
         worker_config.validate(worker_config.WorkerConfig(spec=f"draft:{tmp_path / 'missing.gguf'}"))

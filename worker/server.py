@@ -55,6 +55,18 @@ def _version() -> str:
         return "unknown"
 
 
+def _draft_backend(kind: str, model, n_blocks: int, block_size: int):
+    """The backend a draft model (--spec draft:PATH) runs on: the target's kind, a KV pool of its own."""
+    if kind == "cuda":
+        from .backends.cuda.backend import CudaBackend
+
+        return CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size)
+    from .backends.numpy.backend import NumpyBackend
+    from .model.weights import load_weights
+
+    return NumpyBackend(model.config, load_weights(model.gguf, model.config), n_blocks=n_blocks, block_size=block_size)
+
+
 class _Loaded:
     """What loading produces: the engine over the model, its formats, and the facts `ready` reports."""
 
@@ -86,12 +98,13 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     memory: dict = {}
     drafter = None
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
-        from .engine.spec.draft_model import ModelDrafter
+        from .engine.spec.draft_model import ModelDrafter, open_draft_model
 
         room = min(cfg.ctx or model.config.context_length, model.config.context_length) + cfg.spec_k
-        drafter = ModelDrafter.load(cfg.spec[6:], model, cfg.backend,
-                                    n_blocks=cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1,
-                                    block_size=DEFAULT_BLOCK_SIZE)
+        draft = open_draft_model(cfg.spec[6:], model)
+        draft_blocks = cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1
+        drafter = ModelDrafter(draft, _draft_backend(cfg.backend, draft, draft_blocks, DEFAULT_BLOCK_SIZE),
+                               draft_blocks)
     if cfg.backend == "cuda":
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
@@ -116,8 +129,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         if mtp:
             from .engine.spec.mtp_drafter import MtpDrafter
 
-            assert backend.hyper is not None and backend.hyper.mtp is not None
-            drafter = MtpDrafter(backend.hyper.mtp)
+            assert backend.mtp is not None
+            drafter = MtpDrafter(backend.mtp)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)

@@ -20,6 +20,7 @@ from ...model.rope import inv_frequencies
 from ...model.weights import ModelWeights
 from ..base import Backend, Done, SampledToken, SeqChunk, chunk_logits, present, step_rows
 from .hyper import HyperStack
+from .mtp import MtpHead
 
 
 class NumpyBackend(Backend):
@@ -41,8 +42,11 @@ class NumpyBackend(Backend):
             raise ValueError("the model has no next-token (MTP) layer")
         self.hyper = (HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size, mtp=mtp)
                       if config.hyper else None)
+        self.mtp: MtpHead | None = None  # the next-token layer, where it drafts
         if self.hyper is not None:
             self.kv_layout = "numpy-hyper-mtp-v1" if mtp else "numpy-hyper-v1"
+            if mtp:
+                self.mtp = self.hyper.mtp = MtpHead(self.hyper)
         shape = (0, 0, 0, 0, 0) if self.hyper else (config.n_layers, n_blocks, block_size, config.n_kv_heads,
                                                     config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)

@@ -1,9 +1,11 @@
 """`--spec draft:PATH`: a small GGUF model with the target's vocabulary drafts by decoding greedily ahead.
 
-It runs on the target's backend kind, with a KV pool of its own. Each sequence keeps what its draft
-cache holds (`fed`: the tokens whose KV is there); before a proposal the cache is rolled back to what
-the sequence still agrees with (guesses the target refused are simply overwritten), the new tokens are
-fed in one step, and k - 1 more single-token steps decode the rest of the draft.
+It runs on the target's backend kind, with a KV pool of its own (the server builds that backend;
+`open_draft_model` opens the file and refuses one whose vocabulary is not the target's). Each sequence
+keeps what its draft cache holds (`fed`: the tokens whose KV is there); before a proposal the cache is
+rolled back to what the sequence still agrees with (guesses the target refused are simply
+overwritten), the new tokens are fed in one step, and k - 1 more single-token steps decode the rest of
+the draft.
 """
 
 from __future__ import annotations
@@ -14,8 +16,20 @@ import numpy as np
 
 from ...backends.base import Backend, SeqChunk
 from ...model.gguf_file import ModelFileError
+from ...model.loader import Model, open_model
 
 DRAFT_MATCH = 8  # the "match length" a model's draft reports to the policy (speculation.MATCH_PRIOR)
+
+
+def open_draft_model(path: str, target_model: Model) -> Model:
+    """The draft model at `path`, refused in one line where its vocabulary is not the target's."""
+    model = open_model(path)
+    ours, theirs = (m.gguf.get("tokenizer.ggml.tokens") for m in (target_model, model))
+    if model.config.vocab_size != target_model.config.vocab_size or list(ours or []) != list(theirs or []):
+        raise ModelFileError(Path(path), f"the draft model's vocabulary ({model.config.vocab_size} tokens) is not "
+                                         f"the model's ({target_model.config.vocab_size} tokens): a draft must "
+                                         "share the model's tokenizer")
+    return model
 
 
 class DraftState:
@@ -34,35 +48,11 @@ class DraftState:
 class ModelDrafter:
     name = "draft"
 
-    def __init__(self, model, backend, n_blocks: int):
-        """model: the draft model (loader.Model); backend: a backend over it with n_blocks KV blocks."""
+    def __init__(self, model: Model, backend: Backend, n_blocks: int):
+        """model: the draft model (open_draft_model); backend: a backend over it with n_blocks KV blocks."""
         self.model, self.backend = model, backend
         self.bs = backend.block_size
         self._free = list(range(n_blocks - 1, -1, -1))
-
-    @classmethod
-    def load(cls, path: str, target_model, backend_kind: str, n_blocks: int, block_size: int) -> ModelDrafter:
-        """The draft model at `path`, refused in one line where its vocabulary is not the target's."""
-        from ...model.loader import open_model
-
-        model = open_model(path)
-        ours, theirs = (m.gguf.get("tokenizer.ggml.tokens") for m in (target_model, model))
-        if model.config.vocab_size != target_model.config.vocab_size or list(ours or []) != list(theirs or []):
-            raise ModelFileError(Path(path), f"the draft model's vocabulary ({model.config.vocab_size} tokens) is not "
-                                             f"the model's ({target_model.config.vocab_size} tokens): a draft must "
-                                             "share the model's tokenizer")
-        backend: Backend
-        if backend_kind == "cuda":
-            from ...backends.cuda.backend import CudaBackend
-
-            backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size)
-        else:
-            from ...backends.numpy.backend import NumpyBackend
-            from ...model.weights import load_weights
-
-            backend = NumpyBackend(model.config, load_weights(model.gguf, model.config), n_blocks=n_blocks,
-                                   block_size=block_size)
-        return cls(model, backend, n_blocks)
 
     def new_index(self) -> DraftState:
         return DraftState()
@@ -78,15 +68,20 @@ class ModelDrafter:
         if not self._hold(st, len(toks) + k):
             return [], 0
         st.fed = list(toks[:agree])
-        logits = self.backend.forward([SeqChunk(np.asarray(toks[agree:], np.int32), agree, st.blocks, "last")])[0]
-        draft = [int(np.argmax(logits[-1]))]
+        draft = [self._greedy(toks[agree:], agree, st.blocks)]
         st.fed = list(toks)
         while len(draft) < k:
             at = len(st.fed)
-            logits = self.backend.forward([SeqChunk(np.asarray(draft[-1:], np.int32), at, st.blocks, "last")])[0]
+            token = self._greedy(draft[-1:], at, st.blocks)
             st.fed.append(draft[-1])
-            draft.append(int(np.argmax(logits[-1])))
+            draft.append(token)
         return draft, DRAFT_MATCH
+
+    def _greedy(self, tokens: list[int], at: int, blocks: list[int]) -> int:
+        """The argmax after `tokens` fed at position `at`."""
+        (logits,) = self.backend.forward([SeqChunk(np.asarray(tokens, np.int32), at, blocks, "last")])
+        assert isinstance(logits, np.ndarray)  # a chunk without `sample`: logits, never a draw
+        return int(np.argmax(logits[-1]))
 
     def _hold(self, st: DraftState, length: int) -> bool:
         need = -(-length // self.bs) - len(st.blocks)
