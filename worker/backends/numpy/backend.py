@@ -13,12 +13,11 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
-from ...kvstore.store import Landed
 from ...model.arch.recipe import Rope
 from ...model.config import ModelConfig
 from ...model.rope import inv_frequencies
 from ...model.weights import ModelWeights
-from ..base import Backend, Done, SampledToken, SeqChunk, chunk_logits, present, step_rows
+from ..base import Backend, Done, Landed, SampledToken, SeqChunk, chunk_logits, present, step_rows
 from .hyper import HyperStack
 from .mtp import MtpHead
 
