@@ -26,7 +26,8 @@ from ember.worker.engine.constraints import (
     grammar_from_json_schema,
     grammar_from_lark,
 )
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import (
     Delta,
     Failed,

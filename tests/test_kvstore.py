@@ -14,7 +14,8 @@ import pytest
 
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.kv_blocks import chain_hash, kv_salt
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle, Started
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.kvstore import blockfile

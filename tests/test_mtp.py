@@ -32,7 +32,8 @@ from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import MTP as MTP_PART
 from ember.worker.bench.synth import TRUNK as TRUNK_PART
 from ember.worker.bench.synth import make_model, plan, resolve_shape, write_model
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.spec.mtp_drafter import MtpDrafter

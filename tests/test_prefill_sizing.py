@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from ember.worker.backends.numpy.backend import NumpyBackend
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.prefill_sizing import FLOOR_TOKENS, PrefillSizing
 from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import SamplingParams

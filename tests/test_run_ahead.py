@@ -12,7 +12,8 @@ import pytest
 
 from ember.worker.backends.base import DeviceSample, SampledToken, SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import (
     Delta,
     Failed,
@@ -149,12 +150,12 @@ def _drive(runtime, ahead: bool, first, late, join_after: int):
 
     def step():
         engine.queues.take_inbox()
-        engine._step()
+        engine.step()
 
     arrive(first)
     for _ in range(join_after):
         step()
-    in_flight = engine._ahead is not None
+    in_flight = engine.run_ahead.inflight is not None
     for r in late:
         arrive(r)
     while engine.busy:

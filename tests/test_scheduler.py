@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from ember.worker.backends.faults import FaultInjector, parse_faults
-from ember.worker.engine.loop import Engine, EngineLimits, QueueFull
-from ember.worker.engine.requests import Delta, Failed, GenerationRequest, RequestHandle, Started
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
+from ember.worker.engine.requests import Delta, Failed, GenerationRequest, QueueFull, RequestHandle, Started
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.textstream import StopMatcher
 from ember.worker.metrics import OUTCOMES, Metrics

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ember.worker import config as worker_config
-from ember.worker.engine.loop import Engine, EngineLimits
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import Sampler, SamplingParams
 from ember.worker.engine.spec.drafters import NgramDrafter, SuffixDrafter, TokenIndex

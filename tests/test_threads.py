@@ -17,8 +17,17 @@ from ember.worker.backends.faults import FaultInjector, FaultSpecError, parse_fa
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.constraints import grammar_from_json_schema
 from ember.worker.engine.kv_blocks import chain_hash, kv_salt
-from ember.worker.engine.loop import Engine, EngineLimits, NotAccepting
-from ember.worker.engine.requests import Delta, Failed, Finished, GenerationRequest, RequestHandle, Started
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
+from ember.worker.engine.requests import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    NotAccepting,
+    RequestHandle,
+    Started,
+)
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.kvstore.store import KVStore
 from ember.worker.metrics import Metrics

@@ -77,7 +77,8 @@ class _Loaded:
 def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loaded:
     """Open the model, build backend, KV store and engine (blocking; runs off the event loop)."""
     from .backends.numpy.backend import NumpyBackend
-    from .engine.loop import Engine, EngineLimits
+    from .engine.limits import EngineLimits
+    from .engine.loop import Engine
     from .model.loader import open_model
     from .model.weights import load_weights
     from .runtime import DEFAULT_BLOCK_SIZE
@@ -141,12 +142,9 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .text.formats import resolve as resolve_formats
 
     formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model
-    limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
-                          prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
-                          max_step_tokens=max(chunk, cfg.max_seqs), context=ctx,
-                          loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
-                          loop_guard_min_span=cfg.loop_guard_min_span, spec=cfg.spec, spec_k=cfg.spec_k,
-                          spec_max_batch=cfg.spec_max_batch, spec_max_context=cfg.spec_max_context)
+    limits = EngineLimits.configured(cfg, max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
+                                     prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
+                                     max_step_tokens=max(chunk, cfg.max_seqs), context=ctx)
     store = None
     if cfg.kv_persist != "off":
         from .engine.kv_blocks import chain_hash, kv_salt

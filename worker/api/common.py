@@ -16,13 +16,15 @@ import msgspec
 
 from ember.ops.contract import HealthState
 
-from ..engine.loop import NotAccepting, PromptTooLong, QueueFull
 from ..engine.requests import (
     Delta,
     Failed,
     Finished,
     GenerationRequest,
+    NotAccepting,
     PromptLogprobs,
+    PromptTooLong,
+    QueueFull,
     RequestHandle,
     Started,
     TokenLogprob,

@@ -216,3 +216,24 @@ class ContextPoisoned(RuntimeError):
     def __init__(self, code: int, name: str, message: str):
         self.code, self.name, self.message = code, name, message
         super().__init__(f"{name} ({code}): {message}")
+
+
+class Failure(NamedTuple):
+    """What `attempt` returns instead of a result: the exception the call raised."""
+
+    error: Exception
+
+
+R = TypeVar("R")
+
+
+def attempt(fn: Callable[..., R], *args, **kwargs) -> R | Failure:
+    """fn(*args, **kwargs), or the Failure it raised: the one place the rule of failing alone is written.
+    A failed step, chunk or request fails only what it touches, but ContextPoisoned always propagates:
+    nothing more can run in this process."""
+    try:
+        return fn(*args, **kwargs)
+    except ContextPoisoned:
+        raise
+    except Exception as e:
+        return Failure(e)

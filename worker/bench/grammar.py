@@ -95,7 +95,8 @@ def _run(engine, tokenizer, grammar: str | None, max_tokens: int, ignore_eos: bo
 
 def cmd_grammar(args: argparse.Namespace) -> int:
     from ..engine.constraints import grammar_from_json_schema
-    from ..engine.loop import Engine, EngineLimits
+    from ..engine.limits import EngineLimits
+    from ..engine.loop import Engine
     from ..metrics import Metrics
     from ..runtime import Runtime
 

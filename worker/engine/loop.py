@@ -1,16 +1,19 @@
 """The engine loop: continuous batching with chunked prefill and a prefix cache.
 
-One thread owns the backend. Each step it takes new requests and cancellations, admits waiting
-requests while there are sequence slots and KV blocks, applies the step plan the scheduler returns
-(scheduler.py: decode tokens, prefill chunks, preemptions), runs the backend once, and hands each
-sequence's output to the output processor (output.py), settling the requests it ends. KV blocks,
-prefix matching and the KV store are the KV manager's (kv_manager.py); decode steps launched
-before the last one's tokens are read are run_ahead.py's; injected step faults wrap the backend
-(backends/faults.FaultyBackend).
+One thread owns the backend, and each of its steps reads as vLLM's EngineCore.step: plan, execute,
+settle. Plan: take cancellations and new requests, admit waiting ones while there are sequence slots
+and KV blocks, and apply the plan the scheduler returns (scheduler.py: decode tokens, prefill
+chunks, preemptions), unless a decode step launched before the last one's tokens were read is
+already running (run_ahead.py). Execute: run the backend once (a batched step that raises is run
+again chunk by chunk: isolation.py). Settle: hand each sequence's output to the output processor
+(output.py) and settle the requests it ends. KV blocks, prefix matching and the KV store are the KV
+manager's (kv_manager.py); the requests' queues are queues.py's; what steps cost is sampled by
+cost_sampling.py; injected step faults wrap the backend (backends/faults.FaultyBackend).
 
 Every request settles exactly once (completed, failed, canceled or refused) with one log line.
 A failure inside one request fails that request alone; a poisoned compute context stops the
-engine and hands control to `on_poisoned` (the server exits with code 75).
+engine and hands control to `on_poisoned` (the server exits with code 75). The frontend knows the
+engine by the stats it publishes (stats.py), never by its queues.
 
 The loop runs on a guarded thread (worker/threads.py): if it dies, every request in flight fails
 with a 503 at once, new ones are refused, and /health/live names the thread.
@@ -29,9 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from ..backends.base import Backend, ContextPoisoned, SampledToken, SeqChunk
+from ember.ops.contract import Event
+
+from ..backends.base import Backend, ContextPoisoned, Failure, SampledToken, SeqChunk, attempt
 from ..backends.faults import FaultInjector, FaultyBackend
 from ..logs import log
 from ..metrics import Metrics
@@ -39,59 +45,50 @@ from ..model.loader import Model
 from ..text.tokenizer import IncrementalDecoder
 from ..threads import ThreadWatch
 from .constraints import Constraints, GrammarError
+from .cost_sampling import CostSampler
+from .isolation import FAILED, alone, rerun_alone
 from .kv_blocks import BlockPool, kv_salt
 from .kv_manager import KVManager
+from .limits import EngineLimits
 from .loopguard import LoopGuard
 from .output import Finish, OutputProcessor
-from .prefill_sizing import FLOOR_TOKENS, PrefillSizing
+from .prefill_sizing import PrefillSizing
 from .queues import RequestQueues
 from .reasoning_budget import ReasoningTracker
-from .requests import Failed, Finished, Keepalive, Outcome, RequestHandle, Started
+from .requests import (
+    Failed,
+    Finished,
+    Keepalive,
+    NotAccepting,
+    Outcome,
+    PromptTooLong,
+    QueueFull,
+    RequestHandle,
+    Started,
+)
 from .restore_policy import RestoreCosts
 from .run_ahead import Ahead, RunAhead
 from .sampling import Sampler
 from .scheduler import Scheduler
 from .sequence import OutputState, Seq
 from .spec.speculation import Speculator
+from .stats import EngineStats, Poison
 from .step_costs import PrefillCost
 from .textstream import StopMatcher
 
 KEEPALIVE_SECONDS = 5.0
-RATES_SAVE_SECONDS = 30.0  # how often the measured prefill and restore rates are written for the next process
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound; answer 429 with Retry-After."""
-
-
-class NotAccepting(Exception):
-    """Draining or poisoned; answer 503 with Retry-After."""
-
-
-class PromptTooLong(ValueError):
-    pass
 
 
 @dataclass
-class EngineLimits:
-    max_seqs: int = 8
-    max_queue: int = 64
-    max_step_tokens: int = 512  # tokens per backend step (decode tokens + prefill chunks)
-    prefill_chunk: int = 256  # fixed, or the most when sized by measurement (prefill_step_s)
-    prefill_step_s: float | None = None  # size prefill chunks so a step takes about this long
-    context: int = 8192
-    # The loop guard (see WorkerConfig.loop_guard for why these defaults): a block of up to
-    # `loop_guard_period` tokens repeated back to back max(repeats, min_span / length) times.
-    loop_guard: bool = True
-    loop_guard_repeats: int = 8
-    loop_guard_min_span: int = 128
-    loop_guard_period: int = 64
-    # speculative decoding (speculation.py): the drafter ("off", "ngram", "suffix"), the longest draft,
-    # and off above this many decoding sequences or this context depth
-    spec: str = "off"
-    spec_k: int = 8
-    spec_max_batch: int = 8
-    spec_max_context: int = 32768
+class StepWork:
+    """One backend step, planned or launched ahead: chunks[i] is members[i]'s."""
+
+    chunks: list[SeqChunk]
+    members: list[Seq]
+    rows: list[int]  # chunk i's row in the step the backend runs (a step run ahead may have dropped some)
+    pending: Any = None  # submitted: its result() is the outputs; None: forward() runs it
+    rerun: bool = False  # its fault hooks already ran (a submit that failed): forward it unhooked
+    started: float | None = None  # a planned step's start: its time is a cost sample (one run ahead overlaps)
 
 
 class Engine:
@@ -108,7 +105,7 @@ class Engine:
         watch: ThreadWatch | None = None,
         drafter=None,
     ):
-        """drafter: a drafter built by the caller (draft_model.ModelDrafter for --spec draft:PATH)."""
+        """drafter: a drafter built by the caller (spec/draft_model.ModelDrafter for --spec draft:PATH)."""
         self.faults = faults or FaultInjector([])
         if self.faults and not isinstance(backend, FaultyBackend):  # the server wraps it itself
             backend = FaultyBackend(backend, self.faults)
@@ -129,22 +126,19 @@ class Engine:
         self.last_progress = time.monotonic()  # heartbeat for hang detection
         self._arrivals = 0
         self._stop = False
-        self._ahead: Ahead | None = None  # a decode step launched before the last one's tokens were read
         self.restore_costs = RestoreCosts()  # measured rates: restore or recompute, and the prefill chunk
         self._sizing = PrefillSizing(limits.prefill_chunk, limits.prefill_step_s)
         self._chunk = limits.prefill_chunk  # until start() calibrates
-        self._rates = store.dir / "rates.json" if store is not None else None
-        if self._rates is not None:
-            self.restore_costs.load(self._rates)
-        self._rates_saved: float | None = None  # the first rate measured is written at once
-        self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
-        self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
         self.speculator = (Speculator(drafter or limits.spec, limits.spec_k, limits.spec_max_batch,
                                       limits.spec_max_context) if limits.spec != "off" else None)
+        self.costs = CostSampler(self.restore_costs, self.speculator, store)  # reads the last process's rates
+        self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
+        self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
         self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, limits.max_seqs,
                                    sized=limits.prefill_step_s is not None, speculator=self.speculator)
         self.run_ahead = RunAhead(backend, self.kv, self.output, limits.context)
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
+        self._stats = EngineStats(last_progress=self.last_progress, kv_blocks=self.pool.n_blocks)
         self._thread = self.watch.thread("ember-engine", self._run, on_death=self._died, stopping=lambda: self._stop)
         self.faults.arm_threads(self.watch)
 
@@ -159,23 +153,10 @@ class Engine:
         serving, and keep the chunk they give for this worker's life (a chunk that followed the load
         would change how the same prompt is split, and with it the last bits of its numerics). The
         restore decisions start from the same figures."""
-        bs = self.backend.block_size
-        need = -(-self._sizing.most // bs)
-        if self.limits.prefill_step_s is None or self._sizing.most <= FLOOR_TOKENS or need > self.pool.available:
-            self._chunk = self._sizing.chunk(PrefillCost())
+        cost = self._sizing.calibrate(self.backend.unhooked(), self.pool)
+        self._chunk = self._sizing.chunk(cost or PrefillCost())
+        if cost is None or self.limits.prefill_step_s is None:
             return
-        blocks = self.pool.allocate(need)
-        samples = []
-        try:
-            for n in (FLOOR_TOKENS, self._sizing.most) * 3:  # the first of each size warms up
-                chunk = SeqChunk(np.full(n, 1, np.int32), 0, blocks, "last")
-                t0 = time.monotonic()
-                self.backend.unhooked().forward([chunk])  # a measurement, not a step: no faults
-                samples.append((n, time.monotonic() - t0))
-        finally:
-            self.pool.release(blocks)  # never registered: their contents are never matched
-        cost = PrefillCost.measured(samples[2:])
-        self._chunk = self._sizing.chunk(cost)
         if self.restore_costs.prefill.model is None:
             self.restore_costs.prefill = cost
         fixed, per = cost.model or (0.0, 0.0)
@@ -219,6 +200,8 @@ class Engine:
             )
             self.queues.put(seq)
             self.metrics.started.inc()
+            # the engine is busy from now on, also to a reader that comes before the loop wakes
+            self._stats = msgspec.structs.replace(self._stats, queued=self.queues.depth, busy=True)
 
     def _loop_guard(self) -> LoopGuard | None:
         lim = self.limits
@@ -228,7 +211,13 @@ class Engine:
                          min_span=lim.loop_guard_min_span)
 
     @property
+    def stats(self) -> EngineStats:
+        """The engine as of its last step (stats.py): what the frontend reads, from any thread."""
+        return self._stats
+
+    @property
     def busy(self) -> bool:
+        """Anything running, waiting or submitted, now (the engine thread's own view; others read stats)."""
         return self.queues.busy
 
     @property
@@ -249,6 +238,18 @@ class Engine:
         self._thread.join(timeout)
         self.constraints.shutdown()
 
+    @property
+    def ahead_steps(self) -> int:  # run-ahead steps launched
+        return self.run_ahead.steps
+
+    @property
+    def ahead_rows_dropped(self) -> int:  # rows of run-ahead steps recomputed
+        return self.run_ahead.rows_dropped
+
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a sequence may prefill in a step (see prefill_sizing and _calibrate)."""
+        return self._chunk
+
     # -- the loop --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -256,7 +257,7 @@ class Engine:
             if self.watch.doomed:  # fault injection (thread-die:thread=engine)
                 self.watch.checkpoint()
             try:
-                self._step()
+                self.step()
             except ContextPoisoned as e:
                 self._poison(e)
                 return
@@ -268,19 +269,27 @@ class Engine:
                 self.queues.clear()
             self.last_progress = time.monotonic()
             self._update_gauges()
-            if self._rates is not None and self.store.writable and self.restore_costs.prefill.model is not None and (
-                    self._rates_saved is None or self.last_progress - self._rates_saved > RATES_SAVE_SECONDS):
-                self._rates_saved = self.last_progress
-                self.restore_costs.save(self._rates)
+            self._publish()
+            self.costs.save_due(self.last_progress)
         self._drop_ahead()
-        if self._rates is not None and self.store.writable:
-            self.restore_costs.save(self._rates)
+        self.costs.save()
         self.queues.take_inbox()
         for s in self.queues.in_flight():
             self._settle(s, Outcome.CANCELED, Failed("the worker is shutting down", status=503, kind="overloaded"))
+        self._publish()
 
-    def _heartbeat(self) -> None:
+    def step(self) -> None:
+        """One engine step: plan, execute, settle (the step's full blocks go to the KV store either way)."""
+        try:
+            work = self._plan()
+            if work is not None:
+                self._settle_step(work, self._execute(work))
+        finally:
+            self.kv.flush_offers(poisoned=self.poisoned is not None)
+
+    def _heartbeat(self) -> None:  # the idle loop's turn (the queues' lock held)
         self.last_progress = time.monotonic()
+        self._publish(locked=True)
 
     def _died(self, e: BaseException) -> None:
         """The loop thread is dying (still on it): refuse new requests and fail those in flight with
@@ -298,133 +307,64 @@ class Engine:
         self.queues.clear()
         with contextlib.suppress(Exception):
             self._update_gauges()
+            self._publish()
 
     def _drop_ahead(self) -> None:
         """Wait for a run-ahead step still in flight and forget it (its rows are not wanted)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            try:
-                ahead.discard()
-            except ContextPoisoned as e:
-                self._poison(e)
-                self._stop = True  # nothing more can run in this process
-
-
-    def _step(self) -> None:
         try:
-            self._step_once()
-        finally:
-            self._flush_offers()
+            self.run_ahead.drop()
+        except ContextPoisoned as e:
+            self._poison(e)
+            self._stop = True  # nothing more can run in this process
 
-    def _flush_offers(self) -> None:
-        self.kv.flush_offers(poisoned=self.poisoned is not None)
+    # -- plan -------------------------------------------------------------------------------------------
 
-    @property
-    def ahead_steps(self) -> int:  # run-ahead steps launched
-        return self.run_ahead.steps
-
-    @property
-    def ahead_rows_dropped(self) -> int:  # rows of run-ahead steps recomputed
-        return self.run_ahead.rows_dropped
-
-    def _step_once(self) -> None:
+    def _plan(self) -> StepWork | None:
+        """Requests in and out of the batch (cancellations, admissions, finished restores), then this
+        step: the one launched ahead during the last step (its rows whose sequence moved on dropped), or
+        the scheduler's plan, launched. None: nothing to run."""
         self._reap_cancelled()
         self._admit()
         for s in self.kv.progress_restores(self.running):
             self._begin(s)
-        ahead, self._ahead = self._ahead, None
-        rerun = False  # the step already counted and ran its fault hooks: forward it unhooked
-        if ahead is not None:  # launched during the last step: its rows whose sequence moved on are dropped
-            chunks, members, rows = self.run_ahead.take(ahead, self.running)
-            pending = ahead.pending
-        else:
-            if not self.running:
-                return
-            chunks, members = self._plan()
-            if not chunks:
-                return
-            t0 = time.monotonic()
-            pending, rerun = self._launch(chunks)
-            rows = list(range(len(chunks)))
-        # launch the next decode step before reading this one's tokens (they are fed on the device):
-        # the host's work for a step then overlaps the device's
-        nxt = self._launch_ahead(chunks, members, rows) if pending is not None else None
-        try:
-            if pending is not None:
-                outputs = pending.result()
-            else:
-                outputs = (self.backend.unhooked() if rerun else self.backend).forward(chunks)
-        except ContextPoisoned:
-            raise
-        except Exception:
-            if nxt is not None:  # it was fed from this step's draws
-                nxt.discard()
-                nxt = None
-            outputs = self._isolate(chunks, members)
-        if nxt is not None:
-            nxt.fed_from(outputs)
-        self._ahead = nxt
-        now = time.monotonic()
-        if ahead is None:  # a planned step: its prefill tokens measure the device's prefill rate
-            self.restore_costs.observe_prefill(sum(len(c.tokens) for c in chunks if c.prefill and len(c.tokens) > 1),
-                                               now - t0)  # (a draft's positions are not prefill)
-            if self.speculator is not None and not any(c.prefill for c in chunks):  # what a wider step costs
-                self.speculator.costs.observe(sum(len(c.tokens) for c in chunks), len(chunks), now - t0)
-        for chunk, seq, out in zip(chunks, members, outputs, strict=True):
-            if out is _FAILED:
-                continue
-            try:
-                self._after_forward(seq, chunk, out, now)
-            except ContextPoisoned:
-                raise
-            except Exception as e:
-                log("request_error", level="error", request_id=seq.req.request_id, error=f"{type(e).__name__}: {e}")
-                self._settle(seq, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
+        ahead = self.run_ahead.take(self.running)
+        if ahead is not None:
+            chunks, members, rows, pending = ahead
+            return StepWork(chunks, members, rows, pending)
+        if not self.running:
+            return None
+        plan = self.scheduler.plan(self.running, self.prefill_chunk())
+        for s in plan.preempted:  # its blocks are back in the pool; its full ones stay in the prefix cache
+            self.queues.requeue(s)
+            log(Event.PREEMPT, request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))
+        for s in plan.failed:
+            self._settle(s, Outcome.FAILED, Failed("the KV cache is full", status=503, kind="overloaded"))
+        if not plan.chunks:
+            return None
+        work = StepWork(plan.chunks, plan.members, list(range(len(plan.chunks))), started=time.monotonic())
+        self._launch(work)
+        return work
+
+    def _launch(self, work: StepWork) -> None:
+        """Count the step and submit it where the backend can run ahead; else forward() runs it in
+        _execute (unhooked when a submit that failed already ran the step's fault hooks)."""
+        self._count_step()
+        if self.backend.runs_ahead:
+            pending = attempt(self.backend.submit, work.chunks)
+            work.pending, work.rerun = (None, True) if isinstance(pending, Failure) else (pending, False)
 
     def _count_step(self) -> None:
         self.step_count += 1
         self.metrics.steps.inc()
 
-    def _launch(self, chunks: list[SeqChunk]):
-        """Count the step and submit it where the backend can run ahead. (None, rerun): the caller
-        runs it with forward, unhooked when a failed submit already ran the step's fault hooks."""
-        self._count_step()
-        if not self.backend.runs_ahead:
-            return None, False
-        try:
-            return self.backend.submit(chunks), False
-        except ContextPoisoned:
-            raise
-        except Exception:
-            return None, True  # forward() reruns it, and _isolate finds the culprit
-
-    def _launch_ahead(self, chunks: list[SeqChunk], members: list[Seq], rows: list[int]) -> Ahead | None:
-        admitting = self.queues.depth > 0 and len(self.running) < self.limits.max_seqs
-        return self.run_ahead.launch(chunks, members, rows, self.running, admitting, self._count_step)
-
-    def _isolate(self, chunks: list[SeqChunk], members: list[Seq]) -> list:
-        """A batched step raised: rerun each chunk alone so only the culprit fails."""
-        outputs: list = []
-        for c, s in zip(chunks, members, strict=True):
-            try:
-                outputs.append(self.backend.unhooked().forward([c])[0])
-            except ContextPoisoned:
-                raise
-            except Exception as e:
-                log("request_error", level="error", request_id=s.req.request_id, error=f"{type(e).__name__}: {e}")
-                self._settle(s, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
-                outputs.append(_FAILED)
-        return outputs
-
-    # -- admission and planning ------------------------------------------------------------------------
-
     def _reap_cancelled(self) -> None:
-        for s in [s for s in self.running + list(self.waiting) if s.handle.cancelled.is_set()]:
+        for s in [s for s in self.queues.in_flight() if s.handle.cancelled.is_set()]:
             self._settle(s, Outcome.CANCELED, None)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.limits.max_seqs:
-            s = self.waiting[0]
+        waiting = self.queues.waiting
+        while waiting and len(self.running) < self.limits.max_seqs:
+            s = waiting[0]
             if s.compiling is not None:
                 if not self._take_grammar(s):
                     return  # still compiling: admit in order, on a later step
@@ -472,26 +412,45 @@ class Engine:
         self.metrics.prompt_tokens.inc(s.prompt_len)
         self.metrics.cached_tokens.inc(s.cached_tokens)
         probe: dict[str, Any] = {"probe": True} if s.req.probe else {}
-        log("admit", request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
+        log(Event.ADMIT, request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
             prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens,
             **probe)
         s.handle.push([Started(s.prompt_len, s.cached_tokens)])
 
-    def prefill_chunk(self) -> int:
-        """Prompt tokens a sequence may prefill in a step (see prefill_sizing and _calibrate)."""
-        return self._chunk
+    # -- execute ----------------------------------------------------------------------------------------
 
-    def _plan(self) -> tuple[list[SeqChunk], list[Seq]]:
-        """The scheduler's plan for this step, its preemptions and failures applied."""
-        plan = self.scheduler.plan(self.running, self.prefill_chunk())
-        for s in plan.preempted:  # its blocks are back in the pool; its full ones stay in the prefix cache
-            self.queues.requeue(s)
-            log("preempt", request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))
-        for s in plan.failed:
-            self._settle(s, Outcome.FAILED, Failed("the KV cache is full", status=503, kind="overloaded"))
-        return plan.chunks, plan.members
+    def _execute(self, work: StepWork) -> list:
+        """The step's outputs, one a chunk (FAILED where its request failed). Where the backend runs
+        ahead, the next decode step is launched before this one's tokens are read (they are fed on the
+        device): the host's work for a step then overlaps the device's."""
+        nxt = self._launch_ahead(work) if work.pending is not None else None
+        if work.pending is not None:
+            outputs = attempt(work.pending.result)
+        else:
+            outputs = attempt((self.backend.unhooked() if work.rerun else self.backend).forward, work.chunks)
+        if isinstance(outputs, Failure):  # rerun each chunk alone so only the culprit fails
+            if nxt is not None:  # it was fed from this step's draws
+                nxt.discard()
+                nxt = None
+            outputs = rerun_alone(self.backend, work.chunks, work.members, self._fail)
+        if nxt is not None:
+            nxt.fed_from(outputs)
+        self.run_ahead.inflight = nxt
+        return outputs
 
-    # -- after a step ------------------------------------------------------------------------------------
+    def _launch_ahead(self, work: StepWork) -> Ahead | None:
+        admitting = self.queues.depth > 0 and len(self.running) < self.limits.max_seqs
+        return self.run_ahead.launch(work.chunks, work.members, work.rows, self.running, admitting, self._count_step)
+
+    # -- settle -----------------------------------------------------------------------------------------
+
+    def _settle_step(self, work: StepWork, outputs: list) -> None:
+        now = time.monotonic()
+        if work.started is not None:
+            self.costs.observe(work.chunks, now - work.started)
+        for chunk, seq, out in zip(work.chunks, work.members, outputs, strict=True):
+            if out is not FAILED:
+                alone(seq, self._fail, self._after_forward, seq, chunk, out, now)
 
     def _after_forward(self, s: Seq, chunk: SeqChunk, logits, now: float) -> None:
         draft: list[int] = []
@@ -519,7 +478,7 @@ class Engine:
             self._settle(s, Outcome.FAILED, end)
 
     def _verify(self, s: Seq, draft: list[int], logits: np.ndarray, now: float) -> Finish | Failed | None:
-        """Check a draft position by position (speculation.py): every chosen token is emitted as any
+        """Check a draft position by position (spec/speculation.py): every chosen token is emitted as any
         other; each guess that stands makes its position's KV count, and the first that does not ends
         the step (the token chosen there instead is the step's last)."""
         assert self.speculator is not None and s.spec is not None
@@ -540,6 +499,11 @@ class Engine:
         m.spec_seconds.labels("verify").inc(time.monotonic() - t0)
         m.spec_seconds.labels("draft").inc(self.speculator.take_draft_seconds())
         return end
+
+    def _fail(self, s: Seq, e: Exception) -> None:
+        """A request's own work raised: it fails alone."""
+        log("request_error", level="error", request_id=s.req.request_id, error=f"{type(e).__name__}: {e}")
+        self._settle(s, Outcome.FAILED, Failed(f"{type(e).__name__}: {e}"))
 
     def _settle(self, s: Seq, outcome: Outcome, event) -> None:
         """The one place a request ends: out of its queue, its blocks freed, its last event sent and its
@@ -575,7 +539,7 @@ class Engine:
     def _poison(self, e: ContextPoisoned) -> None:
         self.poisoned = e
         self.accepting = False
-        log("engine_poisoned", level="error", code=e.code, name=e.name, message=e.message, step=self.step_count,
+        log(Event.ENGINE_POISONED, level="error", code=e.code, name=e.name, message=e.message, step=self.step_count,
             running=[s.req.request_id for s in self.running])
         for s in self.queues.in_flight():
             self.queues.remove(s)
@@ -584,8 +548,11 @@ class Engine:
                                   status=503, kind="overloaded")])
             self.metrics.outcomes.labels(Outcome.FAILED.value).inc()
             log(Outcome.FAILED.value, level="error", request_id=s.req.request_id, seq=s.number, error=str(e))
+        self._publish()
         if self.on_poisoned:
             self.on_poisoned(e)
+
+    # -- what the engine publishes ------------------------------------------------------------------------
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -595,5 +562,13 @@ class Engine:
         m.kv_blocks_cached.set(self.pool.cached_count)
         m.kv_usage.set(self.pool.in_use / max(self.pool.n_blocks, 1))
 
-
-_FAILED = object()
+    def _publish(self, locked: bool = False) -> None:
+        """Swap in the stats as the engine is now (engine thread). Under the queues' lock, so that a
+        submit's `busy` is never overwritten by a picture taken before it."""
+        with contextlib.nullcontext() if locked else self.queues.lock:
+            q, pool, p = self.queues, self.pool, self.poisoned
+            self._stats = EngineStats(
+                last_progress=self.last_progress, running=len(q.running), waiting=len(q.waiting), queued=q.depth,
+                busy=q.busy, steps=self.step_count, kv_blocks=pool.n_blocks, kv_blocks_used=pool.in_use,
+                kv_blocks_cached=pool.cached_count, poisoned=None if p is None else Poison(p.code, p.name, p.message),
+                dead=self.dead)
