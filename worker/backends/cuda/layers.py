@@ -3,7 +3,7 @@ decided once, here, from the family's recipe and the file's quant types.
 
 A CudaLayer says explicitly how its step runs: whether q, k and v are one stacked matrix, q and k
 one with v apart, or three; whether gate and up are one; which norms and biases it has (None where
-the recipe has none). The forward pass (backend.py) branches on these fields only. Upload order
+the recipe has none). The forward pass (forward.py) branches on these fields only. Upload order
 is the allocation order on the device, so it follows the recipe's ROLES, vectors first.
 """
 
