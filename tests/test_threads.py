@@ -29,6 +29,7 @@ from ember.worker.engine.requests import (
     Started,
 )
 from ember.worker.engine.sampling import SamplingParams
+from ember.worker.engine.stats import EngineStats
 from ember.worker.kvstore.store import KVStore
 from ember.worker.metrics import Metrics
 from ember.worker.runtime import Runtime
@@ -72,8 +73,7 @@ def test_a_thread_that_dies_is_logged_counted_and_fails_liveness(tmp_path, capfd
     assert "json.loads" in rec["traceback"]
     assert 'ember_thread_deaths_total{thread="ember-test-worker"} 1.0' in metrics.prometheus_text().decode()
     state = ServerState("ready")
-    state.attach(SimpleNamespace(watch=watch, poisoned=None, busy=False, last_progress=time.monotonic(),
-                                 running=[], waiting=[], step_count=0), None)
+    state.attach(SimpleNamespace(watch=watch, stats=EngineStats(last_progress=time.monotonic())), None)
     assert not state.live_ok() and not state.ready_ok()
     body = state.describe()
     assert body["dead_threads"] == [{"thread": "ember-test-worker", "error": watch.dead["ember-test-worker"]}]

@@ -216,14 +216,14 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     loaded: list[_Loaded] = []
 
     def busy() -> bool:
-        return bool(loaded) and loaded[0].engine.busy
+        return bool(loaded) and loaded[0].engine.stats.busy
 
     async def drain() -> None:
         state.set(HealthState.DRAINING)
         if loaded:
             loaded[0].engine.stop_accepting()
-            e = loaded[0].engine
-            log("draining", in_flight=len(e.running) + len(e.waiting), seconds=cfg.drain_seconds)
+            st = loaded[0].engine.stats
+            log("draining", in_flight=st.running + st.waiting, seconds=cfg.drain_seconds)
         deadline = time.monotonic() + cfg.drain_seconds
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -221,12 +221,8 @@ class Engine:
         return self.queues.busy
 
     @property
-    def running(self) -> list[Seq]:
+    def running(self) -> list[Seq]:  # the engine thread's: others read stats
         return self.queues.running
-
-    @property
-    def waiting(self):
-        return self.queues.waiting
 
     def stop_accepting(self) -> None:
         self.accepting = False
