@@ -350,7 +350,7 @@ def cmd_status(argv: list[str]) -> int:
                 print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
                       "/v1/messages (Anthropic) only on a replica's own port")
             mem = w.get("memory")
-            if mem:  # a CUDA worker's division of the device (worker/engine/cuda_memory.py)
+            if mem:  # a CUDA worker's division of the device (worker/backends/cuda/memory.py)
                 where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"
                 print(f"  memory   {where} {mem.get('device_total_mb')} MiB: weights {mem.get('weights_mb')}, "
                       f"16-bit copy {mem.get('f16_copy_mb')}, KV pool {mem.get('kv_pool_mb')} "

@@ -16,7 +16,7 @@ from .logwatch import Line
 from .procs import OomCount
 from .verdicts import LiveWatch, ReadyWatch
 
-# the memory picture a CUDA worker reports (worker/engine/cuda_memory.MemoryPicture.as_dict)
+# the memory picture a CUDA worker reports (worker/backends/cuda/memory.MemoryPicture.as_dict)
 MEMORY_FACTS = ("device_total_mb", "weights_mb", "f16_copy_mb", "kv_pool_mb", "unified_memory", "kv_host_tier_mb")
 READY_FACTS = ("model", "fingerprint", "backend", "ctx", "max_seqs", "kv_tokens", "startup_seconds", *MEMORY_FACTS)
 

@@ -1,24 +1,37 @@
-"""Readiness and liveness without a model: ServerState over a stand-in engine, and the app's health
-endpoints and refusals in each state (Litestar's in-process test client)."""
+"""Readiness and liveness without a model: ServerState over a stand-in engine that publishes stats as
+the engine does (engine/stats.py), and the app's health endpoints and refusals in each state
+(Litestar's in-process test client)."""
 
 from __future__ import annotations
 
+import io
+import json
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from litestar.testing import TestClient
 
+from ember.ops.contract import Event, HealthState
+from ember.worker import logs
 from ember.worker.api.app import create_app
 from ember.worker.api.state import ServerState
+from ember.worker.engine.stats import EngineStats, Poison
 from ember.worker.metrics import Metrics
+from ember.worker.threads import ThreadWatch
 
 
-def stand_in_engine(**kw):
-    e = SimpleNamespace(poisoned=None, busy=False, last_progress=time.monotonic(), running=[], waiting=[],
-                        step_count=0, metrics=Metrics())
-    e.__dict__.update(kw)
-    return e
+def stand_in_engine():
+    return SimpleNamespace(stats=EngineStats(last_progress=time.monotonic()), watch=ThreadWatch(), metrics=Metrics())
+
+
+def publish(engine, **changes) -> None:
+    """What the engine thread does: a new snapshot, swapped in whole."""
+    engine.stats = msgspec.structs.replace(engine.stats, **changes)
+
+
+POISON = Poison(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "boom")
 
 
 def test_states_and_stall_detection():
@@ -28,15 +41,15 @@ def test_states_and_stall_detection():
     st.attach(engine, None)
     st.set("ready")
     assert st.ready_ok() and st.accepting()
-    engine.last_progress = time.monotonic() - 30  # idle for long: fine
+    publish(engine, last_progress=time.monotonic() - 30)  # idle for long: fine
     assert st.live_ok() and st.stalled_for() is None
-    engine.busy = True  # work in hand and no progress: stalled
+    publish(engine, busy=True)  # work in hand and no progress: stalled
     assert not st.live_ok() and not st.ready_ok() and st.stalled_for() > 29
-    engine.last_progress = time.monotonic()
+    publish(engine, last_progress=time.monotonic())
     assert st.live_ok()
     st.set("draining")
     assert st.live_ok() and not st.ready_ok() and not st.accepting()
-    engine.poisoned = SimpleNamespace(code=700, name="CUDA_ERROR_ILLEGAL_ADDRESS", message="boom")
+    publish(engine, poisoned=POISON)
     assert st.state == "poisoned" and not st.live_ok()
     st.set("ready")
     assert st.state == "poisoned"
@@ -64,13 +77,14 @@ def test_health_endpoints_follow_the_state(app_and_engine):
         assert r.status_code == 503 and r.json()["state"] == "loading" and "retry-after" in r.headers
         state.set("ready")
         assert c.get("/health/ready").status_code == 200
-        engine.busy, engine.last_progress = True, time.monotonic() - 10
+        publish(engine, busy=True, running=1, steps=7, last_progress=time.monotonic() - 10)
         live = c.get("/health/live")
         assert live.status_code == 503 and live.json()["stalled"] is True
-        engine.busy = False
+        assert (live.json()["running"], live.json()["steps"]) == (1, 7)  # what the engine published
+        publish(engine, busy=False)
         state.set("draining")
         assert c.get("/health/live").status_code == 200 and c.get("/health/ready").json()["state"] == "draining"
-        engine.poisoned = SimpleNamespace(code=700, name="CUDA_ERROR_ILLEGAL_ADDRESS", message="boom")
+        publish(engine, poisoned=POISON)
         live = c.get("/health/live")
         assert live.status_code == 503 and live.json()["state"] == "poisoned"
         assert live.json()["error"]["code"] == 700
@@ -80,7 +94,7 @@ def test_health_endpoints_follow_the_state(app_and_engine):
 def test_generation_refused_with_503_and_retry_after(app_and_engine, state_name):
     app, engine, state = app_and_engine
     if state_name == "poisoned":
-        engine.poisoned = SimpleNamespace(code=700, name="X", message="y")
+        publish(engine, poisoned=Poison(700, "X", "y"))
     else:
         state.set(state_name)
     with TestClient(app, base_url="http://127.0.0.1") as c:  # a loopback worker wants a local Host
@@ -117,3 +131,20 @@ def test_unexpected_exceptions_become_a_plain_500(app_and_engine):
         r = c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "Traceback" not in r.text and r.json()["error"]["message"].startswith("internal error")
+
+
+def test_each_change_of_state_is_logged_once():
+    out = io.StringIO()
+    logs.set_stream(out)
+    try:
+        st = ServerState()
+        for s in ("ready", "ready", "draining", "poisoned", "ready", "poisoned"):
+            st.set(s)
+    finally:
+        logs.set_stream(None)
+    changes = [r for r in map(json.loads, out.getvalue().splitlines()) if r["event"] == Event.HEALTH_STATE]
+    assert [(r["previous"], r["state"]) for r in changes] == [("loading", "ready"), ("ready", "draining"),
+                                                               ("draining", "poisoned")]  # no way back
+    assert st.state is HealthState.POISONED
+    with pytest.raises(ValueError, match="unknown state"):
+        st.set("sleeping")

@@ -15,9 +15,9 @@ import gguf
 import numpy as np
 import pytest
 
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench import synth
-from ember.worker.engine.backend import SeqChunk
-from ember.worker.engine.numpy_backend import NumpyBackend
 from ember.worker.model import arch
 from ember.worker.model.arch.recipe import (
     BIAS_ROLES,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ember.worker import logs
-from ember.worker.engine.backend import Backend
+from ember.worker.backends.base import Backend
 from ember.worker.engine.constraints import (
     ConstraintError,
     Constraints,
@@ -26,6 +26,8 @@ from ember.worker.engine.constraints import (
     grammar_from_json_schema,
     grammar_from_lark,
 )
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import (
     Delta,
     Failed,
@@ -35,10 +37,9 @@ from ember.worker.engine.requests import (
     ReasoningBudget,
     RequestHandle,
 )
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import Sampler, SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -121,7 +122,7 @@ def scripted(script: list[int]):
 
 
 def _engine(runtime, backend=None, n_blocks=None, **limits):
-    from ember.worker.engine.numpy_backend import NumpyBackend
+    from ember.worker.backends.numpy.backend import NumpyBackend
 
     be = backend or runtime.backend
     if n_blocks is not None:

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ember.worker.engine.backend import SeqChunk
+from ember.worker.backends.base import SeqChunk
 
 pytestmark = pytest.mark.gpu
 
@@ -63,8 +63,8 @@ MODES = {"exact": dict(kv_dtype="f32", tensor_cores=False, int8_activations=Fals
 
 
 def _backends(model, dev, n_blocks=24, mode="exact"):
-    from ember.worker.engine.cuda_backend import CudaBackend
-    from ember.worker.engine.numpy_backend import NumpyBackend
+    from ember.worker.backends.cuda.backend import CudaBackend
+    from ember.worker.backends.numpy.backend import NumpyBackend
     from ember.worker.model.weights import load_weights
 
     ref = NumpyBackend(model.config, load_weights(model.gguf, model.config), n_blocks=n_blocks, block_size=BLOCK)
@@ -150,7 +150,7 @@ def test_tiny_models_agree_with_numpy(dev, model_dir, arch, mode):
 def test_device_sampling_through_the_backend(dev, model_dir):
     """Greedy draws on the device equal numpy's argmax wherever its top-2 gap is clear; seeded
     draws are repeatable and independent of the batch they ride in."""
-    from ember.worker.engine.backend import DeviceSample, SampledToken
+    from ember.worker.backends.base import DeviceSample, SampledToken
 
     model = _synth(model_dir, "qwen3")
     ref, cud = _backends(model, dev, 24, "fast")
@@ -177,8 +177,8 @@ def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
     """Steps launched before the previous step's tokens are read, those tokens fed on the device:
     the same greedy tokens as reading every step first, through the captured graphs (3 streams) and
     an eager step whose rows are partly fed and partly sent by the host."""
+    from ember.worker.backends.base import SampledToken
     from ember.worker.bench.gpu_speed import GREEDY, decode
-    from ember.worker.engine.backend import SampledToken
 
     model = _synth(model_dir, "gemma3", "gemma3-270m")  # head_dim 256: attention on the device, graphs
     _, cud = _backends(model, dev, 24, "fast")
@@ -227,8 +227,8 @@ def test_sticky_error_becomes_context_poisoned(dev, model_dir):
         import sys
         import numpy as np
         from ember.kernels.ops.fault import FAULT_ARGS
-        from ember.worker.engine.backend import ContextPoisoned, SeqChunk
-        from ember.worker.engine.cuda_backend import CudaBackend
+        from ember.worker.backends.base import ContextPoisoned, SeqChunk
+        from ember.worker.backends.cuda.backend import CudaBackend
         from ember.worker.model.loader import open_model
         m = open_model({str(path)!r})
         be = CudaBackend(m.config, m.gguf, n_blocks=4, block_size=16)
@@ -294,8 +294,8 @@ def test_fixture_prompts_agree_teacher_forced(dev, model_dir, fixture):
 def test_wide_decode_batches_agree_with_numpy(dev, model_dir):
     """20 sequences decoding together: a 32-row graph whose matmuls (the output projection too) take
     the tensor-core path; its logits against numpy's, step after step."""
-    from ember.worker.engine.cuda_backend import CudaBackend
-    from ember.worker.engine.numpy_backend import NumpyBackend
+    from ember.worker.backends.cuda.backend import CudaBackend
+    from ember.worker.backends.numpy.backend import NumpyBackend
     from ember.worker.model.weights import load_weights
 
     model = _synth(model_dir, "qwen3")
@@ -348,7 +348,7 @@ def test_blocks_saved_and_loaded_in_batches(dev, model_dir, mode):
     """save_blocks / load_blocks (the KV store's path: a copy stream, pinned slabs, one gather or
     scatter a slab) move exactly what read_block / write_block see, a later step cannot overwrite
     a block before its save read it, and a save finds no room rather than waiting."""
-    from ember.worker.engine.cuda_kv import SLABS
+    from ember.worker.backends.cuda.kv import SLABS
 
     model = _synth(model_dir, "llama")
     ref, cud = _backends(model, dev, n_blocks=96, mode=mode)

@@ -1,10 +1,10 @@
-"""How the CUDA backend divides the device's memory (worker/engine/cuda_memory.py): pure arithmetic over
+"""How the CUDA backend divides the device's memory (worker/backends/cuda/memory.py): pure arithmetic over
 what the device reports, so the 24 GB card, the H200 and the DGX Spark cases run on CI's CPU. The
 backend applies it on the device (tests/test_cuda_backend.py, test_daemon_gpu.py)."""
 
 from __future__ import annotations
 
-from ember.worker.engine.cuda_memory import (
+from ember.worker.backends.cuda.memory import (
     HALF_COPY_KV_SHARE,
     KV_MARGIN_MIN,
     MemoryPicture,

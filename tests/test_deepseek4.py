@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.cuda.layers import check_runs
+from ember.worker.backends.numpy import hyper as numpy_hyper
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import make_model, plan, resolve_shape
-from ember.worker.engine import numpy_hyper
-from ember.worker.engine.backend import SeqChunk
-from ember.worker.engine.cuda_layers import check_runs
-from ember.worker.engine.numpy_backend import NumpyBackend
 from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.weights import load_weights

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from ember.kernels import reference as ops
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import make_model
-from ember.worker.engine.backend import SeqChunk
-from ember.worker.engine.numpy_backend import NumpyBackend
 from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile
 from ember.worker.model.weights import load_weights
@@ -149,7 +149,7 @@ def test_kv_slots_follow_the_block_tables():
     """Slot of position p = table[p // bs] * bs + p % bs, for decode steps of many one-token chunks
     (the fast path) and for mixed steps; tables that do not cover a chunk or name a block outside
     the pool are refused."""
-    from ember.worker.engine.backend import kv_slots
+    from ember.worker.backends.base import kv_slots
 
     rng = np.random.default_rng(11)
     bs, pool = 16, 500

@@ -130,7 +130,7 @@ def sha256_file(path: Path) -> str:
 
 def load_backend(path: Path, max_tokens: int):
     """The numpy backend for a GGUF file, without the tokenizer (the fixtures carry token ids)."""
-    from ember.worker.engine.numpy_backend import NumpyBackend
+    from ember.worker.backends.numpy.backend import NumpyBackend
     from ember.worker.model.config import read_config
     from ember.worker.model.gguf_file import GGUFFile
     from ember.worker.model.weights import load_weights
@@ -146,7 +146,7 @@ def score(backend, tokens: np.ndarray, chunk: int = SCORE_CHUNK):
     (so the paged KV cache is exercised too). Yields (first position, float32 [n, vocab])."""
     n_blocks = -(-len(tokens) // backend.block_size)
     table = np.random.default_rng(len(tokens)).permutation(backend.n_blocks)[:n_blocks].tolist()
-    from ember.worker.engine.backend import SeqChunk
+    from ember.worker.backends.base import SeqChunk
 
     for start in range(0, len(tokens), chunk):
         part = np.asarray(tokens[start : start + chunk], dtype=np.int32)
@@ -228,7 +228,7 @@ class RouterMargins:
             return route(x, router, k=k, **kw)
 
         monkeypatch.setattr(reference, "moe_route", recording)
-        from ember.worker.engine import numpy_hyper
+        from ember.worker.backends.numpy import hyper as numpy_hyper
 
         top_k = numpy_hyper.route_top_k
 

@@ -12,15 +12,16 @@ import time
 import numpy as np
 import pytest
 
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.kv_blocks import chain_hash, kv_salt
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle, Started
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.kvstore import blockfile
 from ember.worker.kvstore.store import KVStore
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 PROMPT = ("The lighthouse keeper wrote in his log every evening. The storm had lasted three days, "
           "and the supply boat was late. He counted the candles, checked the lamp, and wound the clock. ") * 2

@@ -111,7 +111,7 @@ def test_config_reads_the_experts(tiny_moe):
 
 
 def test_the_cuda_backend_refuses_types_it_has_no_kernels_for_in_one_line(tmp_path):
-    from ember.worker.engine.cuda_layers import check_runs
+    from ember.worker.backends.cuda.layers import check_runs
 
     g = GGUFFile(synth.make_model("qwen3moe", "tiny-lowbit", tmp_path / "lowbit.gguf"))
     with pytest.raises(ModelFileError) as e:
@@ -168,7 +168,7 @@ def test_four_apis_generate_and_force_a_call(moe_worker, openai_factory):
 
 
 def test_a_model_too_big_for_the_gpu_is_one_line(tiny_moe):
-    from ember.worker.engine.cuda_layers import check_fits
+    from ember.worker.backends.cuda.layers import check_fits
 
     g = GGUFFile(tiny_moe)
     check_fits(g, (64 << 30, 80 << 30))
@@ -211,7 +211,7 @@ def test_swiglu_oai_clamps_as_gpt_oss_does():
 
 
 def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
-    from ember.worker.engine.cuda_layers import check_runs
+    from ember.worker.backends.cuda.layers import check_runs
 
     g = GGUFFile(synth.make_model("gpt-oss", "tiny", tmp_path / "g.gguf"))
     cfg = read_config(g)
@@ -224,7 +224,7 @@ def test_the_cuda_backend_refuses_gpt_oss_in_one_line(tmp_path):
 
 def test_the_cuda_backend_takes_qwen3moe(tiny_moe):
     """Its routing and expert types are ones the CUDA kernels have (run there: test_cuda_backend.py)."""
-    from ember.worker.engine.cuda_layers import check_runs
+    from ember.worker.backends.cuda.layers import check_runs
 
     g = GGUFFile(tiny_moe)
     check_runs(g, read_config(g))

@@ -27,15 +27,16 @@ import msgspec
 import numpy as np
 import pytest
 
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import MTP as MTP_PART
 from ember.worker.bench.synth import TRUNK as TRUNK_PART
 from ember.worker.bench.synth import make_model, plan, resolve_shape, write_model
-from ember.worker.engine.backend import SeqChunk
-from ember.worker.engine.mtp_drafter import MtpDrafter
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
+from ember.worker.engine.spec.mtp_drafter import MtpDrafter
 from ember.worker.metrics import Metrics
 from ember.worker.model.arch import FAMILIES
 from ember.worker.model.config import read_config

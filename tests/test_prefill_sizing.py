@@ -6,14 +6,15 @@ import asyncio
 
 import pytest
 
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.backends.numpy.backend import NumpyBackend
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.prefill_sizing import FLOOR_TOKENS, PrefillSizing
 from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.engine.step_costs import PrefillCost
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 
 def _cost(fixed_s: float, per_token_s: float, sizes=(64, 512, 2048)) -> PrefillCost:

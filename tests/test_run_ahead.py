@@ -10,8 +10,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from ember.worker.engine.backend import DeviceSample, SampledToken, SeqChunk
-from ember.worker.engine.numpy_backend import NumpyBackend
+from ember.worker.backends.base import DeviceSample, SampledToken, SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import (
     Delta,
     Failed,
@@ -21,10 +23,9 @@ from ember.worker.engine.requests import (
     ReasoningBudget,
     RequestHandle,
 )
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n    ",
@@ -148,14 +149,13 @@ def _drive(runtime, ahead: bool, first, late, join_after: int):
         engine.submit(handles[-1])
 
     def step():
-        engine.waiting.extend(engine._inbox)
-        engine._inbox.clear()
-        engine._step()
+        engine.queues.take_inbox()
+        engine.step()
 
     arrive(first)
     for _ in range(join_after):
         step()
-    in_flight = engine._ahead is not None
+    in_flight = engine.run_ahead.inflight is not None
     for r in late:
         arrive(r)
     while engine.busy:

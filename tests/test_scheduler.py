@@ -7,13 +7,14 @@ import threading
 
 import pytest
 
-from ember.worker.engine.faults import FaultInjector, parse_faults
-from ember.worker.engine.requests import Delta, Failed, GenerationRequest, RequestHandle, Started
-from ember.worker.engine.runtime import Runtime
+from ember.worker.backends.faults import FaultInjector, parse_faults
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
+from ember.worker.engine.requests import Delta, Failed, GenerationRequest, QueueFull, RequestHandle, Started
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits, QueueFull
 from ember.worker.engine.textstream import StopMatcher
 from ember.worker.metrics import OUTCOMES, Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -24,7 +25,7 @@ def runtime(default_model_path):
 
 
 def _engine(runtime, n_blocks=None, faults="", on_poisoned=None, **limits):
-    from ember.worker.engine.numpy_backend import NumpyBackend
+    from ember.worker.backends.numpy.backend import NumpyBackend
 
     be = runtime.backend
     if n_blocks is not None:

@@ -1,4 +1,4 @@
-"""Speculative decoding (worker/engine/speculation.py, drafters.py): drafts never change the output.
+"""Speculative decoding (worker/engine/spec/speculation.py, drafters.py): drafts never change the output.
 
 Greedy outputs are token-for-token those of decoding without drafts, through the real engine on the
 embedded model, with stop strings and a grammar in force; sampled ones keep the target distribution
@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from ember.worker import config as worker_config
-from ember.worker.engine.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle
-from ember.worker.engine.runtime import Runtime
 from ember.worker.engine.sampling import Sampler, SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits
-from ember.worker.engine.speculation import PAUSE_STEPS, Speculator, tokens_per_step
+from ember.worker.engine.spec.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.spec.speculation import PAUSE_STEPS, Speculator, tokens_per_step
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -259,9 +260,13 @@ def test_bench_spec_takes_every_drafter_the_worker_takes(spec, error, default_mo
 
 def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_model_path):
     """--spec draft:PATH with the model itself as its draft: every guess stands, the output is the same."""
-    from ember.worker.engine.draft_model import ModelDrafter
+    from ember.worker.backends.numpy.backend import NumpyBackend
+    from ember.worker.engine.spec.draft_model import ModelDrafter, open_draft_model
+    from ember.worker.model.weights import load_weights
 
-    drafter = ModelDrafter.load(str(default_model_path), runtime.model, "numpy", n_blocks=64, block_size=16)
+    draft = open_draft_model(str(default_model_path), runtime.model)
+    drafter = ModelDrafter(draft, NumpyBackend(draft.config, load_weights(draft.gguf, draft.config), n_blocks=64,
+                                               block_size=16), n_blocks=64)
     prose = "Write a short essay about the history of lighthouses.\n\n"
     (text0, toks0, _), _ = _run(runtime, "off", prose, 24)
     (text1, toks1, _), m = _run(runtime, f"draft:{default_model_path}", prose, 24, drafter=drafter)
@@ -273,12 +278,87 @@ def test_a_draft_model_drafts_and_never_changes_the_output(runtime, default_mode
 
 def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(runtime, tmp_path):
     from ember.worker.bench.synth import make_model
-    from ember.worker.engine.draft_model import ModelDrafter
+    from ember.worker.engine.spec.draft_model import open_draft_model
     from ember.worker.model.gguf_file import ModelFileError
 
     other = make_model("llama", "tiny", tmp_path / "tiny.gguf")
     with pytest.raises(ModelFileError, match="vocabulary .* is not the model's") as e:
-        ModelDrafter.load(str(other), runtime.model, "numpy", n_blocks=8, block_size=16)
+        open_draft_model(str(other), runtime.model)
     assert "\n" not in str(e.value)
     with pytest.raises(worker_config.ConfigError, match="is not a file"):
         worker_config.validate(worker_config.WorkerConfig(spec=f"draft:{tmp_path / 'missing.gguf'}"))
+
+
+# -- a real worker: requests that end while queued leave the queue ---------------------------------------------
+
+
+def test_requests_that_end_while_queued_settle_once_and_never_run(start_worker, default_model_path):
+    """Issue 37: with --spec on, a request canceled while queued, and one whose grammar fails while
+    queued, each log exactly one outcome, are never admitted after it, and have nothing decoded. One
+    slot: a stream (completions, its end-of-text tokens banned) holds it while a chat request is
+    canceled in the queue and a Responses request with a JSON format waits behind it, its grammar
+    failing at once (the grammar threads die at their first call: fault thread-die:thread=mask)."""
+    import json
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    from ember.ops.contract import OUTCOMES
+    from ember.worker.model.loader import open_model
+
+    eot = open_model(str(default_model_path)).tokenizer.eot_ids
+    w = start_worker("--spec", "suffix", "--max-seqs", "1", "--ctx", "1024", "--kv-mem", "64MiB", "--no-loop-guard",
+                     "--fault", "thread-die:thread=mask")
+
+    def raw(path: str, body: dict) -> socket.socket:  # a client that goes away when the test says
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(("127.0.0.1", w.port))
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {w.api_key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        return sock
+
+    def started() -> float:
+        return w.metric_values().get("ember_requests_started_total", 0.0)
+
+    def wait_for(what, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"timed out; log:\n{w.log_text()[-3000:]}"
+            time.sleep(0.05)
+
+    runner = raw("/v1/completions", {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 900, "temperature": 0,
+                                     "stream": True, "logit_bias": {str(t): -100 for t in eot}})
+    w.wait_event("admit", protocol="completions")
+    queued = raw("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                          "max_tokens": 8, "temperature": 0})
+    wait_for(lambda: started() >= 2)
+    queued.close()  # canceled while the stream holds the one slot
+    w.wait_event("canceled", protocol="chat")
+    answer: list[httpx.Response] = []
+    grammar = threading.Thread(target=lambda: answer.append(httpx.post(
+        w.url + "/v1/responses", headers=w.headers(), timeout=120,
+        json={"model": "m", "input": "Reply in JSON.", "max_output_tokens": 8, "temperature": 0,
+              "text": {"format": {"type": "json_object"}}})))
+    grammar.start()
+    wait_for(lambda: started() >= 3)
+    runner.close()  # the slot frees: the grammar request is next
+    grammar.join(120)
+    assert answer and answer[0].status_code == 500 and "died" in answer[0].text, answer
+    wait_for(lambda: (lambda e: e["running"] == 0 and e["waiting"] == 0)(
+        httpx.get(w.url + "/v1/stats", headers=w.headers(), timeout=5).json()["engine"]))
+    time.sleep(0.5)  # a few more idle turns of the loop: a request left in a queue would show again
+
+    log = [r for r in w.events() if r.get("protocol") in ("chat", "responses", "completions")]
+    for protocol, outcome in (("chat", "canceled"), ("responses", "failed")):
+        mine = [(i, r) for i, r in enumerate(log) if r.get("protocol") == protocol]
+        ends = [(i, r) for i, r in mine if r["event"] in OUTCOMES]
+        assert [r["event"] for _, r in ends] == [outcome], [r["event"] for _, r in mine]
+        end, rec = ends[0]
+        assert not [r for i, r in mine if r["event"] == "admit" and i > end], protocol
+        assert rec["completion_tokens"] == 0
+    (stream_end,) = [r for r in log if r["protocol"] == "completions" and r["event"] in OUTCOMES]
+    assert stream_end["event"] == "canceled"
+    # nothing was decoded but the stream's tokens
+    assert w.metric_values()["ember_generated_tokens_total"] == stream_end["completion_tokens"]

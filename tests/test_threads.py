@@ -13,16 +13,26 @@ import httpx
 import pytest
 
 from ember.worker.api.state import ServerState
+from ember.worker.backends.faults import FaultInjector, FaultSpecError, parse_faults
+from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.constraints import grammar_from_json_schema
-from ember.worker.engine.faults import FaultInjector, FaultSpecError, parse_faults
 from ember.worker.engine.kv_blocks import chain_hash, kv_salt
-from ember.worker.engine.numpy_backend import NumpyBackend
-from ember.worker.engine.requests import Delta, Failed, Finished, GenerationRequest, RequestHandle, Started
-from ember.worker.engine.runtime import Runtime
+from ember.worker.engine.limits import EngineLimits
+from ember.worker.engine.loop import Engine
+from ember.worker.engine.requests import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    NotAccepting,
+    RequestHandle,
+    Started,
+)
 from ember.worker.engine.sampling import SamplingParams
-from ember.worker.engine.scheduler import Engine, EngineLimits, NotAccepting
+from ember.worker.engine.stats import EngineStats
 from ember.worker.kvstore.store import KVStore
 from ember.worker.metrics import Metrics
+from ember.worker.runtime import Runtime
 from ember.worker.threads import GuardedPool, ThreadDied, ThreadWatch
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -63,8 +73,7 @@ def test_a_thread_that_dies_is_logged_counted_and_fails_liveness(tmp_path, capfd
     assert "json.loads" in rec["traceback"]
     assert 'ember_thread_deaths_total{thread="ember-test-worker"} 1.0' in metrics.prometheus_text().decode()
     state = ServerState("ready")
-    state.attach(SimpleNamespace(watch=watch, poisoned=None, busy=False, last_progress=time.monotonic(),
-                                 running=[], waiting=[], step_count=0), None)
+    state.attach(SimpleNamespace(watch=watch, stats=EngineStats(last_progress=time.monotonic())), None)
     assert not state.live_ok() and not state.ready_ok()
     body = state.describe()
     assert body["dead_threads"] == [{"thread": "ember-test-worker", "error": watch.dead["ember-test-worker"]}]

@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine.runtime import GenerationStats, Runtime, generate
     from .engine.sampling import SamplingParams
+    from .runtime import GenerationStats, Runtime, generate
     from .text.prompt import encode_chat
     from .text.tokenizer import IncrementalDecoder
 

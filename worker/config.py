@@ -25,7 +25,29 @@ class ConfigError(ValueError):
     """A bad setting; str() is one line naming it. The worker exits with code 78."""
 
 
-class WorkerConfig(msgspec.Struct, kw_only=True):
+class EngineSettings(msgspec.Struct, kw_only=True):
+    """The settings the engine takes as they are configured, declared once: WorkerConfig has them as
+    settings (flag, environment, file) and the engine's EngineLimits as limits (engine/limits.py)."""
+
+    # The loop guard ends a generation whose tail is one block of tokens repeated back to back.
+    # On by default, and conservative: a 270M model (or a large one at temperature 0) that falls
+    # into a loop otherwise burns the whole output cap, often the rest of the context, on a
+    # 2-core box that is minutes of a slot. It fires only on exact token-level repetition of at
+    # least `loop_guard_repeats` copies spanning at least `loop_guard_min_span` tokens, so a
+    # short run ("----", four spaces, a repeated word) never trips it, and it ends with finish
+    # reason `length`, which clients already treat as "truncated".
+    loop_guard: bool = True
+    loop_guard_repeats: int = 8
+    loop_guard_min_span: int = 128
+    # Speculative decoding (worker/engine/spec/speculation.py): drafts from text the sequence or its session
+    # already has, checked by the model in one step; never changes the output (greedy: token for token).
+    spec: str = "off"
+    spec_k: int = 8
+    spec_max_batch: int = 8
+    spec_max_context: int = 32768
+
+
+class WorkerConfig(EngineSettings, kw_only=True):
     model: str | None = None  # GGUF path; none = the embedded Gemma 3 270M
     host: str = "127.0.0.1"
     port: int = 8080
@@ -52,22 +74,6 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     run_ahead: bool = True
     fault: str | None = None
     log_prompts: bool = False
-    # The loop guard ends a generation whose tail is one block of tokens repeated back to back.
-    # On by default, and conservative: a 270M model (or a large one at temperature 0) that falls
-    # into a loop otherwise burns the whole output cap, often the rest of the context, on a
-    # 2-core box that is minutes of a slot. It fires only on exact token-level repetition of at
-    # least `loop_guard_repeats` copies spanning at least `loop_guard_min_span` tokens, so a
-    # short run ("----", four spaces, a repeated word) never trips it, and it ends with finish
-    # reason `length`, which clients already treat as "truncated".
-    loop_guard: bool = True
-    loop_guard_repeats: int = 8
-    loop_guard_min_span: int = 128
-    # Speculative decoding (worker/engine/speculation.py): drafts from text the sequence or its session
-    # already has, checked by the model in one step; never changes the output (greedy: token for token).
-    spec: str = "off"
-    spec_k: int = 8
-    spec_max_batch: int = 8
-    spec_max_context: int = 32768
     # Where a thinking model's reasoning starts and ends: "auto" (from the chat template and the
     # vocabulary), "none" (never split reasoning off), a known marker name, or "START,END".
     reasoning_format: str = "auto"

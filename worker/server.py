@@ -36,11 +36,11 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str =
     if backend == "cuda":  # float16 KV on the device
         if cfg_kv_mem == "auto":
             return None
-        from .engine.cuda_backend import CudaBackend
+        from .backends.cuda.backend import CudaBackend
 
         per_block = CudaBackend.kv_bytes_per_block(model_config, block_size)
     else:
-        from .engine.numpy_backend import NumpyBackend
+        from .backends.numpy.backend import NumpyBackend
 
         if cfg_kv_mem == "auto":
             cfg_kv_mem = worker_config.NUMPY_AUTO_KV_MEM
@@ -55,6 +55,18 @@ def _version() -> str:
         return "unknown"
 
 
+def _draft_backend(kind: str, model, n_blocks: int, block_size: int):
+    """The backend a draft model (--spec draft:PATH) runs on: the target's kind, a KV pool of its own."""
+    if kind == "cuda":
+        from .backends.cuda.backend import CudaBackend
+
+        return CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size)
+    from .backends.numpy.backend import NumpyBackend
+    from .model.weights import load_weights
+
+    return NumpyBackend(model.config, load_weights(model.gguf, model.config), n_blocks=n_blocks, block_size=block_size)
+
+
 class _Loaded:
     """What loading produces: the engine over the model, its formats, and the facts `ready` reports."""
 
@@ -64,11 +76,12 @@ class _Loaded:
 
 def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loaded:
     """Open the model, build backend, KV store and engine (blocking; runs off the event loop)."""
-    from .engine.numpy_backend import NumpyBackend
-    from .engine.runtime import DEFAULT_BLOCK_SIZE
-    from .engine.scheduler import Engine, EngineLimits
+    from .backends.numpy.backend import NumpyBackend
+    from .engine.limits import EngineLimits
+    from .engine.loop import Engine
     from .model.loader import open_model
     from .model.weights import load_weights
+    from .runtime import DEFAULT_BLOCK_SIZE
 
     model = open_model(cfg.model)
     mtp_file = None
@@ -86,17 +99,18 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     memory: dict = {}
     drafter = None
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
-        from .engine.draft_model import ModelDrafter
+        from .engine.spec.draft_model import ModelDrafter, open_draft_model
 
         room = min(cfg.ctx or model.config.context_length, model.config.context_length) + cfg.spec_k
-        drafter = ModelDrafter.load(cfg.spec[6:], model, cfg.backend,
-                                    n_blocks=cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1,
-                                    block_size=DEFAULT_BLOCK_SIZE)
+        draft = open_draft_model(cfg.spec[6:], model)
+        draft_blocks = cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1
+        drafter = ModelDrafter(draft, _draft_backend(cfg.backend, draft, draft_blocks, DEFAULT_BLOCK_SIZE),
+                               draft_blocks)
     if cfg.backend == "cuda":
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
 
-        from .engine.cuda_backend import CudaBackend
+        from .backends.cuda.backend import CudaBackend
 
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
@@ -114,26 +128,23 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
             weights = mtp_file.attach(weights)
         backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
         if mtp:
-            from .engine.mtp_drafter import MtpDrafter
+            from .engine.spec.mtp_drafter import MtpDrafter
 
-            assert backend.hyper is not None and backend.hyper.mtp is not None
-            drafter = MtpDrafter(backend.hyper.mtp)
+            assert backend.mtp is not None
+            drafter = MtpDrafter(backend.mtp)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)
-    if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see engine/faults.py
-        from .engine.faults import FaultyBackend
+    if faults:  # step faults (poison, hang, slow, cuda-illegal-address) wrap the backend; see backends/faults.py
+        from .backends.faults import FaultyBackend
 
         backend = FaultyBackend(backend, faults)
     from .text.formats import resolve as resolve_formats
 
     formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model
-    limits = EngineLimits(max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
-                          prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
-                          max_step_tokens=max(chunk, cfg.max_seqs), context=ctx,
-                          loop_guard=cfg.loop_guard, loop_guard_repeats=cfg.loop_guard_repeats,
-                          loop_guard_min_span=cfg.loop_guard_min_span, spec=cfg.spec, spec_k=cfg.spec_k,
-                          spec_max_batch=cfg.spec_max_batch, spec_max_context=cfg.spec_max_context)
+    limits = EngineLimits.configured(cfg, max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
+                                     prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
+                                     max_step_tokens=max(chunk, cfg.max_seqs), context=ctx)
     store = None
     if cfg.kv_persist != "off":
         from .engine.kv_blocks import chain_hash, kv_salt
@@ -163,7 +174,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     from .api.limits import RequestLimits
     from .api.security import Guard
     from .api.state import ServerState
-    from .engine.faults import FaultInjector, FaultSpecError, parse_faults
+    from .backends.faults import FaultInjector, FaultSpecError, parse_faults
     from .metrics import Metrics
     from .model.gguf_file import ModelFileError
     from .model.loader import resolve_model_path
@@ -205,14 +216,14 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     loaded: list[_Loaded] = []
 
     def busy() -> bool:
-        return bool(loaded) and loaded[0].engine.busy
+        return bool(loaded) and loaded[0].engine.stats.busy
 
     async def drain() -> None:
         state.set(HealthState.DRAINING)
         if loaded:
             loaded[0].engine.stop_accepting()
-            e = loaded[0].engine
-            log("draining", in_flight=len(e.running) + len(e.waiting), seconds=cfg.drain_seconds)
+            st = loaded[0].engine.stats
+            log("draining", in_flight=st.running + st.waiting, seconds=cfg.drain_seconds)
         deadline = time.monotonic() + cfg.drain_seconds
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -78,7 +78,7 @@ class ThreadWatch:
     # -- fault injection --------------------------------------------------------------------------------
 
     def doom(self, prefix: str) -> None:
-        """The next guarded thread named `prefix`... to pass a checkpoint dies (faults.py)."""
+        """The next guarded thread named `prefix`... to pass a checkpoint dies (backends/faults.py)."""
         with self._lock:
             self.doomed.append(prefix)
 

@@ -1,7 +1,7 @@
 // Paged attention over a KV cache of fixed-size blocks (KV stored as float or fp16).
 //
 // Cache layout (per layer): [slots, Hk, D] with slot = block * BS + offset; a sequence's position p
-// lives in block_tables[seq][p / BS] at offset p % BS (worker/engine/backend.py's rule).
+// lives in block_tables[seq][p / BS] at offset p % BS (worker/backends/base.py's rule).
 //
 // attn_<D>_g<G>_<kv>: one query row = one token of one sequence at position pos; it sees the keys at
 // positions j <= pos with pos - j < window (window 0: all), reference.attention's rule. A CTA owns one

@@ -242,17 +242,18 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
 
     @get("/v1/stats", opt=metrics_opt)
     async def stats() -> Response:
+        """What the engine published (engine/stats.py), beside the limits it was built with."""
         out: dict[str, Any] = {"state": state.state, "model": ctx.model_name}
         engine = ctx.engine
         if engine is not None:
-            lim = engine.limits
+            lim, st = engine.limits, engine.stats
             out["engine"] = {
-                "backend": getattr(engine.backend, "name", None), "fingerprint": str(engine.model.fingerprint),
+                "backend": engine.backend.name, "fingerprint": str(engine.model.fingerprint),
                 "max_seqs": lim.max_seqs, "max_queue": lim.max_queue, "context": lim.context,
                 "prefill_chunk": lim.prefill_chunk, "max_step_tokens": lim.max_step_tokens,
-                "block_size": engine.backend.block_size, "kv_blocks": engine.pool.n_blocks,
-                "running": len(engine.running), "waiting": len(engine.waiting), "steps": engine.step_count,
-                "last_progress_seconds": round(time.monotonic() - engine.last_progress, 3),
+                "block_size": engine.backend.block_size, "kv_blocks": st.kv_blocks,
+                "running": st.running, "waiting": st.waiting, "steps": st.steps,
+                "last_progress_seconds": round(time.monotonic() - st.last_progress, 3),
             }
             out["metrics"] = engine.metrics.snapshot()
         return _json(out)

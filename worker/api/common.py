@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -21,18 +21,26 @@ from ..engine.requests import (
     Failed,
     Finished,
     GenerationRequest,
+    NotAccepting,
     PromptLogprobs,
+    PromptTooLong,
+    QueueFull,
     RequestHandle,
     Started,
     TokenLogprob,
 )
 from ..engine.sampling import SamplingParams
-from ..engine.scheduler import NotAccepting, PromptTooLong, QueueFull
 from ..logs import log
 from ..text.formats import ModelFormats
 from ..text.tokenizer import TooManyTokens
 from .errors import ApiError, bad_request, from_validation
 from .limits import RequestLimits, finite
+from .state import ServerState
+
+if TYPE_CHECKING:
+    from ..engine.loop import Engine
+    from ..model.loader import Model
+    from ..text.tokenizer import Tokenizer
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -61,7 +69,7 @@ MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy (1/T would overflow
 class ApiContext:
     """Everything a handler needs; engine and model come from `state` (they may attach late)."""
 
-    state: Any  # ServerState
+    state: ServerState
     api_key: str | None
     model_name: str
     keepalive_seconds: float = 2.0
@@ -69,30 +77,40 @@ class ApiContext:
     log_prompts: bool = False  # --log-prompts: the prompt and output text go into the log
 
     @property
-    def engine(self):
+    def engine(self) -> Engine | None:
         return self.state.engine
 
     @property
-    def model(self):
+    def model(self) -> Model | None:
         return self.state.model
 
     @property
-    def tokenizer(self):
-        return self.state.model.tokenizer
+    def loaded(self) -> tuple[Engine, Model]:
+        """The engine and the model, for handlers that run only once they are there (check_accepting,
+        need_model): an AssertionError, so a 500, where one is missing."""
+        engine, model = self.state.engine, self.state.model
+        assert engine is not None and model is not None, "the model is not loaded"
+        return engine, model
 
     @property
-    def formats(self) -> ModelFormats:
-        """The model's tool-call and reasoning formats, resolved once when it loaded."""
+    def tokenizer(self) -> Tokenizer:
+        model = self.state.model
+        assert model is not None, "the model is not loaded"
+        return model.tokenizer
+
+    @property
+    def formats(self) -> ModelFormats | None:
+        """The model's tool-call and reasoning formats, resolved once when it loaded (None before)."""
         return self.state.formats
 
     @property
     def context_limit(self) -> int:
-        return self.engine.limits.context
+        return self.loaded[0].limits.context
 
     @property
     def prompt_limit(self) -> int:
         """The most prompt tokens a request may have: the engine needs room for one more."""
-        return self.engine.limits.context - 1
+        return self.loaded[0].limits.context - 1
 
     def body_limit(self) -> int:
         """The largest request body worth reading now (see limits.py)."""

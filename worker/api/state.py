@@ -1,51 +1,67 @@
-"""The worker's readiness state, read by /health/live and /health/ready without the engine lock.
+"""The worker's health state, read by /health/live and /health/ready without the engine lock.
 
-States (DESIGN.md): `loading` (model not ready yet), `ready`, `draining` (SIGTERM: finishing
-in-flight work, no new admissions), `poisoned` (the compute context is gone; the process exits).
+States (DESIGN.md, ops/contract.HealthState): `loading` (model not ready yet), `ready`, `draining`
+(SIGTERM: finishing in-flight work, no new admissions), `poisoned` (the compute context is gone; the
+process exits). `set` is the one way to change it, and each change is logged once (`health_state`,
+with the state before); there is no way back from `poisoned`.
+
 Liveness also fails when the engine loop is stalled (it has work but has not made progress for
 `stall_seconds`) and when one of the worker's guarded threads died (the engine loop, the KV
 store's reader, writer or scan, a grammar mask thread: see worker/threads.py); the body then
-names each dead thread, and the daemon restarts the worker.
+names each dead thread, and the daemon restarts the worker. What it knows of the engine is the
+stats the engine publishes (engine/stats.py) and the worker's record of dead threads, never the
+engine's queues.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.ops.contract import Event, HealthState
+
+from ..logs import log
+
+if TYPE_CHECKING:
+    from ..engine.loop import Engine
+    from ..model.loader import Model
+    from ..text.formats import ModelFormats
 
 STATES = tuple(HealthState)
 DEFAULT_STALL_SECONDS = 60.0
 
 
+def _checked(state: str) -> HealthState:
+    if state not in STATES:
+        raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
+    return HealthState(state)
+
+
 class ServerState:
-    def __init__(self, state: str = HealthState.LOADING, *, stall_seconds: float = DEFAULT_STALL_SECONDS):
-        if state not in STATES:
-            raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
-        self._state = state
+    def __init__(self, state: HealthState = HealthState.LOADING, *, stall_seconds: float = DEFAULT_STALL_SECONDS):
+        self._state = _checked(state)
         self.stall_seconds = stall_seconds
         self.changed_at = time.monotonic()
-        self.engine: Any = None  # set by create_app (or attach, when the model loads after the app starts)
-        self.model: Any = None
-        self.formats: Any = None  # the model's tool-call and reasoning formats (text/formats), resolved at load
+        self.engine: Engine | None = None  # set by create_app (or attach, when the model loads after the app starts)
+        self.model: Model | None = None
+        self.formats: ModelFormats | None = None  # the model's tool-call and reasoning formats, resolved at load
 
-    def attach(self, engine: Any, model: Any, formats: Any = None) -> None:
+    def attach(self, engine: Engine | None, model: Model | None, formats: ModelFormats | None = None) -> None:
         self.engine, self.model, self.formats = engine, model, formats
 
-    def set(self, state: str) -> None:
-        if state not in STATES:
-            raise ValueError(f"unknown state {state!r} (one of {', '.join(STATES)})")
-        if self._state == HealthState.POISONED:  # there is no way back from a lost compute context
+    def set(self, state: HealthState) -> None:
+        """Change the state (logged once); a poisoned worker stays poisoned."""
+        new = _checked(state)
+        if self._state is HealthState.POISONED or new is self._state:
             return
-        if state != self._state:
-            self._state = state
-            self.changed_at = time.monotonic()
+        log(Event.HEALTH_STATE, state=new, previous=self._state)
+        self._state = new
+        self.changed_at = time.monotonic()
 
     @property
-    def state(self) -> str:
+    def state(self) -> HealthState:
         engine = self.engine
-        if engine is not None and getattr(engine, "poisoned", None) is not None:
+        if engine is not None and engine.stats.poisoned is not None:
             return HealthState.POISONED
         return self._state
 
@@ -54,15 +70,15 @@ class ServerState:
         engine = self.engine
         if engine is None:
             return None
-        age = time.monotonic() - engine.last_progress
-        if engine.busy and age > self.stall_seconds:
+        stats = engine.stats
+        age = time.monotonic() - stats.last_progress
+        if stats.busy and age > self.stall_seconds:
             return age
         return None
 
     def dead_threads(self) -> dict[str, str]:
-        """Guarded threads that died (name -> error), from the engine's ThreadWatch."""
-        watch = getattr(self.engine, "watch", None)
-        return dict(watch.dead) if watch is not None else {}
+        """Guarded threads that died (name -> error), from the worker's ThreadWatch (the engine's)."""
+        return dict(self.engine.watch.dead) if self.engine is not None else {}
 
     def accepting(self) -> bool:
         return self.state == HealthState.READY and self.engine is not None
@@ -74,22 +90,22 @@ class ServerState:
         return self.state == HealthState.READY and self.live_ok()
 
     def describe(self) -> dict[str, Any]:
-        """Facts for the health bodies: plain attribute reads, never the engine lock."""
+        """Facts for the health bodies, from the engine's published stats: never the engine lock."""
         out: dict[str, Any] = {"state": self.state, "state_seconds": round(time.monotonic() - self.changed_at, 3)}
         engine = self.engine
         if engine is not None:
-            age = time.monotonic() - engine.last_progress
+            stats = engine.stats
             out.update(
-                running=len(engine.running), waiting=len(engine.waiting), steps=engine.step_count,
-                last_progress_seconds=round(age, 3), stalled=self.stalled_for() is not None,
+                running=stats.running, waiting=stats.waiting, steps=stats.steps,
+                last_progress_seconds=round(time.monotonic() - stats.last_progress, 3),
+                stalled=self.stalled_for() is not None,
             )
             dead = self.dead_threads()
             if dead:
                 out["dead_threads"] = [{"thread": name, "error": error} for name, error in sorted(dead.items())]
                 out["error"] = {"code": None, "name": Event.THREAD_DIED,  # what the daemon's probe log keeps
                                 "message": "; ".join(f"thread {n} died: {e}" for n, e in sorted(dead.items()))}
-            p = getattr(engine, "poisoned", None)
+            p = stats.poisoned
             if p is not None:
-                out["error"] = {"code": getattr(p, "code", None), "name": getattr(p, "name", None),
-                                "message": getattr(p, "message", str(p))}
+                out["error"] = {"code": p.code, "name": p.name, "message": p.message}
         return out

@@ -72,7 +72,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from ..engine.runtime import Runtime
+    from ..runtime import Runtime
 
     t0 = time.perf_counter()
     runtime = Runtime.load(args.model, kv_tokens=args.prompt_tokens + args.gen_tokens + 32)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..engine.backend import DeviceSample, SeqChunk
+from ..backends.base import DeviceSample, SeqChunk
 
 H200_BANDWIDTH = 4.3e12  # bytes/s the limit uses (H200 HBM3e, about what a copy reaches)
 GREEDY = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
@@ -55,7 +55,7 @@ class _Seqs:
 def run(args) -> dict:
     from ember.kernels.cuda_runtime import Timer
 
-    from ..engine.cuda_backend import CudaBackend
+    from ..backends.cuda.backend import CudaBackend
     from ..model.loader import open_model
 
     t0 = time.perf_counter()

@@ -95,9 +95,10 @@ def _run(engine, tokenizer, grammar: str | None, max_tokens: int, ignore_eos: bo
 
 def cmd_grammar(args: argparse.Namespace) -> int:
     from ..engine.constraints import grammar_from_json_schema
-    from ..engine.runtime import Runtime
-    from ..engine.scheduler import Engine, EngineLimits
+    from ..engine.limits import EngineLimits
+    from ..engine.loop import Engine
     from ..metrics import Metrics
+    from ..runtime import Runtime
 
     schema = json.loads(Path(args.schema).read_text()) if args.schema else DEFAULT_SCHEMA
     grammar = grammar_from_json_schema(schema)

@@ -72,8 +72,8 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
 
     from ember.kernels.cuda_runtime import TRACE_MARKS, Device
 
-    from ..engine.backend import SeqChunk
-    from ..engine.cuda_backend import CudaBackend
+    from ..backends.base import SeqChunk
+    from ..backends.cuda.backend import CudaBackend
     from ..model.loader import open_model
     from .gpu_speed import GREEDY
 

@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..backends.base import Backend, ContextPoisoned
 from ..logs import log
 from ..metrics import Metrics
-from .backend import Backend, ContextPoisoned
 from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
 from .restore_policy import RestoreCosts
 from .sequence import Seq

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.base import Backend, DeviceSample, SampledToken, SeqChunk
 from ..logs import log
 from ..metrics import Metrics
-from .backend import Backend, DeviceSample, SampledToken, SeqChunk
 from .constraints import ConstraintError
 from .requests import Delta, Failed, Finished, FinishReason, PromptLogprobs, TokenLogprob
 from .sampling import log_softmax

@@ -9,13 +9,19 @@ restarts beside the KV blocks) and picks the largest chunk whose step stays with
 rounded down to a power of two (so the size, and with it the numerics of a prefill, changes only
 when the device's speed changes by half or double), within a floor (smaller chunks waste the
 tensor cores) and the rows the backend was built for. Until the cost is measured it uses the
-ceiling; the first steps measure it.
+ceiling; the first steps measure it. Before serving, `calibrate` times prefills of the floor's and
+the ceiling's size, so a worker starts from its own device's figures.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..backends.base import Backend, SeqChunk
+from .kv_blocks import BlockPool
 from .step_costs import PrefillCost
 
 FLOOR_TOKENS = 256  # below this a prefill step is mostly fixed cost
@@ -38,3 +44,22 @@ class PrefillSizing:
         while size * 2 <= fit:
             size *= 2
         return size
+
+    def calibrate(self, backend: Backend, pool: BlockPool) -> PrefillCost | None:
+        """Time prefills of the floor's and the ceiling's size on `backend` (unhooked: a measurement, not
+        a step, so no fault fires), three of each, the first of each a warm-up; None where auto sizing is
+        off, the ceiling is the floor, or the pool has no room for the ceiling's blocks."""
+        need = -(-self.most // backend.block_size)
+        if self.target_s is None or self.most <= FLOOR_TOKENS or need > pool.available:
+            return None
+        blocks = pool.allocate(need)
+        samples = []
+        try:
+            for n in (FLOOR_TOKENS, self.most) * 3:  # the first of each size warms up
+                chunk = SeqChunk(np.full(n, 1, np.int32), 0, blocks, "last")
+                t0 = time.monotonic()
+                backend.forward([chunk])
+                samples.append((n, time.monotonic() - t0))
+        finally:
+            pool.release(blocks)  # never registered: their contents are never matched
+        return PrefillCost.measured(samples[2:])

@@ -1,7 +1,8 @@
 """What the HTTP layer hands the engine, and what comes back.
 
-A request is submitted once and settles exactly once, as one of the outcomes below. Events flow
-from the engine thread to the request's asyncio queue on the HTTP event loop.
+A request is submitted once (Engine.submit, which may refuse it with one of the exceptions below)
+and settles exactly once, as one of the outcomes below. Events flow from the engine thread to the
+request's asyncio queue on the HTTP event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,18 @@ from dataclasses import dataclass, field
 
 from ..logs import log
 from .sampling import SamplingParams
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; answer 429 with Retry-After."""
+
+
+class NotAccepting(Exception):
+    """Draining or poisoned; answer 503 with Retry-After."""
+
+
+class PromptTooLong(ValueError):
+    pass
 
 
 class Outcome(str, enum.Enum):  # noqa: UP042 (StrEnum would change str() of a member)

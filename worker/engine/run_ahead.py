@@ -2,8 +2,10 @@
 
 When a backend `runs_ahead`, the engine may submit the next decode step with each sequence's token
 fed on the device from the draw the current step makes. `launch` decides whether that step is
-already known; `Ahead.valid_rows` is the one rule for which of its rows still stand once the
-current step's tokens are read (the others are dropped and recomputed: their KV slot is rewritten).
+already known and submits it; the loop keeps it as `inflight` once this step's outputs are known,
+and `take` hands its standing rows to the next step. `Ahead.valid_rows` is the one rule for which
+rows still stand once the current step's tokens are read (the others are dropped and recomputed:
+their KV slot is rewritten).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..backends.base import Backend, Failure, SampledToken, SeqChunk, attempt
 from ..logs import log
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .sequence import Seq
@@ -45,12 +47,8 @@ class Ahead:
         return keep
 
     def discard(self) -> None:
-        try:
-            self.pending.result()
-        except ContextPoisoned:
-            raise
-        except Exception:
-            pass
+        """Wait for the step and forget its rows (its error too; ContextPoisoned still propagates)."""
+        attempt(self.pending.result)
 
 
 class _Selected:
@@ -67,6 +65,7 @@ class _Selected:
 class RunAhead:
     def __init__(self, backend: Backend, kv: KVManager, output: OutputProcessor, context: int):
         self.backend, self.kv, self.output, self.context = backend, kv, output, context
+        self.inflight: Ahead | None = None  # launched during the last step, its outputs not read yet
         self.steps = self.rows_dropped = 0  # run-ahead steps launched, and rows of them recomputed
 
     def launch(self, chunks: list[SeqChunk], members: list[Seq], rows: list[int], running: list[Seq],
@@ -100,18 +99,26 @@ class RunAhead:
             feed.append(rows[j])
             sources.append(j)
         count_step()
-        try:
-            pending = self.backend.submit(nxt_chunks, feed=feed)
-        except ContextPoisoned:
-            raise
-        except Exception as e:
+        pending = attempt(self.backend.submit, nxt_chunks, feed=feed)
+        if isinstance(pending, Failure):
+            e = pending.error
             log("engine_error", level="error", error=f"run-ahead step: {type(e).__name__}: {e}")
             return None
         self.steps += 1
         return Ahead(pending, nxt_chunks, nxt_members, sources)
 
-    def take(self, ahead: Ahead, running: list[Seq]) -> tuple[list[SeqChunk], list[Seq], list[int]]:
-        """The rows of a run-ahead step that still stand: their chunks, sequences and row indices."""
+    def take(self, running: list[Seq]) -> tuple[list[SeqChunk], list[Seq], list[int], object] | None:
+        """The in-flight step's rows that still stand (their chunks, sequences and row indices) and its
+        pending result, which then returns theirs alone; None when no step runs ahead."""
+        ahead, self.inflight = self.inflight, None
+        if ahead is None:
+            return None
         rows = ahead.valid_rows(running)
         self.rows_dropped += len(ahead.chunks) - len(rows)
-        return [ahead.chunks[i] for i in rows], [ahead.members[i] for i in rows], rows
+        return [ahead.chunks[i] for i in rows], [ahead.members[i] for i in rows], rows, ahead.pending
+
+    def drop(self) -> None:
+        """Wait for the step in flight and forget it (its rows are not wanted); raises ContextPoisoned."""
+        ahead, self.inflight = self.inflight, None
+        if ahead is not None:
+            ahead.discard()

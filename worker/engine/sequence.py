@@ -22,7 +22,7 @@ from .textstream import StopMatcher
 
 if TYPE_CHECKING:
     from ..kvstore.store import RestoreJob
-    from .speculation import SpecState
+    from .spec.speculation import SpecState
 
 
 @dataclass(eq=False)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import Landed
 from ..logs import log
 from ..threads import ThreadWatch
 from . import blockfile
@@ -46,22 +47,6 @@ from .kvdir import KVDir, layout_key
 EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
 PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this disk's restore rate
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
-
-
-class Landed:
-    """Payloads already on the host, offered as a batch (what a backend whose KV pools are host
-    memory, the numpy backend, saves its blocks as)."""
-
-    owned = True
-
-    def __init__(self, payloads: np.ndarray):
-        self.payloads = payloads
-
-    def wait(self) -> np.ndarray:
-        return self.payloads
-
-    def release(self) -> None:
-        pass
 
 
 @dataclass

@@ -12,7 +12,7 @@ when blk.0.attn_norm.weight is missing) and runs its MTP graph on it, fed the tr
 (common/speculative.cpp, draft-mtp with -md PATH).
 
 Here the file is checked against the trunk (one line for each way a pair can disagree) and its tensors
-join the trunk's by name, so numpy_mtp.MtpHead reads the layer as it reads one stored in the trunk's
+join the trunk's by name, so backends/numpy/mtp.MtpHead reads the layer as it reads one stored in the trunk's
 file. Its model-level tensors join under "mtp." names where their bytes differ from the trunk's (the
 head prefers them, as llama.cpp's graph reads its own model's); equal ones are not loaded twice.
 """
@@ -34,7 +34,7 @@ from .weights import ModelWeights, load_tensors
 # a next-token layer is a window-only layer (compress ratio 0) with a learned router, as llama.cpp's
 # load_arch_tensors requires it past the trunk: the family's layer roles but these
 NOT_IN_THE_LAYER = ("compressor_", "indexer_", "token_to_experts")
-# and the nextn tensors beside eh_proj (the family's table names that one, numpy_mtp.py reads these)
+# and the nextn tensors beside eh_proj (the family's table names that one, backends/numpy/mtp.py reads these)
 NEXTN = ("nextn.enorm.weight", "nextn.hnorm.weight")
 OWN = "mtp."  # the prefix of the file's model-level tensors where they are not the trunk's
 # the settings a layer must share with its trunk to run on the trunk's streams (beside the vocabulary):

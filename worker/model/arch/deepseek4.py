@@ -3,7 +3,7 @@ one KV head that is both key and value with RoPE on its last dimensions, per-lay
 by the file's compress_ratios (sliding window only; CSA: 4:1 compressed rows picked by a lightning
 indexer; HCA: 128:1 compressed rows, all of them), a grouped low-rank output projection, and a mixture
 of experts scored by sqrt(softplus) with a shared expert and hash-routed first layers. The numpy
-backend runs it (engine/numpy_hyper.py, reading its tensors by the roles named here); the CUDA backend
+backend runs it (backends/numpy/hyper.py, reading its tensors by the roles named here); the CUDA backend
 refuses it. It speaks DeepSeek's chat format with DSML tool calls and thinking on or off."""
 
 from .recipe import (

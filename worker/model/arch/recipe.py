@@ -116,7 +116,7 @@ class Recipe:
     half_type: HalfType = HalfType.F16
     sliding_window: SlidingWindow | None = None
     moe: Moe | None = None  # None: a dense gated MLP
-    stack: Stack = Stack.RESIDUAL  # HYPER: the layer is numpy_hyper.py's, its own tensors beside the roles below
+    stack: Stack = Stack.RESIDUAL  # HYPER: the layer is numpy/hyper.py's, its own tensors beside the roles below
     # Neither backend runs these yet; they are named so that a family needing one fails here, loudly
     mlp_bias: bool = False
     logit_softcap: float = 0.0  # 0: none

@@ -1,14 +1,15 @@
 """The CUDA backend: the numpy backend's forward pass on the GPU, through ember.kernels.ops.
 
-The layer is the family's recipe (model/arch/recipe.py), turned once at load into switches on the
-backend (rope flavour, post-norms, half type) and explicit variants per layer (cuda_layers.py); the
-step never looks at the family's name nor probes which weights a layer has. Weights stay in their
+The layer is the family's recipe (model/arch/recipe.py), turned once at load into the forward pass's
+switches (forward.py: rope flavour, post-norms, half type) and explicit variants per layer
+(layers.py); the step never looks at the family's name nor probes which weights a layer has. This
+file holds the device's memory, the step's inputs and outputs and their streams. Weights stay in their
 GGUF block formats on the device (QuantMatrix). Decode-sized steps use the quantized matvec (weights
 read once per launch of up to 4-8 rows; Q4_K/Q5_K with x quantized to int8, as llama.cpp does; the
-choice of kernel: cuda_matmul.py); prefill-sized steps multiply on the tensor cores (ops.linear_tc)
+choice of kernel: matmul.py); prefill-sized steps multiply on the tensor cores (ops.linear_tc)
 with a 16-bit copy of each matrix, decoded once at start when it fits (f16_weights) or else per
 step. Activations are float32; the KV pool (float16 by default) lives on the device with the numpy
-backend's block semantics; blocks travel to and from the host through cuda_kv_blocks.py (the numpy
+backend's block semantics; blocks travel to and from the host through kv_blocks.py (the numpy
 layout, or batches on a copy stream), so the prefix cache and KV persistence work unchanged.
 
 Every buffer a step touches is allocated once, up front, and a step's inputs travel in one copy
@@ -20,7 +21,7 @@ sequence) is captured once per (batch bucket, context bucket, slot) as a CUDA gr
 with one launch, so the host does not bound small models. Chunks that ask for it (`SeqChunk.sample`)
 are sampled on the device and come back as `SampledToken`; the rest come back as logits. submit()
 launches a step and returns at once (two steps may be in flight, each with its own pinned buffers;
-cuda_step.py holds their plumbing); a step's tokens may be the previous step's draws, copied on the
+step.py holds their plumbing); a step's tokens may be the previous step's draws, copied on the
 device (`feed`), so the scheduler launches decode step n + 1 before it reads step n's tokens and
 the host's work overlaps the GPU's.
 
@@ -33,19 +34,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.kernels import ops, reference
+from ember.kernels import ops
 from ember.kernels.cuda_runtime import Graph, pdl_launches
 from ember.kernels.errors import StickyCudaError
 
-from ..model.arch.recipe import Rope
-from ..model.config import ModelConfig
-from ..model.gguf_file import GGUFFile, ModelFileError
-from .backend import Backend, ContextPoisoned, SampledToken, SeqChunk, kv_slots, present
-from .cuda_kv_blocks import CudaKVBlocks
-from .cuda_layers import QKV, check_fits, check_runs, upload_weights
-from .cuda_matmul import TC_MIN_ROWS, CudaMatmuls
-from .cuda_memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
-from .cuda_step import PendingStep, PostNorms, StepInputs, StepLayout, host_view, poison_guard
+from ...model.config import ModelConfig
+from ...model.gguf_file import GGUFFile, ModelFileError
+from ..base import Backend, ContextPoisoned, SeqChunk, attempt, kv_slots
+from .forward import Activations, Forward, KVPools
+from .kv_blocks import CudaKVBlocks
+from .layers import check_fits, check_runs, upload_weights
+from .matmul import TC_MIN_ROWS, Matmuls
+from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
+from .step import Landing, PendingStep, StepInputs, StepLayout, host_view, poison_guard
 
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
@@ -59,7 +60,7 @@ def _bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
+class CudaBackend(CudaKVBlocks, Backend):
     name = "cuda"
     fault_kinds = ("cuda-illegal-address",)  # inject_fault: a kernel really writes out of bounds
     samples_on_device = True  # chunks with `sample` set come back as SampledToken
@@ -70,7 +71,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
                  tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
                  f16_weights: str = "auto", pdl: bool = True, host_tier_bytes: int = 0):
         """n_blocks None: the KV pool takes what is free once everything else has its memory (--kv-mem
-        auto; cuda_memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
+        auto; memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
         comes out of the same memory."""
         from ember.kernels.cuda_runtime import Device, Event, HostBuffer, Stream
 
@@ -91,7 +92,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
         self._kv_name = kv_dtype
         self.block_dtype = np.dtype(self.kv_dtype)  # blocks go to the KV store as they are on the device
-        # float16 blocks on disk since KV layout 2 of the store (cuda_kv.py); float32 files stay apart
+        # float16 blocks on disk since KV layout 2 of the store (kv.py); float32 files stay apart
         self.kv_layout = "cuda" if kv_dtype == "f32" else f"cuda-{kv_dtype}"
         self._transfer = None  # KVTransfer, made on the first save or load (pinned slabs)
         self.max_rows = max(8, -(-max(max_rows, max_seqs) // 8) * 8)
@@ -101,11 +102,8 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self.int8_activations = int8_activations
         # captured decode steps launch each kernel early (programmatic dependent launch, sm_90+)
         self.pdl = pdl and self.dev.caps.pdl
-        # the forward pass as the family's recipe has it, decided once (the layers' variants: cuda_layers.py)
-        recipe = config.recipe
-        self.half_kind = recipe.half_type  # tensor-core matmuls round to bf16 where activations outgrow f16
-        self.neox = recipe.rope is Rope.NEOX
-        self.post_norms = recipe.post_norms
+        # the forward pass as the family's recipe has it, decided once (forward.py; the layers' variants: layers.py)
+        self.half_kind = config.recipe.half_type  # tensor-core matmuls round to bf16 where activations outgrow f16
         cfg = config
         self._device_attention = (cfg.head_dim in ATTN_HEAD_DIMS and cfg.n_heads % cfg.n_kv_heads == 0
                                   and cfg.n_heads // cfg.n_kv_heads in ATTN_GROUPS)
@@ -134,6 +132,10 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
             kv = 2 * self._layer_elems * cfg.n_layers * np.dtype(self.kv_dtype).itemsize
             half = sum(2 * m.rows * m.cols for m in self._tc_matrices()) if self.f16_weights else 0
             self.memory = MemoryPicture(total, weights, half, kv, self.dev.caps.integrated, host_tier_bytes)
+            self.fwd = Forward(self.dev, self.stream, cfg, self.weights, self.act, self.mm,
+                               KVPools(self.k_pool, self.v_pool, self._layer_elems, self.n_blocks, block_size),
+                               device_attention=self._device_attention, tensor_cores=self.tensor_cores,
+                               half_kind=self.half_kind)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
         self._graphs: dict[tuple[int, int, int], tuple[Graph, dict]] = {}  # (rows, stride, slot)
@@ -147,9 +149,8 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
     # -- set-up -----------------------------------------------------------------------------------
 
     def _upload_weights(self) -> None:
-        w = upload_weights(self.dev, self.gguf, self.config, stack=self._device_attention)
-        self.token_embd, self.output, self.output_norm, self.layers = w.token_embd, w.output, w.output_norm, w.layers
-        self.inv_freq_global, self.inv_freq_local = w.inv_freq_global, w.inv_freq_local
+        self.weights = w = upload_weights(self.dev, self.gguf, self.config, stack=self._device_attention)
+        self.output, self.layers = w.output, w.layers
 
     def _alloc_kv(self) -> None:
         cfg = self.config
@@ -168,7 +169,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
     def _keep_half_weights(self, mode: str, kv_sized: bool) -> bool:
         """Decode the tensor-core matmuls' weights to 16 bits once: prefill and batched decode then skip a
         decode of every matrix per step (on the 8B at 64 streams, 5.3 ms of a step). "auto" keeps them
-        where cuda_memory.keep_half_copy says (never the experts: they are not tensor-core matrices)."""
+        where memory.keep_half_copy says (never the experts: they are not tensor-core matrices)."""
         if not self.tensor_cores:
             return False
         mats = self._tc_matrices()
@@ -182,7 +183,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         return True
 
     def _auto_blocks(self, host_tier: int) -> int:
-        """--kv-mem auto: the blocks that what is free now holds (cuda_memory.auto_kv_bytes), at least one
+        """--kv-mem auto: the blocks that what is free now holds (memory.auto_kv_bytes), at least one
         MIN_KV_TOKENS-token sequence's, else a one-line ModelFileError."""
         free, total = self.dev.memory_info()
         per_block = self.kv_bytes_per_block(self.config, self.block_size, self._kv_name)
@@ -214,31 +215,13 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         self._h_in = [HostBuffer(self.layout.nbytes) for _ in range(2)]
         self._d_in = [self.dev.empty((self.layout.nbytes,), np.uint8) for _ in range(2)]
         self.inputs = [StepInputs.of(d, self.layout) for d in self._d_in]
-        # each slot's draws: step n + 1 may read step n's (run-ahead feed) while step n's go to the host
-        self.d_tokens_out = [self.dev.empty((R,), np.int32) for _ in range(2)]
+        # every buffer the step's kernels write (each slot's draws first), in the order they were always made
+        self.act = act = Activations.alloc(self.dev, cfg, R, self.layers, cfg.recipe.post_norms)
+        self.mm = Matmuls(self.dev, self.stream, cfg, self.output, int8_activations=self.int8_activations,
+                          tensor_cores=self.tensor_cores, half_kind=self.half_kind, g=act.g, u=act.u, gu=act.gu)
         self.up_stream, self.down_stream = Stream(), Stream()
         self._uploaded = [Event(), Event()]  # a slot's inputs are on the device
         self._ran = [Event(), Event()]  # a slot's step (and its logits copy) is done on the compute stream
-        e = self.dev.empty
-        hid, qd, kvd, ffn = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
-        self.x, self.h, self.o2 = e((R * hid,)), e((R * hid,)), e((R * hid,))
-        self.q, self.att = e((R * qd,)), e((R * qd,))
-        self.k, self.v = e((R * kvd,)), e((R * kvd,))
-        self.g, self.u = e((R * ffn,)), e((R * ffn,))
-        self.qkv = e((R * (qd + 2 * kvd),)) if any(lw.qkv is not QKV.APART for lw in self.layers) else None
-        self.gu = e((R * 2 * ffn,)) if any(lw.gate_up_stacked for lw in self.layers) else None
-        self.hn = e((R * hid,))
-        moe = next((lw.moe for lw in self.layers if lw.moe is not None), None)
-        self.moe_scratch = None if moe is None else ops.MoeScratch.alloc(
-            self.dev, R, moe.experts, cfg.n_experts_used, hid, moe.ffn,
-            apart=any(lw.moe is not None and lw.moe.gate_up is None for lw in self.layers))
-        # the residual's second buffer, for post-norms done inside the next matvec (cuda_step.PostNorms)
-        self.x_alt = e((hid,)) if self.post_norms and hid <= ops.XPRO_COLS else None
-        self.logits = e((R * cfg.vocab_size,))
-        # the sampler's per-row counters (kept at zero by the kernel) and per-block partial results
-        self.d_sample_work = (e((R,), np.int32), e((2 * R * ops.sample_parts(cfg.vocab_size),), np.int32))
-        self.d_sample_work[0].zero()
-        self.d_argmax = ops.RowArgmax.alloc(self.dev)
         self._h_tokens = [HostBuffer(4 * R) for _ in range(2)]
         self._h_logits: list[HostBuffer | None] = [None, None]
         self._done = [Event(), Event()]  # recorded after each slot's step and its tokens' copy back
@@ -301,12 +284,7 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         slot = self._slot
         older = self._inflight[slot]
         if older is not None:  # its host buffers are this step's: wait for it (its error is its own)
-            try:
-                older.result()
-            except ContextPoisoned:
-                raise
-            except Exception:
-                pass
+            attempt(older.result)
 
         # the step's inputs, packed into pinned memory and sent in one copy
         lay, hb = self.layout, self._h_in[slot].array
@@ -382,19 +360,19 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
                 self._graphs[gkey][0].launch()
             else:  # the first time: run eagerly (loads modules, warms up), capture next time
                 self._seen.add(key)
-                self._launch(rows, stride, max_keys, n_out, slot, chunks, spans, pos, feed=True)
+                self._run_step(slot, rows, stride, max_keys, n_out, chunks, spans, pos, feed=True)
         else:
             # feed: the previous step's draws, still on the device, become tokens
-            self._launch(n, stride, max_keys, n_out, slot, chunks, spans, pos, sample=bool(sampled),
-                         n_tiles=n_tiles, feed=sources is not None)
-        pending = PendingStep(self, slot, chunks, want, sampled, n_out)
+            self._run_step(slot, n, stride, max_keys, n_out, chunks, spans, pos, sample=bool(sampled),
+                           n_tiles=n_tiles, feed=sources is not None)
+        pending = PendingStep(slot, chunks, want, sampled, n_out)
         self._copy_back(pending)
         self._inflight[slot] = self._last = pending
         self._slot ^= 1  # only after a launch: a fed step's source is always the other slot's last step
         return pending
 
     def _feed_sources(self, chunks, feed) -> np.ndarray:
-        """Per row, the row of the previous step's draws (d_tokens_out) that is its token, or -1."""
+        """Per row, the row of the previous step's draws (Activations.tokens_out) that is its token, or -1."""
         prev = self._last
         if len(feed) != len(chunks):
             raise ValueError("feed needs one entry per chunk")
@@ -446,29 +424,15 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
                 buf = self._h_logits[p.slot] = HostBuffer(max(total, 4 * V * 8))
             at = 0
             for _, r, cnt in p.host_rows:
-                self.logits.view(r * V, cnt * V).download_into(buf, cnt * V * 4, st, host_offset=at)
+                self.act.logits.view(r * V, cnt * V).download_into(buf, cnt * V * 4, st, host_offset=at)
                 at += cnt * V * 4
         self._ran[p.slot].record(st)
         self.down_stream.wait(self._ran[p.slot])
         if p.sampled:
-            self.d_tokens_out[p.slot].view(0, p.n_out).download_into(self._h_tokens[p.slot], 4 * p.n_out,
-                                                                     self.down_stream)
+            self.act.tokens_out[p.slot].view(0, p.n_out).download_into(self._h_tokens[p.slot], 4 * p.n_out,
+                                                                       self.down_stream)
         self._done[p.slot].record(self.down_stream)
-
-    @poison_guard
-    def _collect(self, p: PendingStep) -> list:
-        self.dev.make_current()
-        self._done[p.slot].synchronize()
-        out: list = [None] * len(p.chunks)
-        if p.sampled:
-            toks = host_view(self._h_tokens[p.slot].array, 0, p.n_out, np.int32)
-            for si, row in p.drawn_rows.items():
-                out[si] = SampledToken(int(toks[row]))
-        at, V = 0, self.config.vocab_size
-        for si, _, cnt in p.host_rows:
-            out[si] = host_view(present(self._h_logits[p.slot]).array, at, cnt * V, np.float32).reshape(cnt, V).copy()
-            at += cnt * V * 4
-        return out
+        p.landing = Landing(self.dev, self._done[p.slot], self._h_tokens[p.slot], self._h_logits[p.slot], V)
 
     def _capture(self, rows, stride, max_keys, n_out, slot):
         """Record one decode step of `rows` sequences over at most `max_keys` keys, reading the inputs of
@@ -486,157 +450,13 @@ class CudaBackend(CudaKVBlocks, CudaMatmuls, Backend):
         bufs = (self.dev.empty((rows * cfg.n_heads * S * cfg.head_dim,)), self.dev.empty((rows * cfg.n_heads * S * 2,)))
         self.stream.synchronize()
         with Graph.capture(self.stream) as g, pdl_launches(self.pdl):
-            self._launch(rows, stride, max_keys, n_out, slot, None, None, None, partials=bufs, feed=True)
+            self._run_step(slot, rows, stride, max_keys, n_out, None, None, None, partials=bufs, feed=True)
         return g, bufs
 
-    def _launch(self, n, stride, max_keys, n_out, slot, chunks, spans, positions, *, partials=None, sample=True,
-                tc=True, n_tiles=0, feed=False) -> None:
-        """Every kernel of one step, on self.stream, reading only device buffers (so it can be
-        captured: the tensor-core path's scratch is sized at start for every layer matrix and never
-        moves): the inputs of `slot`, the draws of the other slot (the step before) when fed, its own
-        draws into its slot's; chunks/spans/positions are needed only by the host attention fallback."""
-        dev, cfg, st = self.dev, self.config, self.stream
-        inp = self.inputs[slot]
-        H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
-        x, h, o2, q, k, v, att = self.x, self.h, self.o2, self.q, self.k, self.v, self.att
-        with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
-            # feed: the rows fed from the previous step's draws (d_feed: -1 for the others); the first
-            # layer's attn_norm into h
-            ops.embed(dev, self.token_embd, x, inp.tok, n=n, scale=float(np.float32(cfg.embed_scale)),
-                      feed=(self.d_tokens_out[slot ^ 1], inp.feed) if feed else None,
-                      norm=(self.layers[0].attn_norm, cfg.norm_eps, h), stream=st)
-        h_ready = True  # h (or post.pending) holds this layer's attn_norm (embed, or the previous layer's end)
-        # one row per sequence (a captured step's padded rows too): attention takes the prologue in
-        decode = not n_tiles and (chunks is None or all(len(c.tokens) == 1 for c in chunks))
-        post = PostNorms(self, n, tc)  # Gemma's post-norms; post.x is the residual (x until one is fused)
-        final = None  # the output rows' final-normed hidden state, once a fused norm has made it
-        for li, lw in enumerate(self.layers):
-            local = cfg.is_local_layer(li)
-            if not h_ready:
-                ops.rms_norm(dev, post.x, lw.attn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-            if lw.qkv is QKV.STACKED:  # one matmul; q, k and v are column slices of its rows
-                ld = qd + 2 * kvd
-                wqkv, qkv = present(lw.wqkv), present(self.qkv)
-                (hq_,) = post.inputs([wqkv])
-                self._linear(wqkv, hq_, qkv, n, tc=tc)
-                q_, k_, v_ = (qkv.view(off, qkv.size - off) for off in (0, qd, qd + kvd))
-                ldq = ldk = ldv = ld
-            elif lw.qkv is QKV.QK_STACKED:  # q and k stacked, v (another type) on its own
-                wqk, wv, qkv = present(lw.wqk), present(lw.wv), present(self.qkv)
-                hq_, hv_ = post.inputs([wqk, wv])
-                self._linear(wqk, hq_, qkv, n, tc=tc)
-                self._linear(wv, hv_, v, n, tc=tc)
-                q_, k_, v_ = qkv, qkv.view(qd, qkv.size - qd), v
-                ldq = ldk = qd + kvd
-                ldv = kvd
-            else:
-                mats = (present(lw.wq), present(lw.wk), present(lw.wv))
-                for w, out, hin in zip(mats, (q, k, v), post.inputs(list(mats)), strict=True):
-                    self._linear(w, hin, out, n, tc=tc)
-                q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
-            for bias, out, cols, ldo in ((lw.bq, q_, qd, ldq), (lw.bk, k_, kvd, ldk), (lw.bv, v_, kvd, ldv)):
-                if bias is not None:  # the recipe's biases, where the file has them
-                    ops.add_bias(dev, out, bias, n=n, cols=cols, ldy=ldo, stream=st)
-            inv = self.inv_freq_local if local else self.inv_freq_global
-            kc = self.k_pool.view(li * self._layer_elems, self._layer_elems)
-            vc = self.v_pool.view(li * self._layer_elems, self._layer_elems)
-            window = cfg.sliding_window if local else 0
-            keys = min(max_keys, window) if window else max_keys
-            if self._device_attention and decode:  # the prologue fused into decode attention: one launch
-                pro = ops.DecodePrologue(k_, v_, inp.slots, inv, self.neox, ldk, ldv, lw.q_norm, lw.k_norm,
-                                         cfg.norm_eps)
-                ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
-                              kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
-                              max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                              prologue=pro, stream=st)
-            elif self._device_attention:  # q/k norms, RoPE and the KV write in one launch
-                ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, inp.slots, inp.pos, inv, n=n, heads=H, kv_heads=Hk,
-                               head_dim=D, neox=self.neox, q_norm=lw.q_norm, k_norm=lw.k_norm,
-                               eps=cfg.norm_eps, ldq=ldq, ldk=ldk, ldv=ldv, stream=st)
-                if n_tiles:  # prefill: tiles of query rows on the tensor cores
-                    ops.flash_attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, inp.tiles, att,
-                                        n_tiles=n_tiles, heads=H, kv_heads=Hk, head_dim=D,
-                                        block_size=self.block_size, max_blocks=stride, window=window,
-                                        scale=cfg.attn_scale, ldq=ldq, stream=st)
-                else:
-                    ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
-                                  kv_heads=Hk, head_dim=D, block_size=self.block_size, max_blocks=stride,
-                                  max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                                  stream=st)
-            else:
-                if cfg.recipe.qk_norm:
-                    ops.rms_norm(dev, q_, present(lw.q_norm), q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H,
-                                 ldx=ldq, ldy=ldq, stream=st)
-                    ops.rms_norm(dev, k_, present(lw.k_norm), k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
-                                 ldx=ldk, ldy=ldk, stream=st)
-                ops.rope(dev, q_, k_, inp.pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=self.neox, ldq=ldq,
-                         ldk=ldk, stream=st)
-                ops.kv_write(dev, k_, v_, kc, vc, inp.slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv,
-                             stream=st)
-                self._host_attention(li, chunks, spans, positions, q, att, window)
-            if self.post_norms:  # post-norm into the residual and the MLP's pre-norm (one launch, or none)
-                self._linear(lw.wo, att, o2, n, tc=tc)
-                post.defer(o2, lw.post_attn_norm, lw.ffn_norm)
-                (h_mlp,) = post.inputs([lw.w_gu] if lw.gate_up_stacked else [], gated=True) or [h]
-            else:
-                self._linear(lw.wo, att, x, n, res=x, tc=tc)
-                ops.rms_norm(dev, x, lw.ffn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-                h_mlp = h
-            h_ready = False
-            if lw.moe is not None:  # a mixture of experts (no post-norms: check_runs)
-                moe = cfg.recipe.moe
-                assert moe is not None and self.moe_scratch is not None and not self.post_norms
-                ops.moe_mlp(dev, lw.moe, h_mlp, x, self.moe_scratch, n=n, k=cfg.n_experts_used, act=cfg.recipe.act,
-                            gating=moe.gating.value, norm_topk=moe.norm_topk, res=x,
-                            half=self.half_kind if self.tensor_cores and tc else None, stream=st)
-                continue
-            gated = self._gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
-            if self.post_norms:
-                self._down(lw, o2, n, tc=tc, gated=gated)
-                if li + 1 < len(self.layers):  # and the next layer's attention pre-norm
-                    post.defer(o2, lw.post_ffn_norm, self.layers[li + 1].attn_norm)
-                    h_ready = True
-                elif n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
-                    post.defer(o2, lw.post_ffn_norm, self.output_norm)
-                    post.inputs([])
-                    final = h
-                else:
-                    ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=hid,
-                                     stream=st)
-            else:
-                self._down(lw, x, n, res=x, tc=tc, gated=gated)
-        if n_out:
-            if final is None:
-                src = post.x
-                if n_out != n:  # the output rows are a subset (out_rows lists them in order)
-                    ops.gather_rows(dev, post.x, inp.out_rows, o2, n=n_out, cols=hid, stream=st)
-                    src = o2
-                ops.rms_norm(dev, src, self.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
-                final = self.hn
-            # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
-            argmax = self.d_argmax if sample and self._streamed(self.output, n_out) else None
-            self._linear(self.output, final, self.logits, n_out, tc=tc, argmax=argmax)
-            if sample:
-                params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
-                ops.sample(dev, self.logits, params, self.d_tokens_out[slot], rows=n_out, vocab=cfg.vocab_size,
-                           work=self.d_sample_work, greedy=argmax, stream=st)
-
-    def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
-        """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
-        cfg, bs = self.config, self.block_size
-        n = spans[-1][1]
-        self.stream.synchronize()
-        qh = q.view(0, (n, cfg.n_heads, cfg.head_dim)).to_host()
-        shape = (self.n_blocks + 1, bs, cfg.n_kv_heads, cfg.head_dim)
-        kc = self.k_pool.view(li * self._layer_elems, shape).to_host().astype(np.float32)
-        vc = self.v_pool.view(li * self._layer_elems, shape).to_host().astype(np.float32)
-        res = np.empty((n, cfg.q_dim), dtype=np.float32)
-        for c, (a, b) in zip(chunks, spans, strict=True):
-            length = c.start + len(c.tokens)
-            blocks = np.asarray(c.block_table[: -(-length // bs)], dtype=np.int64)
-            keys = kc[blocks].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
-            values = vc[blocks].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
-            res[a:b] = reference.attention(qh[a:b], keys, values, positions[a:b].astype(np.int64), window=window,
-                                           scale=cfg.attn_scale).reshape(b - a, cfg.q_dim)
-        att.view(0, n * cfg.q_dim).upload(res.reshape(-1))
+    def _run_step(self, slot, n, stride, max_keys, n_out, chunks, spans, positions, *, partials=None, sample=True,
+                  tc=True, n_tiles=0, feed=False) -> None:
+        """The forward pass over the inputs of `slot`, drawing into its draws; fed: the other slot's draws
+        (the step before) are tokens of this one (forward.py)."""
+        out = self.act.tokens_out
+        self.fwd.run(self.inputs[slot], out[slot], out[slot ^ 1] if feed else None, n, stride, max_keys, n_out,
+                     chunks, spans, positions, partials=partials, sample=sample, tc=tc, n_tiles=n_tiles)

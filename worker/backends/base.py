@@ -1,4 +1,4 @@
-"""The interface every compute backend implements (numpy reference now, CUDA later).
+"""The interface every compute backend implements (numpy/, cuda/), and the value types both sides use.
 
 A backend owns the weights and a pool of fixed-size KV blocks. It knows nothing of requests,
 prefix caching or scheduling: the caller hands it, per step, a list of sequence chunks, each with
@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from ..model.config import ModelConfig
+if TYPE_CHECKING:
+    from ..model.config import ModelConfig
 
 T = TypeVar("T")
 
@@ -122,6 +123,22 @@ class BlockCopy(Protocol):
         ...
 
 
+class Landed:
+    """Payloads already on the host, offered as a batch: the BlockCopy of a backend whose KV pools are
+    host memory (the numpy backend), and of a block the KV store is handed directly (KVStore.offer)."""
+
+    owned = True
+
+    def __init__(self, payloads: np.ndarray):
+        self.payloads = payloads
+
+    def wait(self) -> np.ndarray:
+        return self.payloads
+
+    def release(self) -> None:
+        pass
+
+
 class Done:
     """A step computed when it was submitted (backends without asynchronous steps)."""
 
@@ -199,3 +216,24 @@ class ContextPoisoned(RuntimeError):
     def __init__(self, code: int, name: str, message: str):
         self.code, self.name, self.message = code, name, message
         super().__init__(f"{name} ({code}): {message}")
+
+
+class Failure(NamedTuple):
+    """What `attempt` returns instead of a result: the exception the call raised."""
+
+    error: Exception
+
+
+R = TypeVar("R")
+
+
+def attempt(fn: Callable[..., R], *args, **kwargs) -> R | Failure:
+    """fn(*args, **kwargs), or the Failure it raised: the one place the rule of failing alone is written.
+    A failed step, chunk or request fails only what it touches, but ContextPoisoned always propagates:
+    nothing more can run in this process."""
+    try:
+        return fn(*args, **kwargs)
+    except ContextPoisoned:
+        raise
+    except Exception as e:
+        return Failure(e)

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.loader import Model, open_model
-from ..model.weights import LoadTimer, load_weights
-from .backend import Backend, SeqChunk
-from .kv_blocks import BlockPool
-from .numpy_backend import NumpyBackend
-from .sampling import Sampler, SamplingParams
+from .backends.base import Backend, SeqChunk
+from .backends.numpy.backend import NumpyBackend
+from .engine.kv_blocks import BlockPool
+from .engine.sampling import Sampler, SamplingParams
+from .model.loader import Model, open_model
+from .model.weights import LoadTimer, load_weights
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 256

@@ -17,19 +17,16 @@ and V do: prefix caching, block files and restores work unchanged (kv_layout nam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..model.config import HyperConfig, ModelConfig, Yarn
-from ..model.rope import yarn_factors
-from ..model.weights import ModelWeights
-from .backend import SeqChunk, chunk_logits, step_rows
-
-if TYPE_CHECKING:
-    from .numpy_mtp import MtpHead
+from ...model.config import HyperConfig, ModelConfig, Yarn
+from ...model.rope import yarn_factors
+from ...model.weights import ModelWeights
+from ..base import SeqChunk, chunk_logits, step_rows
 
 CSA, HCA = 4, 128  # the compress ratios llama.cpp knows (0: window only)
 
@@ -140,12 +137,20 @@ def attend(q: np.ndarray, keys: np.ndarray, allowed: np.ndarray, sinks: np.ndarr
 # -- the stack ------------------------------------------------------------------------------------
 
 
+class NextTokenRows(Protocol):
+    """The next-token layer's part in a trunk's pass (mtp.MtpHead): its rows of the positions computed."""
+
+    def write_rows(self, x: np.ndarray, tokens: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
+                   spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> None: ...
+
+
 class HyperStack:
     """The weights, the per-position pool and the forward pass of a HYPER model."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int,
                  mtp: bool = False):
-        """mtp: also keep what the next-token layer drafts from (numpy_mtp.py; the file must have one)."""
+        """mtp: the pool also keeps what the next-token layer drafts from (its columns); the layer itself
+        (mtp.MtpHead, which the backend attaches as `mtp`) writes them after each pass."""
         assert config.hyper is not None and config.family.hyper is not None
         self.config, self.h, self.w = config, config.hyper, weights.by_name
         # the family's tensor names (arch/<family>.py): the stack's own roles beside the generic ones
@@ -158,11 +163,7 @@ class HyperStack:
         self.rope_compressed = rope_frequencies(self.h.compress_rope_base, self.h.n_rot, config.rope_yarn)
         self.columns = self.layout(config, mtp)
         self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
-        self.mtp: MtpHead | None = None
-        if mtp:
-            from .numpy_mtp import MtpHead
-
-            self.mtp = MtpHead(self)
+        self.mtp: NextTokenRows | None = None
 
     @staticmethod
     def layout(config: ModelConfig, mtp: bool = False) -> list[dict[str, slice]]:
@@ -278,7 +279,7 @@ class HyperStack:
             out[a:b] = attend(q[a:b], keys, allowed, sinks)
         return self.output(li, out, positions, freqs)
 
-    # the attention's pieces, shared with the next-token layer (numpy_mtp.py)
+    # the attention's pieces, shared with the next-token layer (mtp.py)
 
     def query(self, li: int, x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the low-rank query qr [n, rank], which the indexer reads too; the heads [n, heads, head_dim])."""

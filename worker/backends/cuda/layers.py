@@ -3,7 +3,7 @@ decided once, here, from the family's recipe and the file's quant types.
 
 A CudaLayer says explicitly how its step runs: whether q, k and v are one stacked matrix, q and k
 one with v apart, or three; whether gate and up are one; which norms and biases it has (None where
-the recipe has none). The forward pass (cuda_backend.py) branches on these fields only. Upload order
+the recipe has none). The forward pass (forward.py) branches on these fields only. Upload order
 is the allocation order on the device, so it follows the recipe's ROLES, vectors first.
 """
 
@@ -19,11 +19,11 @@ from ember.kernels import ops, quants
 from ember.kernels.constants import BLOCK_SIZES, GGML_TYPE_NAMES
 from ember.kernels.cuda_runtime import Device, DeviceArray
 
-from ..model.arch import layer_tensors
-from ..model.arch.recipe import MATRIX_ROLES, MOE_ROLES, Act, Gating
-from ..model.config import ModelConfig
-from ..model.gguf_file import GGUFFile, ModelFileError
-from ..model.rope import inv_frequencies
+from ...model.arch import layer_tensors
+from ...model.arch.recipe import MATRIX_ROLES, MOE_ROLES, Act, Gating
+from ...model.config import ModelConfig
+from ...model.gguf_file import GGUFFile, ModelFileError
+from ...model.rope import inv_frequencies
 
 # A stack of mixed legacy types is upcast to Q8_0 when that adds at most this many bytes to a step
 # (about a quarter of a microsecond of the H200's bandwidth, against a launch of 2-4 us it saves).

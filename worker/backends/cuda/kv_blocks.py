@@ -1,6 +1,6 @@
 """The CUDA backend's KV blocks to and from the host: one block at a time in the numpy layout
 (read_block / write_block, for the prefix cache's tests and tools) and many at once on a copy stream
-(save_blocks / load_blocks through cuda_kv.KVTransfer, for KV persistence and restores). A mixin of
+(save_blocks / load_blocks through kv.KVTransfer, for KV persistence and restores). A mixin of
 CudaBackend: it reads the pools and the stream the backend allocated.
 """
 
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cuda_step import poison_guard
+from .step import poison_guard
 
 if TYPE_CHECKING:
     from ember.kernels.cuda_runtime import Device, DeviceArray, Stream
 
-    from ..model.config import ModelConfig
-    from .cuda_kv import KVTransfer
+    from ...model.config import ModelConfig
+    from .kv import KVTransfer
 
 
 class CudaKVBlocks:
@@ -66,7 +66,7 @@ class CudaKVBlocks:
 
     def _kv_transfer(self):
         if self._transfer is None:
-            from .cuda_kv import KVTransfer
+            from .kv import KVTransfer
 
             cfg = self.config
             self._transfer = KVTransfer(self.dev, self.k_pool, self.v_pool, self.stream, layers=cfg.n_layers,
@@ -77,7 +77,7 @@ class CudaKVBlocks:
 
     @poison_guard
     def save_blocks(self, blocks: list[int]):
-        """KV blocks off the device on a copy stream of their own (cuda_kv.py): no host wait, and the
+        """KV blocks off the device on a copy stream of their own (kv.py): no host wait, and the
         compute stream waits only for the gather before its next step."""
         if any(not 0 <= b < self.n_blocks for b in blocks):
             raise IndexError(f"a block outside the pool of {self.n_blocks}")

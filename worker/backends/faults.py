@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .backend import Backend, ContextPoisoned, SeqChunk
+from .base import Backend, ContextPoisoned, SeqChunk
 
 KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address", "thread-die")
 THREADS = ("engine", "kv-writer", "kv-reader", "mask")  # thread-die targets: ember-<name>...

@@ -1,7 +1,8 @@
 """How the CUDA backend multiplies by a weight matrix: which kernel takes a matmul of n rows
 (tensor cores, the int8 matvec, the staged or the streaming matvec), and the MLP's gate/up and down
-projections with the activation fused where a kernel can take it. A mixin of CudaBackend: it reads
-the backend's device, stream, buffers and switches, and decides nothing about the model itself.
+projections with the activation fused where a kernel can take it. The forward pass (forward.py)
+calls it; it holds the device, the stream, the switches and the MLP's buffers it is given, and
+decides nothing about the model itself.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from ember.kernels import ops
 from ember.kernels.cuda_runtime import Device, DeviceArray, Stream
 
-from ..model.config import ModelConfig
-from .backend import present
-from .cuda_layers import CudaLayer
+from ...model.config import ModelConfig
+from ..base import present
+from .layers import CudaLayer
 
 # From this many rows a matmul decodes its weights to 16 bits and runs on the tensor cores (3
 # launches) instead of the matvec (one launch, and one read of the weights, per 8 rows). Measured on
@@ -30,20 +31,18 @@ SPLIT_MIN_COLS = 1024
 STREAM_MIN_ROWS = 32768
 
 
-class CudaMatmuls:
-    """The matmul choices of CudaBackend (see the module docstring)."""
+class Matmuls:
+    """The matmul choices of one CUDA backend's steps (see the module docstring)."""
 
-    # what the mixin reads of the backend
-    dev: Device
-    stream: Stream
-    config: ModelConfig
-    output: ops.QuantMatrix  # the output projection (its tensor-core scratch is its own)
-    int8_activations: bool
-    tensor_cores: bool
-    half_kind: str
-    g: DeviceArray  # act(gate) * up, or gate alone
-    u: DeviceArray  # up, when gate and up are apart
-    gu: DeviceArray | None  # gate | up, from a stacked matrix
+    def __init__(self, dev: Device, stream: Stream, config: ModelConfig, output: ops.QuantMatrix, *,
+                 int8_activations: bool, tensor_cores: bool, half_kind: str, g: DeviceArray, u: DeviceArray,
+                 gu: DeviceArray | None):
+        self.dev, self.stream, self.config = dev, stream, config
+        self.output = output  # the output projection (its tensor-core scratch is its own)
+        self.int8_activations, self.tensor_cores, self.half_kind = int8_activations, tensor_cores, half_kind
+        self.g = g  # act(gate) * up, or gate alone
+        self.u = u  # up, when gate and up are apart
+        self.gu = gu  # gate | up, from a stacked matrix
 
     def _int8(self, w: ops.QuantMatrix, n: int, tc: bool = True) -> bool:
         """Whether a matmul of n rows runs as the int8 matvec (which can fuse the gated activation)."""
@@ -52,11 +51,11 @@ class CudaMatmuls:
                 and not (tc and self.tensor_cores and n >= TC_MIN_ROWS))
 
     def _staged(self, w: ops.QuantMatrix, n: int, tc: bool = True) -> bool:
-        """Whether _linear runs one row through the staged matvec (matvec.cu qmv)."""
+        """Whether linear() runs one row through the staged matvec (matvec.cu qmv)."""
         return (n == 1 and not (tc and self.tensor_cores and n >= TC_MIN_ROWS) and not self._int8(w, n, tc)
                 and (w.rows < INT8_MIN_ROWS or not ops.kv2_supported(w)))
 
-    def _takes_post_norm(self, w: ops.QuantMatrix, n: int, tc: bool, gated: bool) -> bool:
+    def takes_post_norm(self, w: ops.QuantMatrix, n: int, tc: bool, gated: bool) -> bool:
         """Whether the matvec of w (gated: the stacked gate|up one) can compute its input itself
         (ops.matvec_post_norm), saving the rms_norm_add_norm launch."""
         if n != 1 or not ops.post_norm_supported(w):
@@ -65,15 +64,15 @@ class CudaMatmuls:
             return not self._int8(w, n, tc) and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w)
         return self._staged(w, n, tc)
 
-    def _streamed(self, w: ops.QuantMatrix, n: int) -> bool:
-        """Whether _linear streams one row through a tall Q8_0 matrix (ops.matvec_stream_q8_0)."""
+    def streamed(self, w: ops.QuantMatrix, n: int) -> bool:
+        """Whether linear() streams one row through a tall Q8_0 matrix (ops.matvec_stream_q8_0)."""
         return n == 1 and self.int8_activations and w.rows >= STREAM_MIN_ROWS and ops.stream_q8_0_supported(w)
 
-    def _linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True, argmax=None) -> None:
+    def linear(self, w: ops.QuantMatrix, x, y, n: int, res=None, tc: bool = True, argmax=None) -> None:
         out = w is self.output
-        if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (cuda_step.PostNorms)
+        if isinstance(x, ops.PostNorm):  # one row, normalised by the matvec itself (step.PostNorms)
             ops.matvec_post_norm(self.dev, w, x, y, stream=self.stream)
-        elif self._streamed(w, n):
+        elif self.streamed(w, n):
             ops.matvec_stream_q8_0(self.dev, w, x, y, res=res, argmax=argmax, stream=self.stream)
         elif tc and self.tensor_cores and n >= TC_MIN_ROWS:
             # the output projection has scratch of its own: growing the layers' would move it under graphs
@@ -87,14 +86,14 @@ class CudaMatmuls:
             ops.matvec(self.dev, w, x, y, n=n, res=res, variant="staged" if small else "auto", split=split,
                        stream=self.stream)
 
-    def _gate_up(self, lw: CudaLayer, h, n: int, tc: bool = True) -> bool:
+    def gate_up(self, lw: CudaLayer, h, n: int, tc: bool = True) -> bool:
         """The MLP's gate and up projections. True: a matvec took the stacked matrix and wrote
         act(gate) * up to self.g (the activation in its epilogue: the int8 one for K-quants, the staged
         one for the other types); else self.gu (or self.g, self.u) holds them apart."""
         act = self.config.recipe.act
         if not lw.gate_up_stacked:
-            self._linear(present(lw.w_gate), h, self.g, n, tc=tc)
-            self._linear(present(lw.w_up), h, self.u, n, tc=tc)
+            self.linear(present(lw.w_gate), h, self.g, n, tc=tc)
+            self.linear(present(lw.w_up), h, self.u, n, tc=tc)
             return False
         w = present(lw.w_gu)
         if isinstance(h, ops.PostNorm):  # the staged gated matvec, normalising its input itself
@@ -107,15 +106,15 @@ class CudaMatmuls:
         if not matmul and w.type not in ops.KV2_TYPES and ops.matvec_gated_supported(w):
             ops.matvec_gated(self.dev, w, h, self.g, n=n, act=act, stream=self.stream)
             return True
-        self._linear(w, h, self.gu, n, tc=tc)
+        self.linear(w, h, self.gu, n, tc=tc)
         return False
 
-    def _down(self, lw: CudaLayer, y, n: int, res=None, tc: bool = True, gated: bool = False) -> None:
+    def down(self, lw: CudaLayer, y, n: int, res=None, tc: bool = True, gated: bool = False) -> None:
         """The MLP's down projection of act(gate) * up: already in self.g when `gated`; else the
         activation runs inside the int8 matvec when that takes the step, or as a kernel of its own."""
         cfg, w, act = self.config, present(lw.w_down), self.config.recipe.act
         if gated:
-            self._linear(w, self.g, y, n, res=res, tc=tc)
+            self.linear(w, self.g, y, n, res=res, tc=tc)
             return
         gu = self.gu
         if lw.gate_up_stacked and self._int8(w, n, tc):
@@ -128,4 +127,4 @@ class CudaMatmuls:
                           ffn=cfg.ffn, act=act, ldg=2 * cfg.ffn, ldu=2 * cfg.ffn, ldo=cfg.ffn, stream=self.stream)
         else:
             ops.gated_act(self.dev, self.g, self.u, self.g, n=n, ffn=cfg.ffn, act=act, stream=self.stream)
-        self._linear(w, self.g, y, n, res=res, tc=tc)
+        self.linear(w, self.g, y, n, res=res, tc=tc)

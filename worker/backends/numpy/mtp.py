@@ -1,5 +1,5 @@
 """DeepSeek V4's next-token (MTP) layer on the numpy backend: the readable reference of llama.cpp's
-deepseek4 MTP graph, and what `--spec mtp` drafts with (mtp_drafter.py).
+deepseek4 MTP graph, and what `--spec mtp` drafts with (engine/spec/mtp_drafter.py).
 
 The layer (blk.{n_layers}: its nextn.* tensors and a block's attention and MoE tensors) guesses the
 token after next. At position p it takes the trunk's output streams at p - 1 (h, each stream normed by
@@ -23,18 +23,13 @@ caching and block files carry them with the rest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..model.mtp_file import OWN
-from .backend import SeqChunk
-from .numpy_hyper import attend, hc_merge, hc_mix
-
-if TYPE_CHECKING:
-    from .numpy_hyper import HyperStack
+from ...model.mtp_file import OWN
+from ..base import SeqChunk
+from .hyper import HyperStack, attend, hc_merge, hc_mix
 
 
 class MtpHead:
@@ -58,6 +53,10 @@ class MtpHead:
         fn, scale, base = (pick(OWN + model[role], model[role])
                            for role in ("output_mix_fn", "output_mix_scale", "output_mix_base"))
         self.hc_head = (fn, scale, base)
+
+    @property
+    def block_size(self) -> int:
+        return self.s.block_size
 
     def _t(self, name: str) -> np.ndarray:
         return self.s.w[f"blk.{self.li}.{name}"]

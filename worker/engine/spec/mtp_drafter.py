@@ -1,5 +1,5 @@
 """`--spec mtp`: the model's own next-token (MTP) layer drafts, where the GGUF ships one (DeepSeek V4's
-blk.N.nextn.*; numpy_mtp.MtpHead computes it).
+blk.N.nextn.*; backends/numpy/mtp.MtpHead computes it).
 
 From the last token and the trunk's output streams at the position before it, the layer guesses the
 next token; its own output streams and that guess make the next guess, and so on (llama.cpp drafts
@@ -16,11 +16,20 @@ written over when those positions are computed again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from .numpy_mtp import MtpHead
+from typing import Protocol
 
 MTP_MATCH = 8  # the "match length" its drafts report to the policy (speculation.MATCH_PRIOR): a trained
 # head's first guess stands about as often as a draft model's
+
+
+class DraftHead(Protocol):
+    """The layer that drafts (the numpy backend's MtpHead): k greedy guesses after `token` at position `at`,
+    from the sequence's KV in the pool."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def draft(self, block_table: list[int], token: int, at: int, k: int) -> list[int]: ...
 
 
 class MtpState:
@@ -39,17 +48,17 @@ class MtpState:
 class MtpDrafter:
     name = "mtp"
 
-    def __init__(self, head: MtpHead):
+    def __init__(self, head: DraftHead):
         self.head = head
 
     def new_index(self) -> MtpState:
         return MtpState()
 
     def propose(self, st: MtpState, k: int) -> tuple[list[int], int]:
-        """k guesses after the last token; every position before it is in the pool (the planner drafts
+        """k guesses after the last token; every position before it is in the pool (the scheduler drafts
         only for a sequence whose last token is all it has left to compute)."""
         at = len(st.tokens) - 1
-        if at < 1 or k < 1 or len(st.blocks) * self.head.s.block_size <= at - 1:
+        if at < 1 or k < 1 or len(st.blocks) * self.head.block_size <= at - 1:
             return [], 0
         return self.head.draft(st.blocks, st.tokens[-1], at, k), MTP_MATCH
 

@@ -13,13 +13,13 @@ import numpy as np
 
 from ember.kernels import reference as ops
 
-from ..kvstore.store import Landed
-from ..model.arch.recipe import Rope
-from ..model.config import ModelConfig
-from ..model.rope import inv_frequencies
-from ..model.weights import ModelWeights
-from .backend import Backend, Done, SampledToken, SeqChunk, chunk_logits, present, step_rows
-from .numpy_hyper import HyperStack
+from ...model.arch.recipe import Rope
+from ...model.config import ModelConfig
+from ...model.rope import inv_frequencies
+from ...model.weights import ModelWeights
+from ..base import Backend, Done, Landed, SampledToken, SeqChunk, chunk_logits, present, step_rows
+from .hyper import HyperStack
+from .mtp import MtpHead
 
 
 class NumpyBackend(Backend):
@@ -35,14 +35,17 @@ class NumpyBackend(Backend):
         self._drawn: dict[int, int] = {}  # the last step's draws, by chunk
         self.config, self.weights = config, weights
         self.block_size, self.n_blocks = block_size, n_blocks
-        # a HYPER stack (DeepSeek V4) is numpy_hyper's: its own layer and pool of per-position rows. mtp: the
-        # pool also keeps what its next-token layer drafts from (numpy_mtp.py; --spec mtp)
+        # a HYPER stack (DeepSeek V4) is hyper.py's: its own layer and pool of per-position rows. mtp: the
+        # pool also keeps what its next-token layer drafts from (mtp.py; --spec mtp)
         if mtp and (config.hyper is None or not config.hyper.nextn_layers):
             raise ValueError("the model has no next-token (MTP) layer")
         self.hyper = (HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size, mtp=mtp)
                       if config.hyper else None)
+        self.mtp: MtpHead | None = None  # the next-token layer, where it drafts
         if self.hyper is not None:
             self.kv_layout = "numpy-hyper-mtp-v1" if mtp else "numpy-hyper-v1"
+            if mtp:
+                self.mtp = self.hyper.mtp = MtpHead(self.hyper)
         shape = (0, 0, 0, 0, 0) if self.hyper else (config.n_layers, n_blocks, block_size, config.n_kv_heads,
                                                     config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)

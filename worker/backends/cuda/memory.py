@@ -1,7 +1,7 @@
 """How the CUDA backend divides the device's memory, decided from what the device reports rather than
 from constants, so one configuration works on a 24 GB card, a 141 GB H200 and a DGX Spark:
 
-1. the weights, in their block formats (checked to fit before the upload: cuda_layers.check_fits);
+1. the weights, in their block formats (checked to fit before the upload: layers.check_fits);
 2. the 16-bit copy of the tensor-core matmuls' weights (`--f16-weights auto`): kept where it leaves the
    KV pool at least half of what is free after the weights, never on an integrated GPU (its memory is
    the host's: the copy would take RAM the KV tiers want, for a speed-up the unified memory's bandwidth

@@ -1,7 +1,9 @@
 """One CUDA step's host-side plumbing: where its inputs sit in the pinned staging buffer (StepLayout)
-and on the device (StepInputs), the handle of a launched step (PendingStep), and Gemma's post-norms
-held back until the matvecs that read them are known (PostNorms), and the guard that turns a sticky
-CUDA error into the worker's ContextPoisoned. cuda_backend.py drives them.
+and on the device (StepInputs), the handle of a launched step (PendingStep: it reads its results from
+the host buffers it is told they land in), Gemma's post-norms held back until the matvecs that read
+them are known (PostNorms, over the buffers it is given), and the guard that turns a sticky CUDA
+error into the worker's ContextPoisoned. backend.py and forward.py drive them; none of them holds
+the backend.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from ember.kernels import ops
 from ember.kernels.cuda_runtime import DeviceArray
 from ember.kernels.errors import StickyCudaError
 
-from .backend import ContextPoisoned
+from ..base import ContextPoisoned, SampledToken, present
 
 if TYPE_CHECKING:
-    from .cuda_backend import CudaBackend
+    from ember.kernels.cuda_runtime import Device, Event, HostBuffer
+
+    from .matmul import Matmuls
 
 
 def poison_guard(fn):
@@ -80,17 +84,30 @@ class StepInputs:
                    buf.view_bytes(lay.sample, ops.SampleParams.nbytes(r), np.uint8))
 
 
+@dataclass
+class Landing:
+    """Where a launched step's results arrive on the host: `done` is recorded once they have, `tokens`
+    holds the draws (its first n_out int32) and `logits` the logits rows the host wants, in order."""
+
+    dev: Device
+    done: Event
+    tokens: HostBuffer
+    logits: HostBuffer | None  # None: no row's logits come to the host
+    vocab: int
+
+
 class PendingStep:
     """A launched step. result() waits for the device and returns what forward() would have."""
 
-    def __init__(self, backend: CudaBackend, slot: int, chunks, want, sampled, n_out):
-        self.backend, self.slot, self.chunks, self.n_out = backend, slot, chunks, n_out
+    def __init__(self, slot: int, chunks, want, sampled, n_out):
+        self.slot, self.chunks, self.n_out = slot, chunks, n_out
         starts = row_starts(want)
         self.sampled = sampled
         first = {si: r for r, (si, _, _) in zip(starts, want, strict=True)}
-        self.drawn_rows = {si: first[si] for si in sampled}  # chunk -> its row of d_tokens_out
+        self.drawn_rows = {si: first[si] for si in sampled}  # chunk -> its row of the slot's draws
         self.host_rows = [(si, r, cnt) for r, (si, _, cnt) in zip(starts, want, strict=True)
                           if si not in self.drawn_rows]
+        self.landing: Landing | None = None  # set once its copies to the host are queued
         self._outputs: list | None = None
         self._error: Exception | None = None
 
@@ -99,11 +116,29 @@ class PendingStep:
             raise self._error
         if self._outputs is None:
             try:
-                self._outputs = self.backend._collect(self)
+                self._outputs = self._collect()
             except Exception as e:  # raised once more to whoever asks again, not to the next step
                 self._error = e
                 raise
         return self._outputs
+
+    @poison_guard
+    def _collect(self) -> list:
+        """Wait for the results to land and read them: a SampledToken for each chunk drawn on the
+        device, float32 logits [rows, vocab] for the others."""
+        land = present(self.landing)
+        land.dev.make_current()
+        land.done.synchronize()
+        out: list = [None] * len(self.chunks)
+        if self.sampled:
+            toks = host_view(land.tokens.array, 0, self.n_out, np.int32)
+            for si, row in self.drawn_rows.items():
+                out[si] = SampledToken(int(toks[row]))
+        at, V = 0, land.vocab
+        for si, _, cnt in self.host_rows:
+            out[si] = host_view(present(land.logits).array, at, cnt * V, np.float32).reshape(cnt, V).copy()
+            at += cnt * V * 4
+        return out
 
 
 class PostNorms:
@@ -113,9 +148,11 @@ class PostNorms:
     first writing the new residual to the other of two buffers (the rest of its grid still reads the
     old one), which saves a launch per post-norm; otherwise rms_norm_add_norm runs in place first."""
 
-    def __init__(self, backend: CudaBackend, n: int, tc: bool):
-        self.b, self.n, self.tc = backend, n, tc
-        self.x, self.spare = backend.x, backend.x_alt  # the residual now, and the other buffer (or None)
+    def __init__(self, mm: Matmuls, n: int, tc: bool, x: DeviceArray, spare: DeviceArray | None, h: DeviceArray):
+        """x: the residual; spare: the residual's second buffer (None: matvecs never take the norm); h:
+        where rms_norm_add_norm writes the normed rows."""
+        self.mm, self.n, self.tc, self.h = mm, n, tc, h
+        self.x, self.spare = x, spare  # the residual now, and the other buffer (or None)
         self.pending: tuple | None = None
 
     def defer(self, o, w1, w2) -> None:
@@ -123,18 +160,18 @@ class PostNorms:
 
     def inputs(self, mats: list, gated: bool = False) -> list:
         """What each matrix in mats reads as h: a PostNorm each, or the h buffer (after the launch)."""
-        b = self.b
+        mm = self.mm
         if self.pending is None:
-            return [b.h] * len(mats)
+            return [self.h] * len(mats)
         (o, w1, w2), self.pending = self.pending, None
-        if mats and self.spare is not None and all(b._takes_post_norm(w, self.n, self.tc, gated) for w in mats):
-            out = [ops.PostNorm(o, self.x, self.spare if i == 0 else None, w1, w2, b.config.norm_eps)
+        if mats and self.spare is not None and all(mm.takes_post_norm(w, self.n, self.tc, gated) for w in mats):
+            out = [ops.PostNorm(o, self.x, self.spare if i == 0 else None, w1, w2, mm.config.norm_eps)
                    for i in range(len(mats))]
             self.x, self.spare = self.spare, self.x
             return out
-        ops.rms_norm_add_norm(b.dev, o, w1, self.x, w2, b.h, eps=b.config.norm_eps, rows=self.n,
-                              cols=b.config.hidden, stream=b.stream)
-        return [b.h] * len(mats)
+        ops.rms_norm_add_norm(mm.dev, o, w1, self.x, w2, self.h, eps=mm.config.norm_eps, rows=self.n,
+                              cols=mm.config.hidden, stream=mm.stream)
+        return [self.h] * len(mats)
 
 
 def row_starts(want) -> list[int]:
