@@ -25,6 +25,18 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "GT_Q6_K": 14,
     "GT_BF16": 30,
     "GT_Q6_KP": 1014,  # not a ggml type: Q6_K with its blocks padded to 16-byte alignment on the device
+    "GT_Q4_1": 3,
+    "GT_Q5_1": 7,
+    "GT_Q2_K": 10,
+    "GT_Q3_K": 11,
+    "GT_IQ2_XXS": 16,
+    "GT_IQ2_XS": 17,
+    "GT_IQ3_XXS": 18,
+    "GT_IQ4_NL": 20,
+    "GT_IQ3_S": 21,
+    "GT_IQ2_S": 22,
+    "GT_IQ4_XS": 23,
+    "GT_MXFP4": 39,
     # quantized block formats (ggml-common.h), elements and bytes a block: quant.cuh QT<T>::ELEMS, BYTES
     "BLOCK_ELEMS_Q4_0": 32,
     "BLOCK_BYTES_Q4_0": 18,
@@ -40,6 +52,30 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "BLOCK_BYTES_Q6_K": 210,
     "BLOCK_ELEMS_Q6_KP": 256,
     "BLOCK_BYTES_Q6_KP": 224,  # 210 + 14 zero bytes (ops.repack_q6_k)
+    "BLOCK_ELEMS_Q4_1": 32,
+    "BLOCK_BYTES_Q4_1": 20,
+    "BLOCK_ELEMS_Q5_1": 32,
+    "BLOCK_BYTES_Q5_1": 24,
+    "BLOCK_ELEMS_Q2_K": 256,
+    "BLOCK_BYTES_Q2_K": 84,
+    "BLOCK_ELEMS_Q3_K": 256,
+    "BLOCK_BYTES_Q3_K": 110,
+    "BLOCK_ELEMS_IQ2_XXS": 256,
+    "BLOCK_BYTES_IQ2_XXS": 66,
+    "BLOCK_ELEMS_IQ2_XS": 256,
+    "BLOCK_BYTES_IQ2_XS": 74,
+    "BLOCK_ELEMS_IQ2_S": 256,
+    "BLOCK_BYTES_IQ2_S": 82,
+    "BLOCK_ELEMS_IQ3_XXS": 256,
+    "BLOCK_BYTES_IQ3_XXS": 98,
+    "BLOCK_ELEMS_IQ3_S": 256,
+    "BLOCK_BYTES_IQ3_S": 110,
+    "BLOCK_ELEMS_IQ4_NL": 32,
+    "BLOCK_BYTES_IQ4_NL": 18,
+    "BLOCK_ELEMS_IQ4_XS": 256,
+    "BLOCK_BYTES_IQ4_XS": 136,
+    "BLOCK_ELEMS_MXFP4": 32,
+    "BLOCK_BYTES_MXFP4": 17,
     # matvec.cu (the staged matvec)
     "MATVEC_WARPS": 4,  # warps a block
     "XPRO_COLS": 1024,  # columns of x a qmvx / qmvgx block makes itself: 8 a thread
@@ -95,13 +131,19 @@ ATTN_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)  # attention.cu, flash.cu
 ATTN_GROUPS: tuple[int, ...] = (1, 2, 4, 8)  # query heads a kv head: attn, attn_decode, attn_warp
 NORM_COLS_PER_THREAD: tuple[int, ...] = (4, 8)  # norm.cu rms_norm*_e{4,8}
 
+# The rest of what the numpy backend reads (issue 39: the 2-5-bit K- and i-quants and MXFP4 of
+# mixture-of-experts models), which the kernels decode through quant.cuh's block decoders only (no
+# column-resident or int8 matvec of their own yet).
+LOW_BIT_TYPES: tuple[str, ...] = ("q4_1", "q5_1", "q2_k", "q3_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
+                                  "iq4_nl", "iq4_xs", "mxfp4")
 # The device types the kernels read, by the names used in module and kernel names (matvec_<name>).
-KERNEL_TYPES: tuple[str, ...] = ("f32", "f16", "q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "bf16", "q6_kp")
+KERNEL_TYPES: tuple[str, ...] = ("f32", "f16", "q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "bf16", "q6_kp",
+                                 *LOW_BIT_TYPES)
 GGML_TYPE_IDS: dict[str, int] = {name: KERNEL_CONSTANTS[f"GT_{name.upper()}"] for name in KERNEL_TYPES}
 GGML_TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPE_IDS.items()}
 
-# The block types qgemm.cu decodes on load (a module each): the 32-element legacy and the K-quants.
-QGEMM_TYPES: tuple[str, ...] = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_kp")
+# The block types qgemm.cu decodes on load (a module each): every quantized type the device keeps.
+QGEMM_TYPES: tuple[str, ...] = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_kp", *LOW_BIT_TYPES)
 
 # (elements, bytes) a block of each type, the float types first (a float type's block is one element)
 BLOCK_SIZES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2)} | {

@@ -110,13 +110,18 @@ def test_config_reads_the_experts(tiny_moe):
     assert cfg.recipe.moe is not None and cfg.recipe.qk_norm
 
 
-def test_the_cuda_backend_refuses_types_it_has_no_kernels_for_in_one_line(tmp_path):
-    from ember.worker.backends.cuda.layers import check_runs
+def test_the_cuda_backend_takes_every_type_numpy_reads_and_refuses_others_in_one_line(tmp_path, monkeypatch):
+    """The tiny low-bit model holds every 2-5-bit type ember reads (issue 39: each has CUDA kernels now; run
+    there: test_cuda_backend.py). A type without kernels is refused in one line, naming it."""
+    from ember.worker.backends.cuda import layers as cuda_layers
 
     g = GGUFFile(synth.make_model("qwen3moe", "tiny-lowbit", tmp_path / "lowbit.gguf"))
+    cuda_layers.check_runs(g, read_config(g))
+    fewer = {k: v for k, v in cuda_layers.BLOCK_SIZES.items() if k != "iq2_xxs"}
+    monkeypatch.setattr(cuda_layers, "BLOCK_SIZES", fewer)
     with pytest.raises(ModelFileError) as e:
-        check_runs(g, read_config(g))
-    assert "has quant type" in str(e.value) and "--backend numpy" in str(e.value)
+        cuda_layers.check_runs(g, read_config(g))
+    assert "has quant type IQ2_XXS" in str(e.value) and "--backend numpy" in str(e.value)
     assert "\n" not in str(e.value)
 
 

@@ -39,7 +39,17 @@ struct XPro {
 
 template <int VEC> struct VecT;
 template <> struct VecT<16> { typedef uint4 T; };
+template <> struct VecT<8> { typedef uint2 T; };
+template <> struct VecT<4> { typedef u32 T; };
 template <> struct VecT<2> { typedef u16 T; };
+
+// The widest load (16, 8, 4 or 2 bytes) at which every chunk of the SPLIT kernels (CB / MATVEC_WARPS
+// blocks) starts aligned: a quarter of a chunk of 66-110-byte blocks is not 16 bytes' multiple
+template <int T>
+struct SplitVec {
+    static constexpr int BYTES = QT<T>::CB / MATVEC_WARPS * QT<T>::BYTES;
+    static constexpr int VEC = BYTES % 16 == 0 ? 16 : BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : 2;
+};
 
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
 // row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
@@ -64,6 +74,7 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
     constexpr int WS = SPLIT ? MATVEC_WARPS : 1;  // warps a row
     constexpr int CB = Q::CB / WS;            // blocks a chunk
     constexpr int CHUNK = CB * Q::BYTES;
+    static_assert(CHUNK % VEC == 0, "every chunk starts VEC-aligned (a QT's CB)");
     constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
     __shared__ __align__(16) u8 smem[MATVEC_WARPS][R][NVR * 32 * VEC];
     // XP: this block's x; XSTAGE (batch 1): x copied in once (a row of at most XSTAGE_COLS), so the
@@ -268,12 +279,12 @@ QMV(4, 1, 16) QMV(4, 2, 16) QMV(4, 4, 16)
 QMV(8, 1, 16) QMV(8, 2, 16) QMV(8, 4, 16)
 QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
 
-// R wide rows a block, their chunks shared by the block's warps (16-byte rows)
+// R wide rows a block, their chunks shared by the block's warps (16-byte rows; chunks loaded SplitVec wide)
 #define QMVS(R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                      \
         qmvs_b1_r##R(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, \
                      const float* res, float* y) {                                                       \
-        qmv<1, R, 16, false, XK_NONE, true>(W, row_bytes, rows, cols, x, 1, res, y);                    \
+        qmv<1, R, SplitVec<QTYPE>::VEC, false, XK_NONE, true>(W, row_bytes, rows, cols, x, 1, res, y);   \
     }
 QMVS(1) QMVS(2) QMVS(4)
 

@@ -10,7 +10,8 @@
 // bits of 2^23 (one PRMT), and 2^23 (+ offset) subtracted (one FADD): exact for 0 <= b < 2^23.
 //
 // Layouts follow ggml-common.h byte for byte; the block sizes (BLOCK_ELEMS_*, BLOCK_BYTES_*) and the
-// ggml type ids (GT_*) come from kernels/constants.py. Blocks of the 32-element types and Q6_K are
+// ggml type ids (GT_*) come from kernels/constants.py. Each type also says CB, the blocks a chunk of
+// matvec.cu's staging holds: about 1-2 KB, a multiple of 16 bytes. Blocks of the 32-element types and Q6_K are
 // only 2-byte aligned, so their fields are read with 16-bit loads unless the caller knows better
 // (ALIGNED).
 #pragma once
@@ -226,3 +227,6 @@ template <> struct QT<GT_Q6_KP> : QT<GT_Q6_K> {
     static constexpr int BYTES = BLOCK_BYTES_Q6_KP;
     static constexpr bool SMEM_A8 = true;
 };
+
+// Q4_1, Q5_1, Q2_K, Q3_K, the i-quants and MXFP4
+#include "quant_lowbit.cuh"

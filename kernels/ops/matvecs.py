@@ -101,6 +101,9 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
         return
     rb = w.row_bytes
     vec = 16 if rb % 16 == 0 and w.data.ptr % 16 == 0 else 2
+    if rb % 2:  # MXFP4 rows of an odd number of 17-byte blocks, kept packed (upload pads them by default)
+        raise ValueError(f"the staged matvec takes rows of an even number of bytes; {w.type} rows of {rb} are odd "
+                         "(upload them with align_rows)")
     if split:
         if n != 1 or vec != 16:
             raise ValueError("the split matvec takes one row of x and 16-byte aligned rows")
