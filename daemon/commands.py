@@ -127,10 +127,14 @@ def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen[bytes] | Non
                 after_incarnation: int | None = None, quiet: bool = False) -> int:
     deadline = time.monotonic() + timeout
     last = None
+    told_port = False
     while time.monotonic() < deadline:
         st = _status(lay)
         if st:
             last = st
+            if st.get("port_conflict") and not told_port and not quiet:  # said once; the daemon keeps trying
+                told_port = True
+                print(f"ember: {_port_line(st['port_conflict'])}; waiting for it", file=sys.stderr)
             inc = (st.get("worker") or {}).get("incarnation") or 0
             fresh = after_incarnation is None or inc > after_incarnation
             if st.get("state") == Status.READY and fresh:
@@ -289,9 +293,21 @@ def _unsupervised(lay: Layout) -> dict[str, Any] | None:
     return None
 
 
+def _port_line(pc: dict[str, Any]) -> str:
+    """Another process holds the worker's port: who, since when, and the daemon's next try."""
+    who = f"by pid {pc['pid']} ({pc.get('command')})" if pc.get("pid") else "by another process"
+    left = datetime.fromisoformat(pc["retry_at"]).timestamp() - time.time() if pc.get("retry_at") else None
+    nxt = f"next try in {_ago(max(0.0, left))}" if left is not None else "trying again"
+    return (f"port {pc.get('port')} on {pc.get('host')} held {who} since {str(pc.get('since'))[11:19]} UTC; "
+            f"{nxt} (try {pc.get('tries')})")
+
+
 def _health_lines(st: dict[str, Any]) -> list[str]:
-    """The circuit breaker, failing liveness and a degraded log watcher, when there is news."""
+    """The circuit breaker, a port held by another process, failing liveness and a degraded log
+    watcher, when there is news."""
     out = []
+    if st.get("port_conflict"):
+        out.append("  port     " + _port_line(st["port_conflict"]))
     br = st.get("breaker") or {}
     if br.get("state") == "open":
         retry = br.get("retry_at")

@@ -53,6 +53,7 @@ def build_status(life: Lifecycle, *, daemon: dict[str, Any], log_watch: dict[str
         "last_crash": life.last_crash,
         "last_recovery_seconds": life.last_recovery_seconds,
         "breaker": policy.status(now),
+        "port_conflict": life.port_conflict,
         "liveness": w.live.status(now_m, s) if life.phase is Phase.RUNNING else None,
         "log_watch": log_watch,
         "probes": {"live": _last(life.health, Probe.LIVE), "ready": _last(life.health, Probe.READY, Probe.STARTUP)},

@@ -32,6 +32,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad arguments (argparse's own code)
     NOT_RUNNING = 3  # `ember status` with no daemon running (LSB's "program is not running")
     NOT_INSTALLED = 3  # `ember service status` with no autostart installed (the same number)
+    PORT_BUSY = 69  # the worker's port is held by another process: retried with backoff (EX_UNAVAILABLE)
     POISONED = 75  # the worker's compute context is poisoned: restart it now (sysexits' EX_TEMPFAIL)
     CONFIG = 78  # a configuration error: restarting cannot help, so nothing restarts it (EX_CONFIG)
     INTERRUPTED = 130  # Ctrl-C at a terminal (128 + SIGINT)
@@ -72,6 +73,7 @@ class Event(enum.StrEnum):
     PREEMPT = "preempt"  # a running request gave its KV blocks back and waits again
     ENGINE_POISONED = "engine_poisoned"  # a sticky CUDA error: the context is unusable from here on
     THREAD_DIED = "thread_died"  # a guarded worker thread died (also the `error.name` /health/live reports)
+    PORT_BUSY = "port_busy"  # the worker could not bind its port (held by another process); exit PORT_BUSY next
 
 
 OUTCOMES = (Event.COMPLETED, Event.FAILED, Event.CANCELED, Event.REFUSED)
@@ -90,6 +92,7 @@ REQUIRED_FIELDS: dict[Event, tuple[str, ...]] = {
     Event.PREEMPT: ("request_id", "seq"),
     Event.ENGINE_POISONED: ("code", "name", "message"),
     Event.THREAD_DIED: ("thread", "error"),
+    Event.PORT_BUSY: ("host", "port", "error"),
 }
 
 

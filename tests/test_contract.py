@@ -26,7 +26,7 @@ PACKAGES = ("daemon", "worker", "kernels", "ops")
 
 # -- what only the contract may spell ----------------------------------------------------------------
 
-EXIT_VALUES = {ExitCode.POISONED.value, ExitCode.CONFIG.value}  # 0, 1 and 2 are everyone's
+EXIT_VALUES = {ExitCode.POISONED.value, ExitCode.CONFIG.value, ExitCode.PORT_BUSY.value}  # 0-3 are everyone's
 EXIT_TEXT = re.compile(r"(?i)exit(?:\s*(?:code|status))?\s*[=:(]?\s*(?:" + "|".join(map(str, EXIT_VALUES)) + r")\b")
 EXIT_CALLS = {"exit", "_exit", "SystemExit"}
 EXIT_KEYWORDS = {"code", "exit_code", "exitcode", "returncode"}
@@ -324,7 +324,7 @@ def test_bad_sizes_and_durations_name_the_setting_in_each_sides_error():
 
 
 def test_the_values_design_md_promises():
-    assert (ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG) == (0, 75, 78)
+    assert (ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG, ExitCode.PORT_BUSY) == (0, 75, 78, 69)
     assert [s.value for s in HealthState] == ["loading", "ready", "draining", "poisoned"]
     assert [e.value for e in OUTCOMES] == ["completed", "failed", "canceled", "refused"]
     assert REQUIRED_FIELDS[Event.ADMIT] == ("request_id", "seq", "cached_tokens", "new_tokens")

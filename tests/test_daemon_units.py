@@ -133,6 +133,17 @@ def test_unresponsive_kills_do_not_count_toward_the_breaker():
     assert [p.on_failure(30.0 + t, detect.HANG).restart for t in range(3)] == [True, True, False]  # crashes do
 
 
+def test_a_busy_port_backs_off_and_never_counts_toward_the_breaker():
+    from ember.daemon.policy import PORT_BUSY
+
+    p = RestartPolicy(base=1.0, max=8.0, crashes=2, window=600)
+    delays = [p.on_failure(float(t), PORT_BUSY).delay for t in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]  # the ordinary backoff, capped: one step after the port frees
+    assert p.times == [] and p.state() == "closed"
+    p.half_open()  # a conflict during the try after a cool-down is not the try failing
+    assert p.on_failure(10.0, PORT_BUSY).restart and p.state() == "half-open"
+
+
 def test_breaker_cools_down_tries_once_and_closes_or_opens_again():
     p = RestartPolicy(crashes=2, window=600, cooldown=300)
     p.on_failure(0.0, "crash-exit")

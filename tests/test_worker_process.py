@@ -6,6 +6,7 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -125,6 +126,34 @@ def test_cuda_backend_without_a_gpu_is_a_configuration_error(worker_env):
     p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(free_port()),
                         "--backend", "cuda"], env=worker_env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 78 and "cuda is not available" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_busy_port_exits_port_busy_with_one_json_line(worker_env):
+    """Another process listens on the port: the worker says so in its JSON log, before loading the
+    model, and exits ExitCode.PORT_BUSY (the daemon retries it), with no traceback and no raw line."""
+    from ember.ops.contract import Event, ExitCode, missing_fields, parse_log_line
+
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(port)], env=worker_env,
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == ExitCode.PORT_BUSY, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # no model loaded first
+    records = [parse_log_line(x) for x in p.stderr.splitlines()]
+    assert None not in records, p.stderr  # every line is JSON
+    busy = [r for r in records if r and r["event"] == Event.PORT_BUSY]
+    assert len(busy) == 1 and busy[0]["port"] == port and "already in use" in busy[0]["error"]
+    assert missing_fields(busy[0]) == () and busy[0]["level"] == "error"
+    assert not [r for r in records if r and r["event"] == Event.READY]
+
+
+def test_an_address_of_another_machine_is_a_configuration_error(worker_env):
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--host", "192.0.2.1", "--port",
+                        str(free_port())], env=worker_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_fault_injection_refused_off_loopback(worker_env):

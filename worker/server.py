@@ -1,8 +1,10 @@
 """`ember worker`: load the model, start the engine, serve HTTP, and stop by the contract.
 
 Exit codes (DESIGN.md): 0 clean stop; 75 poisoned compute context (restart now); 78 configuration
-error (do not restart). SIGTERM drains: readiness turns `draining`, admissions stop, in-flight
-work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits at once.
+error (do not restart); 69 the port is held by another process (listen.py; the daemon retries with
+backoff). The port is bound before anything loads. SIGTERM drains: readiness turns `draining`,
+admissions stop, in-flight work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits
+at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from ember.ops.contract import Event, ExitCode, HealthState
 
 from . import config as worker_config
+from . import listen
 from .logs import log
 
 EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
@@ -175,6 +178,15 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     log(Event.CONFIG, version=_version(), pid=os.getpid(), config=worker_config.redacted(cfg),
         sources={k: v for k, v in sources.items() if v != "default"})
     try:
+        listeners = listen.bind(cfg.host, cfg.port)
+    except listen.PortBusy as e:
+        log(Event.PORT_BUSY, level="error", host=cfg.host, port=cfg.port, error=str(e))
+        log("exit", code=ExitCode.PORT_BUSY)
+        return ExitCode.PORT_BUSY
+    except worker_config.ConfigError as e:
+        log(Event.CONFIG_ERROR, level="error", error=str(e))
+        return EX_CONFIG
+    try:
         faults = FaultInjector(parse_faults(cfg.fault))
         model_path = resolve_model_path(cfg.model)
     except (ModelFileError, FaultSpecError) as e:
@@ -259,7 +271,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             loop.add_signal_handler(sig, on_signal, sig)
         loop.create_task(watch_poison())
         loader = loop.create_task(load_then_serve())
-        await server.serve()
+        await server.serve(sockets=listeners)
         if not server.started:
             exit_code[0] = exit_code[0] or 1
         loader.cancel()

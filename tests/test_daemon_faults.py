@@ -1,0 +1,108 @@
+"""Faults an always-on host must ride out, on the daemon's side (issue 38), with the real CLI, daemon and
+supervisord around the stand-in engine (tests/test_daemon_standin.py): a port another process takes for a
+while, before the daemon starts or after a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from test_daemon_support import Ember, kill
+
+
+@contextlib.contextmanager
+def holding(port: int, timeout: float = 10.0):
+    """Listen on 127.0.0.1:`port` (as soon as it is free, within `timeout`) until the block ends."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                s.close()
+                raise
+            time.sleep(0.005)
+    s.listen(1)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_port_taken_after_a_crash_is_retried_with_backoff_and_named(ember: Ember):
+    """SIGKILL, then another process binds the worker's port for a few seconds: the daemon backs off
+    (not `failed`, no bundle for the conflict, the breaker untouched), `ember status` names the holder and
+    the next try, and the worker serves again within one backoff step of the port coming free."""
+    e = ember
+    e.configure(command=e.standin(), backoff_base="0.5s", backoff_max="1s", breaker_crashes=2)
+    assert e.start().returncode == 0
+    pid = e.status()["worker"]["pid"]
+    kill(pid, signal.SIGKILL)
+    with holding(e.port):
+        st = e.wait(lambda s: (s.get("port_conflict") or {}).get("tries", 0) >= 3, 20, "three tries on a busy port")
+        assert st["state"] == "backoff" and st["failed_reason"] is None and st["next_restart_in"] is not None
+        pc = st["port_conflict"]
+        assert pc["pid"] == os.getpid() and pc["port"] == e.port and pc["retry_at"] and pc["since"]
+        assert f"port {e.port}" in st["not_ready_reason"] and f"pid {os.getpid()}" in st["not_ready_reason"]
+        assert st["breaker"]["state"] == "closed"  # more conflicts than breaker_crashes, never counted
+        human = e.run("status")
+        assert f"held by pid {os.getpid()}" in human.stdout and "next try in" in human.stdout, human.stdout
+        freed = time.monotonic()
+    st = e.wait_ready(after_restarts=1, timeout=20)
+    waited = time.monotonic() - freed
+    assert waited < 1.0 + 3.0, waited  # backoff_max, and the stand-in's start
+    assert st["port_conflict"] is None and st["worker"]["pid"] != pid
+    assert len(e.bundles()) == 1  # the SIGKILL; the conflict itself is no crash
+    busy = e.daemon_events("port_busy")
+    assert len(busy) >= 3 and busy[0]["pid"] == os.getpid() and busy[0]["level"] == "warning"
+    assert e.daemon_events("port_free")
+    assert e.daemon_events("worker_failed") == []
+
+
+def test_a_port_taken_before_the_daemon_starts_waits_and_serves(ember: Ember):
+    """`ember start` while someone else listens on the port: it says who, keeps waiting while the daemon
+    retries, and returns ready once the port is free."""
+    e = ember
+    e.configure(command=e.standin(), backoff_base="0.3s", backoff_max="1s")
+    with holding(e.port):
+        proc = subprocess.Popen([sys.executable, "-m", "ember.daemon.cli_main", "start", "--timeout", "40"],
+                                env=e.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            st = e.wait(lambda s: s.get("port_conflict") is not None, 20, "the port conflict")
+            assert st["state"] == "backoff" and st["_rc"] == 1
+            time.sleep(2.0)  # a few tries while the port stays taken: still waiting, not failed
+            assert proc.poll() is None and e.status()["state"] == "backoff"
+        except BaseException:
+            proc.kill()
+            raise
+    out, err = proc.communicate(timeout=40)
+    assert proc.returncode == 0, err
+    assert f"port {e.port}" in err and "held by pid" in err and "waiting for it" in err
+    assert "ember is ready" in out
+    st = e.status()
+    assert st["state"] == "ready" and st["port_conflict"] is None and e.bundles() == []
+
+
+def test_a_worker_that_exits_port_busy_is_retried_not_failed(ember: Ember):
+    """The worker's own exit code for a port it could not bind (ExitCode.PORT_BUSY: the port was taken
+    between the daemon's check and the worker's bind) backs off and retries, without a crash bundle."""
+    from ember.ops.contract import ExitCode
+
+    e = ember
+    e.configure(command=e.standin("--fault", f"exit:code={int(ExitCode.PORT_BUSY)}:after=0", "--once",
+                                  str(e.tmp / "once")))
+    e.run("start", "--no-wait")
+    st = e.wait_ready(timeout=30)
+    assert e.bundles() == [] and st["state"] == "ready"
+    exits = e.daemon_events("worker_exit")
+    assert [x["code"] for x in exits] == [int(ExitCode.PORT_BUSY)]
+    assert e.daemon_events("port_busy") and e.daemon_events("worker_failed") == []
+    assert [p["to"] for p in e.daemon_events("phase")][-3:] == ["backoff", "starting", "running"]
