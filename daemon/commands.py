@@ -26,7 +26,7 @@ from . import control, supctl
 from .paths import Layout, layout, read_json
 from .phases import Status
 from .procs import alive
-from .settings import SettingsError, load
+from .settings import Settings, SettingsError, load
 
 EX_OK, EX_FAIL, EX_NOT_RUNNING, EX_CONFIG = ExitCode.OK, ExitCode.FAILURE, ExitCode.NOT_RUNNING, ExitCode.CONFIG
 
@@ -45,9 +45,43 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", help="the worker's port (default 8080)")
 
 
-def _flags(args: argparse.Namespace) -> dict[str, Any]:
+def _flags(args: argparse.Namespace | None) -> dict[str, Any]:
     return {k: getattr(args, k, None) for k in ("command", "health_url", "ready_url", "completions_url", "log_file",
                                                 "host", "port")}
+
+
+def _settings(args: argparse.Namespace | None = None) -> Settings:
+    """The daemon's settings as every verb reads them: --config first (made absolute, so a daemon the
+    verb starts reads the same file), then the engine flags over ember.toml. Raises SettingsError."""
+    path = getattr(args, "config", None)
+    if path:
+        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(path))
+    return load(_flags(args))
+
+
+def _setting(read: Callable[[Settings], float], fallback: float) -> float:
+    """What the settings make of a verb's default (a wait), or `fallback` where ember.toml does not
+    load: stopping or restarting must not depend on a file a person is editing."""
+    try:
+        return read(_settings())
+    except SettingsError:
+        return fallback
+
+
+def _refuse(prog: str, e: Exception | str) -> int:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return EX_CONFIG
+
+
+def _worker_config_error(settings: Settings) -> str | None:
+    """The ember worker's own verdict on ember.toml (its loader, in a subprocess: the daemon never
+    imports the worker), so that `ember start` refuses a misspelled worker key before anything
+    starts; None when it loads (or a foreign engine runs, which reads no worker keys)."""
+    if settings.foreign:
+        return None
+    from .config_show import worker_config
+
+    return worker_config(dict(os.environ)).get("error")
 
 
 def cmd_daemon(argv: list[str]) -> int:
@@ -57,13 +91,10 @@ def cmd_daemon(argv: list[str]) -> int:
     _add_engine_flags(r)
     r.add_argument("--mode", choices=("foreground", "background"), default="foreground", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.config:
-        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
-        settings = load(_flags(args))
+        settings = _settings(args)
     except SettingsError as e:
-        print(f"ember daemon: {e}", file=sys.stderr)
-        return EX_CONFIG
+        return _refuse("ember daemon", e)
     if settings.fleet:
         from .fleet import Fleet, check_router_installed
 
@@ -71,8 +102,7 @@ def cmd_daemon(argv: list[str]) -> int:
             check_router_installed()
             return Fleet(settings, layout(), mode=args.mode).run()
         except SettingsError as e:
-            print(f"ember daemon: {e}", file=sys.stderr)
-            return EX_CONFIG
+            return _refuse("ember daemon", e)
         except KeyboardInterrupt:
             return EX_OK
     from .core import Daemon, DaemonError
@@ -164,13 +194,13 @@ def cmd_start(argv: list[str]) -> int:
                    help="seconds to wait for ready (default: startup_timeout + 30)")
     p.add_argument("--no-wait", action="store_true", help="return once the daemon runs")
     args = p.parse_args(argv)
-    if args.config:
-        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
-        settings = load(_flags(args))
+        settings = _settings(args)
     except SettingsError as e:
-        print(f"ember: {e}", file=sys.stderr)
-        return EX_CONFIG
+        return _refuse("ember", e)
+    bad = _worker_config_error(settings)
+    if bad:
+        return _refuse("ember", bad)
     lay = layout().ensure()
     timeout = args.timeout or settings.startup_timeout + 30
     st = _status(lay)
@@ -210,11 +240,7 @@ def cmd_stop(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: drain time + 30)")
     args = p.parse_args(argv)
     lay = layout()
-    try:
-        settings = load()
-        timeout = args.timeout or settings.effective_stop_timeout + 30
-    except SettingsError:
-        timeout = args.timeout or 65.0
+    timeout = args.timeout or _setting(lambda s: s.effective_stop_timeout + 30, 65.0)
     st = _status(lay)
     if st is None:
         if supctl.alive(lay.supervisor_sock):  # a daemon died and left supervisord serving
@@ -259,11 +285,13 @@ def cmd_restart(argv: list[str]) -> int:
     st = _status(lay)
     if st is None:
         return cmd_start(["--timeout", str(args.timeout)] if args.timeout else [])
-    try:
-        settings = load()
-        timeout = args.timeout or settings.effective_stop_timeout + settings.startup_timeout + 30
-    except SettingsError:
-        timeout = args.timeout or 400.0
+    try:  # the daemon re-reads ember.toml for the new worker: refuse a file that would not load
+        bad = _worker_config_error(_settings())
+    except SettingsError as e:
+        bad = str(e)
+    if bad:
+        return _refuse("ember", bad)
+    timeout = args.timeout or _setting(lambda s: s.effective_stop_timeout + s.startup_timeout + 30, 400.0)
     inc = (st.get("worker") or {}).get("incarnation") or 0
     control.request(lay.control_sock, "restart")
     return _wait_ready(lay, timeout, after_incarnation=inc)

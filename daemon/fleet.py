@@ -127,10 +127,9 @@ def configured_kv_dir(s: Settings, env: dict[str, str]) -> str | None:
     if env.get("EMBER_KV_DIR"):
         return env["EMBER_KV_DIR"]
     if s.config_path:
-        with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
-            data = tomllib.loads(Path(s.config_path).read_text())
-            sec = data.get("worker", data)
-            if isinstance(sec, dict) and isinstance(sec.get("kv_dir"), str):
+        with contextlib.suppress(OSError, ValueError):  # (load() has read and checked the file already)
+            sec, _ = contract.config_sections(tomllib.loads(Path(s.config_path).read_text()), s.config_path)
+            if isinstance(sec.get("kv_dir"), str):
                 return os.path.expanduser(sec["kv_dir"])
     return None
 

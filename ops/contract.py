@@ -12,11 +12,12 @@ only part of this contract; the daemon also reads raw CUDA error strings (daemon
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,52 @@ def cache_dir(env: Mapping[str, str] | None = None, *, system: bool | None = Non
 
 def config_file(env: Mapping[str, str] | None = None, *, system: bool | None = None) -> Path:
     return _place(env, system, ENV_CONFIG, SYSTEM_CONFIG_DIR / CONFIG_NAME, "config", APP, CONFIG_NAME)
+
+
+# ember.toml: the worker's keys at the top level or under [worker] (one or the other for each key), the
+# daemon's under [daemon]; nothing else. A key no side knows is refused (exit 78) with the nearest known
+# one, so a misspelled setting (`prot`, `api-key`, `[daemn]`) never passes silently.
+SECTIONS = ("worker", "daemon")
+
+
+def did_you_mean(word: str, known: Iterable[str], fmt: str = "{}") -> str:
+    """" (did you mean X?)" for the known spelling nearest to `word`, or "" when none is near."""
+    close = difflib.get_close_matches(word.lower(), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {fmt.format(close[0])}?)" if close else ""
+
+
+def config_sections(data: Mapping[str, Any], path: str | os.PathLike[str], *,
+                    worker_keys: Iterable[str] | None = None, daemon_keys: Iterable[str] | None = None,
+                    error: type[ValueError] = ValueError) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(worker keys, [daemon] keys) of a parsed ember.toml. A table that is no section, a section that
+    is not a table, a key set both at the top level and in [worker], or a key not among a side's known
+    keys (each side passes its own: the daemon cannot know the worker's) raises `error` (the caller's
+    kind of configuration error) with a one-line message naming it and the nearest known spelling."""
+    worker: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise error(f"config file {path}: {key} must be a section ([{key}]), not a value")
+            continue
+        if isinstance(value, dict):
+            raise error(f"config file {path}: [{key}]: unknown section{did_you_mean(key, SECTIONS, '[{}]')}; "
+                        f"ember.toml has {' and '.join(f'[{s}]' for s in SECTIONS)}")
+        worker[key] = value
+    for key, value in data.get("worker", {}).items():
+        if key in worker:
+            raise error(f"config file {path}: {key} is set both at the top level and in [worker]; keep one")
+        worker[key] = value
+    daemon = dict(data.get("daemon", {}))
+    for section, keys, known in (("worker", worker, worker_keys), ("daemon", daemon, daemon_keys)):
+        if known is None:
+            continue
+        known = set(known)
+        for key in keys:
+            if key not in known:
+                where = f"[{section}] " if section == "daemon" or key in data.get("worker", {}) else ""
+                raise error(f"config file {path}: {where}{key}: unknown setting"
+                            f"{did_you_mean(key.replace('-', '_'), known)}")
+    return worker, daemon
 
 
 def private_dir(path: Path) -> Path:

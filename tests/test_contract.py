@@ -320,6 +320,29 @@ def test_bad_sizes_and_durations_name_the_setting_in_each_sides_error():
         settings.parse_duration("5 fortnights", "tick")
 
 
+@pytest.mark.parametrize("data,message", [
+    ({"prot": 1}, "f.toml: prot: unknown setting (did you mean port?)"),
+    ({"worker": {"prot": 1}}, "f.toml: [worker] prot: unknown setting (did you mean port?)"),
+    ({"worker": {"api-key": "x"}}, "[worker] api-key: unknown setting (did you mean api_key?)"),
+    ({"daemn": {"tick": 1}}, "[daemn]: unknown section (did you mean [daemon]?)"),
+    ({"daemon": {"tikc": 1}}, "[daemon] tikc: unknown setting (did you mean tick?)"),
+    ({"daemon": {"frobnicate": 1}}, "[daemon] frobnicate: unknown setting"),
+    ({"worker": 3}, "worker must be a section"),
+    ({"port": 1, "worker": {"port": 2}}, "port is set both at the top level and in [worker]"),
+])
+def test_the_config_files_layout_is_checked_in_one_place(data, message):
+    with pytest.raises(ValueError) as e:
+        contract.config_sections(data, "f.toml", worker_keys=("port", "api_key", "host"), daemon_keys=("tick",))
+    assert message in str(e.value) and str(e.value).startswith("config file f.toml: ")
+
+
+def test_each_side_checks_only_its_own_keys():
+    data = {"port": 1, "worker": {"host": "h"}, "daemon": {"tick": 2}}
+    assert contract.config_sections(data, "f") == ({"port": 1, "host": "h"}, {"tick": 2})
+    assert contract.config_sections({"unknown_to_the_daemon": 1}, "f", daemon_keys=("tick",)) == (
+        {"unknown_to_the_daemon": 1}, {})  # the daemon cannot know the worker's keys; the worker refuses it
+
+
 # -- exit codes, health states, log events -----------------------------------------------------------------
 
 

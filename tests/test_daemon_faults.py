@@ -106,3 +106,30 @@ def test_a_worker_that_exits_port_busy_is_retried_not_failed(ember: Ember):
     assert [x["code"] for x in exits] == [int(ExitCode.PORT_BUSY)]
     assert e.daemon_events("port_busy") and e.daemon_events("worker_failed") == []
     assert [p["to"] for p in e.daemon_events("phase")][-3:] == ["backoff", "starting", "running"]
+
+
+def test_a_misspelled_setting_is_refused_by_every_verb(ember: Ember):
+    """`[worker] prot`, a top-level typo, `[daemn]`: `ember config show` and `ember start` exit 78 naming the
+    key and the nearest known one, before any process starts; `ember daemon run` refuses a section it does
+    not know. (`[daemon] bogus` was refused already.)"""
+    from ember.ops.contract import ExitCode
+
+    e = ember
+    cases = [("[worker]\nprot = 8081\n", "[worker] prot: unknown setting (did you mean port?)"),
+             (f"port = {e.port}\nmax_seq = 2\n", "max_seq: unknown setting (did you mean max_seqs?)"),
+             (f"port = {e.port}\n[daemn]\nbackoff_max = '2s'\n", "[daemn]: unknown section (did you mean [daemon]?)"),
+             (f"port = {e.port}\n[daemon]\nbackof_max = '2s'\n", "[daemon] backof_max: unknown setting (did you mean "
+                                                                  "backoff_max?)")]
+    for text, needle in cases:
+        e.config.write_text(text)
+        show = e.run("config", "show")
+        assert show.returncode == ExitCode.CONFIG and needle in show.stdout, (text, show.stdout)
+        start = e.run("start", "--timeout", "20")
+        assert start.returncode == ExitCode.CONFIG and needle in start.stderr, (text, start.stderr)
+        assert start.stderr.count("\n") == 1  # one line
+    assert not (e.state / "logs" / "worker.log").exists() and e.ours() == []  # nothing ever started
+    e.config.write_text(f"port = {e.port}\n[daemn]\nbackoff_max = '2s'\n")
+    run = e.run("daemon", "run", timeout=20)
+    assert run.returncode == ExitCode.CONFIG and "[daemn]: unknown section" in run.stderr
+    e.config.write_text(f"port = {e.port}\n")
+    assert e.run("config", "show").returncode == 0

@@ -128,6 +128,27 @@ def test_cuda_backend_without_a_gpu_is_a_configuration_error(worker_env):
     assert p.returncode == 78 and "cuda is not available" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("[worker]\nprot = 8081\n", "[worker] prot: unknown setting (did you mean port?)"),
+    ("prot = 8081\n", ": prot: unknown setting (did you mean port?)"),
+    ("[worker]\napikey = 'sekrit-typo'\n", "apikey: unknown setting (did you mean api_key?)"),
+    ("[daemn]\nbackoff_max = '5s'\n", "[daemn]: unknown section (did you mean [daemon]?)"),
+    ("port = 8081\n[worker]\nport = 8082\n", "port is set both at the top level and in [worker]"),
+])
+def test_an_unknown_key_or_section_in_the_config_file_exits_78(worker_env, tmp_path, text, needle):
+    """A misspelled setting is refused with the nearest known one, never skipped (a misspelled api_key
+    would leave a LAN-bound server open); the value itself is never echoed."""
+    conf = tmp_path / "ember.toml"
+    conf.write_text(text)
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--config", str(conf), "--port",
+                        str(free_port())], env=worker_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78, p.stderr[-2000:]
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    [err] = [e for e in lines if e["event"] == "config_error"]
+    assert needle in err["error"] and str(conf) in err["error"] and "\n" not in err["error"]
+    assert "sekrit-typo" not in p.stderr and "Traceback" not in p.stderr
+
+
 def test_a_busy_port_exits_port_busy_with_one_json_line(worker_env):
     """Another process listens on the port: the worker says so in its JSON log, before loading the
     model, and exits ExitCode.PORT_BUSY (the daemon retries it), with no traceback and no raw line."""

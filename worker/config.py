@@ -2,7 +2,8 @@
 
 Every setting has a CLI flag (`--max-seqs`), an environment variable (`EMBER_MAX_SEQS`) and a
 config-file key (`max_seqs`), with the same name. Precedence: flag, then environment, then file,
-then the default. `sources()` says where each effective value came from.
+then the default. `sources()` says where each effective value came from. A key or section of the
+file that nothing reads is refused (ConfigError, exit 78) with the nearest known spelling.
 """
 
 from __future__ import annotations
@@ -179,11 +180,11 @@ def load(args: argparse.Namespace | None = None,
             raise ConfigError(f"config file {path} does not exist") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {path}: {e}") from None
-        section = data.get("worker", data)  # keys at top level or under [worker]
-        known = {n for n, _, _ in _fields()}
+        # keys at the top level or under [worker]; an unknown key or section is refused, never skipped
+        section, _ = contract.config_sections(data, path, worker_keys=[n for n, _, _ in _fields()],
+                                              error=ConfigError)
         for key, value in section.items():
-            if key in known:
-                raw[key], source[key] = value, f"file {path}"
+            raw[key], source[key] = value, f"file {path}"
     for name, _, _ in _fields():
         var = "EMBER_" + name.upper()
         if var in env and env[var] != "":
