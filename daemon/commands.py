@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.ops import contract
-from ember.ops.contract import ExitCode
+from ember.ops.contract import ExitCode, PersistState
 
 from . import control, supctl
 from .paths import Layout, layout, read_json
@@ -347,6 +347,13 @@ def _health_lines(st: dict[str, Any]) -> list[str]:
         out.append(f"  breaker  open since {str(br.get('opened_at'))[11:19]} UTC: {nxt}")
     elif br.get("state") == "half-open":
         out.append("  breaker  half-open: trying again after the cool-down; one more failure opens it")
+    kv = (st.get("worker") or {}).get("kv_persistence") or {}
+    if kv.get("state") and kv["state"] != PersistState.PERSISTING:
+        since = f" since {str(kv.get('since'))[11:19]} UTC" if kv.get("since") else ""
+        lost = f"; {kv['not_persisted']} blocks not persisted" if kv.get("not_persisted") else ""
+        retry = "; retrying" if kv["state"] == PersistState.DEGRADED else ""
+        out.append(f"  kv cache {kv['state'].upper()}{since}: {kv.get('reason')}{lost}{retry} "
+                   "(the worker serves; what it computes meanwhile is not kept across a restart)")
     lv = st.get("liveness")
     if lv:
         out.append(f"  liveness {lv['failures']} failed probes in {lv['failing_seconds']:.0f}s "
@@ -393,6 +400,9 @@ def cmd_status(argv: list[str]) -> int:
             if st.get("router"):
                 print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
                       "/v1/messages (Anthropic) only on a replica's own port")
+            kv = w.get("kv_persistence") or {}
+            if kv.get("state") == PersistState.PERSISTING:
+                print(f"  kv cache persisting to {kv.get('dir')}")
             mem = w.get("memory")
             if mem:  # a CUDA worker's division of the device (worker/engine/cuda_memory.py)
                 where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ember.ops.contract import Event, ExitCode, HealthState, iso_utc
+from ember.ops.contract import Event, ExitCode, HealthState, PersistState, iso_utc
 
 from . import detect
 from .archive import Archived, archive
 from .detect import HANG, POISONED, UNHEALTHY, UNRESPONSIVE
-from .incarnation import Incarnation
+from .incarnation import PERSISTENCE_FIELDS, Incarnation
 from .incident import Incident, classify, cuda_fields, exit_incident
 from .logwatch import Line, LogWatcher
 from .notify import Notifier
@@ -218,10 +218,12 @@ class Lifecycle:
         elif item.probe == Probe.LIVE:
             self.last_live_m = time.monotonic()
             self.health.append(item)
+            self._note_persistence(item)
             if self.phase is P.RUNNING:
                 self._on_live(item)
         elif item.probe == Probe.READY:
             self.health.append(item)
+            self._note_persistence(item)
             if self.phase is P.RUNNING:
                 self._on_ready_probe(item)
 
@@ -591,7 +593,35 @@ class Lifecycle:
             self.spawn("supervisord was lost: a new one, and a new worker")
 
     def scan_log(self) -> None:
+        was = self._persistence()
         self.worker.scan(self.watcher.lines_since(self.worker.scan_seq))
+        self._persistence_news(was)
+
+    # == the worker's KV persistence (its log's `kv_persistence` events and the health bodies) ===============
+
+    def _persistence(self) -> str | None:
+        return (self.worker.facts.get("kv_persistence") or {}).get("state")
+
+    def _note_persistence(self, rec: ProbeResult) -> None:
+        """A health body's persistence state (it carries the counts the log's changes do not)."""
+        if not isinstance(rec.kv_persistence, dict):
+            return
+        known = self.worker.facts.get("kv_persistence") or {}
+        if str(rec.kv_persistence.get("since") or "") < str(known.get("since") or ""):
+            return  # answered before a change the log has already told (the probe ran meanwhile)
+        was = self._persistence()
+        self.worker.facts["kv_persistence"] = {k: rec.kv_persistence[k] for k in PERSISTENCE_FIELDS
+                                               if rec.kv_persistence.get(k) is not None}
+        self._persistence_news(was)
+
+    def _persistence_news(self, was: str | None) -> None:
+        """Say in the daemon's log when the worker's KV blocks stop or start reaching the disk."""
+        now = self._persistence()
+        if now is None or now == was or (was is None and now == PersistState.PERSISTING):
+            return
+        kv = self.worker.facts["kv_persistence"]
+        self.log(Event.KV_PERSISTENCE, level="info" if now == PersistState.PERSISTING else "warning",
+                 pid=self.worker.pid, **{k: kv.get(k) for k in ("state", "reason", "since", "not_persisted")})
 
 
 def _text(error: str | dict[str, Any] | None) -> str | None:

@@ -91,6 +91,7 @@ class ProbeResult:
     running: int | None = None
     waiting: int | None = None
     last_progress_seconds: float | None = None
+    kv_persistence: dict[str, Any] | None = None  # the health body's: do the worker's KV blocks reach the disk?
     process: str | None = None  # psutil's status of the worker process
     cpu: float | None = None  # its user + system CPU seconds so far
     ms: float | None = None
@@ -138,7 +139,7 @@ def process_check(pid: int | None) -> ProcessCheck:
 
 
 # a health body's fields the liveness rule reads (verdicts.py), copied into the result as they are
-_LIVE_BODY_FIELDS = ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error")
+_LIVE_BODY_FIELDS = ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error", "kv_persistence")
 _NOT_SERVING = (HealthState.LOADING, HealthState.DRAINING)
 
 
@@ -184,6 +185,8 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
         obj = _json(body) or {}
         rec.status = status
         rec.state = obj.get("state", obj.get("status"))
+        if isinstance(obj.get("kv_persistence"), dict):
+            rec.kv_persistence = obj["kv_persistence"]
         if status != 200:
             rec.ok, rec.error = False, f"not ready: HTTP {status}" + (f" ({rec.state})" if rec.state else "")
         elif generate and gen_url:

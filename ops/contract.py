@@ -75,6 +75,7 @@ class Event(enum.StrEnum):
     ENGINE_POISONED = "engine_poisoned"  # a sticky CUDA error: the context is unusable from here on
     THREAD_DIED = "thread_died"  # a guarded worker thread died (also the `error.name` /health/live reports)
     PORT_BUSY = "port_busy"  # the worker could not bind its port (held by another process); exit PORT_BUSY next
+    KV_PERSISTENCE = "kv_persistence"  # the KV store's writes to disk changed state (PersistState below)
 
 
 OUTCOMES = (Event.COMPLETED, Event.FAILED, Event.CANCELED, Event.REFUSED)
@@ -94,7 +95,17 @@ REQUIRED_FIELDS: dict[Event, tuple[str, ...]] = {
     Event.ENGINE_POISONED: ("code", "name", "message"),
     Event.THREAD_DIED: ("thread", "error"),
     Event.PORT_BUSY: ("host", "port", "error"),
+    Event.KV_PERSISTENCE: ("state", "reason", "since", "not_persisted"),
 }
+
+
+class PersistState(enum.StrEnum):
+    """Whether the worker's KV blocks reach the disk (the `kv_persistence` event, the health bodies,
+    /v1/stats, /metrics, `ember status`). A degraded store keeps serving and retries with backoff."""
+
+    PERSISTING = "persisting"
+    DEGRADED = "degraded"  # writes fail (the disk is full, the directory is gone...): nothing new persists
+    OFF = "off"  # --kv-persist off, or the writer thread died
 
 
 def iso_utc(t: float | None = None) -> str:

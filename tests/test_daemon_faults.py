@@ -133,3 +133,33 @@ def test_a_misspelled_setting_is_refused_by_every_verb(ember: Ember):
     assert run.returncode == ExitCode.CONFIG and "[daemn]: unknown section" in run.stderr
     e.config.write_text(f"port = {e.port}\n")
     assert e.run("config", "show").returncode == 0
+
+
+def test_kv_persistence_degrading_shows_in_ember_status_and_the_daemons_log(ember: Ember, default_model_path):
+    """The real worker, its KV disk full (the disk-full stand-in: tests/test_kv_persistence.py fills a real
+    tmpfs too): `ember status` says persistence is degraded, why and since when, the daemon's log says when
+    it changes, both ways, and the worker is never restarted for it."""
+    e = ember
+    flag = e.tmp / "disk-is-full"
+    e.configure(worker={"model": str(default_model_path), "drain_seconds": 2, "max_seqs": 2, "ctx": 1024,
+                        "kv_mem": "64MiB", "kv_dir": str(e.tmp / "kv")},
+                worker_args=["--fault", f"disk-full:while={flag}"], ready_interval="30s", ready_timeout="10s",
+                live_interval="0.5s", live_timeout="2s", startup_timeout="90s")
+    assert e.start(timeout=90).returncode == 0
+    st = e.status()
+    assert st["worker"]["kv_persistence"]["state"] == "persisting"
+    assert "kv cache persisting" in e.run("status").stdout
+    flag.touch()
+    prompt = "The lighthouse keeper counted the candles and wound the clock while the storm lasted. " * 3
+    assert e.complete(prompt, timeout=60)[0] == 200
+    st = e.wait(lambda s: (s["worker"].get("kv_persistence") or {}).get("state") == "degraded", 30, "degraded")
+    kv = st["worker"]["kv_persistence"]
+    assert "disk full" in kv["reason"] and kv["since"] and st["state"] == "ready"
+    human = e.run("status").stdout
+    assert "kv cache DEGRADED since" in human and "disk full" in human, human
+    [news] = e.daemon_events("kv_persistence")
+    assert news["state"] == "degraded" and "disk full" in news["reason"] and news["level"] == "warning"
+    flag.unlink()
+    e.wait(lambda s: (s["worker"].get("kv_persistence") or {}).get("state") == "persisting", 60, "persisting")
+    assert [x["state"] for x in e.daemon_events("kv_persistence")] == ["degraded", "persisting"]
+    assert e.status()["restarts"] == 0 and e.bundles() == []

@@ -149,12 +149,14 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                         block_dtype=backend.block_dtype,
                         chain_hash=chain_hash, persist=cfg.kv_persist,
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
-                        host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
+                        host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"),
+                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None)
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
                     drafter=drafter)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
-                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory)
+                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory,
+                 kv_persistence=store.persistence.snapshot() if store is not None else None)
     return _Loaded(engine, model, store, facts, formats)
 
 
@@ -262,6 +264,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             return
         result.engine.start()
         state.attach(result.engine, result.model, result.formats)
+        state.store = result.store
         state.set(HealthState.READY)
         log(Event.READY, host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
 

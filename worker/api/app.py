@@ -255,6 +255,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                 "last_progress_seconds": round(time.monotonic() - engine.last_progress, 3),
             }
             out["metrics"] = engine.metrics.snapshot()
+        out["kv_persistence"] = state.kv_persistence()
         return _json(out)
 
     # CORS for the origins the guard lets in; preflights from any other origin get no CORS headers

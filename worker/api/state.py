@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ember.ops.contract import Event, HealthState
+from ember.ops.contract import Event, HealthState, PersistState
 
 STATES = tuple(HealthState)
 DEFAULT_STALL_SECONDS = 60.0
@@ -29,6 +29,7 @@ class ServerState:
         self.engine: Any = None  # set by create_app (or attach, when the model loads after the app starts)
         self.model: Any = None
         self.formats: Any = None  # the model's tool-call and reasoning formats (text/formats), resolved at load
+        self.store: Any = None  # the KV store (kvstore/store.py), whose persistence state the bodies show
 
     def attach(self, engine: Any, model: Any, formats: Any = None) -> None:
         self.engine, self.model, self.formats = engine, model, formats
@@ -64,6 +65,13 @@ class ServerState:
         watch = getattr(self.engine, "watch", None)
         return dict(watch.dead) if watch is not None else {}
 
+    def kv_persistence(self) -> dict[str, Any]:
+        """Whether KV blocks reach the disk (the store's own snapshot; never the engine's queues)."""
+        if self.store is None:
+            return {"state": PersistState.OFF, "reason": "no KV store (kv_persist off, or still loading)"}
+        snapshot: dict[str, Any] = self.store.persistence.snapshot()
+        return snapshot
+
     def accepting(self) -> bool:
         return self.state == HealthState.READY and self.engine is not None
 
@@ -92,4 +100,5 @@ class ServerState:
             if p is not None:
                 out["error"] = {"code": getattr(p, "code", None), "name": getattr(p, "name", None),
                                 "message": getattr(p, "message", str(p))}
+        out["kv_persistence"] = self.kv_persistence()
         return out
