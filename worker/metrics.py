@@ -39,6 +39,11 @@ class Metrics:
         self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse",
                                       registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
+        self.slow_clients = Counter("ember_http_slow_clients", "Connections closed for sending a request too slowly "
+                                    "(phase: head, body, or evicted past --max-slow-connections)", ["phase"],
+                                    registry=r)
+        for phase in ("head", "body", "evicted"):
+            self.slow_clients.labels(phase)
         self.restore_choices = Counter("ember_kv_restore_choices", "Warm admits whose stored blocks were restored "
                                        "or computed again (whichever measured faster)", ["choice"], registry=r)
         self._threads = _ThreadCollector()

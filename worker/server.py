@@ -164,6 +164,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     """Serve HTTP at once (health says `loading`), load the model off the event loop, then serve."""
     import uvicorn
 
+    from .api import readguard
     from .api.app import create_app
     from .api.limits import RequestLimits
     from .api.security import Guard
@@ -211,7 +212,10 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state,
                      limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
                      version=_version())
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+    slow = readguard.ReadLimits(cfg.read_header_seconds, cfg.read_body_seconds, cfg.read_body_min_rate,
+                                cfg.max_slow_connections)
+    http = readguard.protocol_class(slow, closed=lambda phase: metrics.slow_clients.labels(phase).inc())
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=1))
     server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)
     exit_code = [EX_OK]
