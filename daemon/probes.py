@@ -1,7 +1,7 @@
 """Health probes over HTTP with a hard deadline each (connect, send and every read share one budget).
 
 - liveness: GET /health/live (or a foreign engine's health URL) within live_timeout, plus the
-  process itself: alive, not a zombie, not stuck in uninterruptible sleep (D state).
+  process itself: alive, not a zombie, not stopped, not stuck in uninterruptible sleep (D state).
 - readiness: GET /health/ready, then a real one-token generation (POST /v1/completions); a 429
   answer to the generation (queue full) is marked `busy`: the worker answers, it is just full.
 Each probe returns a ProbeResult (its record() also goes into the crash bundle's health.jsonl). What
@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import psutil
 
 from ember.ops.contract import PROBE_HEADER, HealthState, iso_utc
+
+ZOMBIE_RECHECK = 0.5  # seconds a zombie gets to be reaped before it counts as one
 
 
 class ProbeTimeout(Exception):
@@ -130,7 +132,17 @@ def process_check(pid: int | None) -> ProcessCheck:
     except psutil.Error as e:
         return ProcessCheck(True, status="unknown", error=str(e))
     if st == psutil.STATUS_ZOMBIE:
-        return ProcessCheck(False, status=st, error="zombie")
+        # an exit supervisord has not reaped yet passes in a moment; a zombie that stays is a process
+        # whose main thread is gone while others run on (the liveness rule kills it)
+        time.sleep(ZOMBIE_RECHECK)
+        try:
+            st = p.status()
+        except psutil.NoSuchProcess:
+            return ProcessCheck(False, error="process gone")
+        except psutil.Error as e:
+            return ProcessCheck(True, status="unknown", error=str(e))
+        if st == psutil.STATUS_ZOMBIE:
+            return ProcessCheck(False, status=st, error="zombie")
     try:
         t = p.cpu_times()
         return ProcessCheck(True, status=st, cpu=round(t.user + t.system, 2))

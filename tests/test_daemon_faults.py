@@ -5,6 +5,7 @@ while, before the daemon starts or after a crash."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -163,3 +164,51 @@ def test_kv_persistence_degrading_shows_in_ember_status_and_the_daemons_log(embe
     e.wait(lambda s: (s["worker"].get("kv_persistence") or {}).get("state") == "persisting", 60, "persisting")
     assert [x["state"] for x in e.daemon_events("kv_persistence")] == ["degraded", "persisting"]
     assert e.status()["restarts"] == 0 and e.bundles() == []
+
+
+def test_a_stopped_real_worker_is_restarted_at_once_and_its_bundle_names_the_stuck_chat(ember: Ember,
+                                                                                        default_model_path):
+    """SIGSTOP while a chat streams: restarted within seconds (it took 70 s), and the bundle's affected
+    requests are the chat in flight, not a probe that had finished."""
+    import threading
+
+    import httpx
+
+    e = ember
+    e.configure(worker={"model": str(default_model_path), "drain_seconds": 2, "max_seqs": 2},
+                worker_args=["--fault", "slow:ms=100"], ready_interval="1s", ready_timeout="10s",
+                live_interval="0.5s", live_timeout="2s", startup_timeout="90s", unresponsive_seconds="60s")
+    assert e.start(timeout=90).returncode == 0
+    pid = e.status()["worker"]["pid"]
+    outcome: dict = {}
+
+    def chat() -> None:
+        try:
+            httpx.post(f"{e.url}/v1/chat/completions", timeout=60, json={
+                "model": "m", "max_tokens": 300, "stream": True,
+                "messages": [{"role": "user", "content": "Tell me a long story"}]})
+        except httpx.HTTPError as x:
+            outcome["error"] = type(x).__name__
+
+    t = threading.Thread(target=chat, daemon=True)
+    t.start()
+    admitted = e.state / "logs" / "worker.log"
+    deadline = time.monotonic() + 30
+    while '"protocol": "chat"' not in admitted.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # a probe or two come and go while it streams
+    t0 = time.monotonic()
+    kill(pid, signal.SIGSTOP)
+    st = e.wait_ready(after_restarts=1, timeout=60)
+    assert time.monotonic() - t0 < 20 and st["worker"]["pid"] != pid
+    t.join(30)
+    [path] = e.bundles()
+    m = e.bundle(path)["meta"]
+    assert m["class"] == "hang" and m["detection"]["process_status"] == "stopped"
+    affected = m["log_window"]["affected_requests"]
+    chats = [r for r in affected if r.startswith("chatcmpl-")]
+    assert len(chats) == 1, affected
+    log = e.bundle(path)["log"]
+    finished = {json.loads(x)["request_id"] for x in log.splitlines()
+                if x.startswith("{") and json.loads(x).get("event") == "completed"}
+    assert not finished & set(affected), (finished, affected)  # no request that had finished
