@@ -46,13 +46,14 @@ def test_poisoned_worker_refuses_and_reports_not_live(start_worker):
         with httpx.Client(base_url=w.url, timeout=5) as client:  # connected before the poison: no handshake later
             assert client.get("/health/live").status_code == 200
             first = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 5})
-            assert first.status_code in (500, 503)
+            # the request the poison caught: 503 with the code the door gives next (never `overloaded`)
+            assert first.status_code == 503 and first.json()["error"]["code"] == "service_unavailable", first.text
             # the poisoned worker stays up POISON_FLUSH_SECONDS to flush streams, then exits 75: these
             # two probes fit well inside that window (a connection error here fails the test)
             live = client.get("/health/live")
             again = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 2})
         assert live.status_code == 503 and live.json()["state"] == "poisoned"
-        assert again.status_code == 503
+        assert again.status_code == 503 and again.json()["error"]["code"] == "service_unavailable"
         assert w.proc.wait(10) == 75
     finally:
         w.kill()

@@ -178,13 +178,21 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
 
     def generation_route(adapter: ProtocolAdapter):
         async def generate(request: Request) -> Response:
-            body = await body_of(request, adapter.body_type)
             rid = common.new_id(adapter.id_prefix)
-            common.check_accepting(ctx, rid, adapter.protocol)
-            req, notes = await common.refusing(ctx, rid, adapter.protocol, adapter.to_generation(ctx, body, rid))
-            if adapter.reads_probe:
-                req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
-            handle = common.submit(ctx, req, adapter.prompt_param)
+            try:  # until the engine has it, whatever ends the request is its one outcome line
+                body = await body_of(request, adapter.body_type)
+                common.check_accepting(ctx)
+                req, notes = await adapter.to_generation(ctx, body, rid)
+                if adapter.reads_probe:
+                    req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
+                handle = common.submit(ctx, req, adapter.prompt_param)
+            except ApiError as e:
+                raise common.refuse(ctx, rid, adapter.protocol, e) from None
+            except ClientGone:
+                raise  # (a client_gone line)
+            except Exception as e:
+                common.fail_early(ctx, rid, adapter.protocol, e)
+                raise
             submitted = Submitted(ctx, body, rid, common.now(), req, notes)
             headers = adapter.headers(rid)
             if body.stream:

@@ -593,7 +593,7 @@ class Engine:
             self.running.remove(s) if s in self.running else self.waiting.remove(s)
             s.kv.blocks = []  # the device memory is gone; nothing to release into
             s.handle.push([Failed(f"the engine's compute context failed ({e.name}); the worker is restarting",
-                                  status=503, kind="overloaded")])
+                                  status=503, kind="service_unavailable")])  # as the door answers, not overloaded
             self.metrics.outcomes.labels(Outcome.FAILED.value).inc()
             log(Outcome.FAILED.value, level="error", request_id=s.req.request_id, seq=s.number, error=str(e))
         if self.on_poisoned:
