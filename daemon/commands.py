@@ -95,22 +95,20 @@ def cmd_daemon(argv: list[str]) -> int:
         settings = _settings(args)
     except SettingsError as e:
         return _refuse("ember daemon", e)
-    if settings.fleet:
-        from .fleet import Fleet, check_router_installed
+    from .shell import DaemonError
 
-        try:
+    try:
+        if settings.fleet:  # replicas: a daemon of member daemons (fleet.py)
+            from .fleet import Fleet, check_router_installed
+
             check_router_installed()
             return Fleet(settings, layout(), mode=args.mode).run()
-        except SettingsError as e:
-            return _refuse("ember daemon", e)
-        except KeyboardInterrupt:
-            return EX_OK
-    from .core import Daemon, DaemonError
+        from .core import Daemon
 
-    d = Daemon(settings, layout(), mode=args.mode, flags=_flags(args))
-    try:
-        return d.run()
-    except DaemonError as e:
+        return Daemon(settings, layout(), mode=args.mode, flags=_flags(args)).run()
+    except SettingsError as e:
+        return _refuse("ember daemon", e)
+    except DaemonError as e:  # another daemon holds the state dir, supervisord answers nonsense...
         print(f"ember daemon: {e}", file=sys.stderr)
         return EX_FAIL
     except KeyboardInterrupt:

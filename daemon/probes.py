@@ -172,14 +172,23 @@ def live_probe(url: str, timeout: float) -> ProbeResult:
             rec.ok = True  # alive, just not serving (llama-server answers 503 while loading)
         if not rec.ok:
             rec.error = rec.error or f"HTTP {status}"
-    except ProbeTimeout as e:
-        rec.ok, rec.error, rec.timeout = False, str(e), True
-    except OSError as e:
-        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
-    except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    except Exception as e:
+        _failed(rec, e)
     rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec
+
+
+def _failed(rec: ProbeResult, e: Exception, during: str = "") -> None:
+    """A probe that raised, as every probe records it: no answer in time (`timeout`, `during` saying
+    which part), refused or reset (`refused` for a refusal), or a malformed answer
+    (http.client.HTTPException and friends)."""
+    rec.ok = False
+    if isinstance(e, ProbeTimeout):
+        rec.timeout, rec.error = True, f"{e}{during}"
+    elif isinstance(e, OSError):
+        rec.error, rec.refused = f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
+    else:
+        rec.error = f"bad answer: {type(e).__name__}: {e}"
 
 
 def _generation(model: str | None) -> bytes:
@@ -223,12 +232,7 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
                 rec.error = f"generation failed: HTTP {gs}" + (f": {str(msg)[:200]}" if msg else "")
         else:
             rec.ok = True
-    except ProbeTimeout:
-        rec.ok, rec.timeout = False, True
-        rec.error = f"no answer within {timeout:g}s" + (" (one-token generation)" if rec.status == 200 else "")
-    except OSError as e:
-        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
-    except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    except Exception as e:
+        _failed(rec, e, " (one-token generation)" if rec.status == 200 else "")
     rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec

@@ -410,8 +410,8 @@ def test_a_zombie_worker_is_restarted_at_once(ember: Ember):
     e = ember
     e.configure(command=e.standin("--fault", "zombie:after=0.5", "--once", str(e.tmp / "once")))
     assert e.start().returncode == 0
-    pid = e.status()["worker"]["pid"]
     st = e.wait_ready(after_restarts=1, timeout=20)
+    pid = e.daemon_events("worker_spawn")[0]["pid"]  # (the restart may come before `ember start` returns)
     assert st["worker"]["pid"] != pid and not psutil.pid_exists(pid)  # killed, and reaped by supervisord
     [path] = e.bundles()
     m = e.bundle(path)["meta"]
