@@ -620,7 +620,7 @@ class Lifecycle:
         if now is None or now == was or (was is None and now == PersistState.PERSISTING):
             return
         kv = self.worker.facts["kv_persistence"]
-        self.log(Event.KV_PERSISTENCE, level="info" if now == PersistState.PERSISTING else "warning",
+        self.log(Event.KV_PERSISTENCE, level="warning" if now == PersistState.DEGRADED else "info",
                  pid=self.worker.pid, **{k: kv.get(k) for k in ("state", "reason", "since", "not_persisted")})
 
 

@@ -267,8 +267,8 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             server.should_exit = True
             return
         result.engine.start()
+        state.store = result.store  # (before the engine: the bodies read "off" from a store-less engine)
         state.attach(result.engine, result.model, result.formats)
-        state.store = result.store
         state.set(HealthState.READY)
         log(Event.READY, host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
 

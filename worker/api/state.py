@@ -68,7 +68,8 @@ class ServerState:
     def kv_persistence(self) -> dict[str, Any]:
         """Whether KV blocks reach the disk (the store's own snapshot; never the engine's queues)."""
         if self.store is None:
-            return {"state": PersistState.OFF, "reason": "no KV store (kv_persist off, or still loading)"}
+            why = "kv_persist is off" if self.engine is not None else "the model is still loading"
+            return {"state": PersistState.OFF, "reason": why}
         snapshot: dict[str, Any] = self.store.persistence.snapshot()
         return snapshot
 
