@@ -34,7 +34,7 @@ def archive(crashes: Path, inc: Incident, worker: Incarnation, lines: list[Line]
             settings: Settings, health: Iterable[ProbeResult], restarts: int, backoff_level: int,
             secrets: Iterable[str | None], log: Callable[..., Any]) -> Archived:
     s = settings
-    window, winfo = bundle.log_window(lines, inc.crash_seq, context=s.window_context)
+    window, winfo = bundle.log_window(lines, inc.crash_seq, context=s.window_context, until=inc.t_detect)
     events = bundle.session_events(lines, inc.t_detect - s.events_seconds)
     records = [h.record() for h in health][-s.health_records:]
     detail = bundle.last_error_line(lines[-200:]) if inc.cls in (CRASH_EXIT, OOM) else ""

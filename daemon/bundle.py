@@ -80,22 +80,30 @@ class Scrubber:
 
 # -- the log window -------------------------------------------------------------------------------
 
-def crash_index(lines: list[Line], crash_seq: int | None) -> int:
+def crash_index(lines: list[Line], crash_seq: int | None, until: float | None = None) -> int:
+    """The crash line's index; without one, the last line read by `until` (the incident's detection)."""
     if crash_seq is not None:
         for i in range(len(lines) - 1, -1, -1):
             if lines[i].seq == crash_seq:
+                return i
+    if until is not None:
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].t <= until:
                 return i
     return len(lines) - 1
 
 
 def log_window(lines: list[Line], crash_seq: int | None, *, context: int = 20, after: int = 50,
-               max_lines: int = 5000) -> tuple[list[Line], dict[str, Any]]:
+               max_lines: int = 5000, until: float | None = None) -> tuple[list[Line], dict[str, Any]]:
     """The lines from the last healthy request before the affected request(s) to the crash line,
-    with `context` lines before and up to `after` lines after (the exit, the failed outcomes)."""
+    with `context` lines before and up to `after` lines after (the exit, the failed outcomes).
+    The affected requests are those in flight at the crash line, or, without one (a hang, a kill
+    by the probes), at `until`, the detection: admitted and without an outcome by then."""
     info: dict[str, Any] = {}
     if not lines:
         return [], {"lines": 0}
-    ci = crash_index(lines, crash_seq)
+    ci = crash_index(lines, crash_seq, until)
+    crash_line = crash_seq is not None and lines[ci].seq == crash_seq  # its own outcome may follow it
     admits: dict[str, int] = {}
     open_reqs: dict[str, int] = {}
     seq_of: dict[str, Any] = {}
@@ -108,7 +116,7 @@ def log_window(lines: list[Line], crash_seq: int | None, *, context: int = 20, a
             admits[str(rid)] = i
             open_reqs[str(rid)] = i
             seq_of[str(rid)] = o.get("seq")
-        elif ev in OUTCOMES and rid is not None and i < ci:
+        elif ev in OUTCOMES and rid is not None and (i < ci or not crash_line):
             open_reqs.pop(str(rid), None)
     crash_obj = lines[ci].obj or {}
     running = crash_obj.get("running") if isinstance(crash_obj.get("running"), list) else None

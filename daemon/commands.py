@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from ember.ops import contract
-from ember.ops.contract import ExitCode
+from ember.ops.contract import ExitCode, PersistState
 
 from . import control, supctl
 from .paths import Layout, layout, read_json
 from .phases import Status
 from .procs import alive
-from .settings import SettingsError, load
+from .settings import Settings, SettingsError, load
 
 EX_OK, EX_FAIL, EX_NOT_RUNNING, EX_CONFIG = ExitCode.OK, ExitCode.FAILURE, ExitCode.NOT_RUNNING, ExitCode.CONFIG
 
@@ -45,9 +45,43 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", help="the worker's port (default 8080)")
 
 
-def _flags(args: argparse.Namespace) -> dict[str, Any]:
+def _flags(args: argparse.Namespace | None) -> dict[str, Any]:
     return {k: getattr(args, k, None) for k in ("command", "health_url", "ready_url", "completions_url", "log_file",
                                                 "host", "port")}
+
+
+def _settings(args: argparse.Namespace | None = None) -> Settings:
+    """The daemon's settings as every verb reads them: --config first (made absolute, so a daemon the
+    verb starts reads the same file), then the engine flags over ember.toml. Raises SettingsError."""
+    path = getattr(args, "config", None)
+    if path:
+        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(path))
+    return load(_flags(args))
+
+
+def _setting(read: Callable[[Settings], float], fallback: float) -> float:
+    """What the settings make of a verb's default (a wait), or `fallback` where ember.toml does not
+    load: stopping or restarting must not depend on a file a person is editing."""
+    try:
+        return read(_settings())
+    except SettingsError:
+        return fallback
+
+
+def _refuse(prog: str, e: Exception | str) -> int:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return EX_CONFIG
+
+
+def _worker_config_error(settings: Settings) -> str | None:
+    """The ember worker's own verdict on ember.toml (its loader, in a subprocess: the daemon never
+    imports the worker), so that `ember start` refuses a misspelled worker key before anything
+    starts; None when it loads (or a foreign engine runs, which reads no worker keys)."""
+    if settings.foreign:
+        return None
+    from .config_show import worker_config
+
+    return worker_config(dict(os.environ)).get("error")
 
 
 def cmd_daemon(argv: list[str]) -> int:
@@ -57,30 +91,24 @@ def cmd_daemon(argv: list[str]) -> int:
     _add_engine_flags(r)
     r.add_argument("--mode", choices=("foreground", "background"), default="foreground", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.config:
-        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
-        settings = load(_flags(args))
+        settings = _settings(args)
     except SettingsError as e:
-        print(f"ember daemon: {e}", file=sys.stderr)
-        return EX_CONFIG
-    if settings.fleet:
-        from .fleet import Fleet, check_router_installed
+        return _refuse("ember daemon", e)
+    from .shell import DaemonError
 
-        try:
+    try:
+        if settings.fleet:  # replicas: a daemon of member daemons (fleet.py)
+            from .fleet import Fleet, check_router_installed
+
             check_router_installed()
             return Fleet(settings, layout(), mode=args.mode).run()
-        except SettingsError as e:
-            print(f"ember daemon: {e}", file=sys.stderr)
-            return EX_CONFIG
-        except KeyboardInterrupt:
-            return EX_OK
-    from .core import Daemon, DaemonError
+        from .core import Daemon
 
-    d = Daemon(settings, layout(), mode=args.mode, flags=_flags(args))
-    try:
-        return d.run()
-    except DaemonError as e:
+        return Daemon(settings, layout(), mode=args.mode, flags=_flags(args)).run()
+    except SettingsError as e:
+        return _refuse("ember daemon", e)
+    except DaemonError as e:  # another daemon holds the state dir, supervisord answers nonsense...
         print(f"ember daemon: {e}", file=sys.stderr)
         return EX_FAIL
     except KeyboardInterrupt:
@@ -127,10 +155,14 @@ def _wait_ready(lay: Layout, timeout: float, proc: subprocess.Popen[bytes] | Non
                 after_incarnation: int | None = None, quiet: bool = False) -> int:
     deadline = time.monotonic() + timeout
     last = None
+    told_port = False
     while time.monotonic() < deadline:
         st = _status(lay)
         if st:
             last = st
+            if st.get("port_conflict") and not told_port and not quiet:  # said once; the daemon keeps trying
+                told_port = True
+                print(f"ember: {_port_line(st['port_conflict'])}; waiting for it", file=sys.stderr)
             inc = (st.get("worker") or {}).get("incarnation") or 0
             fresh = after_incarnation is None or inc > after_incarnation
             if st.get("state") == Status.READY and fresh:
@@ -160,13 +192,13 @@ def cmd_start(argv: list[str]) -> int:
                    help="seconds to wait for ready (default: startup_timeout + 30)")
     p.add_argument("--no-wait", action="store_true", help="return once the daemon runs")
     args = p.parse_args(argv)
-    if args.config:
-        os.environ[contract.ENV_CONFIG] = os.path.abspath(os.path.expanduser(args.config))
     try:
-        settings = load(_flags(args))
+        settings = _settings(args)
     except SettingsError as e:
-        print(f"ember: {e}", file=sys.stderr)
-        return EX_CONFIG
+        return _refuse("ember", e)
+    bad = _worker_config_error(settings)
+    if bad:
+        return _refuse("ember", bad)
     lay = layout().ensure()
     timeout = args.timeout or settings.startup_timeout + 30
     st = _status(lay)
@@ -206,11 +238,7 @@ def cmd_stop(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: drain time + 30)")
     args = p.parse_args(argv)
     lay = layout()
-    try:
-        settings = load()
-        timeout = args.timeout or settings.effective_stop_timeout + 30
-    except SettingsError:
-        timeout = args.timeout or 65.0
+    timeout = args.timeout or _setting(lambda s: s.effective_stop_timeout + 30, 65.0)
     st = _status(lay)
     if st is None:
         if supctl.alive(lay.supervisor_sock):  # a daemon died and left supervisord serving
@@ -255,11 +283,13 @@ def cmd_restart(argv: list[str]) -> int:
     st = _status(lay)
     if st is None:
         return cmd_start(["--timeout", str(args.timeout)] if args.timeout else [])
-    try:
-        settings = load()
-        timeout = args.timeout or settings.effective_stop_timeout + settings.startup_timeout + 30
-    except SettingsError:
-        timeout = args.timeout or 400.0
+    try:  # the daemon re-reads ember.toml for the new worker: refuse a file that would not load
+        bad = _worker_config_error(_settings())
+    except SettingsError as e:
+        bad = str(e)
+    if bad:
+        return _refuse("ember", bad)
+    timeout = args.timeout or _setting(lambda s: s.effective_stop_timeout + s.startup_timeout + 30, 400.0)
     inc = (st.get("worker") or {}).get("incarnation") or 0
     control.request(lay.control_sock, "restart")
     return _wait_ready(lay, timeout, after_incarnation=inc)
@@ -289,9 +319,21 @@ def _unsupervised(lay: Layout) -> dict[str, Any] | None:
     return None
 
 
+def _port_line(pc: dict[str, Any]) -> str:
+    """Another process holds the worker's port: who, since when, and the daemon's next try."""
+    who = f"by pid {pc['pid']} ({pc.get('command')})" if pc.get("pid") else "by another process"
+    left = datetime.fromisoformat(pc["retry_at"]).timestamp() - time.time() if pc.get("retry_at") else None
+    nxt = f"next try in {_ago(max(0.0, left))}" if left is not None else "trying again"
+    return (f"port {pc.get('port')} on {pc.get('host')} held {who} since {str(pc.get('since'))[11:19]} UTC; "
+            f"{nxt} (try {pc.get('tries')})")
+
+
 def _health_lines(st: dict[str, Any]) -> list[str]:
-    """The circuit breaker, failing liveness and a degraded log watcher, when there is news."""
+    """The circuit breaker, a port held by another process, failing liveness and a degraded log
+    watcher, when there is news."""
     out = []
+    if st.get("port_conflict"):
+        out.append("  port     " + _port_line(st["port_conflict"]))
     br = st.get("breaker") or {}
     if br.get("state") == "open":
         retry = br.get("retry_at")
@@ -303,6 +345,13 @@ def _health_lines(st: dict[str, Any]) -> list[str]:
         out.append(f"  breaker  open since {str(br.get('opened_at'))[11:19]} UTC: {nxt}")
     elif br.get("state") == "half-open":
         out.append("  breaker  half-open: trying again after the cool-down; one more failure opens it")
+    kv = (st.get("worker") or {}).get("kv_persistence") or {}
+    if kv.get("state") and kv["state"] != PersistState.PERSISTING:
+        since = f" since {str(kv.get('since'))[11:19]} UTC" if kv.get("since") else ""
+        lost = f"; {kv['not_persisted']} blocks not persisted" if kv.get("not_persisted") else ""
+        retry = "; retrying" if kv["state"] == PersistState.DEGRADED else ""
+        out.append(f"  kv cache {kv['state'].upper()}{since}: {kv.get('reason')}{lost}{retry} "
+                   "(the worker serves; what it computes meanwhile is not kept across a restart)")
     lv = st.get("liveness")
     if lv:
         out.append(f"  liveness {lv['failures']} failed probes in {lv['failing_seconds']:.0f}s "
@@ -349,6 +398,9 @@ def cmd_status(argv: list[str]) -> int:
             if st.get("router"):
                 print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
                       "/v1/messages (Anthropic) only on a replica's own port")
+            kv = w.get("kv_persistence") or {}
+            if kv.get("state") == PersistState.PERSISTING:
+                print(f"  kv cache persisting to {kv.get('dir')}")
             mem = w.get("memory")
             if mem:  # a CUDA worker's division of the device (worker/backends/cuda/memory.py)
                 where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"

@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import fields
 from typing import Any
 
-from ember.ops.contract import ENV_CONFIG, config_file, state_dir
+from ember.ops.contract import ENV_CONFIG, ExitCode, config_file, config_sections, state_dir
 
 from .settings import Settings, SettingsError, load
 
@@ -50,10 +50,8 @@ def daemon_config(env: dict[str, str]) -> dict[str, Any]:
     except SettingsError as e:
         return {"error": str(e)}
     path = config_file(env)
-    data: dict[str, Any] = {}
-    if path.exists():
-        data = tomllib.loads(path.read_text())
-    section = data.get("daemon", {}) if isinstance(data.get("daemon"), dict) else {}
+    data: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
+    _, section = config_sections(data, path)  # (load() has checked it)
     values = s.redacted()
     sources: dict[str, str] = {}
     for f in fields(Settings):
@@ -107,4 +105,5 @@ def config_main(argv: list[str]) -> int:
             width = max(len(k) for k in sec["values"])
             for k, v in sec["values"].items():
                 print(f"  {k:<{width}}  {_fmt(v):<24}  {sec['sources'].get(k, 'default')}")
-    return 1 if ("error" in worker or "error" in daemon) else 0
+    # a file either side refuses is a configuration error, as `ember start` and the worker would call it
+    return ExitCode.CONFIG if ("error" in worker or "error" in daemon) else ExitCode.OK

@@ -11,8 +11,9 @@ worker for its time-driven transitions (lifecycle.py; the phases and transitions
 publishes status.json. The log watcher and the probes never block the loop: `ember stop` is a
 command it drains every tick.
 
-This module owns the process, not the worker: the lock, the daemon's log, supervisord (spawned,
-re-attached, replaced when lost), the probe scheduler, the control socket and the signals.
+This module owns the process, not the worker: the lock, the daemon's log, the control socket and
+the signals (opened and closed as every daemon does: shell.py), supervisord (spawned, re-attached,
+replaced when lost) and the probe scheduler.
 Killing the daemon leaves supervisord and the worker serving; the next daemon re-attaches to them
 (what it needs is persisted in run/state.json). SIGTERM, SIGINT or `ember stop` drain the worker,
 stop supervisord and exit 0.
@@ -24,7 +25,6 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import threading
 import time
 from pathlib import Path
@@ -32,18 +32,16 @@ from typing import Any
 
 from ember.ops.contract import iso_utc
 
-from .control import ControlServer
-from .jsonlog import JsonLog
 from .lifecycle import Lifecycle, PoisonSeen
 from .logwatch import LogWatcher
-from .notify import Notifier, under_systemd
-from .paths import Layout, LockHeld, lock_exclusive, read_json, write_json, write_private
+from .paths import Layout, read_json, write_json, write_private
 from .phases import Phase, Status
 from .policy import RestartPolicy
 from .probe_schedule import ProbeMissed, ProbeSchedule
 from .probes import ProbeResult
 from .procs import ctime, kill_tree
 from .settings import Settings, SettingsError, load
+from .shell import DaemonError, DaemonShell
 from .status import build_status
 from .supctl import ProcessInfo
 from .supervisor import RpcError, Supervisor
@@ -53,21 +51,16 @@ LOG_POS_EVERY = 2.0  # seconds between saving how far the logs were read (for a 
 STATUS_EVERY = 5.0  # status.json is rewritten at least this often, and at once when something changes
 
 
-class DaemonError(RuntimeError):
-    pass
-
-
 class Daemon:
     def __init__(self, settings: Settings, layout: Layout, *, mode: str = "foreground",
                  flags: dict[str, Any] | None = None):
         self.s = settings
         self.flags = flags  # the command-line settings, kept when ember.toml is re-read
         self.lay = layout
-        self.mode = "systemd" if under_systemd() else mode
-        self._jsonlog: JsonLog | None = None
+        self.shell = DaemonShell(layout, mode)
+        self.mode, self.notifier, self.log = self.shell.mode, self.shell.notifier, self.shell.log
         self.inbox: queue.Queue[PoisonSeen | ProbeMissed | ProbeResult] = queue.Queue()
         self.commands: queue.Queue[str] = queue.Queue()
-        self.notifier = Notifier()
         self.sup = Supervisor(layout, self.log)
         files = [(layout.worker_log, "worker")]
         if settings.log_file:
@@ -81,8 +74,7 @@ class Daemon:
         self.life = Lifecycle(settings, layout, self.log, self.sup, self.watcher, policy, self.notifier,
                               persist=self._persist, reload=self._reload_settings)
         self.schedule = ProbeSchedule(settings, self.life.target, self.inbox)
-        self.control: ControlServer | None = None
-        self.started_at = time.time()
+        self.started_at = self.shell.started_at
         self.attached = False
         self._status: dict[str, Any] = {}
         self._status_lock = threading.Lock()
@@ -90,32 +82,15 @@ class Daemon:
         self._persisted = ""
         self._log_pos: dict[str, list[int]] = {}
         self._log_pos_at = 0.0
-        self._lock_fd: int | None = None
         self._last_watch_error = ""
-
-    def log(self, event: str, level: str = "info", **fields: Any) -> None:
-        if self._jsonlog is not None:
-            self._jsonlog(event, level, **fields)
 
     def log_error(self, event: str, e: Exception) -> None:
         self.log(event, level="error", error=f"{type(e).__name__}: {e}")
 
     # == setup and teardown ================================================================================
 
-    def _acquire_lock(self) -> None:
-        try:
-            self._lock_fd = lock_exclusive(self.lay.lock_file)
-        except LockHeld as e:
-            raise DaemonError(f"another ember daemon is running (pid {e.holder})") from None
-
     def setup(self) -> None:
-        os.umask(0o077)
-        self.lay.ensure()
-        self._acquire_lock()
-        self._jsonlog = JsonLog(self.lay.daemon_log, stderr=self.mode != "background")
-        self.log("daemon_start", pid=os.getpid(), version=ember_version(), mode=self.mode,
-                 state_dir=str(self.lay.state), engine=self.s.engine_label,
-                 settings=self.s.redacted())
+        self.shell.open(engine=self.s.engine_label, settings=self.s.redacted())
         persisted = read_json(self.lay.persist_file) or {}
         found = self.sup.running()
         self.watcher.prime(seen=persisted.get("log_pos") if found else None)
@@ -132,12 +107,7 @@ class Daemon:
             self.life.spawn("the daemon started")
         self.schedule.start()
         self.life.last_live_m = time.monotonic()
-        self.control = ControlServer(self.lay.control_sock, self.status_snapshot, self.commands,
-                                     on_error=lambda e: self.log_error("control_error", e))
-        self.control.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda n, f: self.commands.put("stop"))
-        signal.signal(signal.SIGHUP, lambda n, f: self.commands.put("reload"))  # re-read ember.toml
+        self.shell.serve(self.status_snapshot, self.commands, reload=True)  # SIGHUP: re-read ember.toml
         self._publish(force=True)
         self.notifier.ready(self.life.status_line())
 
@@ -160,19 +130,9 @@ class Daemon:
                 kill_tree(pid, group=(key == "worker"))
 
     def teardown(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
         self.schedule.stop()
-        if self.control is not None:
-            self.control.close()
         self.watcher.close()
-        self.notifier.close()
-        if self._jsonlog is not None:
-            self.log("daemon_exit", pid=os.getpid())
-            self._jsonlog.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.shell.close()
 
     # == the main loop =======================================================================================
 

@@ -23,7 +23,6 @@ import os
 import queue
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -36,13 +35,11 @@ from typing import Any
 from ember.ops import contract
 
 from . import control
-from .control import ControlServer
-from .jsonlog import JsonLog
-from .notify import Notifier, under_systemd
-from .paths import Layout, LockHeld, lock_exclusive, write_json
+from .paths import Layout, write_json
 from .phases import Status
 from .procs import alive
 from .settings import Settings, SettingsError
+from .shell import DaemonShell
 from .sysfacts import ember_version
 
 ENV_MEMBER = "EMBER_REPLICA"  # set in a member daemon's environment: its name (it is never a fleet itself)
@@ -127,10 +124,9 @@ def configured_kv_dir(s: Settings, env: dict[str, str]) -> str | None:
     if env.get("EMBER_KV_DIR"):
         return env["EMBER_KV_DIR"]
     if s.config_path:
-        with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
-            data = tomllib.loads(Path(s.config_path).read_text())
-            sec = data.get("worker", data)
-            if isinstance(sec, dict) and isinstance(sec.get("kv_dir"), str):
+        with contextlib.suppress(OSError, ValueError):  # (load() has read and checked the file already)
+            sec, _ = contract.config_sections(tomllib.loads(Path(s.config_path).read_text()), s.config_path)
+            if isinstance(sec.get("kv_dir"), str):
                 return os.path.expanduser(sec["kv_dir"])
     return None
 
@@ -163,23 +159,17 @@ class Fleet:
     def __init__(self, settings: Settings, layout: Layout, *, mode: str = "foreground"):
         self.s = settings
         self.lay = layout
-        self.mode = "systemd" if under_systemd() else mode
+        self.shell = DaemonShell(layout, mode)
+        self.mode, self.notifier, self.log = self.shell.mode, self.shell.notifier, self.shell.log
         self.members = plan(settings, layout)
         self.commands: queue.Queue[str] = queue.Queue()
-        self.notifier = Notifier()
-        self.started_at = time.time()
+        self.started_at = self.shell.started_at
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.gone_since: dict[str, float] = {}
         self.seen: dict[str, dict[str, Any] | None] = {}
         self._lock = threading.Lock()
-        self._log: JsonLog | None = None
-        self._lock_fd: int | None = None
         self._stopping = False
         self._ready_told = False
-
-    def log(self, event: str, level: str = "info", **fields: Any) -> None:
-        if self._log is not None:
-            self._log(event, level, **fields)
 
     # -- the members -------------------------------------------------------------------------------------
 
@@ -279,30 +269,15 @@ class Fleet:
 
     # -- the process -------------------------------------------------------------------------------------
 
-    def _acquire_lock(self) -> None:
-        try:
-            self._lock_fd = lock_exclusive(self.lay.lock_file)
-        except LockHeld as e:
-            raise SettingsError(f"another ember daemon is running in this state directory (pid {e.holder})") from None
-
     def run(self) -> int:
-        os.umask(0o077)
-        self.lay.ensure()
-        self._acquire_lock()
-        self._log = JsonLog(self.lay.daemon_log, stderr=self.mode != "background")
-        self.log("daemon_start", pid=os.getpid(), version=ember_version(), mode=self.mode, role="fleet",
-                 members=[{"name": m.name, "port": m.port, "gpu": m.gpu} for m in self.members])
-        for m in self.members:
-            if member_status(m) is None:
-                self.spawn(m)
-            else:
-                self.log("member_attach", member=m.name)
-        server = ControlServer(self.lay.control_sock, self.status, self.commands,
-                               on_error=lambda e: self.log("control_error", level="error", error=str(e)))
-        server.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda n, f: self.commands.put("stop"))
+        self.shell.open(role="fleet", members=[{"name": m.name, "port": m.port, "gpu": m.gpu} for m in self.members])
         try:
+            for m in self.members:
+                if member_status(m) is None:
+                    self.spawn(m)
+                else:
+                    self.log("member_attach", member=m.name)
+            self.shell.serve(self.status, self.commands, reload=False)
             while True:
                 self.notifier.ping(time.monotonic())
                 try:
@@ -324,12 +299,5 @@ class Fleet:
                 time.sleep(POLL)
         finally:
             write_json(self.lay.status_file, {**self.status(), "state": Status.STOPPED})
-            server.close()
-            self.notifier.close()
-            self.log("daemon_exit", pid=os.getpid())
-            if self._log is not None:
-                self._log.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+            self.shell.close()
         return 0
-

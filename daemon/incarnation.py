@@ -18,7 +18,10 @@ from .verdicts import LiveWatch, ReadyWatch
 
 # the memory picture a CUDA worker reports (worker/backends/cuda/memory.MemoryPicture.as_dict)
 MEMORY_FACTS = ("device_total_mb", "weights_mb", "f16_copy_mb", "kv_pool_mb", "unified_memory", "kv_host_tier_mb")
-READY_FACTS = ("model", "fingerprint", "backend", "ctx", "max_seqs", "kv_tokens", "startup_seconds", *MEMORY_FACTS)
+READY_FACTS = ("model", "fingerprint", "backend", "ctx", "max_seqs", "kv_tokens", "startup_seconds", "kv_persistence",
+               *MEMORY_FACTS)
+# what `ember status` keeps of the worker's KV persistence (the `kv_persistence` event, the health bodies)
+PERSISTENCE_FIELDS = ("state", "reason", "since", "not_persisted", "errno", "retry_in", "dir")
 
 
 @dataclass
@@ -51,5 +54,7 @@ class Incarnation:
                 self.facts.update({k: o[k] for k in READY_FACTS if k in o})
             elif ev == Event.CONFIG_ERROR:
                 self.facts["config_error"] = o.get("error")
+            elif ev == Event.KV_PERSISTENCE:
+                self.facts["kv_persistence"] = {k: o.get(k) for k in PERSISTENCE_FIELDS if o.get(k) is not None}
             elif ev in OUTCOMES:
                 self.outcomes += 1

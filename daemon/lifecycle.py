@@ -23,21 +23,21 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ember.ops.contract import Event, ExitCode, HealthState, iso_utc
+from ember.ops.contract import Event, ExitCode, HealthState, PersistState, iso_utc
 
 from . import detect
 from .archive import Archived, archive
 from .detect import HANG, POISONED, UNHEALTHY, UNRESPONSIVE
-from .incarnation import Incarnation
+from .incarnation import PERSISTENCE_FIELDS, Incarnation
 from .incident import Incident, classify, cuda_fields, exit_incident
 from .logwatch import Line, LogWatcher
 from .notify import Notifier
 from .paths import Layout
 from .phases import WORKER_UP, Phase, PhaseMachine, Status, status_of
-from .policy import Decision, RestartPolicy
+from .policy import PORT_BUSY, Decision, RestartPolicy
 from .probe_schedule import ProbeMissed, Target
 from .probes import Probe, ProbeResult
-from .procs import ctime, kill_tree, oom_count, port_owner
+from .procs import PortHeld, ctime, kill_tree, oom_count, port_holder, port_owner
 from .settings import Settings, redact_argv, worker_command
 from .supctl import ProcessInfo
 from .supervisor import Supervisor
@@ -77,6 +77,7 @@ class Lifecycle:
         self.last_crash: dict[str, Any] | None = None
         self.last_recovery_seconds: float | None = None
         self.recovering: tuple[str | None, float] | None = None  # (crash id, monotonic detection) until ready
+        self.port_conflict: dict[str, Any] | None = None  # another process holds the port: who, since, next try
         self.backoff_until = 0.0
         self.stop_deadline = 0.0
         self.last_live_m = time.monotonic()  # when a liveness result last arrived (the scheduler's pulse)
@@ -168,6 +169,7 @@ class Lifecycle:
     def begin_stop(self, then: str) -> None:
         why = {"exit": "`ember stop`", "restart": "`ember restart`"}[then]
         self.after_stop = then
+        self.port_conflict = None
         self.watcher.armed = False
         self.worker.ready = False
         if self.phase in WORKER_UP and self.worker.pid:
@@ -216,10 +218,12 @@ class Lifecycle:
         elif item.probe == Probe.LIVE:
             self.last_live_m = time.monotonic()
             self.health.append(item)
+            self._note_persistence(item)
             if self.phase is P.RUNNING:
                 self._on_live(item)
         elif item.probe == Probe.READY:
             self.health.append(item)
+            self._note_persistence(item)
             if self.phase is P.RUNNING:
                 self._on_ready_probe(item)
 
@@ -294,16 +298,16 @@ class Lifecycle:
     # == the worker's start ===================================================================================
 
     def spawn(self, why: str) -> None:
-        """-> STARTING, or -> FAILED when the worker cannot start at all."""
-        busy = self._port_owner()
-        if busy:
+        """-> STARTING; -> BACKOFF while another process holds the port; -> FAILED when the engine
+        cannot start at all."""
+        held = self._port_owner(wait=0.0 if self.port_conflict else 3.0)
+        if held is not None:
             self._new_worker()
-            if self.policy.trial:  # the try after a cool-down: wait another one, do not give up
-                self.fail(self.policy.open_now(time.time(), f"the restart after the cool-down could not "
-                                                            f"start: {busy}").reason)
-            else:
-                self.fail(busy)
+            self._port_busy(held)
             return
+        if self.port_conflict:
+            self.log("port_free", port=self.port_conflict["port"], since=self.port_conflict["since"])
+            self.port_conflict = None
         argv = worker_command(self.s)
         self.sup.write_launch(argv)
         self.watcher.poll()
@@ -334,20 +338,42 @@ class Lifecycle:
         self.worker = Incarnation()
         self.not_ready_reason = None
 
-    def _port_owner(self) -> str | None:
-        """Someone else already listens where the worker should (a server started by hand, say): wait a
-        moment for it to go, then say who it is instead of crash-looping on the bind."""
+    def _address(self) -> tuple[str, int]:
         if self.s.foreign:
             u = urlsplit(self.s.live_url)
-            host, port = u.hostname or "127.0.0.1", u.port or 80
-        else:
-            host, port = self.s.host, self.s.port
-        return port_owner(host, port, tick=self.notifier.ping)
+            return u.hostname or "127.0.0.1", u.port or 80
+        return self.s.host, self.s.port
+
+    def _port_owner(self, wait: float) -> PortHeld | None:
+        """Someone else already listens where the worker should (a server started by hand, a worker
+        of another daemon): wait up to `wait` seconds for it to go, then say who it is."""
+        host, port = self._address()
+        return port_owner(host, port, wait=wait, tick=self.notifier.ping)
+
+    def _port_busy(self, held: PortHeld) -> None:
+        """-> BACKOFF: the port is taken. Not a configuration error (the holder may let go at any
+        time) and not the worker's fault: the next try comes after the policy's backoff, which the
+        breaker does not count, and `ember status` names the holder and the next try."""
+        now = time.time()
+        decision = self.policy.on_failure(now, PORT_BUSY)
+        first = self.port_conflict is None
+        self.port_conflict = {**held.as_dict(), "since": (self.port_conflict or {}).get("since") or iso_utc(now),
+                              "tries": (self.port_conflict or {}).get("tries", 0) + 1,
+                              "retry_at": iso_utc(now + decision.delay)}
+        self.machine.to(P.BACKOFF, f"{held}; trying again in {decision.delay:g}s")
+        self.backoff_until = time.monotonic() + decision.delay
+        self.failed_reason = None
+        self.not_ready_reason = f"{held}; trying again in {decision.delay:g}s"
+        self.log(Event.PORT_BUSY, level="warning" if first else "info", **held.as_dict(), delay=decision.delay,
+                 tries=self.port_conflict["tries"])
+        self.notifier.status(self.status_line())
+        self.persist()
 
     def fail(self, reason: str) -> None:
         """-> FAILED: no restart until `ember start` (or the breaker's cool-down)."""
         self.machine.to(P.FAILED, reason)
         self.failed_reason = reason
+        self.port_conflict = None
         self.worker.ready = False
         self.not_ready_reason = reason
         self.watcher.armed = False
@@ -411,6 +437,12 @@ class Lifecycle:
             self.policy.close_breaker()  # a configuration error is never retried by a cool-down
             self.fail(f"configuration error (exit {ExitCode.CONFIG}, not restarting): {why}")
             w.pid = None
+            return
+        if ex.code == ExitCode.PORT_BUSY:  # -> BACKOFF: the port was taken between the check and the bind
+            self.log("worker_exit", level="warning", pid=w.pid, **ex.as_dict())
+            w.pid = None
+            host, port = self._address()
+            self._port_busy(self._port_owner(wait=0.0) or port_holder(host, port))
             return
         if ex.code == ExitCode.OK:  # -> BACKOFF (or FAILED: the breaker)
             self.log("worker_exit", level="warning", pid=w.pid, code=ExitCode.OK,
@@ -561,7 +593,35 @@ class Lifecycle:
             self.spawn("supervisord was lost: a new one, and a new worker")
 
     def scan_log(self) -> None:
+        was = self._persistence()
         self.worker.scan(self.watcher.lines_since(self.worker.scan_seq))
+        self._persistence_news(was)
+
+    # == the worker's KV persistence (its log's `kv_persistence` events and the health bodies) ===============
+
+    def _persistence(self) -> str | None:
+        return (self.worker.facts.get("kv_persistence") or {}).get("state")
+
+    def _note_persistence(self, rec: ProbeResult) -> None:
+        """A health body's persistence state (it carries the counts the log's changes do not)."""
+        if not isinstance(rec.kv_persistence, dict):
+            return
+        known = self.worker.facts.get("kv_persistence") or {}
+        if str(rec.kv_persistence.get("since") or "") < str(known.get("since") or ""):
+            return  # answered before a change the log has already told (the probe ran meanwhile)
+        was = self._persistence()
+        self.worker.facts["kv_persistence"] = {k: rec.kv_persistence[k] for k in PERSISTENCE_FIELDS
+                                               if rec.kv_persistence.get(k) is not None}
+        self._persistence_news(was)
+
+    def _persistence_news(self, was: str | None) -> None:
+        """Say in the daemon's log when the worker's KV blocks stop or start reaching the disk."""
+        now = self._persistence()
+        if now is None or now == was or (was is None and now == PersistState.PERSISTING):
+            return
+        kv = self.worker.facts["kv_persistence"]
+        self.log(Event.KV_PERSISTENCE, level="warning" if now == PersistState.DEGRADED else "info",
+                 pid=self.worker.pid, **{k: kv.get(k) for k in ("state", "reason", "since", "not_persisted")})
 
 
 def _text(error: str | dict[str, Any] | None) -> str | None:

@@ -19,18 +19,21 @@ Transitions (from -> to: why); the loop logs each one as a `phase` event with `f
     starting -> running   the first ready probe passed
     starting -> killing   an incident: poison, no ready probe within startup_timeout, an exit nobody asked for
     running  -> killing   an incident: a probe verdict, poison in the log, an exit nobody asked for
-    starting -> backoff   the worker exited 0 without being asked (restarted like a failure)
+    starting -> backoff   the worker exited 0 without being asked (restarted like a failure), or 69 (its
+                          port was taken: ExitCode.PORT_BUSY)
     running  -> backoff   (the same)
     killing  -> backoff   archived; the policy restarts after a delay
     killing  -> starting  archived, and `ember restart` came meanwhile
     killing  -> stopping  archived, and `ember stop` came meanwhile
     backoff  -> starting  the delay is over, or `ember start` / `ember restart`
+    any start -> backoff  another process holds the port: tried again after the backoff (from
+                          stopped, backoff, failed, stopping or killing, wherever a start was due)
     stopping -> stopped   the worker is gone (for `ember stop` the daemon exits next)
     stopping -> starting  the worker is gone and `ember restart` wants a new one
     failed   -> starting  `ember start` / `ember restart`, or the breaker's cool-down is over (half-open)
     starting, running, killing -> starting   supervisord was lost: a new one, and a new worker
     any      -> stopping  `ember stop` (and `ember restart` from starting or running)
-    any      -> failed    exit 78, an engine command that cannot run, the port taken, the breaker open
+    any      -> failed    exit 78, an engine command that cannot run, the breaker open
 
 Anything else raises IllegalTransition: a bug in the loop, never a state of the worker.
 """
@@ -58,9 +61,9 @@ ALLOWED: dict[Phase, frozenset[Phase]] = {
     P.STARTING: frozenset({P.STARTING, P.RUNNING, P.KILLING, P.BACKOFF, P.STOPPING, P.FAILED}),
     P.RUNNING: frozenset({P.STARTING, P.KILLING, P.BACKOFF, P.STOPPING, P.FAILED}),
     P.KILLING: frozenset({P.STARTING, P.BACKOFF, P.STOPPING, P.FAILED}),
-    P.BACKOFF: frozenset({P.STARTING, P.STOPPING, P.FAILED}),
-    P.STOPPING: frozenset({P.STARTING, P.STOPPING, P.STOPPED, P.FAILED}),
-    P.FAILED: frozenset({P.STARTING, P.STOPPING, P.FAILED}),
+    P.BACKOFF: frozenset({P.STARTING, P.BACKOFF, P.STOPPING, P.FAILED}),
+    P.STOPPING: frozenset({P.STARTING, P.BACKOFF, P.STOPPING, P.STOPPED, P.FAILED}),
+    P.FAILED: frozenset({P.STARTING, P.BACKOFF, P.STOPPING, P.FAILED}),
 }
 WORKER_UP = frozenset({P.STARTING, P.RUNNING})  # a worker runs and is watched (incidents apply)
 

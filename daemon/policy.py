@@ -13,6 +13,10 @@ configuration errors. It decides from failures it is told about; it never looks 
   with the reason. After `cooldown` seconds (0 = never) the daemon tries once more (half-open):
   the breaker closes when that worker becomes ready, and opens again at once if it fails first.
   `ember start` or `ember restart` closes it immediately.
+- A port another process holds (PORT_BUSY: found before the spawn, or the worker's exit 69,
+  ExitCode.PORT_BUSY) waits the backoff like any failure, so the worker is back within one backoff
+  step of the port coming free, and never counts toward the breaker: the holder may let go at any
+  time, and nothing about the worker is wrong.
 - A configuration error (exit 78, ExitCode.CONFIG) is not a failure of this policy: the daemon stops without
   restarting and no cool-down ever retries it (lifecycle.py calls close_breaker()).
 """
@@ -27,7 +31,8 @@ from ember.ops.contract import iso_utc
 from .detect import UNRESPONSIVE
 
 LEVEL_CAP = 64  # 2**64 times any sane base is past any sane max: more levels change nothing
-BREAKER_EXEMPT = frozenset({UNRESPONSIVE})  # failure classes the breaker does not count
+PORT_BUSY = "port-busy"  # a failure class of the daemon's own (no crash bundle: the worker never ran)
+BREAKER_EXEMPT = frozenset({UNRESPONSIVE, PORT_BUSY})  # failure classes the breaker does not count
 
 
 @dataclass

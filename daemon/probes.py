@@ -1,7 +1,7 @@
 """Health probes over HTTP with a hard deadline each (connect, send and every read share one budget).
 
 - liveness: GET /health/live (or a foreign engine's health URL) within live_timeout, plus the
-  process itself: alive, not a zombie, not stuck in uninterruptible sleep (D state).
+  process itself: alive, not a zombie, not stopped, not stuck in uninterruptible sleep (D state).
 - readiness: GET /health/ready, then a real one-token generation (POST /v1/completions); a 429
   answer to the generation (queue full) is marked `busy`: the worker answers, it is just full.
 Each probe returns a ProbeResult (its record() also goes into the crash bundle's health.jsonl). What
@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import psutil
 
 from ember.ops.contract import PROBE_HEADER, HealthState, iso_utc
+
+ZOMBIE_RECHECK = 0.5  # seconds a zombie gets to be reaped before it counts as one
 
 
 class ProbeTimeout(Exception):
@@ -91,6 +93,7 @@ class ProbeResult:
     running: int | None = None
     waiting: int | None = None
     last_progress_seconds: float | None = None
+    kv_persistence: dict[str, Any] | None = None  # the health body's: do the worker's KV blocks reach the disk?
     process: str | None = None  # psutil's status of the worker process
     cpu: float | None = None  # its user + system CPU seconds so far
     ms: float | None = None
@@ -129,7 +132,17 @@ def process_check(pid: int | None) -> ProcessCheck:
     except psutil.Error as e:
         return ProcessCheck(True, status="unknown", error=str(e))
     if st == psutil.STATUS_ZOMBIE:
-        return ProcessCheck(False, status=st, error="zombie")
+        # an exit supervisord has not reaped yet passes in a moment; a zombie that stays is a process
+        # whose main thread is gone while others run on (the liveness rule kills it)
+        time.sleep(ZOMBIE_RECHECK)
+        try:
+            st = p.status()
+        except psutil.NoSuchProcess:
+            return ProcessCheck(False, error="process gone")
+        except psutil.Error as e:
+            return ProcessCheck(True, status="unknown", error=str(e))
+        if st == psutil.STATUS_ZOMBIE:
+            return ProcessCheck(False, status=st, error="zombie")
     try:
         t = p.cpu_times()
         return ProcessCheck(True, status=st, cpu=round(t.user + t.system, 2))
@@ -138,7 +151,7 @@ def process_check(pid: int | None) -> ProcessCheck:
 
 
 # a health body's fields the liveness rule reads (verdicts.py), copied into the result as they are
-_LIVE_BODY_FIELDS = ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error")
+_LIVE_BODY_FIELDS = ("stalled", "steps", "running", "waiting", "last_progress_seconds", "error", "kv_persistence")
 _NOT_SERVING = (HealthState.LOADING, HealthState.DRAINING)
 
 
@@ -159,14 +172,23 @@ def live_probe(url: str, timeout: float) -> ProbeResult:
             rec.ok = True  # alive, just not serving (llama-server answers 503 while loading)
         if not rec.ok:
             rec.error = rec.error or f"HTTP {status}"
-    except ProbeTimeout as e:
-        rec.ok, rec.error, rec.timeout = False, str(e), True
-    except OSError as e:
-        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
-    except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    except Exception as e:
+        _failed(rec, e)
     rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec
+
+
+def _failed(rec: ProbeResult, e: Exception, during: str = "") -> None:
+    """A probe that raised, as every probe records it: no answer in time (`timeout`, `during` saying
+    which part), refused or reset (`refused` for a refusal), or a malformed answer
+    (http.client.HTTPException and friends)."""
+    rec.ok = False
+    if isinstance(e, ProbeTimeout):
+        rec.timeout, rec.error = True, f"{e}{during}"
+    elif isinstance(e, OSError):
+        rec.error, rec.refused = f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
+    else:
+        rec.error = f"bad answer: {type(e).__name__}: {e}"
 
 
 def _generation(model: str | None) -> bytes:
@@ -184,6 +206,8 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
         obj = _json(body) or {}
         rec.status = status
         rec.state = obj.get("state", obj.get("status"))
+        if isinstance(obj.get("kv_persistence"), dict):
+            rec.kv_persistence = obj["kv_persistence"]
         if status != 200:
             rec.ok, rec.error = False, f"not ready: HTTP {status}" + (f" ({rec.state})" if rec.state else "")
         elif generate and gen_url:
@@ -208,12 +232,7 @@ def ready_probe(ready_url: str, gen_url: str, timeout: float, api_key: str | Non
                 rec.error = f"generation failed: HTTP {gs}" + (f": {str(msg)[:200]}" if msg else "")
         else:
             rec.ok = True
-    except ProbeTimeout:
-        rec.ok, rec.timeout = False, True
-        rec.error = f"no answer within {timeout:g}s" + (" (one-token generation)" if rec.status == 200 else "")
-    except OSError as e:
-        rec.ok, rec.error, rec.refused = False, f"{type(e).__name__}: {e}", isinstance(e, ConnectionRefusedError)
-    except Exception as e:  # a malformed answer (http.client.HTTPException and friends) is a failed probe
-        rec.ok, rec.error = False, f"bad answer: {type(e).__name__}: {e}"
+    except Exception as e:
+        _failed(rec, e, " (one-token generation)" if rec.status == 200 else "")
     rec.ms = round((time.monotonic() - t0) * 1000, 1)
     return rec

@@ -93,9 +93,26 @@ def oom_count(pid: int | None = None, path: str | None = None) -> OomCount:
         return OomCount(path)
 
 
-def port_owner(host: str, port: int, *, wait: float = 3.0, tick: Callable[[], None] = lambda: None) -> str | None:
+@dataclass(frozen=True)
+class PortHeld:
+    """Another process listens on the worker's address (pid and command when this user may see them)."""
+
+    host: str
+    port: int
+    pid: int | None = None
+    command: str | None = None
+
+    def __str__(self) -> str:
+        who = f" by pid {self.pid} ({self.command})" if self.pid else ""
+        return f"port {self.port} on {self.host} is already in use{who}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"host": self.host, "port": self.port, "pid": self.pid, "command": self.command}
+
+
+def port_owner(host: str, port: int, *, wait: float = 3.0, tick: Callable[[], None] = lambda: None) -> PortHeld | None:
     """None when a server could bind host:port now; else, after waiting up to `wait` seconds for the
-    port to come free (calling `tick` meanwhile), a sentence saying who holds it."""
+    port to come free (calling `tick` meanwhile), who holds it."""
     deadline = time.monotonic() + wait
     while True:
         try:  # bind as the server will (SO_REUSEADDR, like uvicorn): exactly its chance to succeed
@@ -111,12 +128,15 @@ def port_owner(host: str, port: int, *, wait: float = 3.0, tick: Callable[[], No
             break
         tick()
         time.sleep(0.2)
-    who = ""
+    return port_holder(host, port)
+
+
+def port_holder(host: str, port: int) -> PortHeld:
+    """Who listens on `port` (pid and the start of its command line), as far as this user may see."""
     try:
         for c in psutil.net_connections("tcp"):
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                who = f" by pid {c.pid} ({' '.join(psutil.Process(c.pid).cmdline()[:4])})"
-                break
+                return PortHeld(host, port, c.pid, " ".join(psutil.Process(c.pid).cmdline()[:4]))
     except (psutil.Error, OSError):
         pass
-    return f"port {port} on {host} is already in use{who}; stop that server or choose another port"
+    return PortHeld(host, port)

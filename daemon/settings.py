@@ -230,9 +230,10 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
             raise SettingsError(f"config file {cfg_path}: {e}") from None
     elif path or env.get(contract.ENV_CONFIG):
         raise SettingsError(f"config file {cfg_path} does not exist")
-    daemon_sec = data.get("daemon", {}) if isinstance(data.get("daemon"), dict) else {}
-    worker_sec = data.get("worker", data) if isinstance(data.get("worker", data), dict) else {}
     known = {f.name: f.type for f in fields(Settings)}
+    # the worker's keys are the worker's to check (it refuses an unknown one with exit 78 too)
+    worker_sec, daemon_sec = contract.config_sections(data, cfg_path, daemon_keys=set(known) - {"config_path"},
+                                                      error=SettingsError)
     raw: dict[str, Any] = {}
     for key in ("host", "port", "api_key", "drain_seconds"):  # the worker's, read for probing
         if key in worker_sec:
@@ -240,10 +241,7 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
         var = "EMBER_" + key.upper()
         if env.get(var):
             raw[key] = env[var]
-    for key, value in daemon_sec.items():
-        if key not in known or key == "config_path":
-            raise SettingsError(f"[daemon] {key}: unknown setting")
-        raw[key] = value
+    raw.update(daemon_sec)
     for key in known:
         var = "EMBER_DAEMON_" + key.upper()
         if env.get(var):

@@ -45,7 +45,8 @@ def build_status(life: Lifecycle, *, daemon: dict[str, Any], log_watch: dict[str
                    "model": w.facts.get("model"), "fingerprint": w.facts.get("fingerprint"),
                    "version": w.facts.get("version"), "incarnation": life.incarnation,
                    "backend": w.facts.get("backend"), "ctx": w.facts.get("ctx"), "kv_tokens": w.facts.get("kv_tokens"),
-                   "memory": {k: w.facts[k] for k in MEMORY_FACTS if k in w.facts} or None},
+                   "memory": {k: w.facts[k] for k in MEMORY_FACTS if k in w.facts} or None,
+                   "kv_persistence": w.facts.get("kv_persistence") if up else None},
         "restarts": life.restarts,
         "backoff_level": policy.level,
         "next_restart_in": (round(max(0.0, life.backoff_until - now_m), 1) if life.phase is Phase.BACKOFF
@@ -53,6 +54,7 @@ def build_status(life: Lifecycle, *, daemon: dict[str, Any], log_watch: dict[str
         "last_crash": life.last_crash,
         "last_recovery_seconds": life.last_recovery_seconds,
         "breaker": policy.status(now),
+        "port_conflict": life.port_conflict,
         "liveness": w.live.status(now_m, s) if life.phase is Phase.RUNNING else None,
         "log_watch": log_watch,
         "probes": {"live": _last(life.health, Probe.LIVE), "ready": _last(life.health, Probe.READY, Probe.STARTUP)},

@@ -5,7 +5,11 @@ the ProbeResults probes.py measured and applies the Kill it returns; nothing her
 Liveness (GET /health/live plus the process itself, psutil), record by record:
 - answered and fine: the failure run ends.
 - the engine reports a poisoned context: `poisoned-context` at once (after poison_grace).
-- the process is gone or a zombie: nothing here; supervisord reports the exit.
+- the process is gone: nothing here; supervisord reports the exit.
+- the process is stopped (state T: SIGSTOP, a job-control stop) or a zombie that stays one (its main
+  thread gone while others run on), on a failed probe: `hang` at once. Neither answers again by
+  itself, and waiting unresponsive_seconds for it only costs the time (a debugger's tracing stop,
+  `t`, is left alone: a person is at work).
 - uninterruptible sleep (D state) on every probe for dstate_seconds: `hang`.
 - the engine itself reports a stall (503 `stalled`, or 503 while it claims to serve):
   `hang` after live_failures such answers in a row.
@@ -46,7 +50,8 @@ class LiveKind(enum.Enum):
 
     OK = "ok"
     POISON = "poison"  # the engine reports a poisoned context
-    GONE = "gone"  # the process is gone or a zombie
+    GONE = "gone"  # the process is gone
+    STOPPED = "stopped"  # stopped (T) or a lasting zombie: it will not answer again by itself
     STALLED = "stalled"  # the engine says its loop makes no progress
     THREAD_DIED = "thread_died"
     SILENT = "silent"  # no answer in time
@@ -71,7 +76,9 @@ def live_kind(rec: ProbeResult) -> LiveKind:
         return LiveKind.OK
     if rec.state == HealthState.POISONED:
         return LiveKind.POISON
-    if rec.process == psutil.STATUS_ZOMBIE or str(rec.error or "").startswith("process:"):
+    if rec.process in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+        return LiveKind.STOPPED
+    if str(rec.error or "").startswith("process:"):
         return LiveKind.GONE
     if rec.timeout:
         return LiveKind.SILENT
@@ -124,6 +131,11 @@ class LiveWatch:
                         minimal=True, poison_grace=True, cuda=err)
         if kind is LiveKind.GONE:
             return None
+        if kind is LiveKind.STOPPED:
+            what = ("stopped (state T: SIGSTOP or a job-control stop)" if rec.process == psutil.STATUS_STOPPED
+                    else "a zombie whose threads run on (its main thread is gone)")
+            return Kill(HANG, f"the worker process is {what}: it cannot answer until something else acts",
+                        "process", {"process_status": rec.process, "live_failures": self.fails + 1})
         self.fails += 1
         if self.since is None:
             self.since = now - float(rec.ms or 0) / 1000  # the first failed probe began then

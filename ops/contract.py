@@ -12,11 +12,12 @@ only part of this contract; the daemon also reads raw CUDA error strings (daemon
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad arguments (argparse's own code)
     NOT_RUNNING = 3  # `ember status` with no daemon running (LSB's "program is not running")
     NOT_INSTALLED = 3  # `ember service status` with no autostart installed (the same number)
+    PORT_BUSY = 69  # the worker's port is held by another process: retried with backoff (EX_UNAVAILABLE)
     POISONED = 75  # the worker's compute context is poisoned: restart it now (sysexits' EX_TEMPFAIL)
     CONFIG = 78  # a configuration error: restarting cannot help, so nothing restarts it (EX_CONFIG)
     INTERRUPTED = 130  # Ctrl-C at a terminal (128 + SIGINT)
@@ -73,6 +75,8 @@ class Event(enum.StrEnum):
     PREEMPT = "preempt"  # a running request gave its KV blocks back and waits again
     ENGINE_POISONED = "engine_poisoned"  # a sticky CUDA error: the context is unusable from here on
     THREAD_DIED = "thread_died"  # a guarded worker thread died (also the `error.name` /health/live reports)
+    PORT_BUSY = "port_busy"  # the worker could not bind its port (held by another process); exit PORT_BUSY next
+    KV_PERSISTENCE = "kv_persistence"  # the KV store's writes to disk changed state (PersistState below)
 
 
 OUTCOMES = (Event.COMPLETED, Event.FAILED, Event.CANCELED, Event.REFUSED)
@@ -92,7 +96,18 @@ REQUIRED_FIELDS: dict[Event, tuple[str, ...]] = {
     Event.PREEMPT: ("request_id", "seq"),
     Event.ENGINE_POISONED: ("code", "name", "message"),
     Event.THREAD_DIED: ("thread", "error"),
+    Event.PORT_BUSY: ("host", "port", "error"),
+    Event.KV_PERSISTENCE: ("state", "reason", "since", "not_persisted"),
 }
+
+
+class PersistState(enum.StrEnum):
+    """Whether the worker's KV blocks reach the disk (the `kv_persistence` event, the health bodies,
+    /v1/stats, /metrics, `ember status`). A degraded store keeps serving and retries with backoff."""
+
+    PERSISTING = "persisting"
+    DEGRADED = "degraded"  # writes fail (the disk is full, the directory is gone...): nothing new persists
+    OFF = "off"  # --kv-persist off, or the writer thread died
 
 
 def iso_utc(t: float | None = None) -> str:
@@ -192,6 +207,52 @@ def cache_dir(env: Mapping[str, str] | None = None, *, system: bool | None = Non
 
 def config_file(env: Mapping[str, str] | None = None, *, system: bool | None = None) -> Path:
     return _place(env, system, ENV_CONFIG, SYSTEM_CONFIG_DIR / CONFIG_NAME, "config", APP, CONFIG_NAME)
+
+
+# ember.toml: the worker's keys at the top level or under [worker] (one or the other for each key), the
+# daemon's under [daemon]; nothing else. A key no side knows is refused (exit 78) with the nearest known
+# one, so a misspelled setting (`prot`, `api-key`, `[daemn]`) never passes silently.
+SECTIONS = ("worker", "daemon")
+
+
+def did_you_mean(word: str, known: Iterable[str], fmt: str = "{}") -> str:
+    """" (did you mean X?)" for the known spelling nearest to `word`, or "" when none is near."""
+    close = difflib.get_close_matches(word.lower(), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {fmt.format(close[0])}?)" if close else ""
+
+
+def config_sections(data: Mapping[str, Any], path: str | os.PathLike[str], *,
+                    worker_keys: Iterable[str] | None = None, daemon_keys: Iterable[str] | None = None,
+                    error: type[ValueError] = ValueError) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(worker keys, [daemon] keys) of a parsed ember.toml. A table that is no section, a section that
+    is not a table, a key set both at the top level and in [worker], or a key not among a side's known
+    keys (each side passes its own: the daemon cannot know the worker's) raises `error` (the caller's
+    kind of configuration error) with a one-line message naming it and the nearest known spelling."""
+    worker: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise error(f"config file {path}: {key} must be a section ([{key}]), not a value")
+            continue
+        if isinstance(value, dict):
+            raise error(f"config file {path}: [{key}]: unknown section{did_you_mean(key, SECTIONS, '[{}]')}; "
+                        f"ember.toml has {' and '.join(f'[{s}]' for s in SECTIONS)}")
+        worker[key] = value
+    for key, value in data.get("worker", {}).items():
+        if key in worker:
+            raise error(f"config file {path}: {key} is set both at the top level and in [worker]; keep one")
+        worker[key] = value
+    daemon = dict(data.get("daemon", {}))
+    for section, keys, known in (("worker", worker, worker_keys), ("daemon", daemon, daemon_keys)):
+        if known is None:
+            continue
+        known = set(known)
+        for key in keys:
+            if key not in known:
+                where = f"[{section}] " if section == "daemon" or key in data.get("worker", {}) else ""
+                raise error(f"config file {path}: {where}{key}: unknown setting"
+                            f"{did_you_mean(key.replace('-', '_'), known)}")
+    return worker, daemon
 
 
 def private_dir(path: Path) -> Path:

@@ -133,3 +133,37 @@ def test_metrics_and_stats(openai_client, api_worker):
     stats = httpx.get(api_worker.url + "/v1/stats").json()
     assert stats["state"] == "ready" and stats["engine"]["context"] == 1024 and stats["engine"]["max_seqs"] == 4
     assert stats["metrics"]["ember_requests_started_total"] >= 1
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/chat/completions", {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(257)]},
+     400, "--max-tools"),
+    ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(257)]},
+     400, "--max-tools"),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "a"}] * 2}, 400,
+     "two tools are named"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+     400, "temperature"),
+    ("/v1/completions", b'{"model": "m", "prompt": ', 400, "not valid JSON"),
+])
+def test_every_refused_request_logs_exactly_one_outcome(api_worker, path, body, status, needle):
+    """A request the worker refuses before the engine has it (a bound, a bad field, a body that is no JSON)
+    logs one `refused` line and counts once, like every other request (issue 38 item 6)."""
+    import json
+    import time
+
+    w = api_worker
+    started = w.metric_values()["ember_requests_started_total"]
+    before = len(w.events("refused"))
+    headers = {**w.headers(), "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{w.url}{path}", content=content, headers=headers, timeout=30)
+    assert r.status_code == status and needle in r.text, r.text
+    deadline = time.monotonic() + 5
+    while len(w.events("refused")) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    new = w.events("refused")[before:]
+    assert len(new) == 1 and new[0]["status"] == status and needle in new[0]["reason"], new
+    assert w.metric_values()["ember_requests_started_total"] == started + 1

@@ -26,7 +26,7 @@ PACKAGES = ("daemon", "worker", "kernels", "ops")
 
 # -- what only the contract may spell ----------------------------------------------------------------
 
-EXIT_VALUES = {ExitCode.POISONED.value, ExitCode.CONFIG.value}  # 0, 1 and 2 are everyone's
+EXIT_VALUES = {ExitCode.POISONED.value, ExitCode.CONFIG.value, ExitCode.PORT_BUSY.value}  # 0-3 are everyone's
 EXIT_TEXT = re.compile(r"(?i)exit(?:\s*(?:code|status))?\s*[=:(]?\s*(?:" + "|".join(map(str, EXIT_VALUES)) + r")\b")
 EXIT_CALLS = {"exit", "_exit", "SystemExit"}
 EXIT_KEYWORDS = {"code", "exit_code", "exitcode", "returncode"}
@@ -320,11 +320,34 @@ def test_bad_sizes_and_durations_name_the_setting_in_each_sides_error():
         settings.parse_duration("5 fortnights", "tick")
 
 
+@pytest.mark.parametrize("data,message", [
+    ({"prot": 1}, "f.toml: prot: unknown setting (did you mean port?)"),
+    ({"worker": {"prot": 1}}, "f.toml: [worker] prot: unknown setting (did you mean port?)"),
+    ({"worker": {"api-key": "x"}}, "[worker] api-key: unknown setting (did you mean api_key?)"),
+    ({"daemn": {"tick": 1}}, "[daemn]: unknown section (did you mean [daemon]?)"),
+    ({"daemon": {"tikc": 1}}, "[daemon] tikc: unknown setting (did you mean tick?)"),
+    ({"daemon": {"frobnicate": 1}}, "[daemon] frobnicate: unknown setting"),
+    ({"worker": 3}, "worker must be a section"),
+    ({"port": 1, "worker": {"port": 2}}, "port is set both at the top level and in [worker]"),
+])
+def test_the_config_files_layout_is_checked_in_one_place(data, message):
+    with pytest.raises(ValueError) as e:
+        contract.config_sections(data, "f.toml", worker_keys=("port", "api_key", "host"), daemon_keys=("tick",))
+    assert message in str(e.value) and str(e.value).startswith("config file f.toml: ")
+
+
+def test_each_side_checks_only_its_own_keys():
+    data = {"port": 1, "worker": {"host": "h"}, "daemon": {"tick": 2}}
+    assert contract.config_sections(data, "f") == ({"port": 1, "host": "h"}, {"tick": 2})
+    assert contract.config_sections({"unknown_to_the_daemon": 1}, "f", daemon_keys=("tick",)) == (
+        {"unknown_to_the_daemon": 1}, {})  # the daemon cannot know the worker's keys; the worker refuses it
+
+
 # -- exit codes, health states, log events -----------------------------------------------------------------
 
 
 def test_the_values_design_md_promises():
-    assert (ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG) == (0, 75, 78)
+    assert (ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG, ExitCode.PORT_BUSY) == (0, 75, 78, 69)
     assert [s.value for s in HealthState] == ["loading", "ready", "draining", "poisoned"]
     assert [e.value for e in OUTCOMES] == ["completed", "failed", "canceled", "refused"]
     assert REQUIRED_FIELDS[Event.ADMIT] == ("request_id", "seq", "cached_tokens", "new_tokens")

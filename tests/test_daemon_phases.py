@@ -46,6 +46,8 @@ def test_the_table_reads_as_the_lifecycle():
     assert only_from[P.STOPPED] == {P.STOPPING}  # stopped only by way of a drain
     assert only_from[P.KILLING] == {P.STOPPED, P.STARTING, P.RUNNING}  # stopped: re-attached to a dead worker
     assert all(P.FAILED in tos and P.STOPPING in tos for tos in ALLOWED.values())  # stop and failure: from anywhere
+    # a start that finds the port taken backs off, wherever a start was due (lifecycle.spawn)
+    assert only_from[P.BACKOFF] == set(Phase)
 
 
 def test_status_of_each_phase_is_what_ember_status_always_showed():

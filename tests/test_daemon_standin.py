@@ -17,6 +17,8 @@ not exist yet (and creates it), so the restarted engine is healthy:
   segv      kill itself with SIGSEGV
   oom       print a MemoryError traceback and exit 1
   config    log config_error and exit 78 at once
+  zombie    the main thread exits (pthread_exit) while the server's threads serve on: the process is a
+            zombie (state Z) that answers its probes and never exits
   freeze    every completion (not the daemon's probes) holds the server's one "event loop" for
             secs=S (default 2) seconds, as a CPU-bound request on an asyncio loop does: /health/live,
             /health/ready and everything else wait behind it; the process lives, and serves again after
@@ -124,6 +126,11 @@ def fire() -> None:
         os._exit(int(FAULT.get("code", 1)))
     elif kind == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "zombie":  # from the main thread (`after`): the rest of the process lives on without it
+        log("zombie", level="warning", note="the main thread exits; the server threads serve on")
+        import ctypes
+
+        ctypes.CDLL(None).pthread_exit(None)
     elif kind == "oom":
         raw("Traceback (most recent call last):")
         raw('  File "engine.py", line 1, in step')

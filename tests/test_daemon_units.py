@@ -133,6 +133,17 @@ def test_unresponsive_kills_do_not_count_toward_the_breaker():
     assert [p.on_failure(30.0 + t, detect.HANG).restart for t in range(3)] == [True, True, False]  # crashes do
 
 
+def test_a_busy_port_backs_off_and_never_counts_toward_the_breaker():
+    from ember.daemon.policy import PORT_BUSY
+
+    p = RestartPolicy(base=1.0, max=8.0, crashes=2, window=600)
+    delays = [p.on_failure(float(t), PORT_BUSY).delay for t in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]  # the ordinary backoff, capped: one step after the port frees
+    assert p.times == [] and p.state() == "closed"
+    p.half_open()  # a conflict during the try after a cool-down is not the try failing
+    assert p.on_failure(10.0, PORT_BUSY).restart and p.state() == "half-open"
+
+
 def test_breaker_cools_down_tries_once_and_closes_or_opens_again():
     p = RestartPolicy(crashes=2, window=600, cooldown=300)
     p.on_failure(0.0, "crash-exit")
@@ -205,8 +216,12 @@ def test_liveness_failures_the_engine_reports_are_counted_kills_at_once():
     assert k.cls == detect.UNHEALTHY and k.details["live_failures"] == 2  # alive, port refusing
     k = verdicts.LiveWatch().observe(_live(status=503, state="poisoned", error={"code": 700}), 0.0, FAST)
     assert k.cls == detect.POISONED and k.minimal and k.poison_grace and k.cuda == {"code": 700}
-    w = verdicts.LiveWatch()  # gone or a zombie: supervisord reports the exit, nothing to kill
-    assert [w.observe(_live(process="zombie", error="process: zombie"), t, FAST) for t in (0.0, 60.0)] == [None, None]
+    w = verdicts.LiveWatch()  # gone: supervisord reports the exit, nothing to kill
+    assert [w.observe(_live(error="process: process gone"), t, FAST) for t in (0.0, 60.0)] == [None, None]
+    for status in ("stopped", "zombie"):  # it will not answer by itself: a hang at the first failed probe
+        k = verdicts.LiveWatch().observe(_live(process=status, **TIMEOUT), 0.0, FAST)
+        assert k.cls == detect.HANG and k.source == "process" and k.details["process_status"] == status
+    assert verdicts.LiveWatch().observe(_live(process="tracing-stop", **TIMEOUT), 0.0, FAST) is None  # a debugger
     w = verdicts.LiveWatch()  # a worker thread died: the worker says which, and the reason names it
     dead = {"code": None, "name": "thread_died", "message": "thread ember-kv-writer died: OSError: [Errno 5]"}
     assert w.observe(_live(status=503, state="ready", error=dead), 0.0, FAST) is None
@@ -315,6 +330,21 @@ def test_window_runs_from_the_last_healthy_request_to_the_crash():
     assert any('"request_id": "f29"' in t and "completed" in t for t in texts[:4])
     assert texts[-1] == json.dumps({"event": "exit", "code": 75})
     assert len(win) == 3 + 1 + 1 + 2 + 5 + 1 + 2  # context, f29 done, victim, other, raw, crash, failed+exit
+
+
+def test_without_a_crash_line_the_affected_are_those_in_flight_at_detection():
+    """A hang or a kill by the probes has no crash line: a probe that finished last is not affected, the
+    chat stuck since its admit is, and what the log says after the detection (a stack dump) is context."""
+    objs = [{"event": "ready"}, {"event": "admit", "request_id": "chat", "seq": 1}]
+    objs += [{"event": "admit", "request_id": "probe-1", "seq": 2, "probe": True},
+             {"event": "completed", "request_id": "probe-1", "seq": 2, "probe": True}]
+    objs += ["Thread 0x7f (most recent call first):", '  File "engine.py", line 9 in step']  # after the kill's dump
+    lines = _lines(objs)
+    detected = lines[3].t  # the probe's outcome was the last line read before the detection
+    _, info = B.log_window(lines, None, context=5, until=detected + 0.5)
+    assert info["affected_requests"] == ["chat"] and info["crash_line_seq"] == 4
+    _, info = B.log_window(lines, None, context=5)  # the last line is no crash line: its outcome counts too
+    assert info["affected_requests"] == ["chat"]
 
 
 def test_window_for_a_raw_foreign_log_is_the_tail():

@@ -111,12 +111,19 @@ def test_real_worker_engine_hang_with_port_open(ember: Ember, default_model_path
 
 def test_real_worker_config_error_exit_78(ember: Ember, default_model_path):
     e = ember
+    # a setting the worker's loader refuses: `ember start` says so before anything starts (exit 78)
     e.configure(worker={"model": str(default_model_path), "kv_mem": "1KiB"}, **REAL)
     r = e.start(timeout=60)
-    assert r.returncode == 1 and "kv_mem" in r.stderr
+    assert r.returncode == 78 and "kv_mem" in r.stderr and e.ours() == []
+    # one only loading can find (the model file is no GGUF): the worker exits 78 and nothing restarts it
+    bad = e.tmp / "not-a-model.gguf"
+    bad.write_bytes(b"not a gguf file" * 100)
+    e.configure(worker={"model": str(bad)}, **REAL)
+    r = e.start(timeout=60)
+    assert r.returncode == 1 and "not-a-model.gguf" in r.stderr and "configuration error" in r.stderr
     time.sleep(1.0)
     st = e.status()
-    assert st["state"] == "failed" and st["restarts"] == 0 and "kv_mem" in st["failed_reason"]
+    assert st["state"] == "failed" and st["restarts"] == 0 and "not-a-model.gguf" in st["failed_reason"]
     assert len(e.daemon_events("worker_spawn")) == 1 and e.bundles() == []
     assert json.loads(e.run("crashes", "list", "--json").stdout) == []
 

@@ -178,9 +178,12 @@ def test_unwritable_directory_degrades_to_no_persistence(runtime, tmp_path, capf
         root.mkdir(mode=0o500)
     s = _store(runtime, root)
     _, toks, _ = _run(runtime, s)
-    assert len(toks) > 0 and not s.writable
+    s.flush()
+    assert len(toks) > 0 and not s.writable and s.persistence.state == "degraded"
+    assert s.persistence.not_persisted > 0  # counted, not silently lost
     s.close()
-    assert capfd.readouterr().err.count("kv_persistence_off") == 1
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if '"kv_persistence"' in ln]
+    assert len(lines) == 1 and '"state": "degraded"' in lines[0]  # retried, logged once per reason
 
 
 def test_two_stores_on_one_directory(runtime, tmp_path):

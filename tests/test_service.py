@@ -187,7 +187,7 @@ def test_config_show_reports_a_bad_setting(tmp_path):
     conf.write_text('port = 70000\n[daemon]\nfrobnicate = 1\n')
     r = subprocess.run([sys.executable, "-m", "ember.daemon.service", "config", "show"], capture_output=True,
                        text=True, env=_env(tmp_path), timeout=60)
-    assert r.returncode == 1 and "port: 70000 is not a TCP port" in r.stdout and "frobnicate" in r.stdout
+    assert r.returncode == 78 and "port: 70000 is not a TCP port" in r.stdout and "frobnicate" in r.stdout
     assert "Traceback" not in r.stdout + r.stderr
 
 

@@ -269,7 +269,8 @@ def test_a_worker_whose_kv_writer_dies_says_so(start_worker):
         assert httpx.get(w.url + "/health/ready", timeout=5).status_code == 503
         metrics = httpx.get(w.url + "/metrics", timeout=5).text
         assert 'ember_thread_deaths_total{thread="ember-kv-writer"} 1.0' in metrics
-        assert w.events("kv_persistence_off", reason="the KV writer thread died")
+        assert w.events("kv_persistence", state="off", reason="the KV writer thread died")
+        assert live.json()["kv_persistence"]["state"] == "off"
         assert _chat(w).status_code == 200  # it serves on (without persistence) until it is restarted
     finally:
         w.stop()

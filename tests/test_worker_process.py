@@ -6,6 +6,7 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,13 +46,14 @@ def test_poisoned_worker_refuses_and_reports_not_live(start_worker):
         with httpx.Client(base_url=w.url, timeout=5) as client:  # connected before the poison: no handshake later
             assert client.get("/health/live").status_code == 200
             first = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 5})
-            assert first.status_code in (500, 503)
+            # the request the poison caught: 503 with the code the door gives next (never `overloaded`)
+            assert first.status_code == 503 and first.json()["error"]["code"] == "service_unavailable", first.text
             # the poisoned worker stays up POISON_FLUSH_SECONDS to flush streams, then exits 75: these
             # two probes fit well inside that window (a connection error here fails the test)
             live = client.get("/health/live")
             again = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 2})
         assert live.status_code == 503 and live.json()["state"] == "poisoned"
-        assert again.status_code == 503
+        assert again.status_code == 503 and again.json()["error"]["code"] == "service_unavailable"
         assert w.proc.wait(10) == 75
     finally:
         w.kill()
@@ -125,6 +127,55 @@ def test_cuda_backend_without_a_gpu_is_a_configuration_error(worker_env):
     p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(free_port()),
                         "--backend", "cuda"], env=worker_env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 78 and "cuda is not available" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[worker]\nprot = 8081\n", "[worker] prot: unknown setting (did you mean port?)"),
+    ("prot = 8081\n", ": prot: unknown setting (did you mean port?)"),
+    ("[worker]\napikey = 'sekrit-typo'\n", "apikey: unknown setting (did you mean api_key?)"),
+    ("[daemn]\nbackoff_max = '5s'\n", "[daemn]: unknown section (did you mean [daemon]?)"),
+    ("port = 8081\n[worker]\nport = 8082\n", "port is set both at the top level and in [worker]"),
+])
+def test_an_unknown_key_or_section_in_the_config_file_exits_78(worker_env, tmp_path, text, needle):
+    """A misspelled setting is refused with the nearest known one, never skipped (a misspelled api_key
+    would leave a LAN-bound server open); the value itself is never echoed."""
+    conf = tmp_path / "ember.toml"
+    conf.write_text(text)
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--config", str(conf), "--port",
+                        str(free_port())], env=worker_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78, p.stderr[-2000:]
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    [err] = [e for e in lines if e["event"] == "config_error"]
+    assert needle in err["error"] and str(conf) in err["error"] and "\n" not in err["error"]
+    assert "sekrit-typo" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_busy_port_exits_port_busy_with_one_json_line(worker_env):
+    """Another process listens on the port: the worker says so in its JSON log, before loading the
+    model, and exits ExitCode.PORT_BUSY (the daemon retries it), with no traceback and no raw line."""
+    from ember.ops.contract import Event, ExitCode, missing_fields, parse_log_line
+
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(port)], env=worker_env,
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == ExitCode.PORT_BUSY, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # no model loaded first
+    records = [parse_log_line(x) for x in p.stderr.splitlines()]
+    assert None not in records, p.stderr  # every line is JSON
+    busy = [r for r in records if r and r["event"] == Event.PORT_BUSY]
+    assert len(busy) == 1 and busy[0]["port"] == port and "already in use" in busy[0]["error"]
+    assert missing_fields(busy[0]) == () and busy[0]["level"] == "error"
+    assert not [r for r in records if r and r["event"] == Event.READY]
+
+
+def test_an_address_of_another_machine_is_a_configuration_error(worker_env):
+    p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--host", "192.0.2.1", "--port",
+                        str(free_port())], env=worker_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_fault_injection_refused_off_loopback(worker_env):

@@ -2,7 +2,8 @@
 
 Every setting has a CLI flag (`--max-seqs`), an environment variable (`EMBER_MAX_SEQS`) and a
 config-file key (`max_seqs`), with the same name. Precedence: flag, then environment, then file,
-then the default. `sources()` says where each effective value came from.
+then the default. `sources()` says where each effective value came from. A key or section of the
+file that nothing reads is refused (ConfigError, exit 78) with the nearest known spelling.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class WorkerConfig(EngineSettings, kw_only=True):
     # -- who may call: a page in the user's browser must not drive a local API --------------------------
     allowed_origins: str = ""  # comma-separated Origins allowed cross-site besides loopback pages; * = any
     metrics_auth: bool = False  # /metrics and /v1/stats want the API key too
+    # -- slow clients: how long a request may take to arrive (readguard.py) -------------------------------
+    read_header_seconds: float = 20.0  # the request line and headers, from the first byte (or the connection)
+    read_body_seconds: float = 20.0  # the body, plus one second for every read_body_min_rate bytes received
+    read_body_min_rate: int = 500
+    max_slow_connections: int = 128  # connections mid-request at once; past it the longest at it is closed
 
 
 HELP = {
@@ -143,6 +149,13 @@ HELP = {
     "allowed_origins": "browser Origins allowed to call the API besides loopback pages, comma-separated; * = any "
                        "(default: none)",
     "metrics_auth": "require the API key for /metrics and /v1/stats too (default off)",
+    "read_header_seconds": "a request's line and headers must arrive within this many seconds, or 408 and the "
+                           "connection is closed (default 20)",
+    "read_body_seconds": "and its body within this many seconds plus one per --read-body-min-rate bytes received "
+                         "(default 20)",
+    "read_body_min_rate": "bytes per second of a body that earn it another second (default 500)",
+    "max_slow_connections": "connections still sending a request at once; past it the one at it longest is closed "
+                            "(default 128)",
 }
 
 _SECRET = {"api_key"}
@@ -185,11 +198,11 @@ def load(args: argparse.Namespace | None = None,
             raise ConfigError(f"config file {path} does not exist") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {path}: {e}") from None
-        section = data.get("worker", data)  # keys at top level or under [worker]
-        known = {n for n, _, _ in _fields()}
+        # keys at the top level or under [worker]; an unknown key or section is refused, never skipped
+        section, _ = contract.config_sections(data, path, worker_keys=[n for n, _, _ in _fields()],
+                                              error=ConfigError)
         for key, value in section.items():
-            if key in known:
-                raw[key], source[key] = value, f"file {path}"
+            raw[key], source[key] = value, f"file {path}"
     for name, _, _ in _fields():
         var = "EMBER_" + name.upper()
         if var in env and env[var] != "":
@@ -266,6 +279,10 @@ def validate(cfg: WorkerConfig) -> None:
         raise ConfigError("max_logit_bias: must not be negative (0 = refuse logit_bias)")
     if cfg.max_body != "auto" and parse_size(cfg.max_body, "max_body") < 1024:
         raise ConfigError("max_body: at least 1KiB")
+    if cfg.read_header_seconds <= 0 or cfg.read_body_seconds <= 0:
+        raise ConfigError("read_header_seconds and read_body_seconds: must be positive")
+    if cfg.read_body_min_rate < 1 or cfg.max_slow_connections < 1:
+        raise ConfigError("read_body_min_rate and max_slow_connections: must be at least 1")
     for origin in origins(cfg):
         if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
             raise ConfigError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ember.ops.contract import OUTCOMES
+from ember.ops.contract import OUTCOMES, PersistState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -39,6 +39,11 @@ class Metrics:
         self.kv_blocks_cached = Gauge("ember_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse",
                                       registry=r)
         self.kv_usage = Gauge("ember_kv_usage_ratio", "Share of KV blocks referenced by sequences", registry=r)
+        self.slow_clients = Counter("ember_http_slow_clients", "Connections closed for sending a request too slowly "
+                                    "(phase: head, body, or evicted past --max-slow-connections)", ["phase"],
+                                    registry=r)
+        for phase in ("head", "body", "evicted"):
+            self.slow_clients.labels(phase)
         self.restore_choices = Counter("ember_kv_restore_choices", "Warm admits whose stored blocks were restored "
                                        "or computed again (whichever measured faster)", ["choice"], registry=r)
         self._threads = _ThreadCollector()
@@ -100,9 +105,15 @@ class _StoreCollector:
         yield GaugeMetricFamily("ember_kv_disk_blocks", "KV block files on disk", value=self.store.disk_blocks)
         yield GaugeMetricFamily("ember_kv_write_queue_depth", "KV blocks waiting to be written",
                                 value=self.store.write_queue_depth)
+        p = self.store.persistence
+        yield GaugeMetricFamily("ember_kv_persistence_degraded", "1 while KV writes to disk fail and are retried "
+                                "(the disk is full, the directory is gone...): nothing new persists",
+                                value=1 if p.state == PersistState.DEGRADED else 0)
         for name, doc, value in [
             ("ember_kv_writes", "KV blocks written to disk", st.writes),
             ("ember_kv_write_drops", "KV blocks not persisted because the writer was behind", st.write_drops),
+            ("ember_kv_not_persisted", "KV blocks not persisted because writing to disk failed (degraded)",
+             p.not_persisted_total),
             ("ember_kv_restore_hits", "KV blocks restored from the host tier or disk", st.restore_hits),
             ("ember_kv_restore_misses", "KV block restores that found nothing usable", st.restore_misses),
             ("ember_kv_quarantined", "KV block files moved to quarantine", st.quarantined),

@@ -1,8 +1,10 @@
 """`ember worker`: load the model, start the engine, serve HTTP, and stop by the contract.
 
 Exit codes (DESIGN.md): 0 clean stop; 75 poisoned compute context (restart now); 78 configuration
-error (do not restart). SIGTERM drains: readiness turns `draining`, admissions stop, in-flight
-work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits at once.
+error (do not restart); 69 the port is held by another process (listen.py; the daemon retries with
+backoff). The port is bound before anything loads. SIGTERM drains: readiness turns `draining`,
+admissions stop, in-flight work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits
+at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from ember.ops.contract import Event, ExitCode, HealthState
 
 from . import config as worker_config
+from . import listen
 from .logs import log
 
 EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
@@ -157,12 +160,14 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                         block_dtype=backend.block_dtype,
                         chain_hash=chain_hash, persist=cfg.kv_persist,
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
-                        host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"))
+                        host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"),
+                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None)
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
                     drafter=drafter)
     facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
-                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory)
+                 kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory,
+                 kv_persistence=store.persistence.snapshot() if store is not None else None)
     return _Loaded(engine, model, store, facts, formats)
 
 
@@ -170,6 +175,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     """Serve HTTP at once (health says `loading`), load the model off the event loop, then serve."""
     import uvicorn
 
+    from .api import readguard
     from .api.app import create_app
     from .api.limits import RequestLimits
     from .api.security import Guard
@@ -185,6 +191,15 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     log(Event.CONFIG, version=_version(), pid=os.getpid(), config=worker_config.redacted(cfg),
         sources={k: v for k, v in sources.items() if v != "default"})
+    try:
+        listeners = listen.bind(cfg.host, cfg.port)
+    except listen.PortBusy as e:
+        log(Event.PORT_BUSY, level="error", host=cfg.host, port=cfg.port, error=str(e))
+        log("exit", code=ExitCode.PORT_BUSY)
+        return ExitCode.PORT_BUSY
+    except worker_config.ConfigError as e:
+        log(Event.CONFIG_ERROR, level="error", error=str(e))
+        return EX_CONFIG
     try:
         faults = FaultInjector(parse_faults(cfg.fault))
         model_path = resolve_model_path(cfg.model)
@@ -208,7 +223,10 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state,
                      limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
                      version=_version())
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+    slow = readguard.ReadLimits(cfg.read_header_seconds, cfg.read_body_seconds, cfg.read_body_min_rate,
+                                cfg.max_slow_connections)
+    http = readguard.protocol_class(slow, closed=lambda phase: metrics.slow_clients.labels(phase).inc())
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=1))
     server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)
     exit_code = [EX_OK]
@@ -260,6 +278,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             server.should_exit = True
             return
         result.engine.start()
+        state.store = result.store  # (before the engine: the bodies read "off" from a store-less engine)
         state.attach(result.engine, result.model, result.formats)
         state.set(HealthState.READY)
         log(Event.READY, host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
@@ -270,7 +289,7 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
             loop.add_signal_handler(sig, on_signal, sig)
         loop.create_task(watch_poison())
         loader = loop.create_task(load_then_serve())
-        await server.serve()
+        await server.serve(sockets=listeners)
         if not server.started:
             exit_code[0] = exit_code[0] or 1
         loader.cancel()

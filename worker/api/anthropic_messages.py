@@ -232,8 +232,7 @@ async def prepared(ctx: ApiContext, body: MessagesRequest, structured: bool = Fa
                    bounded: bool = True) -> Prepared:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    ctx.limits.tools(body.tools)
-    plan = tool_plan.anthropic_plan(body.tools, body.tool_choice)
+    plan = tool_plan.anthropic_plan(body.tools, body.tool_choice, ctx.limits)
     ask = tool_plan.anthropic_ask(body.thinking, body.max_tokens, (body.output_config or {}).get("effort"))
     return await prepare(ctx, template_messages(body), plan, ask, "messages", structured=structured, bounded=bounded)
 

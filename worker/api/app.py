@@ -13,7 +13,9 @@ limits.py); large ones are decoded off the event loop.
 
 Errors come in the protocol's own shape: Anthropic's for /v1/messages* (and any request carrying
 an `anthropic-version` header), OpenAI's otherwise. Never a traceback: unexpected exceptions are
-logged (JSON line with the traceback) and answered with a generic 500.
+logged (JSON line with the traceback) and answered with a generic 500. A client that goes away while
+its body arrives is no fault of ours: one `client_gone` info line, no traceback (readguard.py, the
+server's read timeouts, logs the ones it closed for slowness itself).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext
 from .errors import ApiError, anthropic_error, openai_error
 from .limits import RequestLimits, too_large
+from .readguard import SCOPE_KEY
 from .routes import ROUTES
 from .security import LOOPBACK_ORIGIN, Guard
 from .sse import SSE_HEADERS, stream
@@ -55,6 +58,14 @@ def _is_anthropic(request: Request) -> bool:
 def error_response(request: Request, e: ApiError) -> Response:
     body = anthropic_error(e) if _is_anthropic(request) else openai_error(e)
     return Response(_encoder.encode(body), status_code=e.status, media_type=JSON, headers=e.headers())
+
+
+class ClientGone(Exception):
+    """The client went away before its request body was all there."""
+
+    def __init__(self, received: int, declared: str):
+        super().__init__(f"the client went away after {received} bytes of the body")
+        self.received, self.declared = received, declared
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -132,18 +143,30 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
 
     async def read_body(request: Request) -> bytes:
         """The body, refused (413) as soon as it is known to be past what the context can use:
-        from Content-Length before reading, else while it streams in."""
+        from Content-Length before reading, else while it streams in. The ASGI messages are read
+        here rather than through request.stream(), whose disconnect is a 500 with a traceback."""
         limit = ctx.body_limit()
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large(limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone(size, declared)
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def on_client_gone(request: Request, e: ClientGone) -> Response:
+        if SCOPE_KEY not in request.scope:  # (one it timed out, readguard has logged)
+            log("client_gone", path=request.url.path, phase="body", body_bytes=e.received,
+                content_length=int(e.declared) if e.declared.isdigit() else None)
+        return Response(b"", status_code=499)  # nobody reads it: the connection is gone
 
     def sse(handle, renderer, headers: dict[str, str]) -> Stream:
         # The background task runs once the body is done, also when a disconnect cancelled the stream
@@ -155,13 +178,21 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
 
     def generation_route(adapter: ProtocolAdapter):
         async def generate(request: Request) -> Response:
-            body = await body_of(request, adapter.body_type)
             rid = common.new_id(adapter.id_prefix)
-            common.check_accepting(ctx, rid, adapter.protocol)
-            req, notes = await common.refusing(ctx, rid, adapter.protocol, adapter.to_generation(ctx, body, rid))
-            if adapter.reads_probe:
-                req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
-            handle = common.submit(ctx, req, adapter.prompt_param)
+            try:  # until the engine has it, whatever ends the request is its one outcome line
+                body = await body_of(request, adapter.body_type)
+                common.check_accepting(ctx)
+                req, notes = await adapter.to_generation(ctx, body, rid)
+                if adapter.reads_probe:
+                    req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
+                handle = common.submit(ctx, req, adapter.prompt_param)
+            except ApiError as e:
+                raise common.refuse(ctx, rid, adapter.protocol, e) from None
+            except ClientGone:
+                raise  # (a client_gone line)
+            except Exception as e:
+                common.fail_early(ctx, rid, adapter.protocol, e)
+                raise
             submitted = Submitted(ctx, body, rid, common.now(), req, notes)
             headers = adapter.headers(rid)
             if body.stream:
@@ -256,6 +287,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                 "last_progress_seconds": round(time.monotonic() - st.last_progress, 3),
             }
             out["metrics"] = engine.metrics.snapshot()
+        out["kv_persistence"] = state.kv_persistence()
         return _json(out)
 
     # CORS for the origins the guard lets in; preflights from any other origin get no CORS headers
@@ -269,7 +301,8 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         route_handlers=[*(generation_route(a) for a in ROUTES), count_tokens, list_models, get_model, tokenize_text,
                         detokenize_ids, openapi_document, live, ready, metrics, stats],
         before_request=check_caller,
-        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
+        exception_handlers={ApiError: on_api_error, ClientGone: on_client_gone, HTTPException: on_http_error,
+                            Exception: on_error},
         request_max_body_size=None,  # read_body applies the context's limit
         cors_config=cors,
         openapi_config=None,

@@ -22,6 +22,7 @@ from ..engine.requests import (
     Finished,
     GenerationRequest,
     NotAccepting,
+    Outcome,
     PromptLogprobs,
     PromptTooLong,
     QueueFull,
@@ -327,31 +328,32 @@ async def token_prompt(ctx: ApiContext, ids: list[Any], param: str) -> list[int]
     return check() if len(ids) < 4096 else await asyncio.to_thread(check)
 
 
-async def refusing(ctx: ApiContext, request_id: str, protocol: str, prepare: Any) -> Any:
-    """Await a request's preparation; a prompt past the context is logged and counted as a
-    refusal, as the engine's own check would (one outcome per request)."""
-    try:
-        return await prepare
-    except ApiError as e:
-        if e.code == "context_length_exceeded":
-            raise refuse(ctx, request_id, protocol, e) from None
-        raise
-
-
 # -- submission ------------------------------------------------------------------------------------------
 
 
 def refuse(ctx: ApiContext, request_id: str, protocol: str, err: ApiError) -> ApiError:
-    """Count and log a request refused at the door, so started == sum of outcomes still holds."""
-    engine = ctx.engine
-    if engine is not None:
-        engine.metrics.started.inc()
-        engine.metrics.outcomes.labels("refused").inc()
-    log("refused", request_id=request_id, protocol=protocol, status=err.status, reason=err.message)
+    """Count and log a request refused before the engine had it (a bad body, a bound, a full
+    queue...): its one outcome, so started == sum of outcomes still holds."""
+    _count(ctx, Outcome.REFUSED)
+    log(Outcome.REFUSED.value, request_id=request_id, protocol=protocol, status=err.status, reason=err.message)
     return err
 
 
-def check_accepting(ctx: ApiContext, request_id: str = "", protocol: str = "") -> None:
+def fail_early(ctx: ApiContext, request_id: str, protocol: str, e: Exception) -> None:
+    """Count and log a request whose preparation failed unexpectedly (a 500; app.py logs the traceback)."""
+    _count(ctx, Outcome.FAILED)
+    log(Outcome.FAILED.value, level="error", request_id=request_id, protocol=protocol, status=500,
+        error=f"{type(e).__name__}: {e}")
+
+
+def _count(ctx: ApiContext, outcome: Outcome) -> None:
+    engine = ctx.engine
+    if engine is not None:
+        engine.metrics.started.inc()
+        engine.metrics.outcomes.labels(outcome.value).inc()
+
+
+def check_accepting(ctx: ApiContext) -> None:
     if ctx.state.accepting():
         return
     state = ctx.state.state
@@ -360,26 +362,22 @@ def check_accepting(ctx: ApiContext, request_id: str = "", protocol: str = "") -
         HealthState.DRAINING: "the worker is shutting down and takes no new requests; retry shortly",
         HealthState.POISONED: "the worker's compute context failed and it is restarting; retry shortly",
     }.get(state, f"the worker is not ready ({state})")
-    err = ApiError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_UNAVAILABLE)
-    raise refuse(ctx, request_id, protocol, err) if request_id else err
+    raise ApiError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_UNAVAILABLE)
 
 
 def submit(ctx: ApiContext, req: GenerationRequest, param: str) -> RequestHandle:
-    check_accepting(ctx, req.request_id, req.protocol)
+    """Hand the request to the engine; its refusals as ApiErrors (the caller logs the outcome)."""
+    check_accepting(ctx)
     handle = RequestHandle(req, asyncio.get_running_loop())
     try:
         ctx.engine.submit(handle)
     except QueueFull as e:
-        raise refuse(ctx, req.request_id, req.protocol,
-                     ApiError(429, f"the worker is busy: {e}; retry shortly", code="rate_limit_exceeded",
-                              retry_after=RETRY_AFTER_BUSY)) from None
+        raise ApiError(429, f"the worker is busy: {e}; retry shortly", code="rate_limit_exceeded",
+                       retry_after=RETRY_AFTER_BUSY) from None
     except NotAccepting as e:
-        raise refuse(ctx, req.request_id, req.protocol,
-                     ApiError(503, str(e), code="service_unavailable",
-                              retry_after=RETRY_AFTER_UNAVAILABLE)) from None
+        raise ApiError(503, str(e), code="service_unavailable", retry_after=RETRY_AFTER_UNAVAILABLE) from None
     except PromptTooLong as e:
-        raise refuse(ctx, req.request_id, req.protocol,
-                     ApiError(400, str(e), param=param, code="context_length_exceeded")) from None
+        raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
     if ctx.log_prompts:  # the user asked for prompt text in the log (--log-prompts); never otherwise
         log("prompt", request_id=req.request_id, protocol=req.protocol,
             text=ctx.tokenizer.decode(req.prompt, skip_special=False))

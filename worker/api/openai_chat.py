@@ -274,9 +274,8 @@ async def to_generation(ctx: ApiContext, body: ChatRequest, request_id: str) -> 
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=body.logit_bias)
     stop = common.stop_list(ctx, body.stop)
-    ctx.limits.tools(body.tools)
     messages = template_messages(body.messages)
-    plan = tool_plan.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    plan = tool_plan.chat_plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.limits)
     prep = await prepare(ctx, messages, plan, tool_plan.effort_ask(body.reasoning_effort, "reasoning_effort"),
                          "messages", structured=grammar is not None)
     prompt = prep.prompt

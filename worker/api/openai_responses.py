@@ -294,8 +294,7 @@ async def to_generation(ctx: ApiContext, body: ResponsesRequest, request_id: str
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed)
     stop = common.stop_list(ctx, body.stop)
-    ctx.limits.tools(body.tools)
-    plan = tool_plan.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    plan = tool_plan.responses_plan(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.limits)
     if body.reasoning is not None and not isinstance(body.reasoning, dict):
         raise bad_request("reasoning must be an object", param="reasoning")
     ask = tool_plan.effort_ask((body.reasoning or {}).get("effort"), "reasoning.effort")

@@ -18,12 +18,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ember.ops.contract import Event, HealthState
+from ember.ops.contract import Event, HealthState, PersistState
 
 from ..logs import log
 
 if TYPE_CHECKING:
     from ..engine.loop import Engine
+    from ..kvstore.store import KVStore
     from ..model.loader import Model
     from ..text.formats import ModelFormats
 
@@ -45,6 +46,7 @@ class ServerState:
         self.engine: Engine | None = None  # set by create_app (or attach, when the model loads after the app starts)
         self.model: Model | None = None
         self.formats: ModelFormats | None = None  # the model's tool-call and reasoning formats, resolved at load
+        self.store: KVStore | None = None  # the KV store, whose persistence state the bodies show
 
     def attach(self, engine: Engine | None, model: Model | None, formats: ModelFormats | None = None) -> None:
         self.engine, self.model, self.formats = engine, model, formats
@@ -80,6 +82,14 @@ class ServerState:
         """Guarded threads that died (name -> error), from the worker's ThreadWatch (the engine's)."""
         return dict(self.engine.watch.dead) if self.engine is not None else {}
 
+    def kv_persistence(self) -> dict[str, Any]:
+        """Whether KV blocks reach the disk (the store's own snapshot; never the engine's queues)."""
+        if self.store is None:
+            why = "kv_persist is off" if self.engine is not None else "the model is still loading"
+            return {"state": PersistState.OFF, "reason": why}
+        snapshot: dict[str, Any] = self.store.persistence.snapshot()
+        return snapshot
+
     def accepting(self) -> bool:
         return self.state == HealthState.READY and self.engine is not None
 
@@ -108,4 +118,5 @@ class ServerState:
             p = stats.poisoned
             if p is not None:
                 out["error"] = {"code": p.code, "name": p.name, "message": p.message}
+        out["kv_persistence"] = self.kv_persistence()
         return out

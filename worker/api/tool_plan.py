@@ -9,10 +9,14 @@ naming the parameter. What the plan does to the prompt and grammar is prepare.py
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import bad_request
+from .limits import RequestLimits
+
+DEFAULT_LIMITS = RequestLimits()
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
@@ -93,39 +97,65 @@ def _check_choice(plan: ToolPlan, param: str) -> ToolPlan:
     return plan
 
 
-def chat_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
+def _tool_list(tools: list[Any] | None, limits: RequestLimits, read: Callable[[Any, str], Tool | None]) -> list[Tool]:
+    """The one validation of a request's tool list, whatever its protocol: its bounds (--max-tools,
+    --max-tool-schema-bytes), every entry as the protocol's `read` takes it (None: a hosted tool,
+    left out), and names that are unique."""
+    limits.tools(tools)
+    out = []
+    for i, t in enumerate(tools or []):
+        tool = read(t, f"tools[{i}]")
+        if tool is not None:
+            out.append(tool)
+    return _unique(out, "tools")
+
+
+def _chat_tool(t: Any, p: str) -> Tool:
+    """{type: function, function: {name, description, parameters}}"""
+    if not isinstance(t, dict) or t.get("type", "function") != "function":
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        raise bad_request(f"{p}: only function tools are supported (got {kind!r})", param=f"{p}.type",
+                          code="unsupported_value")
+    fn = t.get("function")
+    if not isinstance(fn, dict):
+        raise bad_request(f"{p}.function must be an object with a name", param=f"{p}.function")
+    return _tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{p}.function")
+
+
+def _responses_tool(t: Any, p: str) -> Tool | None:
+    """{type: function, name, description, parameters, strict}; hosted tool types (web_search,
+    file_search, computer, mcp, custom...) are not run here and are left out."""
+    if not isinstance(t, dict):
+        raise bad_request(f"{p} must be an object", param=p)
+    if t.get("type") != "function":
+        return None
+    return _tool(t.get("name"), t.get("description"), t.get("parameters"), p)
+
+
+def _anthropic_tool(t: Any, p: str) -> Tool | None:
+    """{name, description, input_schema}; server tools (without an input_schema) are left out."""
+    if not isinstance(t, dict):
+        raise bad_request(f"{p} must be an object", param=p)
+    if "input_schema" not in t:
+        return None
+    return _tool(t.get("name"), t.get("description"), t.get("input_schema"), p)
+
+
+def chat_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
+              limits: RequestLimits = DEFAULT_LIMITS) -> ToolPlan:
     """OpenAI chat completions: tools [{type: function, function: {name, description, parameters}}],
     tool_choice "none" | "auto" | "required" | {type: function, function: {name}} |
     {type: allowed_tools, allowed_tools: {mode, tools: [{type: function, function: {name}}]}}."""
-    out = []
-    for i, t in enumerate(tools or []):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise bad_request(f"{p}: only function tools are supported (got {kind!r})", param=f"{p}.type",
-                              code="unsupported_value")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise bad_request(f"{p}.function must be an object with a name", param=f"{p}.function")
-        out.append(_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{p}.function"))
-    plan = ToolPlan(_unique(out, "tools"), parallel=parallel is not False)
+    plan = ToolPlan(_tool_list(tools, limits, _chat_tool), parallel=parallel is not False)
     _choice_openai(plan, tool_choice, "tool_choice", nested=True)
     return _check_choice(plan, "tool_choice")
 
 
-def responses_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
-    """Responses: tools [{type: function, name, description, parameters, strict}]; hosted tool types
-    (web_search, file_search, computer, mcp, custom...) are not run here and are left out.
+def responses_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
+                   limits: RequestLimits = DEFAULT_LIMITS) -> ToolPlan:
+    """Responses: tools [{type: function, name, description, parameters, strict}, hosted tools...],
     tool_choice "none" | "auto" | "required" | {type: function, name} | {type: allowed_tools, mode, tools}."""
-    out = []
-    for i, t in enumerate(tools or []):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
-        if t.get("type") != "function":
-            continue
-        out.append(_tool(t.get("name"), t.get("description"), t.get("parameters"), p))
-    plan = ToolPlan(_unique(out, "tools"), parallel=parallel is not False)
+    plan = ToolPlan(_tool_list(tools, limits, _responses_tool), parallel=parallel is not False)
     _choice_openai(plan, tool_choice, "tool_choice", nested=False)
     return _check_choice(plan, "tool_choice")
 
@@ -195,19 +225,11 @@ def _allow(plan: ToolPlan, spec: dict, param: str) -> None:
     plan.mode = mode
 
 
-def anthropic_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan:
+def anthropic_plan(tools: list[dict] | None, tool_choice: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ToolPlan:
     """Anthropic messages: tools [{name, description, input_schema}] (server tools without an
     input_schema are left out); tool_choice {type: auto | any | tool (name) | none,
     disable_parallel_tool_use}."""
-    out = []
-    for i, t in enumerate(tools or []):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
-        if "input_schema" not in t:
-            continue
-        out.append(_tool(t.get("name"), t.get("description"), t.get("input_schema"), p))
-    plan = ToolPlan(_unique(out, "tools"))
+    plan = ToolPlan(_tool_list(tools, limits, _anthropic_tool))
     if tool_choice is not None:
         if not isinstance(tool_choice, dict):
             raise bad_request("tool_choice must be an object with a type", param="tool_choice")

@@ -10,18 +10,21 @@ SPEC is a comma-separated list of faults, each `kind[:key=value[:key=value]]`:
                                             engine (when it next has work), kv-writer (at the next
                                             block it writes), kv-reader (at the next restore), mask
                                             (a grammar mask thread, at its next call)
+  disk-full:while=PATH                      while PATH exists, every KV file write fails with ENOSPC
+                                            half-way (a full disk where the test cannot mount one)
 Without `step`, poison and hang fire at the first step of the given phase (or any step).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
 
 from .base import Backend, ContextPoisoned, SeqChunk
 
-KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address", "thread-die")
+KINDS = ("poison", "raise", "hang", "slow", "cuda-illegal-address", "thread-die", "disk-full")
 THREADS = ("engine", "kv-writer", "kv-reader", "mask")  # thread-die targets: ember-<name>...
 
 
@@ -41,6 +44,7 @@ class Fault:
     request: int = 1
     ms: int = 200
     thread: str | None = None
+    path: str | None = None
     fired: bool = False
 
 
@@ -64,12 +68,16 @@ def parse_faults(spec: str | None) -> list[Fault]:
                     f.ms = int(value)
                 elif key == "thread" and value in THREADS:
                     f.thread = value
+                elif key == "while" and value:
+                    f.path = value
                 else:
                     raise ValueError
             except ValueError:
                 raise FaultSpecError(f"bad option {opt!r} for fault {kind!r}") from None
         if kind == "thread-die" and f.thread is None:
             raise FaultSpecError(f"fault thread-die needs thread=NAME (one of {', '.join(THREADS)})")
+        if kind == "disk-full" and f.path is None:
+            raise FaultSpecError("fault disk-full needs while=PATH (the disk is full while PATH exists)")
         faults.append(f)
     return faults
 
@@ -94,6 +102,10 @@ class FaultInjector:
             if f.kind == "thread-die" and not f.fired:
                 f.fired = True
                 watch.doom(f"ember-{f.thread}")
+
+    def disk_full(self) -> bool:
+        """A disk-full fault holds now (the KV store's writer asks before each file)."""
+        return any(f.kind == "disk-full" and f.path and os.path.exists(f.path) for f in self.faults)
 
     def before_step(self, step: int, phases: set[str], backend=None) -> None:
         for f in self.faults:

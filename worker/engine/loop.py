@@ -541,7 +541,7 @@ class Engine:
             self.queues.remove(s)
             s.kv.blocks = []  # the device memory is gone; nothing to release into
             s.handle.push([Failed(f"the engine's compute context failed ({e.name}); the worker is restarting",
-                                  status=503, kind="overloaded")])
+                                  status=503, kind="service_unavailable")])  # as the door answers, not overloaded
             self.metrics.outcomes.labels(Outcome.FAILED.value).inc()
             log(Outcome.FAILED.value, level="error", request_id=s.req.request_id, seq=s.number, error=str(e))
         self._publish()

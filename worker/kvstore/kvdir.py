@@ -31,6 +31,7 @@ import itertools
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,26 +200,26 @@ class KVDir:
         return gone
 
     def quarantine(self, path: Path, in_dir: bool) -> None:
-        """(locked) Move a bad file to quarantine (its bytes leave this directory's ledger when it
-        was one of its block files), keeping at most QUARANTINE_MAX_FILES there, oldest out first."""
+        """(locked) Move a bad entry to quarantine (its bytes leave this directory's ledger when it
+        was one of its block files), keeping at most QUARANTINE_MAX_FILES there, oldest out first.
+        A directory or a link standing where a block belongs goes the same way (never followed)."""
         try:
-            size = path.stat().st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             return
         try:
             make_private_dirs(self.quarantine_dir)
             dest = self.quarantine_dir / f"{int(time.time() * 1000)}-{path.name}"
             os.rename(path, dest)
-            os.utime(dest)  # its age is the time since it was quarantined
+            os.utime(dest, follow_symlinks=False)  # its age is the time since it was quarantined
         except OSError:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        if in_dir:
-            self.add(-size)
+            remove_entry(path)
+        if in_dir and stat.S_ISREG(st.st_mode):
+            self.add(-st.st_size)
         with contextlib.suppress(OSError):
-            kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.stat().st_mtime)
+            kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.lstat().st_mtime)
             for old in kept[:-QUARANTINE_MAX_FILES]:
-                old.unlink(missing_ok=True)
+                remove_entry(old)
 
     def remove_evicted_leftovers(self) -> None:
         """Directories an evicting process renamed away and did not finish deleting."""
@@ -229,6 +230,20 @@ class KVDir:
 
 
 # -- files ------------------------------------------------------------------------------------------------------
+
+
+def remove_entry(path: Path) -> bool:
+    """Delete a file, a link or a whole directory (never following a link); False when it was gone."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False
 
 
 def make_private_dirs(path: Path) -> None:

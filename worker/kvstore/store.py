@@ -13,11 +13,17 @@ blocks by name: the path is derived from the chain hash, so lookups need no inde
 by a background scan of headers only, orders this store's files for eviction (LRU, leaves of a
 chain first); the scan then reads the newest files whole, timed, so the first restore-or-recompute
 choice of a restarted worker goes by this disk's measured rate. The directory itself, the disk
-budget shared with every other store on the KV dir, and quarantine are kvdir's.
+budget shared with every other store on the KV dir, and quarantine are kvdir's; writing the files
+themselves is files.py's.
 
 Nothing on disk can hurt the worker: every read is checked (see blockfile), a bad file is moved
 to quarantine, logged once, and treated as a miss, and an I/O error is a miss too, so the request
-computes instead. The writer, reader and scan threads are guarded (threads.py): one that dies is
+computes instead. Whatever stands at a block's path that is no block file (a directory, say) is
+quarantined too. A write that fails (a full disk, a read-only one, a directory deleted under the
+store) never stops the engine: its temp files go at once, persistence turns `degraded`
+(persistence.py: logged, counted, shown in the health bodies, /v1/stats, /metrics and `ember
+status`) and the writer retries with backoff, making the KV directory again when it is gone, until
+a write succeeds. The writer, reader and scan threads are guarded (threads.py): one that dies is
 reported, and what waited on it is released (restores come back empty, persistence turns off).
 """
 
@@ -26,9 +32,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import os
 import queue
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -38,15 +44,20 @@ from typing import Any
 
 import numpy as np
 
+from ember.ops.contract import PersistState
+
 from ..backends.base import Landed
 from ..logs import log
 from ..threads import ThreadWatch
 from . import blockfile
-from .kvdir import KVDir, layout_key
+from .files import Block, BlockFiles, leftover
+from .kvdir import KVDir, layout_key, remove_entry
+from .persistence import Persistence
 
 EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
 PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this disk's restore rate
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
+MAINTAIN_SECONDS = 1.0  # an idle writer looks after the directory this often (retries, a deleted dir)
 
 
 @dataclass
@@ -100,6 +111,7 @@ class KVStore:
         disk_budget: int,
         host_budget: int,
         watch: ThreadWatch | None = None,
+        disk_full: Callable[[], bool] | None = None,
     ):
         self.kvdir = KVDir(Path(root), layout_key(model_key, salt), salt)
         self.root, self.dir, self.quarantine_dir = self.kvdir.root, self.kvdir.dir, self.kvdir.quarantine_dir
@@ -111,7 +123,8 @@ class KVStore:
         self.block_bytes = int(np.prod(block_shape)) * self.block_dtype.itemsize
         self.stats = StoreStats()
         self.watch = watch if watch is not None else ThreadWatch()
-        self.writable = persist != "off"
+        self.persistence = Persistence(str(self.dir), wanted=persist != "off")
+        self.files = BlockFiles(self.kvdir, salt, self.block_bytes, self._quarantine, disk_full)
         self._lock = threading.Lock()  # in-process state; never held while taking the KV dir's lock
         self._host: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._index: dict[bytes, tuple[int, float]] = {}  # hash -> (file size, last used)
@@ -132,7 +145,7 @@ class KVStore:
             try:
                 self.kvdir.open()
             except OSError as e:
-                self._degrade(e)
+                self.persistence.failed(e)
         stopping = self._stop.is_set
         self._threads = [
             self.watch.thread("ember-kv-writer", self._writer, on_death=self._writer_died, stopping=stopping),
@@ -145,8 +158,7 @@ class KVStore:
     # -- engine side -----------------------------------------------------------------------------------
 
     def path_for(self, h: bytes) -> Path:
-        x = h.hex()
-        return self.dir / x[:2] / f"{x}.kv"
+        return self.files.path_for(h)
 
     def offer(self, h: bytes, parent: bytes, tokens: list[int], payload: np.ndarray) -> None:
         """One completed block whose payload is already on the host."""
@@ -238,6 +250,11 @@ class KVStore:
         return probe
 
     @property
+    def writable(self) -> bool:
+        """Blocks are being written to disk (persistence is neither degraded nor off)."""
+        return self.persistence.writing
+
+    @property
     def write_queue_depth(self) -> int:
         """Blocks offered and not yet handled by the writer (the persistence backlog)."""
         return self._pending_write_bytes // self.block_bytes
@@ -285,7 +302,11 @@ class KVStore:
     def _writer(self) -> None:
         watch = self.watch
         while True:
-            item = self._writes.get()
+            try:
+                item = self._writes.get(timeout=MAINTAIN_SECONDS)
+            except queue.Empty:
+                self._maintain()
+                continue
             try:
                 if item is None:
                     return
@@ -296,10 +317,10 @@ class KVStore:
                     payloads = copy.wait()
                     if payloads is not None and copy.owned:  # views of device slabs stay out of RAM
                         self._land(entries, payloads)
-                    if self.writable and payloads is not None:
-                        self._write_batch([(h, parent, tokens, payloads[row])
-                                           for row, (h, parent, tokens) in enumerate(entries)
-                                           if h not in self._index])
+                    if payloads is not None:
+                        self._persist([(h, parent, tokens, payloads[row])
+                                       for row, (h, parent, tokens) in enumerate(entries)
+                                       if h not in self._index])
                 finally:
                     copy.release()
                     self._settle_entries(entries)
@@ -326,9 +347,8 @@ class KVStore:
     def _writer_died(self, e: BaseException) -> None:
         """Nothing will be written any more: stop queueing, and release what was queued."""
         with self._lock:
-            was, self.writable, self._writer_dead = self.writable, False, True
-        if was:
-            log("kv_persistence_off", level="warning", dir=str(self.dir), reason="the KV writer thread died")
+            self._writer_dead = True
+        self.persistence.off("the KV writer thread died")
         while True:
             try:
                 item = self._writes.get_nowait()
@@ -340,47 +360,66 @@ class KVStore:
                 item.handled.set()
             self._writes.task_done()
 
-    def _write_batch(self, blocks: list[tuple[bytes, bytes, list[int], np.ndarray]]) -> None:
-        """Files for a batch of blocks: each written to a temp file, then all renamed into place and
-        counted in the ledger under one hold of the KV dir's lock (one budget check a batch)."""
-        if not blocks:
+    # -- persisting, and riding out what the disk does ----------------------------------------------------
+
+    def _persist(self, blocks: list[Block]) -> None:
+        """Write a batch's files, or count them as not persisted: while degraded, only when a retry is
+        due (and a success then ends the episode). A KV directory deleted under the store is made
+        again and the batch tried once more."""
+        p = self.persistence
+        if not blocks or p.state is PersistState.OFF:
             return
-        staged = []
+        if p.state is PersistState.DEGRADED and not p.due():
+            p.skipped(len(blocks))
+            return
         try:
-            for h, parent, tokens, payload in blocks:
-                parts = blockfile.encode_parts(h, parent, self.salt, tokens, payload)
-                size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-                path = self.path_for(h)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                path.parent.mkdir(mode=0o700, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    if os.writev(fd, parts) != size:
-                        raise OSError(errno.EIO, f"short write of {tmp}")
-                finally:
-                    os.close(fd)
-                staged.append((h, path, tmp, size))
-            with self.kvdir.lock():  # the renames and the ledger change together, for every process
-                added = 0
-                for h, path, tmp, size in staged:
-                    existed = path.exists()
-                    os.replace(tmp, path)
-                    added += 0 if existed else size
-                    with self._lock:
-                        self._index[h] = (size, time.time())
-                        self._quarantined.discard(h)
-                        self.stats.writes += 1
-                        self.stats.write_bytes += size
-                if added:
-                    self.kvdir.add(added)
-                doomed = self._fit_budget(written=staged[-1][0])
+            try:
+                self._ensure_dir()
+                doomed = self.files.write_batch(blocks, self._written)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTDIR) or self.dir.is_dir():
+                    raise
+                self._ensure_dir()  # deleted while the batch was written: once more
+                doomed = self.files.write_batch(blocks, self._written)
         except OSError as e:
-            for _, _, tmp, _ in staged:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-            self._degrade(e)
+            p.failed(e, len(blocks))
             return
         _remove_dirs(doomed)
+        p.recovered()
+
+    def _written(self, files: list[tuple[bytes, int]]) -> list[Path]:
+        """(KV dir locked) A batch's files are in place: index them, then fit the budget."""
+        now = time.time()
+        with self._lock:
+            for h, size in files:
+                self._index[h] = (size, now)
+                self._quarantined.discard(h)
+                self.stats.writes += 1
+                self.stats.write_bytes += size
+        return self._fit_budget(written=files[-1][0])
+
+    def _ensure_dir(self) -> None:
+        if self.files.ensure_dir():
+            with self._lock:
+                self._index.clear()  # its files went with the directory
+
+    def _maintain(self) -> None:
+        """(writer thread, when idle) A degraded store's retry when due, without waiting for traffic:
+        make the directory if it is gone and write one block's worth of bytes; a persisting store
+        checks that its directory is still there (an `rm -rf` while serving), every MAINTAIN_SECONDS."""
+        p = self.persistence
+        if p.state is PersistState.OFF:
+            return
+        if p.state is PersistState.DEGRADED and not p.due():
+            return
+        try:
+            self._ensure_dir()
+            if p.state is PersistState.DEGRADED:
+                self.files.probe_room()
+        except OSError as e:
+            p.failed(e)
+            return
+        p.recovered()
 
     def _reader(self) -> None:
         watch = self.watch
@@ -498,20 +537,20 @@ class KVStore:
                     with self.kvdir.lock():
                         self.kvdir.reconcile()
                 except OSError as e:
-                    self._degrade(e)
+                    self.persistence.failed(e)
             files = list(self.dir.glob("??/*.kv")) if self.dir.exists() else []
             for tmp in self.dir.glob("??/.*.tmp") if self.writable and self.dir.exists() else []:
-                try:
-                    if time.time() - tmp.stat().st_mtime > 60:  # a crashed writer's leftover
+                if leftover(tmp):
+                    with contextlib.suppress(OSError):
                         tmp.unlink(missing_ok=True)
-                except OSError:
-                    pass
             head_len = blockfile.HEADER_SIZE + 4 * self.block_tokens
             for path in files:
                 if self._stop.is_set():
                     return
                 try:
-                    st = path.stat()
+                    st = path.lstat()
+                    if not stat.S_ISREG(st.st_mode):
+                        raise blockfile.BadBlockFile("not a regular file, at a block's path")
                     with open(path, "rb") as f:
                         head = f.read(head_len)
                     header, _ = blockfile.read_header(head, salt=self.salt)
@@ -533,7 +572,7 @@ class KVStore:
                         doomed = self._fit_budget()
                     _remove_dirs(doomed)
                 except OSError as e:
-                    self._degrade(e)
+                    self.persistence.failed(e)
             self._probe()
         finally:
             self.scan_done.set()
@@ -560,11 +599,8 @@ class KVStore:
         freed = removed = i = j = 0
         while over > 0 and quarantine:
             size, path = quarantine.pop(0)
-            try:
-                path.unlink()
+            if remove_entry(path):
                 over -= size
-            except FileNotFoundError:
-                pass
         # past quarantine, a little more room than needed (budgets of a GiB or more): a store at its budget
         # then evicts once per many batches rather than sorting its whole index after each
         slack = min(self.disk_budget // 50, EVICT_SLACK) if over > 0 and self.disk_budget >= 1 << 30 else 0
@@ -598,7 +634,9 @@ class KVStore:
         self.kvdir.total_bytes = self.disk_budget + over - slack
         return doomed
 
-    def _quarantine(self, path: Path, why: str) -> None:
+    def _quarantine(self, path: Path, why: str, locked: bool = False) -> None:
+        """Move a bad entry (a file that failed a check, or whatever stands at a block's path) to
+        quarantine, and forget its block. `locked`: the caller holds the KV dir's lock."""
         h = None
         with contextlib.suppress(ValueError):
             h = bytes.fromhex(path.stem)
@@ -610,19 +648,15 @@ class KVStore:
         log("kv_quarantined", level="warning", file=path.name, reason=why)
         if not self.writable:  # a store that does not persist changes nothing on disk
             return
+        in_dir = path.parent.parent == self.dir and path.suffix == ".kv"
+        if locked:
+            self.kvdir.quarantine(path, in_dir=in_dir)
+            return
         try:
             with self.kvdir.lock():
-                self.kvdir.quarantine(path, in_dir=path.parent.parent == self.dir)
+                self.kvdir.quarantine(path, in_dir=in_dir)
         except OSError as e:
-            self._degrade(e)
-
-    def _degrade(self, e: OSError) -> None:
-        if not self.writable:
-            return
-        self.writable = False
-        reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
-                  errno.EACCES: "permission denied"}.get(e.errno, str(e))
-        log("kv_persistence_off", level="warning", dir=str(self.dir), reason=reason)
+            self.persistence.failed(e)
 
 
 def _remove_dirs(paths: list[Path]) -> None:
