@@ -1,11 +1,12 @@
 """The kernels' shared constants, in one table: tile sizes, block dimensions, warp counts, head-dim
-limits, quant block sizes and type ids.
+limits, quant block sizes, type ids and activation codes.
 
-`build.py` hands every entry of `KERNEL_CONSTANTS` to NVRTC as ``-DNAME=VALUE`` (so each is part of
-every module's options, and of its cubin cache key); the ``.cu`` files never define these names, they
-use them and ``static_assert`` what their code assumes of them. The launchers (``ops/``) read the same
-names from here. ``tests/test_kernels_constants.py`` checks both ways: every source compiles with this
-table, and no source defines a name the table owns.
+`build.py` hands every entry of `KERNEL_CONSTANTS` (and of `KERNEL_FLOATS`, the few float ones) to NVRTC
+as ``-DNAME=VALUE`` (so each is part of every module's options, and of its cubin cache key); the ``.cu``
+files never define these names, they use them and ``static_assert`` what their code assumes of them.
+The launchers (``ops/``) and the twins (``reference.py``) read the same names from here.
+``tests/test_kernels_constants.py`` checks both ways: every source compiles with this table, and no
+source defines a name the table owns.
 
 Not here: launch policy that only the launchers decide (splits, grids sized to the device, variant
 choices), and a kernel's private details that no launcher needs to know.
@@ -109,6 +110,12 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "QG_THREADS": 256,  # 8 warps
     # rope.cu
     "ROPE_MAX_HALF": 256,  # rotation pairs a head at most: head_dim up to 512
+    # act.cuh (gated_act): the gated MLP's activation codes, which every kernel with a gated epilogue takes
+    # (act.cu, matvec.cu qmvg/qmoeg, matvec_k.cu kq8, qgemm.cu qgemmg); ACTIVATIONS names them
+    "ACT_NONE": 0,  # no activation: the int8 matvec's plain product
+    "ACT_SILU": 1,
+    "ACT_GELU_TANH": 2,
+    "ACT_SWIGLU_OAI": 3,  # gpt-oss's clamped SwiGLU (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT below)
     # norm.cu
     "NORM_MAX_THREADS": 1024,  # threads a row at most (each holds NORM_COLS_PER_THREAD columns)
     # sampling.cu
@@ -124,6 +131,17 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "TRACE_WORDS": 8192,  # words of the buffer: the count, then (start, release) pairs
     "TRACE_MARKS": 8064,  # TRACE_MARK(k), k < 64, stores its clock at word TRACE_MARKS + k
 }
+
+# The float constants a kernel shares with its twin, passed as -DNAME=VALUEf (reference.py reads them here)
+KERNEL_FLOATS: dict[str, float] = {
+    "SWIGLU_OAI_ALPHA": 1.702,  # gpt-oss's SwiGLU: gate * sigmoid(alpha * gate) (fixed in llama.cpp too)
+    "SWIGLU_OAI_LIMIT": 7.0,  # the gate clamped above, up both ways, at this limit
+}
+
+# The gated activations by the names the recipes (recipe.Act), the launchers and the twins use: the one
+# table from a name to the kernels' ACT_* code
+ACTIVATIONS: dict[str, int] = {"silu": KERNEL_CONSTANTS["ACT_SILU"], "gelu_tanh": KERNEL_CONSTANTS["ACT_GELU_TANH"],
+                               "swiglu_oai": KERNEL_CONSTANTS["ACT_SWIGLU_OAI"]}
 
 # The variants the .cu files instantiate by macro (kernel names carry them); a CPU test finds each in
 # the compiled modules.
@@ -154,8 +172,9 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16":
 
 
 def defines() -> tuple[str, ...]:
-    """The table as NVRTC options, in table order: ``-DNAME=VALUE`` each."""
-    return tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())
+    """The tables as NVRTC options, in table order: ``-DNAME=VALUE`` each (the floats as float literals)."""
+    return (*(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items()),
+            *(f"-D{name}={value!r}f" for name, value in KERNEL_FLOATS.items()))
 
 
 def check_table() -> None:

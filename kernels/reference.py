@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from .constants import KERNEL_FLOATS
+
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
 
 
@@ -124,6 +126,86 @@ def attention(
     return out
 
 
+def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos: int, *, window: int, scale: float,
+                       split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One decode row's split-K parts, as attention.cu's CTAs write them: q [heads, d] at `pos`, keys and
+    values [pos + 1, kv_heads, d] (positions 0 .. pos); the visible keys (the window's) cut into runs of
+    `split` from the first. Per part s and head h: acc[s, h] = sum p v and ml[s, h] = (m, l), p = e^(score
+    - m) with m the part's max score and l = sum p; an empty part (past the last key) is (-inf, 0) with
+    acc 0. Returns (acc [S, heads, d], m [S, heads], l [S, heads])."""
+    heads, d = q.shape
+    group = heads // keys.shape[1]
+    lo = max(0, pos + 1 - window) if window else 0
+    S = -(-(pos + 1 - lo) // split)
+    acc = np.zeros((S, heads, d), np.float32)
+    m = np.full((S, heads), -np.inf, np.float32)
+    lsum = np.zeros((S, heads), np.float32)
+    for s in range(S):
+        a, b = lo + s * split, min(pos + 1, lo + (s + 1) * split)
+        for h in range(heads):
+            scores = keys[a:b, h // group] @ (q[h] * np.float32(scale))
+            m[s, h] = scores.max()
+            p = np.exp(scores - m[s, h])
+            lsum[s, h] = p.sum()
+            acc[s, h] = p @ values[a:b, h // group]
+    return acc, m, lsum
+
+
+def attention_merge(acc: np.ndarray, m: np.ndarray, lsum: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
+    """The split-K parts of one row merged, as attn_combine (and attn_warp's cluster merge) does: M the
+    largest m of the parts that saw a key (and the head's sink logit, where the model has sinks), out =
+    sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)). acc [S, heads, d], m and l [S, heads];
+    returns [heads, d]. With one part and no sink: acc / l."""
+    seen = lsum > 0
+    M = np.where(seen, m, -np.inf).max(axis=0)
+    if sinks is not None:
+        M = np.maximum(M, sinks.astype(np.float32))
+    f = np.where(seen, np.exp(np.where(seen, m, 0) - M), 0).astype(np.float32)
+    num = (f[..., None] * acc).sum(axis=0)
+    den = (f * lsum).sum(axis=0) + (np.exp(sinks.astype(np.float32) - M) if sinks is not None else 0)
+    return (num / den[:, None]).astype(np.float32)
+
+
+def flash_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray, *, window: int, scale: float,
+               tile: int, sinks: np.ndarray | None = None) -> np.ndarray:
+    """flash.cu's online softmax for consecutive query rows of one sequence: keys (positions 0 ..) taken
+    `tile` at a time from the tile holding the first row's first visible key, scores in log2 units (the
+    scale times log2(e) folded into q), a running max per row rescaling the sums as it grows; at the end
+    the head's sink logit (times log2(e)) joins each row's denominator. q [n, heads, d], keys and values
+    [L, kv_heads, d]. Without 16-bit rounding (the kernel rounds q and p to f16). Returns [n, heads, d]."""
+    n, heads, d = q.shape
+    group = heads // keys.shape[1]
+    log2e = np.float32(1.4426950408889634)
+    p0, plast = int(q_pos[0]), int(q_pos[-1])
+    first = max(0, p0 - window + 1) if window else 0
+    out = np.empty((n, heads, d), np.float32)
+    for h in range(heads):
+        qs = q[:, h] * np.float32(scale * math.log2(math.e))
+        m = np.full(n, -np.inf, np.float32)
+        lsum = np.zeros(n, np.float32)
+        o = np.zeros((n, d), np.float32)
+        for t0 in range(first // tile * tile, plast + 1, tile):
+            j = np.arange(t0, min(t0 + tile, plast + 1))
+            s = qs @ keys[j, h // group].T
+            seen = (j[None, :] <= q_pos[:, None]) & ((q_pos[:, None] - j[None, :] < window) if window else True)
+            s = np.where(seen, s, -np.inf)
+            mx = np.maximum(m, s.max(axis=1))
+            base = np.where(mx == -np.inf, 0, mx)
+            corr = np.exp2(m - base)
+            p = np.exp2(s - base[:, None])
+            lsum = lsum * corr + p.sum(axis=1)
+            o = o * corr[:, None] + p @ values[j, h // group]
+            m = mx
+        inv = np.where(lsum > 0, 1 / np.where(lsum > 0, lsum, 1), 0)
+        if sinks is not None:
+            sk = np.float32(sinks[h]) * log2e
+            M = np.maximum(m, sk)
+            f = np.exp2(m - M)
+            inv = f / (lsum * f + np.exp2(sk - M))
+        out[:, h] = o * inv[:, None]
+    return out
+
+
 def _rows_times(a: np.ndarray, b: np.ndarray, b_t: np.ndarray | None = None) -> np.ndarray:
     """a @ b. OpenBLAS's gemm is slow for a handful of rows (decode steps): there, b_t @ a.T (b_t
     is b transposed with contiguous rows, so the small side is the gemm's narrow one) or one gemv
@@ -143,7 +225,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # gpt-oss's (fixed in llama.cpp too)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = KERNEL_FLOATS["SWIGLU_OAI_ALPHA"], KERNEL_FLOATS["SWIGLU_OAI_LIMIT"]
 
 
 def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

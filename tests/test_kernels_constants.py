@@ -11,8 +11,10 @@ import re
 import pytest
 
 from ember.kernels import build, constants, cuda_runtime, ops
-from ember.kernels.constants import KERNEL_CONSTANTS
+from ember.kernels.constants import KERNEL_CONSTANTS, KERNEL_FLOATS
 from ember.kernels.errors import CompileError, CudaUnavailable
+
+OWNED = [*KERNEL_CONSTANTS, *KERNEL_FLOATS]  # every name the tables pass to NVRTC
 
 SOURCES = sorted([*build.SOURCE_DIR.glob("*.cu"), *build.SOURCE_DIR.glob("*.cuh")])
 
@@ -50,7 +52,7 @@ def test_every_kernel_source_compiles_with_the_table(compiled):
 
 
 def test_no_kernel_source_defines_a_constant_the_table_owns():
-    owned = "|".join(sorted(KERNEL_CONSTANTS, key=len, reverse=True))
+    owned = "|".join(sorted(OWNED, key=len, reverse=True))
     definition = re.compile(rf"#\s*(?:define|undef)\s+({owned})\b|\b({owned})\s*=(?!=)|\benum\b[^;]*\b({owned})\b")
     found = {}
     for path in SOURCES:
@@ -61,7 +63,7 @@ def test_no_kernel_source_defines_a_constant_the_table_owns():
 
 def test_every_table_constant_is_used_by_a_kernel_source():
     code = "\n".join(_code(p) for p in SOURCES)
-    unused = [name for name in KERNEL_CONSTANTS if not re.search(rf"\b{name}\b", code)]
+    unused = [name for name in OWNED if not re.search(rf"\b{name}\b", code)]
     assert not unused, f"in the table but in no kernel source (launcher-only policy belongs in ops/): {unused}"
 
 
@@ -152,7 +154,7 @@ def test_the_table_is_part_of_every_module_and_its_cache_key(monkeypatch):
     monkeypatch.delenv("EMBER_KERNEL_DEFINES", raising=False)
     for name in build.MODULES:
         options = build.module_options(name, "sm_90")
-        assert options[4:4 + len(KERNEL_CONSTANTS)] == list(constants.defines()), name
+        assert options[4:4 + len(OWNED)] == list(constants.defines()), name
     before = build.cache_key("attention", "sm_90")
     monkeypatch.setitem(KERNEL_CONSTANTS, "ATTW_WARPS", 8)
     assert "-DATTW_WARPS=8" in build.module_options("attention", "sm_90")
@@ -178,3 +180,27 @@ def test_every_launcher_names_its_twin():
         f.__name__ for f in launchers}
     missing = [f.__name__ for f in launchers if "twin" not in (f.__doc__ or "").lower()]
     assert not missing, f"launchers whose docstring names no twin: {missing}"
+
+
+def test_the_activation_codes_are_one_table():
+    """The gated activations the recipes name (recipe.Act) are constants.ACTIVATIONS' names, each an ACT_*
+    code of the kernels' table; the launchers take exactly those names, and the twin's SwiGLU constants
+    are the ones the kernels get."""
+    from ember.kernels import reference
+    from ember.kernels.ops.args import act_code
+    from ember.worker.model.arch.recipe import Act
+
+    assert set(constants.ACTIVATIONS) == {a.value for a in Act}
+    assert {KERNEL_CONSTANTS[f"ACT_{name.upper()}"] for name in constants.ACTIVATIONS} == set(
+        constants.ACTIVATIONS.values())
+    assert KERNEL_CONSTANTS["ACT_NONE"] not in constants.ACTIVATIONS.values()
+    assert [act_code(a) for a in constants.ACTIVATIONS] == list(constants.ACTIVATIONS.values())
+    assert act_code(None, none=True) == KERNEL_CONSTANTS["ACT_NONE"]
+    with pytest.raises(ValueError, match="swiglu_oai"):
+        act_code("relu")
+    twin = (reference.SWIGLU_OAI_ALPHA, reference.SWIGLU_OAI_LIMIT)
+    assert twin == (KERNEL_FLOATS["SWIGLU_OAI_ALPHA"], KERNEL_FLOATS["SWIGLU_OAI_LIMIT"])
+    assert "-DSWIGLU_OAI_ALPHA=1.702f" in constants.defines()
+    # no kernel source picks an activation by a number of its own
+    code = "\n".join(_code(p) for p in SOURCES)
+    assert not re.search(r"\bact\s*[=!]=\s*\d", code)

@@ -19,6 +19,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from ember.kernels import ops, quants, reference
+from ember.kernels.constants import ACTIVATIONS
 from ember.kernels.quants import BLOCK_DTYPES
 
 pytestmark = pytest.mark.gpu
@@ -240,7 +241,7 @@ def test_stream_q8_0_argmax(dev, rng, rows, blocks):
             assert tok == int(ref[0])
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("n", [1, 2])
 def test_matvec_q8_fused_activation(dev, rng, act, n):
     """x = act(gate) * up read from a fused gate|up buffer: the same as gated_act, then the matvec.
@@ -256,12 +257,11 @@ def test_matvec_q8_fused_activation(dev, rng, act, n):
     y.poison()
     ops.matvec_q8(dev, w, gud, y, n=n, ldx=2 * ffn, act=act, up_offset=ffn)
     assert rel_err(y.to_host(), reference.linear_q8(g.to_host(), wf)) < FP32_BAR
-    fn = reference.silu if act == "silu" else reference.gelu_tanh
-    assert rel_err(y.to_host(), reference.linear_q8(fn(gu[:, :ffn]) * gu[:, ffn:], wf)) < 1e-3
+    assert rel_err(y.to_host(), reference.linear_q8(reference.gated(gu[:, :ffn], gu[:, ffn:], act), wf)) < 1e-3
 
 
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 11])
 @pytest.mark.parametrize("ffn", [1000, 37])
 def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):
@@ -271,8 +271,7 @@ def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):
     cols = 2304
     w, raw, wf = upload_matrix(dev, rng, tname, 2 * ffn, cols)
     x = rng.normal(0, 1, (n, cols)).astype(np.float32)
-    fn = reference.silu if act == "silu" else reference.gelu_tanh
-    ref = fn(reference.linear_q8(x, wf[:ffn])) * reference.linear_q8(x, wf[ffn:])
+    ref = reference.gated(reference.linear_q8(x, wf[:ffn]), reference.linear_q8(x, wf[ffn:]), act)
     y = dev.empty((n, ffn))
     for rpb in (None, 8, 64):
         y.poison()
@@ -283,7 +282,7 @@ def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):
 
 
 @pytest.mark.parametrize("tname", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k", "f16"])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("n", [1, 3, 8, 11])
 def test_matvec_gated_staged(dev, rng, tname, act, n):
     """The staged matvec over a stacked [gate; up] matrix with the activation in its epilogue (a warp
@@ -292,9 +291,8 @@ def test_matvec_gated_staged(dev, rng, tname, act, n):
     ffn, cols = 99, 640 if not tname.endswith("_k") else 768
     w, raw, wf = upload_matrix(dev, rng, tname, 2 * ffn, cols)
     x = rng.normal(0, 1, (n, cols)).astype(np.float32)
-    fn = reference.silu if act == "silu" else reference.gelu_tanh
     xd = x.astype(np.float64)
-    ref = fn(xd @ wf[:ffn].T.astype(np.float64)) * (xd @ wf[ffn:].T.astype(np.float64))
+    ref = reference.gated(xd @ wf[:ffn].T.astype(np.float64), xd @ wf[ffn:].T.astype(np.float64), act)
     y = dev.empty((n, ffn))
     y.poison()
     ops.matvec_gated(dev, w, dev.to_device(x), y, n=n, act=act)
@@ -491,9 +489,13 @@ def test_add(dev, rng):
     np.testing.assert_array_equal(out.to_host(), a + b)
 
 
+YARN_MSCALE = 1.3465735912322998  # YaRN's cos/sin scale at factor 32 (the gpt-oss files': 1 + 0.1 ln 32)
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_rope_in_place_on_fused_qkv(dev, rng, neox, d):
+@pytest.mark.parametrize("mscale", [1.0, YARN_MSCALE])
+def test_rope_in_place_on_fused_qkv(dev, rng, neox, d, mscale):
     n, hq, hk = 9, 8, 2
     width = (hq + 2 * hk) * d
     qkv = rng.normal(0, 1, (n, width)).astype(np.float32)
@@ -503,9 +505,9 @@ def test_rope_in_place_on_fused_qkv(dev, rng, neox, d):
     buf = dev.to_device(qkv)
     kview = buf.view(hq * d, (n * width - hq * d,))
     ops.rope(dev, buf, kview, dev.to_device(pos), dev.to_device(inv_freq), n=n, hq=hq, hk=hk, head_dim=d,
-             neox=neox, ldq=width, ldk=width)
+             neox=neox, ldq=width, ldk=width, mscale=mscale)
     got = buf.to_host()
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    cos, sin = reference.rope_tables(pos, inv_freq, mscale)
     q = qkv[:, : hq * d].reshape(n, hq, d)
     k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
     assert rel_err(got[:, : hq * d].reshape(n, hq, d), reference.rope(q, cos, sin, neox=neox)) < FP32_BAR
@@ -529,23 +531,25 @@ def test_rms_norm_add_norm(dev, rng, cols):
     assert rel_err(h.to_host(), reference.rms_norm(ref, w2.astype(np.float64), eps)) < FP32_BAR
 
 
-def _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, norms, eps):
+def _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, norms, eps, mscale=1.0):
     """The decode prologue's twin for q|k|v rows [n, (hq + 2 hk) d]: q and k per-head RMSNorm (norms:
-    (qw, kw) or None) and RoPE at pos; v as it is. Returns q [n, hq, d], k and v [n, hk, d]."""
+    (qw, kw) or None) and RoPE at pos (cos and sin times mscale); v as it is. Returns q [n, hq, d], k and
+    v [n, hk, d]."""
     n = len(qkv)
     q = qkv[:, : hq * d].reshape(n, hq, d)
     k = qkv[:, hq * d: (hq + hk) * d].reshape(n, hk, d)
     v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
     if norms is not None:
         q, k = reference.rms_norm(q, norms[0], eps), reference.rms_norm(k, norms[1], eps)
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    cos, sin = reference.rope_tables(pos, inv_freq, mscale)
     return reference.rope(q, cos, sin, neox=neox), reference.rope(k, cos, sin, neox=neox), v
 
 
 @pytest.mark.parametrize("kv", [np.float16, np.float32])
-@pytest.mark.parametrize("neox,qk_norm", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("neox,qk_norm,mscale", [(True, True, 1.0), (False, False, 1.0), (True, False, 1.0),
+                                                 (True, False, YARN_MSCALE)])
 @pytest.mark.parametrize("d,hq,hk", [(64, 4, 1), (128, 32, 8), (256, 8, 4)])
-def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, d, hq, hk):
+def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, mscale, d, hq, hk):
     """The fused attention prologue against its twins in sequence: per-head RMSNorm (optional), RoPE,
     and the cache writes, on a fused qkv buffer with shuffled slots."""
     n, eps, n_slots = 7, 1e-6, 64
@@ -562,8 +566,9 @@ def test_qk_rope_kv_is_norm_rope_and_kv_write(dev, rng, kv, neox, qk_norm, d, hq
     ops.qk_rope_kv(dev, buf, buf.view(hq * d, n * width - hq * d), buf.view((hq + hk) * d, n * width - (hq + hk) * d),
                    kc, vc, dev.to_device(slots), dev.to_device(pos), dev.to_device(inv_freq), n=n, heads=hq,
                    kv_heads=hk, head_dim=d, neox=neox, q_norm=dev.to_device(qw) if qk_norm else None,
-                   k_norm=dev.to_device(kw) if qk_norm else None, eps=eps, ldq=width, ldk=width, ldv=width)
-    qref, kref, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps)
+                   k_norm=dev.to_device(kw) if qk_norm else None, eps=eps, ldq=width, ldk=width, ldv=width,
+                   mscale=mscale)
+    qref, kref, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps, mscale)
     got = buf.to_host()
     assert rel_err(got[:, : hq * d].reshape(n, hq, d), qref) < FP32_BAR
     np.testing.assert_array_equal(got[:, hq * d:], qkv[:, hq * d:])  # k and v rows are only read
@@ -599,7 +604,7 @@ def test_programmatic_dependent_launch_keeps_order(dev, rng):
     g.destroy()
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
 def test_gated_act_on_fused_gate_up(dev, rng, act):
     n, f = 5, 1000
     gu = rng.normal(0, 3, (n, 2 * f)).astype(np.float32)
@@ -607,11 +612,9 @@ def test_gated_act_on_fused_gate_up(dev, rng, act):
     out.poison()
     buf = dev.to_device(gu)
     ops.gated_act(dev, buf, buf.view(f, (n * 2 * f - f,)), out, n=n, ffn=f, act=act, ldg=2 * f, ldu=2 * f)
-    g, u = gu[:, :f], gu[:, f:]
-    fn = reference.silu if act == "silu" else reference.gelu_tanh
-    ref = fn(g.astype(np.float64)) * u
-    assert rel_err(out.to_host(), ref) < FP32_BAR
-    assert rel_err(out.to_host(), fn(g) * u) < FP32_BAR
+    g, u = gu[:, :f], gu[:, f:]  # normal(0, 3): gpt-oss's clamps at 7 are met
+    assert rel_err(out.to_host(), reference.gated(g.astype(np.float64), u.astype(np.float64), act)) < FP32_BAR
+    assert rel_err(out.to_host(), reference.gated(g, u, act)) < FP32_BAR
 
 
 # -- KV cache and paged attention ---------------------------------------------------------------------------
@@ -654,6 +657,11 @@ def _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype):
 @pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (256, 4, 1), (64, 8, 8), (128, 16, 2)])
 @pytest.mark.parametrize("window", [0, 100])
 def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
+    _check_paged_decode(dev, rng, kv_dtype, d, hq, hk, window)
+
+
+def _check_paged_decode(dev, rng, kv_dtype, d, hq, hk, window, sinks=None):
+    """attn (no prologue) over four sequences, one split and several (merged by attn_combine)."""
     lens, bs = [1, 37, 1500, 700], 16
     kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype)
     q = rng.normal(0, 1, (len(lens), hq, d)).astype(np.float32)
@@ -661,7 +669,8 @@ def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
     seq = np.arange(len(lens), dtype=np.int32)
     scale = 1.0 / np.sqrt(d)
     refs = np.stack([
-        reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale)[0]
+        reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale,
+                            sinks=sinks)[0]
         for s in range(len(lens))
     ])
     out = dev.empty((len(lens), hq, d))
@@ -671,7 +680,7 @@ def test_paged_decode_attention(dev, rng, kv_dtype, d, hq, hk, window):
         ops.attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(seq), dev.to_device(pos), out,
                       rows=len(lens), heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
                       max_keys=max(lens) if not window else min(window, max(lens)), window=window, scale=scale,
-                      split=split)
+                      split=split, sinks=dev.to_device(sinks) if sinks is not None else None)
         err = rel_err(out.to_host(), refs)
         assert err < bar, (split, err)
 
@@ -699,9 +708,10 @@ def test_decode_attention_cluster_merge(dev, rng, d, hq, hk, lens):
                         max_keys=128)
 
 
-def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, window, kernel, splits, max_keys=None):
+def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, window, kernel, splits, max_keys=None,
+                        sinks=None, mscale=1.0):
     """Decode attention with the prologue fused over random paged K/V of the given lengths against the
-    twin, for each split."""
+    twin, for each split (sinks: a logit per head in the softmaxes' denominators; mscale: YaRN's)."""
     bs, eps = 16, 1e-6
     kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, kv_dtype)
     n = len(lens)
@@ -715,17 +725,19 @@ def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, wind
     qkv = rng.normal(0, 2, (n, width)).astype(np.float32)
     inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
     qw, kw = (rng.normal(1, 0.1, d).astype(np.float32) for _ in range(2))
-    q, k, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps)
+    q, k, v = _prologue_twin(qkv, hq, hk, d, pos, inv_freq, neox, (qw, kw) if qk_norm else None, eps, mscale)
     k_new, v_new = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
     scale = 1.0 / np.sqrt(d)
     refs = []
     for s in range(n):
         keys[s][-1], values[s][-1] = k_new[s], v_new[s]
-        refs.append(reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale)[0])
+        refs.append(reference.attention(q[s: s + 1], keys[s], values[s], pos[s: s + 1], window=window, scale=scale,
+                                        sinks=sinks)[0])
     buf = dev.to_device(qkv)
     pro = ops.DecodePrologue(buf.view(hq * d, n * width - hq * d), buf.view((hq + hk) * d, n * width - (hq + hk) * d),
                              dev.to_device(slots), dev.to_device(inv_freq), neox, width, width,
-                             dev.to_device(qw) if qk_norm else None, dev.to_device(kw) if qk_norm else None, eps)
+                             dev.to_device(qw) if qk_norm else None, dev.to_device(kw) if qk_norm else None, eps,
+                             mscale=mscale)
     out = dev.empty((n, hq, d))
     # float16 slots: the kernel's and the twin's float32 k may round to neighbouring halves
     bar = FP32_BAR if kv_dtype == np.float32 else 1e-3
@@ -735,7 +747,8 @@ def _check_fused_decode(dev, rng, lens, kv_dtype, neox, qk_norm, d, hq, hk, wind
         ops.attention(dev, buf, kc, vc, tables, dev.to_device(np.arange(n, dtype=np.int32)), dev.to_device(pos), out,
                       rows=n, heads=hq, kv_heads=hk, head_dim=d, block_size=bs, max_blocks=max_blocks,
                       max_keys=max_keys, window=window, scale=scale,
-                      split=split, ldq=width, prologue=pro, kernel=kernel)
+                      split=split, ldq=width, prologue=pro, kernel=kernel,
+                      sinks=dev.to_device(sinks) if sinks is not None else None)
         err = rel_err(out.to_host(), np.stack(refs))
         assert err < bar, (split, err)
     assert rel_err(kc.to_host()[slots].astype(np.float32), k_new) < bar
@@ -767,6 +780,10 @@ def test_flash_prefill_attention(dev, rng, d, hq, hk, window):
     """Flash attention on the tensor cores against the twin, for one step of four chunks: 250 rows
     from position 200 (tiles of 64, 64, 64, 58), a 37-token prompt from 0, one decode row at position
     1499 and 60 rows ending a 700-token sequence; shuffled block tables. f16 Q and probabilities: 1e-2."""
+    _check_flash(dev, rng, d, hq, hk, window)
+
+
+def _check_flash(dev, rng, d, hq, hk, window, sinks=None):
     lens, bs = [450, 37, 1500, 700], 16
     kc, vc, tables, max_blocks, keys, values = _paged_setup(dev, rng, lens, hk, d, bs, np.float16)
     chunks = [(0, 200, 450), (1, 0, 37), (2, 1499, 1500), (3, 640, 700)]  # (sequence, first position, end)
@@ -780,7 +797,8 @@ def test_flash_prefill_attention(dev, rng, d, hq, hk, window):
     q = rng.normal(0, 1, (n, hq, d)).astype(np.float32)
     seq_a, pos_a = np.asarray(seq, np.int32), np.asarray(pos, np.int32)
     scale = 1.0 / np.sqrt(d)
-    ref = np.concatenate([reference.attention(q[a:b], keys[s_], values[s_], pos_a[a:b], window=window, scale=scale)
+    ref = np.concatenate([reference.attention(q[a:b], keys[s_], values[s_], pos_a[a:b], window=window, scale=scale,
+                                              sinks=sinks)
                           for (s_, _, _), (a, b) in zip(chunks, spans, strict=True)])
     tiles = ops.flash_tiles(spans)
     assert [int(c) for c in tiles[:, 1]] == [64, 64, 64, 58, 37, 1, 60]
@@ -788,10 +806,36 @@ def test_flash_prefill_attention(dev, rng, d, hq, hk, window):
     out.poison()
     ops.flash_attention(dev, dev.to_device(q), kc, vc, tables, dev.to_device(seq_a), dev.to_device(pos_a),
                         dev.to_device(tiles), out, n_tiles=len(tiles), heads=hq, kv_heads=hk, head_dim=d,
-                        block_size=bs, max_blocks=max_blocks, window=window, scale=scale)
+                        block_size=bs, max_blocks=max_blocks, window=window, scale=scale,
+                        sinks=dev.to_device(sinks) if sinks is not None else None)
     got = out.to_host()
     for (a, b) in spans:  # every chunk, the single decode row included, on its own
         assert rel_err(got[a:b], ref[a:b]) < 1e-2, (a, b)
+
+
+def _sinks(rng, heads: int) -> np.ndarray:
+    """gpt-oss's sink logits: a few of each sign, and one far above any score (its head keeps little for the keys)."""
+    s = rng.normal(0, 2, heads).astype(np.float32)
+    s[0] = 30.0
+    return s
+
+
+@pytest.mark.parametrize("d,hq,hk", [(64, 4, 2), (64, 64, 8)], ids=["tiny-gpt-oss", "gpt-oss-20b"])
+@pytest.mark.parametrize("window", [0, 128])
+def test_attention_sinks_on_every_path(dev, rng, d, hq, hk, window):
+    """gpt-oss's attention: a learned logit per head in each softmax's denominator (and, on its sliding
+    layers, a window of 128), on every decode path -- attn with one split and with attn_combine's merge,
+    attn_decode, attn_warp merged by attn_combine and inside a cluster -- with YaRN's scale in the fused
+    prologue, and in flash attention's prefill rows."""
+    sinks = _sinks(rng, hq)
+    _check_paged_decode(dev, rng, np.float16, d, hq, hk, window, sinks)
+    long, short = [1, 37, 1500, 700], [17, 40, 128, 3]
+    for kernel, lens, splits in (("block", long, (None, 16, 512)), ("warp", long, (None, 8, 64)),
+                                 ("warp", short, (None, 16, 32, 17))):  # short: 1-8 splits, one cluster
+        _check_fused_decode(dev, rng, lens, np.float16, True, False, d, hq, hk, window, kernel, splits,
+                            max_keys=min(max(lens), window) if window else max(lens), sinks=sinks,
+                            mscale=YARN_MSCALE)
+    _check_flash(dev, rng, d, hq, hk, window, sinks)
 
 
 # -- sampling -------------------------------------------------------------------------------------------------

@@ -277,6 +277,54 @@ def test_moe_mlp_matches_reference(dev, rng, types, n, half):
     assert rel_err(y.to_host() - res, ref) < {None: FP32_BAR, "f16": 3e-3, "bf16": 1e-2}[half], types
 
 
+@pytest.mark.parametrize("up_type", ["mxfp4", "q5_1"], ids=["gate|up", "apart"])
+@pytest.mark.parametrize("n,half", [(1, None), (3, None), (40, "bf16"), (160, "f16")],
+                         ids=["1", "3", "40-bf16", "160-f16"])
+def test_moe_mlp_gpt_oss(dev, rng, up_type, n, half):
+    """gpt-oss's experts (32, 4 a token, as gpt-oss-20b): MXFP4 blocks (ffn 96: 17-byte blocks in rows padded to
+    16 bytes), a bias on the router and on every expert's gate, up and down rows (added by the grouped products'
+    epilogues, before the activation: qmoeg/qgemmg with gate and up stacked; qmoe/qgemm then gated_act with
+    them apart), the softmax over the top k of the router's logits (no renormalisation) and the clamped
+    SwiGLU, on every path: tiles of one pair, of 8, and the tensor cores' tiles of 16 and 64."""
+    E, k, hidden, ffn = 32, 4, 512, 96
+    gt, ut, dt = TYPES["mxfp4"], TYPES[up_type], TYPES["mxfp4"]
+    router = rng.normal(0, 100.0 if half == "f16" else 0.1, (E, hidden)).astype(np.float32)
+    rb = rng.normal(0, 0.5, E).astype(np.float32)
+    gb, ub = (rng.normal(0, 2, (E, ffn)).astype(np.float32) for _ in range(2))  # gate/up past the clamps at 7 too
+    db = rng.normal(0, 1, (E, hidden)).astype(np.float32)
+    raws = [random_tensor(rng, gt, E * ffn, hidden), random_tensor(rng, ut, E * ffn, hidden),
+            random_tensor(rng, dt, E * hidden, ffn)]
+    gate, up = (quants.dequantize(r, t, (E, ffn, hidden)) for r, t in zip(raws[:2], (gt, ut), strict=True))
+    down = quants.dequantize(raws[2], dt, (E, hidden, ffn))
+    stacked = gt == ut
+    em = ops.ExpertMatrices.upload
+    w = ops.MoeWeights(
+        router=ops.QuantMatrix.upload(dev, router, T.F32, E, hidden),
+        down=em(dev, [raws[2]], dt, E, [hidden], ffn, biases=[db]),
+        gate_up=em(dev, raws[:2], gt, E, [ffn, ffn], hidden, biases=[gb, ub]) if stacked else None,
+        gate=None if stacked else em(dev, [raws[0]], gt, E, [ffn], hidden, biases=[gb]),
+        up=None if stacked else em(dev, [raws[1]], ut, E, [ffn], hidden, biases=[ub]),
+        router_bias=dev.to_device(rb))
+    assert w.down.m.stride % 16 == 0 and w.down.m.stride != quants.row_nbytes(dt, ffn)  # padded MXFP4 rows
+    x = rng.normal(0, 1, (8 * n, hidden)).astype(np.float32)
+    if half == "f16":
+        x = x * np.float32(1e-3)
+    top = -np.sort(-reference.linear(x, router, rb), axis=-1)  # rows whose k largest logits are clear
+    x = x[(top[:, k - 1] - top[:, k]) > 1e-4 * np.abs(top[:, :1]).max(axis=-1)][:n]
+    assert len(x) == n
+    res = rng.normal(0, 1, (n, hidden)).astype(np.float32)
+    scratch = ops.MoeScratch.alloc(dev, n, E, k, hidden, ffn, apart=not stacked)
+    for s in (scratch.xs, scratch.hs, scratch.ys):
+        s.poison()
+    y = dev.empty((n, hidden))
+    y.poison()
+    ops.moe_mlp(dev, w, dev.to_device(x), y, scratch, n=n, k=k, act="swiglu_oai", gating="softmax-topk",
+                norm_topk=False, res=dev.to_device(res), half=half)
+    ref = reference.moe_mlp(x, router, gate, up, down, k=k, act="swiglu_oai", gating="softmax-topk", norm_topk=False,
+                            biases=(rb, gb, ub, db))
+    assert rel_err(y.to_host() - res, ref) < {None: FP32_BAR, "f16": 3e-3, "bf16": 1e-2}[half]
+
+
 @pytest.mark.parametrize("tname", list(TYPES))
 @pytest.mark.parametrize("tile,half", [(16, "bf16"), (64, "f16")])
 def test_qgemm_tiles_match_linear(dev, rng, tname, tile, half):

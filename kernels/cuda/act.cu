@@ -1,5 +1,5 @@
-// Gated MLP activation: out = act(g) * u, act = silu (act 0) or gelu_tanh (act 1), over [n, F] with
-// row strides, so g and u can be the two halves of one fused gate|up buffer.
+// Gated MLP activation: out = act(g) * u (act.cuh gated_act: the ACT_* code, silu, gelu_tanh or gpt-oss's
+// clamped SwiGLU) over [n, F] with row strides, so g and u can be the two halves of one fused gate|up buffer.
 #include "act.cuh"
 
 extern "C" __global__ void gated_act_f32(const float* g, i64 ldg, const float* u, i64 ldu, float* out,
@@ -8,8 +8,6 @@ extern "C" __global__ void gated_act_f32(const float* g, i64 ldg, const float* u
     const i64 total = (i64)n * F;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / F, c = i % F;
-        const float a = g[r * ldg + c];
-        const float v = act ? gelu_tanh(a) : silu(a);
-        out[r * ldo + c] = v * u[r * ldu + c];
+        out[r * ldo + c] = gated_act(act, g[r * ldg + c], u[r * ldu + c]);
     }
 }

@@ -9,8 +9,11 @@
 // most `split` keys (split-K over long contexts). Scores go to shared memory (16 lanes per key, D/16
 // elements each), a softmax per head, then the weighted sum of V (one warp per key, D/32 elements per
 // lane). With one split the CTA writes the normalised output; otherwise it writes (sum p*v, max, sum p)
-// and attn_combine merges the splits. Decode is one query row per sequence; prefill may use the same
-// kernel with one row per prompt token (correct, not yet flash-style fast).
+// and attn_combine merges the splits (twin: reference.attention_partials and attention_merge). With sinks
+// (gpt-oss: a learned logit per query head in each softmax's denominator, never a value) the sink joins
+// where the output is normalised: the single split's CTA, or the merge. Decode is one query row per
+// sequence; prefill may use the same kernel with one row per prompt token (correct, not yet flash-style
+// fast).
 //
 // attn_decode_<D>_g<G>_<kv>: the same for decode steps (one row per sequence) with qk_rope_kv's work
 // for the row fused in front: each CTA norms and rotates its G query heads and its key head itself,
@@ -29,7 +32,7 @@ template <int D, int G, typename KV, bool FUSED>
 EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                     const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
-                    int split, float* __restrict__ out, float* __restrict__ part_acc,
+                    const float* __restrict__ sinks, int split, float* __restrict__ out, float* __restrict__ part_acc,
                     float* __restrict__ part_ml, i64 ldq, const DecodePrologue& pro, KV* kc_new, KV* vc_new) {
     __shared__ float sc[G][ATT_SPLIT_MAX];
     __shared__ float red[G][D];
@@ -51,7 +54,7 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     if constexpr (FUSED) {
         // a decode row's only new key is its own, at pos: the older keys' slots are known and their K
         // and V rows (written by earlier steps) are fetched into L2 while the kernel before finishes
-        rope_table(cs, sn, pos, pro.inv_freq, D / 2);
+        rope_table(cs, sn, pos, pro.inv_freq, D / 2, pro.mscale);
         for (int t = tid; t < nt; t += ATT_THREADS) {
             const int p = t0 + t;
             const int s = bt[p / BS] * BS + p % BS;
@@ -250,8 +253,9 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     for (int i = tid; i < G * D; i += ATT_THREADS) {
         const int g = i / D, d = i % D;
         const i64 h = (i64)row * Hq + kh * G + g;
-        if (S == 1) {
-            out[h * D + d] = red[g][d] / stat[g][1];
+        if (S == 1) {  // with a sink, it joins the denominator here (split: in attn_combine)
+            out[h * D + d] = sinks ? red[g][d] * sink_inv(sinks, kh * G + g, stat[g][0], stat[g][1])
+                                   : red[g][d] / stat[g][1];
         } else {
             part_acc[(h * S + z) * D + d] = red[g][d];
             if (d == 0) {
@@ -270,16 +274,18 @@ EMBER_DEV void attn(const float* __restrict__ q, const KV* __restrict__ kc, cons
     extern "C" __global__ void __launch_bounds__(ATTW_WARPS * 32, 2) attn_warp_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
         DECODE_PROLOGUE;                                                                               \
         attn_warp<D, G, KVT>(q, ldq, pro, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk,  \
-                             BS, window, scale, split, out, part_acc, part_ml);                        \
+                             BS, window, scale, sinks, split, out, part_acc, part_ml);                 \
     }
 #define ATTN_WARP_G(D, KVN, KVT) \
     ATTN_WARP(D, 1, KVN, KVT) ATTN_WARP(D, 2, KVN, KVT) ATTN_WARP(D, 4, KVN, KVT) ATTN_WARP(D, 8, KVN, KVT)
 ATTN_WARP_G(64, f16, f16_t) ATTN_WARP_G(128, f16, f16_t) ATTN_WARP_G(256, f16, f16_t)
 ATTN_WARP_G(64, f32, float) ATTN_WARP_G(128, f32, float) ATTN_WARP_G(256, f32, float)
 
-// Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (Hq, rows), block D.
+// Merge S splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; with sinks, the head's sink logit sk
+// joins: M takes it, and the denominator e^(sk - M). grid (Hq, rows), block D. Twin: reference.attention_merge.
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                        int S, int Hq, int D, float* __restrict__ out) {
+                                        int S, int Hq, int D, const float* __restrict__ sinks,
+                                        float* __restrict__ out) {
     grid_dependency_sync();
     // unrolled and branch-free, so the loads of many splits are in flight at once (a dependent chain
     // of S global loads is what made this kernel slow)
@@ -288,8 +294,10 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
     float M = -__int_as_float(0x7f800000);
 #pragma unroll 8
     for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
+    const float sk = sinks ? sinks[blockIdx.x] : 0.0f;
+    if (sinks) M = fmaxf(M, sk);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float num = 0.0f, den = 0.0f;
+        float num = 0.0f, den = sinks ? expf(sk - M) : 0.0f;
 #pragma unroll 8
         for (int s = 0; s < S; ++s) {
             const float l = ml[2 * s + 1];
@@ -305,10 +313,11 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_d##D##_g##G##_##KVN(               \
         const float* __restrict__ q, const KVT* __restrict__ kc, const KVT* __restrict__ vc,          \
         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,        \
-        const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale, int split,  \
-        float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, i64 ldq) { \
+        const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,             \
+        const float* __restrict__ sinks, int split, float* __restrict__ out, float* __restrict__ part_acc, \
+        float* __restrict__ part_ml, i64 ldq) {                                                       \
         attn<D, G, KVT, false>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS,     \
-                               window, scale, split, out, part_acc, part_ml, ldq, DecodePrologue{},   \
+                               window, scale, sinks, split, out, part_acc, part_ml, ldq, DecodePrologue{}, \
                                nullptr, nullptr);                                                     \
     }
 // attn_decode: one decode row per sequence, with qk_rope_kv's work for it fused in front (the new k
@@ -317,7 +326,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_d##D##_g##G##_##KVN(DECODE_PARAMS(KVT)) { \
         DECODE_PROLOGUE;                                                                                 \
         attn<D, G, KVT, true>(q, kc, vc, block_tables, max_blocks, row_seq, row_pos, Hq, Hk, BS, window, \
-                              scale, split, out, part_acc, part_ml, ldq, pro, kc, vc);                   \
+                              scale, sinks, split, out, part_acc, part_ml, ldq, pro, kc, vc);            \
     }
 #define ATTN_G(D, KVN, KVT)                                                                      \
     ATTN(D, 1, KVN, KVT) ATTN(D, 2, KVN, KVT) ATTN(D, 4, KVN, KVT) ATTN(D, 8, KVN, KVT)          \
@@ -361,14 +370,14 @@ template <typename KV>
 EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restrict__ k, i64 ldk,
                           const float* __restrict__ v, i64 ldv, int hq, int hk, int D,
                           const float* __restrict__ qw, const float* __restrict__ kw, float eps,
-                          const int* __restrict__ pos, const float* __restrict__ inv_freq, int neox,
+                          const int* __restrict__ pos, const float* __restrict__ inv_freq, float mscale, int neox,
                           KV* __restrict__ kc, KV* __restrict__ vc, const int* __restrict__ slots, int n) {
     __shared__ float cs[ATT_MAX_HEAD_DIM / 2], sn[ATT_MAX_HEAD_DIM / 2];
     const int t = blockIdx.x;
     const int half = D / 2, per = half / 32;
     // positions and frequencies come from the step's input copy, not from the kernel before this one:
     // the angles are computed while that kernel finishes (programmatic dependent launch)
-    if (t < n) rope_table(cs, sn, pos[t], inv_freq, half);
+    if (t < n) rope_table(cs, sn, pos[t], inv_freq, half, mscale);
     grid_dependency_sync();
     if (t >= n) return;
     __syncthreads();
@@ -426,8 +435,9 @@ EMBER_DEV void qk_rope_kv(float* __restrict__ q, i64 ldq, const float* __restric
 #define QK_ROPE_KV(KVN, KVT)                                                                                 \
     extern "C" __global__ void qk_rope_kv_##KVN(                                                             \
         float* q, i64 ldq, const float* k, i64 ldk, const float* v, i64 ldv, int hq, int hk, int D,          \
-        const float* qw, const float* kw, float eps, const int* pos, const float* inv_freq, int neox,       \
-        KVT* kc, KVT* vc, const int* slots, int n) {                                                         \
-        qk_rope_kv<KVT>(q, ldq, k, ldk, v, ldv, hq, hk, D, qw, kw, eps, pos, inv_freq, neox, kc, vc, slots, n); \
+        const float* qw, const float* kw, float eps, const int* pos, const float* inv_freq, float mscale,    \
+        int neox, KVT* kc, KVT* vc, const int* slots, int n) {                                               \
+        qk_rope_kv<KVT>(q, ldq, k, ldk, v, ldv, hq, hk, D, qw, kw, eps, pos, inv_freq, mscale, neox, kc, vc, slots, \
+                        n);                                                                                  \
     }
 QK_ROPE_KV(f16, f16_t) QK_ROPE_KV(f32, float)

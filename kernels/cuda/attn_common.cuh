@@ -56,16 +56,27 @@ struct DecodePrologue {
     const float* kw;
     float eps;
     const float* inv_freq;
+    float mscale;  // YaRN's cos/sin scale (1 without)
     int neox;
     const int* slots;
 };
 
 // The parameters of the decode kernels with the prologue fused (attn_warp, attn_decode), and their prologue.
+// sinks (or null): a logit per query head that joins its softmax's denominator (gpt-oss; attention_sink).
 #define DECODE_PARAMS(KVT)                                                                          \
     const float *__restrict__ q, i64 ldq, const float *k, i64 ldk, const float *v, i64 ldv,         \
-        const float *qw, const float *kw, float eps, const float *inv_freq, int neox, const int *slots, \
-        KVT *kc, KVT *vc, const int *__restrict__ block_tables, int max_blocks,                     \
+        const float *qw, const float *kw, float eps, const float *inv_freq, float mscale, int neox, \
+        const int *slots, KVT *kc, KVT *vc, const int *__restrict__ block_tables, int max_blocks,   \
         const int *__restrict__ row_seq, const int *__restrict__ row_pos, int Hq, int Hk, int BS,   \
-        int window, float scale, int split, float *__restrict__ out, float *__restrict__ part_acc,  \
-        float *__restrict__ part_ml
-#define DECODE_PROLOGUE const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, neox, slots}
+        int window, float scale, const float *__restrict__ sinks, int split, float *__restrict__ out, \
+        float *__restrict__ part_acc, float *__restrict__ part_ml
+#define DECODE_PROLOGUE const DecodePrologue pro{k, ldk, v, ldv, qw, kw, eps, inv_freq, mscale, neox, slots}
+
+// A softmax's sums relative to its max m (sum p * v and l = sum p) finished with a sink logit sk joining the
+// denominator (null sinks: none): the factor the sums' quotient num / l takes, f / (l f + e^(sk - M)) with
+// M = max(m, sk) and f = e^(m - M) (reference.attention's top = max(scores, sink)); 1 / l without a sink.
+EMBER_DEV float sink_inv(const float* sinks, int head, float m, float l) {
+    if (!sinks) return 1.0f / l;
+    const float sk = sinks[head], M = fmaxf(m, sk), f = expf(m - M);
+    return f / fmaf(l, f, expf(sk - M));
+}

@@ -57,7 +57,7 @@ template <int D, int G, typename KV>
 EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodePrologue& pro, KV* kc, KV* vc,
                          const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                          const int* __restrict__ row_pos, int Hq, int Hk, int BS, int window, float scale,
-                         int split, float* __restrict__ out, float* __restrict__ part_acc,
+                         const float* __restrict__ sinks, int split, float* __restrict__ out, float* __restrict__ part_acc,
                          float* __restrict__ part_ml) {
     constexpr int E = D / 32, NW = ATTW_WARPS;
     constexpr int WPH = G >= NW ? 1 : NW / G;  // warps per head
@@ -82,7 +82,7 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
     extern __shared__ __align__(16) u8 kv_rows[];  // [split][D] K, then [split][D] V
     KV* Ks = reinterpret_cast<KV*>(kv_rows);
     KV* Vs = Ks + (i64)split * D;
-    rope_table(cs, sn, pos, pro.inv_freq, D / 2);
+    rope_table(cs, sn, pos, pro.inv_freq, D / 2, pro.mscale);
     for (int t = tid; t < nt; t += NW * 32) {
         const int p = t0 + t;
         slot_s[t] = bt[p / BS] * BS + p % BS;
@@ -282,7 +282,10 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
                 if (s >= S) break;
                 if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
             }
-            float num = 0.0f, den = 0.0f;
+            // a sink (gpt-oss) joins the denominator: the max takes it, and den starts at e^(sk - M)
+            const float sk = sinks ? sinks[kh * G + hh] : 0.0f;
+            if (sinks) M = fmaxf(M, sk);
+            float num = 0.0f, den = sinks ? expf(sk - M) : 0.0f;
 #pragma unroll
             for (int s = 0; s < ATTW_CLUSTER_MAX; ++s) {
                 if (s >= S) break;
@@ -302,8 +305,8 @@ EMBER_DEV void attn_warp(const float* __restrict__ q, i64 ldq, const DecodeProlo
 #pragma unroll
     for (int j = 0; j < HPW; ++j) {
         const i64 h = (i64)row * Hq + kh * G + h0 + j * NW;
-        if (S == 1) {
-            const float inv = 1.0f / l[j];
+        if (S == 1) {  // with a sink, it joins the denominator here (split: in the merges)
+            const float inv = sink_inv(sinks, kh * G + h0 + j * NW, m[j], l[j]);
 #pragma unroll
             for (int e = 0; e < E; ++e) out[h * D + lane * E + e] = acc[j][e] * inv;
         } else {

@@ -148,13 +148,14 @@ EMBER_DEV float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
-// cos/sin of pos * inv_freq[i] for i < half into shared memory, the angle in double (as the twin,
-// reference.rope_tables); the caller syncs before reading.
-EMBER_DEV void rope_table(float* cs, float* sn, int pos, const float* __restrict__ inv_freq, int half) {
-    const double p = (double)pos;
+// cos/sin of pos * inv_freq[i] for i < half, times mscale (YaRN's magnitude scale; 1 otherwise), into
+// shared memory, the angle and the product in double (as the twin, reference.rope_tables); the caller
+// syncs before reading.
+EMBER_DEV void rope_table(float* cs, float* sn, int pos, const float* __restrict__ inv_freq, int half, float mscale) {
+    const double p = (double)pos, ms = (double)mscale;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const double a = p * (double)inv_freq[i];
-        cs[i] = (float)cos(a);
-        sn[i] = (float)sin(a);
+        cs[i] = (float)(cos(a) * ms);
+        sn[i] = (float)(sin(a) * ms);
     }
 }

@@ -12,7 +12,8 @@
 // lane / 4, t = lane % 4) holds the scores of rows g and g + 8 at key columns 2t and 2t + 1 of each
 // 8-key group, which is also the layout of P as the A operand of the second product, so P never
 // leaves registers. Masking is the reference rule (reference.attention): key j is seen by the row at
-// position p when j <= p and (window == 0 or p - j < window). Shared-memory rows are padded by 8
+// position p when j <= p and (window == 0 or p - j < window). sinks (or null): a logit per query head
+// that joins each row's denominator at the end (gpt-oss; twin: reference.flash_rows). Shared-memory rows are padded by 8
 // halves so ldmatrix's 8 row addresses fall in different banks.
 #include "mma.cuh"
 
@@ -37,7 +38,7 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
                              const f16_t* __restrict__ vc, const int* __restrict__ tables, int max_blocks,
                              const int* __restrict__ row_seq, const int* __restrict__ row_pos,
                              const int* __restrict__ tiles, int Hq, int Hk, int BS, int window, float scale_log2,
-                             float* __restrict__ out, i64 ldo) {
+                             const float* __restrict__ sinks, float* __restrict__ out, i64 ldo) {
     constexpr int KT = FaShape<D>::KT, LD = FaShape<D>::LD, DO = FaShape<D>::DO;
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) u16 smem[];
@@ -176,7 +177,15 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
-    const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+    float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+    if (sinks) {  // the head's sink logit joins each row's denominator (gpt-oss), in the scores' log2 units
+        const float sk = sinks[h] * 1.4426950408889634f;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float M = fmaxf(m[i], sk), f = exp2f(m[i] - M);
+            inv[i] = f / fmaf(l[i], f, exp2f(sk - M));
+        }
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + g + 8 * half;
@@ -192,9 +201,9 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
     extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32 * FaShape<D>::DSPLIT) flash_prefill_d##D(   \
         const float* q, i64 ldq, const f16_t* kc, const f16_t* vc, const int* tables, int max_blocks,         \
         const int* row_seq, const int* row_pos, const int* tiles, int Hq, int Hk, int BS, int window,         \
-        float scale_log2, float* out, i64 ldo) {                                                              \
+        float scale_log2, const float* sinks, float* out, i64 ldo) {                                          \
         grid_dependency_sync();                                                                               \
         flash_prefill<D>(q, ldq, kc, vc, tables, max_blocks, row_seq, row_pos, tiles, Hq, Hk, BS, window,     \
-                         scale_log2, out, ldo);                                                               \
+                         scale_log2, sinks, out, ldo);                                                        \
     }
 FLASH(64) FLASH(128) FLASH(256)

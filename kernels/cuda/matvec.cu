@@ -52,18 +52,19 @@ struct SplitVec {
 };
 
 // GATED (R = 2): W is the stacked [gate; up] matrix (rows = 2 ffn); a warp takes gate row g and up
-// row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: 1 silu, 2 gelu_tanh), so the
-// MLP's activation is computed once per column instead of in every block of the down projection.
+// row ffn + g and writes y[b, g] = act(gate) * up, [nb, ffn] (act: an ACT_* code, act.cuh gated_act), so
+// the MLP's activation is computed once per column instead of in every block of the down projection.
 // SPLIT (batch 1, R rows a block): the block's warps share its rows, each taking every MATVEC_WARPS-th
 // chunk of Q::CB / MATVEC_WARPS blocks of all R, and add their sums through shared memory: a wide row's
 // decode (a chain of units per lane, latency-bound at one row a warp) is then a quarter as long, its
 // R rows side by side.
 // WAITED: the caller has passed grid_dependency_sync already (the weights it reads depend on an earlier
 // kernel), so the early weight load and the wait are skipped
+// bias: a float per row of W added to its product (a mixture of experts' biases: gpt-oss), or null
 template <int B, int R, int VEC, bool GATED = false, int XK = XK_NONE, bool SPLIT = false, bool WAITED = false>
 EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
-                   const float* __restrict__ x, int nb, const float* res, float* y, int act = 0,
-                   const XPro& xp = XPro{}) {
+                   const float* __restrict__ x, int nb, const float* res, float* y, int act = ACT_NONE,
+                   const XPro& xp = XPro{}, const float* __restrict__ bias = nullptr) {
     static_assert(!GATED || R == 2, "a gated warp owns one gate row and its up row");
     constexpr bool XP = XK != XK_NONE;
     static_assert(!XP || B == 1, "a block makes one row of x");
@@ -246,10 +247,19 @@ EMBER_DEV void qmv(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,
         }
     }
     if (XSTAGE) TRACE_MARK(10);
+    if (bias) {  // each row's bias (GATED: the gate row's and its up row's), added to every batch row's sum
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = GATED ? row0 + r * half : row0 + r;
+            const float bv = row < rows ? bias[row] : 0.0f;
+#pragma unroll
+            for (int b = 0; b < B; ++b) acc[b][r] += bv;
+        }
+    }
     if (GATED && lane == 0) {
 #pragma unroll
         for (int b = 0; b < B; ++b)
-            if (b < nb) y[(i64)b * half + row0] = (act == 2 ? gelu_tanh(acc[b][0]) : silu(acc[b][0])) * acc[b][R - 1];
+            if (b < nb) y[(i64)b * half + row0] = gated_act(act, acc[b][0], acc[b][R - 1]);
     } else if (lane == 0) {
 #pragma unroll
         for (int b = 0; b < B; ++b) {
@@ -317,10 +327,12 @@ extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) qmvgx_b1(
 // expert_bytes apart, each `rows` x `cols`; tile blockIdx.y of `tiles` (moe_group) says the expert, the
 // first row of x (and of y) in grouped order, and how many rows (0: no work). qmoe: y = x W_e^T;
 // qmoeg: W_e is the stacked [gate; up] matrix and y = act(x W_gate^T) * (x W_up^T), [pairs, rows / 2].
-// x_per_pair 0: every pair reads x's one row (a single token's pairs: no gather).
+// x_per_pair 0: every pair reads x's one row (a single token's pairs: no gather). bias (or null): each
+// expert's `rows` biases one after another, added to its rows' products (before the activation).
 template <int B, int R, bool GATED>
 EMBER_DEV void qmoe(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
-                    const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y, int act) {
+                    const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y, int act,
+                    const float* __restrict__ bias) {
     grid_dependency_sync();  // the tiles come from the kernel before
     const int* tile = tiles + 3 * blockIdx.y;
     const int e = tile[0], r0 = tile[1], nb = tile[2];
@@ -328,20 +340,21 @@ EMBER_DEV void qmoe(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, i
     const int ycols = GATED ? rows / 2 : rows;
     qmv<B, R, 16, GATED, XK_NONE, false, true>(W + e * expert_bytes, row_bytes, rows, cols,
                                                x + (i64)r0 * cols * x_per_pair, nb, nullptr, y + (i64)r0 * ycols,
-                                               act);
+                                               act, XPro{}, bias ? bias + (i64)e * rows : nullptr);
 }
 
 #define QMOE(B)                                                                                           \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
         qmoe_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,          \
-                  const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y) { \
-        qmoe<B, 1, false>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, 0);            \
+                  const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y,   \
+                  const float* bias) {                                                                    \
+        qmoe<B, 1, false>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, ACT_NONE, bias); \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                       \
         qmoeg_b##B(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,         \
                    const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* y,  \
-                   int act) {                                                                             \
-        qmoe<B, 2, true>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, act);           \
+                   int act, const float* bias) {                                                          \
+        qmoe<B, 2, true>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, act, bias);     \
     }
 QMOE(1) QMOE(8)
 

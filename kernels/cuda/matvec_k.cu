@@ -123,7 +123,7 @@ EMBER_DEV void gated_store(float (*red)[KV2_MAX_RPB * B], int nw, int pair, int 
             g += red[w][t];
             u += red[w][t + pair * B];
         }
-        y[(i64)b * ffn + col] = (act == 2 ? gelu_tanh(g) : silu(g)) * u;
+        y[(i64)b * ffn + col] = gated_act(act, g, u);
     }
 }
 
@@ -345,12 +345,12 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
                     const i64 at = (i64)b * ldx + sb * 256 + col0 + (gp + h) * GSTEP + 4 * i;
                     if (active && b < nb) {
                         f = *reinterpret_cast<const float4*>(x + at);
-                        if (act && !GATED) {
+                        if (act != ACT_NONE && !GATED) {
                             const float4 u = *reinterpret_cast<const float4*>(x + at + uoff);
-                            f.x = (act == 2 ? gelu_tanh(f.x) : silu(f.x)) * u.x;
-                            f.y = (act == 2 ? gelu_tanh(f.y) : silu(f.y)) * u.y;
-                            f.z = (act == 2 ? gelu_tanh(f.z) : silu(f.z)) * u.z;
-                            f.w = (act == 2 ? gelu_tanh(f.w) : silu(f.w)) * u.w;
+                            f.x = gated_act(act, f.x, u.x);
+                            f.y = gated_act(act, f.y, u.y);
+                            f.z = gated_act(act, f.z, u.z);
+                            f.w = gated_act(act, f.w, u.w);
                         }
                     }
                     v[h][4 * i] = f.x; v[h][4 * i + 1] = f.y; v[h][4 * i + 2] = f.z; v[h][4 * i + 3] = f.w;

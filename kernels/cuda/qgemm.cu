@@ -12,7 +12,8 @@
 // x rows come in grouped order; with `order` they are read in place from the tokens' rows
 // (x[order[p] / k]), which spares the gather. The gated variant takes the stacked [gate; up] matrix of
 // an expert (rows = 2 ffn): a CTA's 128 rows are 64 gate rows and the 64 up rows beside them, so the
-// epilogue writes act(gate) * up, [pairs, ffn].
+// epilogue writes act(gate) * up, [pairs, ffn] (act: an ACT_* code, act.cuh gated_act). bias (or null):
+// each expert's `rows` biases one after another, added to its rows' products before the activation.
 //
 // The 16-bit type is the model's (the backend's half kind): f16, or bf16 where activations may
 // exceed f16's range.
@@ -216,7 +217,7 @@ EMBER_DEV void qg_store_x(u16 (*dst)[QG_LD], uint4 v) {
 template <int TN, bool GATED, bool BF>
 EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
                      const int* __restrict__ tiles, const float* __restrict__ x, const int* __restrict__ order, int k,
-                     float* __restrict__ y, int act) {
+                     float* __restrict__ y, int act, const float* __restrict__ bias) {
     typedef QgShape<TN> S;
     __shared__ __align__(16) QgSmem<TN> sm;
     grid_dependency_sync();  // the tiles and x come from the kernels before
@@ -224,6 +225,7 @@ EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, 
     const int e = tile[0], p0 = tile[1], nb = tile[2];
     if (nb == 0) return;  // the whole block
     W += (i64)e * expert_bytes;
+    if (bias) bias += (i64)e * rows;  // this expert's biases, one a row of its matrix
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = (warp / S::WARPS_N) * S::WM, wn = (warp % S::WARPS_N) * S::WN;
     float acc[S::MI][S::NJ][4];
@@ -296,14 +298,21 @@ EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, 
         for (int idx = threadIdx.x; idx < nb * (QG_ROWS / 2); idx += QG_THREADS) {
             const int p = idx / (QG_ROWS / 2), j = idx % (QG_ROWS / 2);
             if (c0 + j >= half) continue;
-            const float g = sm.out[j][p], u = sm.out[QG_ROWS / 2 + j][p];
-            y[(i64)(p0 + p) * half + c0 + j] = (act == 2 ? gelu_tanh(g) : silu(g)) * u;
+            float g = sm.out[j][p], u = sm.out[QG_ROWS / 2 + j][p];
+            if (bias) {
+                g += bias[c0 + j];
+                u += bias[half + c0 + j];
+            }
+            y[(i64)(p0 + p) * half + c0 + j] = gated_act(act, g, u);
         }
     } else {
         const int c0 = blockIdx.x * QG_ROWS;
         for (int idx = threadIdx.x; idx < nb * QG_ROWS; idx += QG_THREADS) {
             const int p = idx / QG_ROWS, j = idx % QG_ROWS;
-            if (c0 + j < rows) y[(i64)(p0 + p) * rows + c0 + j] = sm.out[j][p];
+            if (c0 + j >= rows) continue;
+            float v = sm.out[j][p];
+            if (bias) v += bias[c0 + j];
+            y[(i64)(p0 + p) * rows + c0 + j] = v;
         }
     }
 }
@@ -312,14 +321,14 @@ EMBER_DEV void qgemm(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, 
     extern "C" __global__ void __launch_bounds__(QG_THREADS)                                              \
         qgemm_##H##_t##TN(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,  \
                           const int* __restrict__ tiles, const float* __restrict__ x, const int* order,    \
-                          int k, float* __restrict__ y) {                                                  \
-        qgemm<TN, false, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, 0);           \
+                          int k, float* __restrict__ y, const float* bias) {                               \
+        qgemm<TN, false, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, ACT_NONE, bias); \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(QG_THREADS)                                              \
         qgemmg_##H##_t##TN(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols, \
                            const int* __restrict__ tiles, const float* __restrict__ x, const int* order,   \
-                           int k, float* __restrict__ y, int act) {                                        \
-        qgemm<TN, true, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, act);          \
+                           int k, float* __restrict__ y, int act, const float* bias) {                     \
+        qgemm<TN, true, BF>(W, row_bytes, expert_bytes, rows, cols, tiles, x, order, k, y, act, bias);    \
     }
 QGEMM(f16, false, 16)
 QGEMM(f16, false, 64)

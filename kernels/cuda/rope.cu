@@ -2,19 +2,20 @@
 // elements, so q and k may be slices of one fused qkv buffer). Angles pos * inv_freq[i] are formed in
 // double, as the twin does (reference.rope_tables), then rounded cos/sin to float: once per token into
 // shared memory, then all heads' pairs are rotated in parallel.
-// neox rotates the pairs (i, i + D/2); the "normal" (llama) flavour the pairs (2i, 2i + 1).
+// neox rotates the pairs (i, i + D/2); the "normal" (llama) flavour the pairs (2i, 2i + 1). mscale: YaRN's
+// scale of every cos and sin (1 without YaRN).
 // ROPE_MAX_HALF (rotation pairs a head at most) comes from kernels/constants.py
 #include "common.cuh"
 
 extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk, int hk,
                                     const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                    int n, int D, int neox) {
+                                    int n, int D, int neox, float mscale) {
     grid_dependency_sync();
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int t = blockIdx.x;
     if (t >= n) return;
     const int half = D / 2;
-    rope_table(cs, sn, pos[t], inv_freq, half);
+    rope_table(cs, sn, pos[t], inv_freq, half, mscale);
     __syncthreads();
     const int total = (hq + hk) * half;
     for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {

@@ -7,8 +7,9 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
     module              CUDA sources                              twins
     matvecs.py          matvec.cu, matvec_k.cu, stream_q8_0.cu    reference.linear, reference.linear_q8
     dequant.py          dequant.cu                                quants.dequantize_rows, quants.dequantize
-    norm.py             norm.cu, rope.cu, act.cu                  reference.rms_norm, rope, silu, gelu_tanh
-    paged_attention.py  attention.cu, flash.cu                    reference.attention (+ rms_norm, rope)
+    norm.py             norm.cu, rope.cu, act.cu                  reference.rms_norm, rope, gated
+    paged_attention.py  attention.cu, flash.cu                    reference.attention (+ rms_norm, rope),
+                                                                  attention_partials, attention_merge, flash_rows
     sampling.py         sampling.cu                               numpy.argmax, reference.softmax, sample_rows
     matmul.py           gemm.cu                                   reference.linear on 16-bit values
     kv_copy.py          kv_copy.cu                                reference.kv_gather, reference.kv_scatter
@@ -26,7 +27,7 @@ cuda_runtime). This package re-exports every public name, so callers use ``ops.<
 
 from __future__ import annotations
 
-from ..constants import BLOCK_SIZES, GGML_TYPE_IDS, GGML_TYPE_NAMES
+from ..constants import ACTIVATIONS, BLOCK_SIZES, GGML_TYPE_IDS, GGML_TYPE_NAMES
 from .dequant import dequant_half, dequant_rows, embed
 from .fault import fault_illegal_address
 from .kv_copy import kv_gather, kv_scatter
@@ -40,7 +41,6 @@ from .matvecs import (
     KV2_PREFETCH,
     KV2_TYPES,
     MATVEC_WARPS,
-    Q8_ACTIVATIONS,
     SQ_MAX_ROW_BYTES,
     SQ_ROWS,
     SQ_WARPS,
@@ -76,7 +76,6 @@ from .moe import (
     qgemm_supported,
 )
 from .norm import (
-    ACTIVATIONS,
     NORM_MAX_COLS,
     add,
     add_bias,
@@ -131,7 +130,7 @@ from .sampling import (
 
 __all__ = [
     # types and tables
-    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "GGML_TYPE_NAMES", "HALF_KINDS", "Q6K_PAD", "Q8_ACTIVATIONS",
+    "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "GGML_TYPE_NAMES", "HALF_KINDS", "Q6K_PAD",
     "DecodePrologue", "PostNorm", "QuantMatrix", "RowArgmax", "SampleParams",
     # matvec
     "KQ8_DEFAULT", "KQ8_MAX_ROWS", "KQ8_TYPES", "KQ8_VARIANTS", "KV2_MAX_COLS", "KV2_PREFETCH", "KV2_TYPES",

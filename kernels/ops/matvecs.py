@@ -11,7 +11,7 @@ import numpy as np
 
 from ..constants import KERNEL_CONSTANTS
 from ..cuda_runtime import F32, I64, Device, DeviceArray
-from .args import need, ptr_at
+from .args import act_code, need, ptr_at
 from .quant_matrix import QuantMatrix
 
 MATVEC_WARPS = KERNEL_CONSTANTS["MATVEC_WARPS"]  # matvec.cu: warps a block
@@ -134,8 +134,7 @@ def matvec_gated(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *,
     act(reference.linear(x, W_gate)) * reference.linear(x, W_up)."""
     if not matvec_gated_supported(w):
         raise ValueError("the gated matvec needs an even number of 16-byte aligned rows")
-    if act not in ("silu", "gelu_tanh"):
-        raise ValueError(f"unknown activation {act!r}")
+    code = act_code(act)
     ffn = w.rows // 2
     need(x, np.float32, n * w.cols, "x")
     need(y, np.float32, n * ffn, "y")
@@ -145,7 +144,7 @@ def matvec_gated(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *,
         bt = 1 if nb == 1 else 2 if nb == 2 else 4 if nb <= 4 else 8
         dev.kernel(f"matvec_{w.type}", f"qmvg_b{bt}").launch(
             grid, (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, ptr_at(x, b0 * w.cols * 4), nb,
-            ptr_at(y, b0 * ffn * 4), Q8_ACTIVATIONS[act], stream=stream)
+            ptr_at(y, b0 * ffn * 4), code, stream=stream)
 
 
 def matvec_gated_supported(w: QuantMatrix) -> bool:
@@ -184,12 +183,11 @@ def matvec_post_norm(dev: Device, w: QuantMatrix, pn: PostNorm, y: DeviceArray, 
         need(pn.res_out, np.float32, w.cols, "res_out")
     args = (pn.o, pn.res, pn.res_out, pn.w1, pn.w2, F32(pn.eps))
     if act is not None:
-        if act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unknown activation {act!r}")
+        code = act_code(act)
         need(y, np.float32, w.rows // 2, "y")
         dev.kernel(f"matvec_{w.type}", "qmvgx_b1").launch(
             (-(-(w.rows // 2) // MATVEC_WARPS),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, *args,
-            y, Q8_ACTIVATIONS[act], stream=stream)
+            y, code, stream=stream)
         return
     need(y, np.float32, w.rows, "y")
     r = rows_per_warp or _pick_rows_per_warp(dev, w.rows)
@@ -204,7 +202,6 @@ KQ8_VARIANTS = {(1, 4, False), (1, 8, False), (2, 4, False), (1, 2, True), (1, 4
                 (4, 2, False), (4, 2, True)}
 KQ8_DEFAULT = {1: (4, False), 2: (4, False), 4: (2, False)}  # (unroll, prefetch) per batch: measured, H200
 KQ8_MAX_ROWS = 16  # batches up to this many rows run in launches of 4 (each reads W once); more: tensor cores
-Q8_ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 
 def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int = 1,
@@ -215,14 +212,13 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
     to int8 per 32 columns inside the kernel and multiplied with dp4a. Batches of 1, 2 or 4 rows per
     launch (larger n: launches of 4). Twin: reference.linear_q8(x, quants.dequantize(W)).
 
-    ldx: x's row stride (default cols). act ("silu" / "gelu_tanh"): x = act(x) * x[up_offset:], the
+    ldx: x's row stride (default cols). act (a name of constants.ACTIVATIONS): x = act(x) * x[up_offset:], the
     gated MLP's activation applied while loading (x is then the fused gate|up buffer). gated: W is the
     stacked [gate; up] matrix and y[n, rows / 2] = act(x W_gate^T) * (x W_up^T), the activation applied
     to the outputs, once per column (twin: act(linear_q8(x, W_gate)) * linear_q8(x, W_up))."""
     if not kq8_supported(w) or n < 1:
         raise ValueError(f"the int8 matvec takes Q4_K/Q5_K/Q6_K rows of at most {KV2_MAX_COLS} columns")
-    if act not in Q8_ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r}")
+    code = act_code(act, none=True)
     if gated and (act is None or w.rows % 2 or res is not None or unroll or prefetch):
         raise ValueError("a gated matvec needs an activation, an even number of rows, and no residual")
     ldx = w.cols if ldx is None else ldx
@@ -250,7 +246,7 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
         grid = -(-out_rows // (rpb // 2)) if gated else -(-w.rows // rpb)
         dev.kernel(f"matvec_k_{w.type}", name).launch(
             (grid,), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols,
-            ptr_at(x, b0 * ldx * 4), I64(ldx), I64(up_offset), Q8_ACTIVATIONS[act], nb,
+            ptr_at(x, b0 * ldx * 4), I64(ldx), I64(up_offset), code, nb,
             ptr_at(res, b0 * w.rows * 4) if res is not None else None, ptr_at(y, b0 * out_rows * 4), rpb, stream=stream)
 
 

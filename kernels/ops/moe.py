@@ -1,8 +1,10 @@
 """Launchers of a mixture-of-experts MLP: moe.cu (routing, grouping by expert, gather, weighted sum)
 around the grouped expert products, which read only the chosen experts' rows, in their GGUF block
 formats (no 16-bit copy of the experts is ever made): matvec.cu's qmoe/qmoeg for one token or a few,
-qgemm.cu's tensor-core matmul (decoded on load, 16-bit inputs) from QGEMM_MIN_ROWS tokens. Twins:
-reference.moe_route and reference.moe_mlp over quants.dequantize of the experts."""
+qgemm.cu's tensor-core matmul (decoded on load, 16-bit inputs) from QGEMM_MIN_ROWS tokens. A router's and
+the experts' biases (gpt-oss) are added by the router's routing and by the expert products' epilogues,
+before the activation. Twins: reference.moe_route and reference.moe_mlp over quants.dequantize of the
+experts."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import numpy as np
 
 from ..constants import KERNEL_CONSTANTS, QGEMM_TYPES
 from ..cuda_runtime import F32, I64, Device, DeviceArray
-from .args import need
+from .args import act_code, need
 from .matmul import HALF_KINDS
-from .matvecs import MATVEC_WARPS, Q8_ACTIVATIONS
-from .norm import ACTIVATIONS, gated_act
+from .matvecs import MATVEC_WARPS
+from .norm import gated_act
 from .quant_matrix import QuantMatrix
 
 MOE_MAX_EXPERTS = KERNEL_CONSTANTS["MOE_MAX_EXPERTS"]
@@ -33,10 +35,12 @@ QGEMM_MIN_ROWS = 8
 @dataclass
 class ExpertMatrices:
     """E experts' matrices of `rows` x cols each, one after another on the device (one QuantMatrix of
-    E * rows rows); stacked [gate; up]: each expert's gate rows, then its up rows."""
+    E * rows rows); stacked [gate; up]: each expert's gate rows, then its up rows. bias: a float per row,
+    in the same order ([E, rows]), added to the products (gpt-oss), or None."""
 
     m: QuantMatrix
     experts: int
+    bias: DeviceArray | None = None
 
     @property
     def rows(self) -> int:
@@ -48,15 +52,21 @@ class ExpertMatrices:
 
     @classmethod
     def upload(cls, dev: Device, raws: list[np.ndarray], ggml_type, experts: int, rows: list[int],
-               cols: int) -> ExpertMatrices:
+               cols: int, biases: list[np.ndarray] | None = None) -> ExpertMatrices:
         """raws: the GGUF bytes of one or more [experts, rows_i, cols] tensors of one type, stacked
-        expert by expert (gate and up: [gate_e; up_e] for each expert e)."""
+        expert by expert (gate and up: [gate_e; up_e] for each expert e); biases: their [experts, rows_i]
+        biases (float32), stacked alike."""
         parts = [np.ascontiguousarray(r).view(np.uint8).reshape(experts, -1) for r in raws]
         raw = parts[0].reshape(-1) if len(parts) == 1 else np.concatenate(parts, axis=1).reshape(-1)
         m = QuantMatrix.upload(dev, raw, ggml_type, experts * sum(rows), cols)
         if m.row_bytes % 16 or m.data.ptr % 16:
             raise ValueError(f"{m.type} expert rows of {cols} columns are not 16-byte aligned")
-        return cls(m, experts)
+        bias = None
+        if biases is not None:
+            stacked = np.concatenate([np.asarray(b, np.float32).reshape(experts, r) for b, r in
+                                      zip(biases, rows, strict=True)], axis=1)
+            bias = dev.to_device(np.ascontiguousarray(stacked).reshape(-1))
+        return cls(m, experts, bias)
 
 
 @dataclass
@@ -182,9 +192,10 @@ def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, 
 
 def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray, y: DeviceArray, *,
                tile: int, act: str | None = None, x_per_pair: bool = True, stream=None) -> None:
-    """For every tile (expert e, first row r0, rows nb): y[r0 : r0 + nb] = x[r0 : r0 + nb] @ W_e^T, or
-    with act, W_e = [gate; up] and y = act(x W_gate^T) * (x W_up^T); x_per_pair=False (tiles of one
-    pair): every pair reads x's one row, a single token's. Twin: reference.linear per expert."""
+    """For every tile (expert e, first row r0, rows nb): y[r0 : r0 + nb] = x[r0 : r0 + nb] @ W_e^T (+ the
+    expert's biases, w.bias), or with act, W_e = [gate; up] and y = act(x W_gate^T + b_gate) * (x W_up^T +
+    b_up); x_per_pair=False (tiles of one pair): every pair reads x's one row, a single token's. Twin:
+    reference.linear per expert (with its bias), reference.gated."""
     if tile not in (1, TILE_ROWS):
         raise ValueError(f"tiles of 1 or {TILE_ROWS} rows")
     b = 1 if tile == 1 else 8
@@ -192,13 +203,12 @@ def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int,
     if act is None:
         dev.kernel(f"matvec_{m.type}", f"qmoe_b{b}").launch(
             (-(-w.rows // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
-            I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, stream=stream)
+            I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, w.bias, stream=stream)
         return
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r}")
+    code = act_code(act)
     dev.kernel(f"matvec_{m.type}", f"qmoeg_b{b}").launch(
         (-(-(w.rows // 2) // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
-        I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, Q8_ACTIVATIONS[act], stream=stream)
+        I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, code, w.bias, stream=stream)
 
 
 def qgemm_supported(w: ExpertMatrices) -> bool:
@@ -210,10 +220,10 @@ def moe_gemm(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x
              tile: int, half: str = "f16", order: DeviceArray | None = None, k: int = 1, act: str | None = None,
              stream=None) -> None:
     """moe_matvec's product on the tensor cores (qgemm.cu): for every tile (expert e, first pair r0,
-    pairs nb <= tile), y[r0 : r0 + nb] = x_rows @ W_e^T, or with act over the stacked [gate; up],
-    act(x W_gate^T) * (x W_up^T). x_rows: x[r0 : r0 + nb], or with `order` the tokens' own rows
-    x[order[q] // k] (no gather). Inputs rounded to `half` (f16 or bf16), float32 sums.
-    Twin: reference.linear per expert."""
+    pairs nb <= tile), y[r0 : r0 + nb] = x_rows @ W_e^T (+ w.bias's), or with act over the stacked [gate; up],
+    act(x W_gate^T + b_gate) * (x W_up^T + b_up). x_rows: x[r0 : r0 + nb], or with `order` the tokens' own
+    rows x[order[q] // k] (no gather). Inputs rounded to `half` (f16 or bf16), float32 sums.
+    Twin: reference.linear per expert (with its bias), reference.gated."""
     if half not in HALF_KINDS:
         raise ValueError(f"unknown 16-bit kind {half!r} (have: {', '.join(HALF_KINDS)})")
     if tile not in QGEMM_TILES:
@@ -224,13 +234,12 @@ def moe_gemm(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x
     if act is None:
         dev.kernel(f"qgemm_{m.type}", f"qgemm_{half}_t{tile}").launch(
             (-(-w.rows // QG_ROWS), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes), w.rows, m.cols,
-            tiles, x, order, k, y, stream=stream)
+            tiles, x, order, k, y, w.bias, stream=stream)
         return
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r}")
+    code = act_code(act)
     dev.kernel(f"qgemm_{m.type}", f"qgemmg_{half}_t{tile}").launch(
         (-(-(w.rows // 2) // (QG_ROWS // 2)), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes),
-        w.rows, m.cols, tiles, x, order, k, y, Q8_ACTIVATIONS[act], stream=stream)
+        w.rows, m.cols, tiles, x, order, k, y, code, w.bias, stream=stream)
 
 
 def moe_mlp(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeScratch, *, n: int, k: int, act: str,

@@ -1,6 +1,6 @@
 """Launchers of the row-wise kernels: norm.cu (RMSNorm with the residual add, Gemma's post-norms, adds,
 row gathers, biases), rope.cu and act.cu (the gated MLP's activation). Twins: reference.rms_norm,
-reference.rope, reference.silu / reference.gelu_tanh, and plain numpy for the adds and gathers."""
+reference.rope with reference.rope_tables, reference.gated, and plain numpy for the adds and gathers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from ..constants import KERNEL_CONSTANTS, NORM_COLS_PER_THREAD
 from ..cuda_runtime import F32, I64, Device, DeviceArray
-from .args import need
+from .args import act_code, need
 
 NORM_MAX_THREADS = KERNEL_CONSTANTS["NORM_MAX_THREADS"]
 NORM_MAX_COLS = max(NORM_COLS_PER_THREAD) * NORM_MAX_THREADS  # 8192
@@ -74,9 +74,10 @@ def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | 
 
 def rope(dev: Device, q: DeviceArray, k: DeviceArray | None, pos: DeviceArray, inv_freq: DeviceArray, *,
          n: int, hq: int, hk: int, head_dim: int, neox: bool, ldq: int | None = None,
-         ldk: int | None = None, stream=None) -> None:
+         ldk: int | None = None, mscale: float = 1.0, stream=None) -> None:
     """In place: q [n, hq, D] and k [n, hk, D] (token strides ldq/ldk) rotated at positions pos (int32)
-    with inv_freq [D/2]; twin reference.rope with reference.rope_tables."""
+    with inv_freq [D/2], every cos and sin times mscale (YaRN's); twin reference.rope with
+    reference.rope_tables(positions, inv_freq, mscale)."""
     need(pos, np.int32, n, "pos")
     need(inv_freq, np.float32, head_dim // 2, "inv_freq")
     ldq = hq * head_dim if ldq is None else ldq
@@ -87,23 +88,20 @@ def rope(dev: Device, q: DeviceArray, k: DeviceArray | None, pos: DeviceArray, i
     threads = min(256, max(32, -(-((hq + hk) * head_dim // 2) // 32) * 32))
     dev.kernel("rope", "rope_f32").launch(
         (n,), (threads,), q, I64(ldq), hq, k, I64(ldk), hk, pos, inv_freq, n, head_dim,
-        1 if neox else 0, stream=stream
+        1 if neox else 0, F32(mscale), stream=stream
     )
-
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def gated_act(dev: Device, g: DeviceArray, u: DeviceArray, out: DeviceArray, *, n: int, ffn: int, act: str,
               ldg: int | None = None, ldu: int | None = None, ldo: int | None = None, stream=None) -> None:
-    """out = act(g) * u over [n, ffn] (twin: reference.silu / reference.gelu_tanh times u)."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r} (have: {', '.join(ACTIVATIONS)})")
+    """out = act(g) * u over [n, ffn], act a name of constants.ACTIVATIONS (gpt-oss's "swiglu_oai" its
+    clamped form). Twin: reference.gated."""
+    code = act_code(act)
     total = n * ffn
     blocks = max(1, min(-(-total // 256), dev.sm_count * 16))
     dev.kernel("act", "gated_act_f32").launch(
         (blocks,), (256,), g, I64(ffn if ldg is None else ldg), u, I64(ffn if ldu is None else ldu), out,
-        I64(ffn if ldo is None else ldo), n, ffn, ACTIVATIONS[act], stream=stream
+        I64(ffn if ldo is None else ldo), n, ffn, code, stream=stream
     )
 
 

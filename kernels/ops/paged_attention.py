@@ -1,7 +1,9 @@
 """Launchers of attention.cu (paged decode attention: `attention` with its split policy, the fused decode
 prologue `DecodePrologue`, `kv_write`, `qk_rope_kv`) and flash.cu (`flash_attention`, prefill on the
-tensor cores). Twin: reference.attention per sequence; the prologue's twins reference.rms_norm and
-reference.rope, then the cache assignment."""
+tensor cores). Twin: reference.attention per sequence (with a sink logit per head where the model has
+them: gpt-oss), reference.attention_partials and attention_merge for the split-K parts and their merge,
+reference.flash_rows for flash's online softmax; the prologue's twins reference.rms_norm and
+reference.rope (reference.rope_tables with YaRN's scale), then the cache assignment."""
 
 from __future__ import annotations
 
@@ -42,11 +44,11 @@ def qk_rope_kv(dev: Device, q: DeviceArray, k: DeviceArray, v: DeviceArray, k_ca
                v_cache: DeviceArray, slots: DeviceArray, pos: DeviceArray, inv_freq: DeviceArray, *, n: int,
                heads: int, kv_heads: int, head_dim: int, neox: bool, q_norm: DeviceArray | None = None,
                k_norm: DeviceArray | None = None, eps: float = 1e-6, ldq: int | None = None, ldk: int | None = None,
-               ldv: int | None = None, stream=None) -> None:
+               ldv: int | None = None, mscale: float = 1.0, stream=None) -> None:
     """The attention prologue in one launch: per head, q and k RMS-normalised (when q_norm / k_norm
-    are given) and rotated at pos; q in place, k and v into the cache at slots. Twin:
-    reference.rms_norm per head, reference.rope, then the cache assignment (= rms_norm, rope and
-    kv_write in sequence)."""
+    are given) and rotated at pos (cos and sin times mscale: YaRN's); q in place, k and v into the cache
+    at slots. Twin: reference.rms_norm per head, reference.rope, then the cache assignment (= rms_norm,
+    rope and kv_write in sequence)."""
     kvn = _KV_NAMES.get(k_cache.dtype)
     if kvn is None or v_cache.dtype != k_cache.dtype:
         raise TypeError("the KV cache must be float16 or float32 (both halves alike)")
@@ -62,7 +64,7 @@ def qk_rope_kv(dev: Device, q: DeviceArray, k: DeviceArray, v: DeviceArray, k_ca
     warps = min(16, heads + 2 * kv_heads)
     dev.kernel("attention", f"qk_rope_kv_{kvn}").launch(
         (n,), (32 * warps,), q, I64(ldq), k, I64(ldk), v, I64(ldv), heads, kv_heads, head_dim, q_norm, k_norm,
-        F32(eps), pos, inv_freq, 1 if neox else 0, k_cache, v_cache, slots, n, stream=stream)
+        F32(eps), pos, inv_freq, F32(mscale), 1 if neox else 0, k_cache, v_cache, slots, n, stream=stream)
 
 
 ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one CTA per kv head is latency)
@@ -161,6 +163,7 @@ class DecodePrologue:
     q_norm: DeviceArray | None = None
     k_norm: DeviceArray | None = None
     eps: float = 1e-6
+    mscale: float = 1.0  # YaRN's scale of every cos and sin
 
 
 def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray,
@@ -168,10 +171,12 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
               kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_keys: int, window: int = 0,
               scale: float, split: int | None = None, partials: tuple[DeviceArray, DeviceArray] | None = None,
               ldq: int | None = None, prologue: DecodePrologue | None = None, kernel: str = "auto",
-              stream=None) -> None:
+              sinks: DeviceArray | None = None, stream=None) -> None:
     """Paged causal GQA attention: query row i (q[i] [heads, D]) belongs to sequence row_seq[i] at
     position row_pos[i] and sees keys j <= pos (pos - j < window when window > 0) through
-    block_tables[seq]. out [rows, heads, D]. Twin: reference.attention per sequence.
+    block_tables[seq]. out [rows, heads, D]. sinks [heads] (float32, or None): a logit per head that
+    joins each softmax's denominator (gpt-oss). Twin: reference.attention per sequence (the split-K
+    parts and their merge: reference.attention_partials, attention_merge).
 
     max_keys: an upper bound of the keys any row sees (min(pos + 1, window)); it sizes the split-K
     grid. split: keys per CTA (default: attention_split). partials: (acc, ml) buffers for the split-K
@@ -188,6 +193,8 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
     g = heads // kv_heads
     if g not in ATTN_GROUPS or head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"no attention kernel for {g} query heads per kv head and head_dim {head_dim}")
+    if sinks is not None:
+        need(sinks, np.float32, heads, "sinks")
     if prologue is not None:
         if (prologue.q_norm is None) != (prologue.k_norm is None):
             raise ValueError("q_norm and k_norm go together")
@@ -213,22 +220,23 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
             p = prologue
             dev.kernel("attention", f"attn_warp_d{head_dim}_g{g}_{kvn}").launch(
                 grid, (32 * ATTW_WARPS,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm,
-                F32(p.eps), p.inv_freq, 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks,
-                row_seq, row_pos, heads, kv_heads, block_size, window, F32(scale), split, out_, acc, ml,
+                F32(p.eps), p.inv_freq, F32(p.mscale), 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables,
+                max_blocks, row_seq, row_pos, heads, kv_heads, block_size, window, F32(scale), sinks, split, out_,
+                acc, ml,
                 smem=attention_warp_smem(head_dim, k_cache.dtype.itemsize, split), stream=stream,
                 cluster=(1, 1, S) if clustered else None)
             return
         if prologue is None:
             dev.kernel("attention", f"attn_d{head_dim}_g{g}_{kvn}").launch(
                 grid, (ATT_THREADS,), q, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads, kv_heads,
-                block_size, window, F32(scale), split, out_, acc, ml, I64(ldq), stream=stream)
+                block_size, window, F32(scale), sinks, split, out_, acc, ml, I64(ldq), stream=stream)
             return
         p = prologue
         dev.kernel("attention", f"attn_decode_d{head_dim}_g{g}_{kvn}").launch(
             grid, (ATT_THREADS,), q, I64(ldq), p.k, I64(p.ldk), p.v, I64(p.ldv), p.q_norm, p.k_norm, F32(p.eps),
-            p.inv_freq,
-            1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks, row_seq, row_pos, heads,
-            kv_heads, block_size, window, F32(scale), split, out_, acc, ml, stream=stream)
+            p.inv_freq, F32(p.mscale), 1 if p.neox else 0, p.slots, k_cache, v_cache, block_tables, max_blocks,
+            row_seq, row_pos, heads, kv_heads, block_size, window, F32(scale), sinks, split, out_, acc, ml,
+            stream=stream)
 
     if S == 1 or clustered:
         launch(out, None, None)
@@ -242,8 +250,8 @@ def attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: Device
                                                                                  np.float32)
         ml = dev.scratch("attn_ml", rows * heads * S * 2 * 4).view_bytes(0, rows * heads * S * 2, np.float32)
     launch(None, acc, ml)
-    dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, out,
-                                                   stream=stream)
+    dev.kernel("attention", "attn_combine").launch((heads, rows), (head_dim,), acc, ml, S, heads, head_dim, sinks,
+                                                   out, stream=stream)
 
 
 FLASH_ROWS = KERNEL_CONSTANTS["FLASH_ROWS"]  # query rows a tile
@@ -267,18 +275,21 @@ def flash_smem_bytes(head_dim: int) -> int:
 def flash_attention(dev: Device, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray,
                     block_tables: DeviceArray, row_seq: DeviceArray, row_pos: DeviceArray, tiles: DeviceArray,
                     out: DeviceArray, *, n_tiles: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                    max_blocks: int, window: int = 0, scale: float, ldq: int | None = None, stream=None) -> None:
+                    max_blocks: int, window: int = 0, scale: float, ldq: int | None = None,
+                    sinks: DeviceArray | None = None, stream=None) -> None:
     """Paged causal GQA attention for prefill on the tensor cores (flash.cu): the same contract as
-    attention() for the rows that `tiles` (flash_tiles) lists, each tile consecutive positions of one
-    sequence; float16 KV only. Q and the probabilities are rounded to f16 (twin: reference.attention,
-    to f16 precision)."""
+    attention() (sinks too) for the rows that `tiles` (flash_tiles) lists, each tile consecutive
+    positions of one sequence; float16 KV only. Q and the probabilities are rounded to f16 (twin:
+    reference.attention, to f16 precision; reference.flash_rows its online softmax)."""
     if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
         raise TypeError("flash attention reads a float16 KV cache")
     if heads % kv_heads or head_dim not in FLASH_HEAD_DIMS:
         raise ValueError(f"no flash kernel for {heads}/{kv_heads} heads and head_dim {head_dim}")
     need(tiles, np.int32, 2 * n_tiles, "tiles")
+    if sinks is not None:
+        need(sinks, np.float32, heads, "sinks")
     threads = FLASH_WARPS * 32 * (2 if head_dim == 256 else 1)  # head_dim 256: two row groups (flash.cu DSPLIT)
     dev.kernel("flash", f"flash_prefill_d{head_dim}").launch(
         (n_tiles, heads), (threads,), q, I64(ldq or heads * head_dim), k_cache, v_cache, block_tables, max_blocks,
-        row_seq, row_pos, tiles, heads, kv_heads, block_size, window, F32(scale * math.log2(math.e)), out,
+        row_seq, row_pos, tiles, heads, kv_heads, block_size, window, F32(scale * math.log2(math.e)), sinks, out,
         I64(heads * head_dim), smem=flash_smem_bytes(head_dim), stream=stream)
