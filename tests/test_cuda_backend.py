@@ -140,9 +140,10 @@ def _check_model(model, dev, n_tokens=40, prefill=24, mode="exact"):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss"])
 def test_tiny_models_agree_with_numpy(dev, model_dir, arch, mode):
-    # fast mode: a prefill of 70 tokens, so its matmuls take the tensor-core path
+    # fast mode: a prefill of 70 tokens, so its matmuls take the tensor-core path (and the experts' tiles);
+    # gpt-oss: sinks, a window of 16 on layer 0, YaRN, the biases, MXFP4 experts, the clamped SwiGLU
     _check_model(_synth(model_dir, arch), dev, n_tokens=90 if mode == "fast" else 40,
                  prefill=70 if mode == "fast" else 24, mode=mode)
 

@@ -121,7 +121,8 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, i64 ldx,
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(i64)i * cols + c] = src[c];
 }
 
-// y[r, :] += bias over n rows of cols (row stride ldy): qwen2's q/k/v biases.
+// y[r, :] += bias over n rows of cols (row stride ldy): the q/k/v biases (qwen2, gpt-oss; stacked as the q|k|v
+// rows are, or one at a time) and gpt-oss's output bias.
 extern "C" __global__ void add_bias_f32(float* y, i64 ldy, const float* __restrict__ bias, int n, int cols) {
     grid_dependency_sync();
     for (int c = threadIdx.x; c < cols; c += blockDim.x) y[(i64)blockIdx.x * ldy + c] += bias[c];

@@ -116,7 +116,7 @@ def gather_rows(dev: Device, x: DeviceArray, idx: DeviceArray, out: DeviceArray,
 
 def add_bias(dev: Device, y: DeviceArray, bias: DeviceArray, *, n: int, cols: int, ldy: int | None = None,
              stream=None) -> None:
-    """y[r] += bias for r < n (qwen2's q/k/v biases). Twin: numpy's +=."""
+    """y[r] += bias for r < n (the q/k/v biases, gpt-oss's output bias). Twin: numpy's +=."""
     need(bias, np.float32, cols, "bias")
     dev.kernel("norm", "add_bias_f32").launch((n,), (min(1024, max(32, -(-cols // 32) * 32)),), y,
                                               I64(cols if ldy is None else ldy), bias, n, cols, stream=stream)

@@ -2,11 +2,12 @@
 model family lands on the GPU.
 
 The recipe (model/arch/recipe.py) is turned once, at load, into the switches `Forward` holds (rope
-flavour, post-norms, the tensor cores' half type) and into explicit variants per layer (layers.py:
-q|k|v stacked, q|k with v apart, or three; gate|up stacked or apart; which norms, biases and experts
-a layer has); `run` branches on those alone, never on the family's name nor on which weights a
-layer happens to have. What of a recipe it runs is declared in layers.check_runs, which refuses any
-other model in one line before anything is allocated.
+flavour and YaRN's scale, post-norms, the tensor cores' half type) and into explicit variants per
+layer (layers.py: q|k|v stacked, q|k with v apart, or three; gate|up stacked or apart; which norms,
+biases, sinks and experts a layer has); `run` branches on those alone, never on the family's name nor
+on which weights a layer happens to have. What of a recipe it runs is declared in support.py's table
+(RUNS), which layers.check_runs reads to refuse any other model in one line before anything is
+allocated.
 
 `run` reads only device buffers, so a decode step can be captured as a CUDA graph: the weights, the
 KV pools, the step inputs of one slot (step.StepInputs), the activations (allocated once at start,
@@ -151,8 +152,10 @@ class Forward:
                 for wm, out, hin in zip(mats, (q, k, v), post.inputs(list(mats)), strict=True):
                     mm.linear(wm, hin, out, n, tc=tc)
                 q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
+            if lw.bqkv is not None:  # the recipe's biases, where the file has them: the stacked rows' in one add
+                ops.add_bias(dev, q_, lw.bqkv, n=n, cols=qd + 2 * kvd, ldy=ldq, stream=st)
             for bias, out, cols, ldo in ((lw.bq, q_, qd, ldq), (lw.bk, k_, kvd, ldk), (lw.bv, v_, kvd, ldv)):
-                if bias is not None:  # the recipe's biases, where the file has them
+                if bias is not None:
                     ops.add_bias(dev, out, bias, n=n, cols=cols, ldy=ldo, stream=st)
             inv = w.inv_freq_local if local else w.inv_freq_global
             kc = self.kv.k.view(li * layer_elems, layer_elems)
@@ -161,25 +164,25 @@ class Forward:
             keys = min(max_keys, window) if window else max_keys
             if self.device_attention and decode:  # the prologue fused into decode attention: one launch
                 pro = ops.DecodePrologue(k_, v_, inp.slots, inv, self.neox, ldk, ldv, lw.q_norm, lw.k_norm,
-                                         cfg.norm_eps)
+                                         cfg.norm_eps, mscale=w.rope_mscale)
                 ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
                               kv_heads=Hk, head_dim=D, block_size=block_size, max_blocks=stride,
                               max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                              prologue=pro, stream=st)
+                              prologue=pro, sinks=lw.sinks, stream=st)
             elif self.device_attention:  # q/k norms, RoPE and the KV write in one launch
                 ops.qk_rope_kv(dev, q_, k_, v_, kc, vc, inp.slots, inp.pos, inv, n=n, heads=H, kv_heads=Hk,
                                head_dim=D, neox=self.neox, q_norm=lw.q_norm, k_norm=lw.k_norm,
-                               eps=cfg.norm_eps, ldq=ldq, ldk=ldk, ldv=ldv, stream=st)
+                               eps=cfg.norm_eps, ldq=ldq, ldk=ldk, ldv=ldv, mscale=w.rope_mscale, stream=st)
                 if n_tiles:  # prefill: tiles of query rows on the tensor cores
                     ops.flash_attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, inp.tiles, att,
                                         n_tiles=n_tiles, heads=H, kv_heads=Hk, head_dim=D,
                                         block_size=block_size, max_blocks=stride, window=window,
-                                        scale=cfg.attn_scale, ldq=ldq, stream=st)
+                                        scale=cfg.attn_scale, ldq=ldq, sinks=lw.sinks, stream=st)
                 else:
                     ops.attention(dev, q_, kc, vc, inp.tables, inp.seq, inp.pos, att, rows=n, heads=H,
                                   kv_heads=Hk, head_dim=D, block_size=block_size, max_blocks=stride,
                                   max_keys=keys, window=window, scale=cfg.attn_scale, partials=partials, ldq=ldq,
-                                  stream=st)
+                                  sinks=lw.sinks, stream=st)
             else:
                 if cfg.recipe.qk_norm:
                     ops.rms_norm(dev, q_, present(lw.q_norm), q_, eps=cfg.norm_eps, rows=n * H, cols=D, heads=H,
@@ -187,20 +190,24 @@ class Forward:
                     ops.rms_norm(dev, k_, present(lw.k_norm), k_, eps=cfg.norm_eps, rows=n * Hk, cols=D, heads=Hk,
                                  ldx=ldk, ldy=ldk, stream=st)
                 ops.rope(dev, q_, k_, inp.pos, inv, n=n, hq=H, hk=Hk, head_dim=D, neox=self.neox, ldq=ldq,
-                         ldk=ldk, stream=st)
+                         ldk=ldk, mscale=w.rope_mscale, stream=st)
                 ops.kv_write(dev, k_, v_, kc, vc, inp.slots, n=n, kv_heads=Hk, head_dim=D, ldk=ldk, ldv=ldv,
                              stream=st)
-                self._host_attention(li, chunks, spans, positions, q, att, window)
+                self._host_attention(li, chunks, spans, positions, q, att, window, lw.sinks)
             if self.post_norms:  # post-norm into the residual and the MLP's pre-norm (one launch, or none)
                 mm.linear(lw.wo, att, o2, n, tc=tc)
+                if lw.bo is not None:  # the output projection's bias, before its post-norm
+                    ops.add_bias(dev, o2, lw.bo, n=n, cols=hid, stream=st)
                 post.defer(o2, lw.post_attn_norm, lw.ffn_norm)
                 (h_mlp,) = post.inputs([lw.w_gu] if lw.gate_up_stacked else [], gated=True) or [h]
             else:
                 mm.linear(lw.wo, att, x, n, res=x, tc=tc)
+                if lw.bo is not None:  # the output projection's bias (gpt-oss), into the residual
+                    ops.add_bias(dev, x, lw.bo, n=n, cols=hid, stream=st)
                 ops.rms_norm(dev, x, lw.ffn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
                 h_mlp = h
             h_ready = False
-            if lw.moe is not None:  # a mixture of experts (no post-norms: check_runs)
+            if lw.moe is not None:  # a mixture of experts, its biases with its weights (no post-norms: support.py)
                 moe = cfg.recipe.moe
                 assert moe is not None and act.moe_scratch is not None and not self.post_norms
                 ops.moe_mlp(dev, lw.moe, h_mlp, x, act.moe_scratch, n=n, k=cfg.n_experts_used, act=cfg.recipe.act,
@@ -238,11 +245,12 @@ class Forward:
                 ops.sample(dev, act.logits, params, draws, rows=n_out, vocab=cfg.vocab_size,
                            work=act.sample_work, greedy=argmax, stream=st)
 
-    def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
+    def _host_attention(self, li, chunks, spans, positions, q, att, window, sinks) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
         cfg, bs, kv = self.config, self.kv.block_size, self.kv
         n = spans[-1][1]
         self.stream.synchronize()
+        host_sinks = sinks.to_host() if sinks is not None else None
         qh = q.view(0, (n, cfg.n_heads, cfg.head_dim)).to_host()
         shape = (kv.n_blocks + 1, bs, cfg.n_kv_heads, cfg.head_dim)
         kc = kv.k.view(li * kv.layer_elems, shape).to_host().astype(np.float32)
@@ -254,5 +262,5 @@ class Forward:
             keys = kc[blocks].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
             values = vc[blocks].reshape(-1, cfg.n_kv_heads, cfg.head_dim)[:length]
             res[a:b] = reference.attention(qh[a:b], keys, values, positions[a:b].astype(np.int64), window=window,
-                                           scale=cfg.attn_scale).reshape(b - a, cfg.q_dim)
+                                           scale=cfg.attn_scale, sinks=host_sinks).reshape(b - a, cfg.q_dim)
         att.view(0, n * cfg.q_dim).upload(res.reshape(-1))

@@ -2,9 +2,11 @@
 decided once, here, from the family's recipe and the file's quant types.
 
 A CudaLayer says explicitly how its step runs: whether q, k and v are one stacked matrix, q and k
-one with v apart, or three; whether gate and up are one; which norms and biases it has (None where
-the recipe has none). The forward pass (forward.py) branches on these fields only. Upload order
-is the allocation order on the device, so it follows the recipe's ROLES, vectors first.
+one with v apart, or three; whether gate and up are one; which norms, biases and sinks it has (None
+where the recipe has none); a mixture of experts carries its router's and experts' biases with its
+matrices. The forward pass (forward.py) branches on these fields only. Upload order is the allocation
+order on the device, so it follows the recipe's ROLES, vectors first. check_runs refuses, in one
+line, a model the backend cannot run (support.py's table, and the quant types it has kernels for).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from ember.kernels.constants import BLOCK_SIZES, GGML_TYPE_NAMES
 from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ...model.arch import layer_tensors
-from ...model.arch.recipe import MATRIX_ROLES, MOE_ROLES, Act, Gating
+from ...model.arch.recipe import BIAS_ROLES, MATRIX_ROLES, MOE_BIAS_ROLES, MOE_ROLES
 from ...model.config import ModelConfig
 from ...model.gguf_file import GGUFFile, ModelFileError
 from ...model.rope import inv_frequencies
+from .support import refusal
 
 # A stack of mixed legacy types is upcast to Q8_0 when that adds at most this many bytes to a step
 # (about a quarter of a microsecond of the H200's bandwidth, against a launch of 2-4 us it saves).
@@ -57,9 +60,12 @@ class CudaLayer:
     w_gu: ops.QuantMatrix | None = None
     w_gate: ops.QuantMatrix | None = None
     w_up: ops.QuantMatrix | None = None
-    bq: DeviceArray | None = None
+    bq: DeviceArray | None = None  # q, k and v's biases where their matrices are apart (or q|k stacked)
     bk: DeviceArray | None = None
     bv: DeviceArray | None = None
+    bqkv: DeviceArray | None = None  # the three, stacked as the q|k|v rows are (wqkv)
+    bo: DeviceArray | None = None  # the output projection's bias (gpt-oss)
+    sinks: DeviceArray | None = None  # a logit per query head in each softmax's denominator (gpt-oss)
     q_norm: DeviceArray | None = None
     k_norm: DeviceArray | None = None
     post_attn_norm: DeviceArray | None = None
@@ -80,6 +86,7 @@ class CudaWeights:
     layers: list[CudaLayer]
     inv_freq_global: DeviceArray  # RoPE inverse frequencies (float32), global and sliding-window layers
     inv_freq_local: DeviceArray
+    rope_mscale: float = 1.0  # YaRN's scale of every cos and sin, both kinds of layer (1 without YaRN)
 
 
 # The stacks a layer may take, in order of preference; a matrix joins at most one
@@ -97,11 +104,15 @@ class _Uploader:
         cols, rows = int(info.shape[0]), int(info.shape[1])
         return ops.QuantMatrix.upload(self.dev, self.g.raw(name), info.ggml_type, rows, cols)
 
-    def vector(self, name: str) -> tuple[DeviceArray, np.ndarray]:
+    def host_vector(self, name: str) -> np.ndarray:
+        """A tensor as float32 on the host, flat (numpy order)."""
         info = self.g.tensors[name]
         shape = tuple(reversed(info.shape))
-        arr = np.asarray(quants.dequantize(self.g.raw(name), info.ggml_type, shape), dtype=np.float32)
-        return self.dev.to_device(arr.reshape(-1)), arr.reshape(-1)
+        return np.asarray(quants.dequantize(self.g.raw(name), info.ggml_type, shape), dtype=np.float32).reshape(-1)
+
+    def vector(self, name: str) -> tuple[DeviceArray, np.ndarray]:
+        arr = self.host_vector(name)
+        return self.dev.to_device(arr), arr
 
     def stackable(self, names: list[str]) -> bool:
         infos = [self.g.tensors[n] for n in names]
@@ -129,31 +140,43 @@ class _Uploader:
 
     def experts(self, names: dict[str, str]) -> ops.MoeWeights:
         """A mixture of experts: the router, and each expert's gate and up stacked [gate_e; up_e] where
-        their types agree, as the grouped matvec reads them."""
+        their types agree, as the grouped matvec reads them; the router's and experts' biases (gpt-oss)
+        with them, stacked alike."""
         gate, up, down = (self.g.tensors[names[r]] for r in ("gate_exps", "up_exps", "down_exps"))
         hidden, ffn, n = (int(v) for v in gate.shape)  # ggml order
+        router = self.matrix(names["router"])
+        router_bias = self.vector(names["router_b"])[0] if "router_b" in names else None
+        biases = {r: self.host_vector(names[f"{r}_b"]) for r in ("gate_exps", "up_exps", "down_exps")
+                  if f"{r}_b" in names}
 
-        def experts(infos, rows: int, cols: int) -> ops.ExpertMatrices:
+        def experts(infos, roles: list[str], rows: int, cols: int) -> ops.ExpertMatrices:
+            bias = [biases[r] for r in roles] if all(r in biases for r in roles) else None
             return ops.ExpertMatrices.upload(self.dev, [self.g.raw(t.name) for t in infos], infos[0].ggml_type, n,
-                                             [rows] * len(infos), cols)
+                                             [rows] * len(infos), cols, biases=bias)
 
         stacked = gate.ggml_type == up.ggml_type
-        return ops.MoeWeights(router=self.matrix(names["router"]), down=experts([down], hidden, ffn),
-                              gate_up=experts([gate, up], ffn, hidden) if stacked else None,
-                              gate=None if stacked else experts([gate], ffn, hidden),
-                              up=None if stacked else experts([up], ffn, hidden))
+        return ops.MoeWeights(router=router, down=experts([down], ["down_exps"], hidden, ffn),
+                              gate_up=experts([gate, up], ["gate_exps", "up_exps"], ffn, hidden) if stacked else None,
+                              gate=None if stacked else experts([gate], ["gate_exps"], ffn, hidden),
+                              up=None if stacked else experts([up], ["up_exps"], ffn, hidden), router_bias=router_bias)
 
     def layer(self, names: dict[str, str], stack: bool) -> CudaLayer:
-        """One layer: its vectors, then its matrices, each stack uploaded where its first member was."""
-        t: dict = {role: self.vector(name)[0] for role, name in names.items()
-                   if role not in MATRIX_ROLES and role not in MOE_ROLES}
-        if "router" in names:
-            t["moe"] = self.experts(names)
-        joins: dict[str, str] = {}  # matrix -> the stack it joins
+        """One layer: its vectors (q, k and v's biases as one where the matrices stack), then its matrices,
+        each stack uploaded where its first member was."""
+        joins: dict[str, str] = {}  # matrix -> the stack it joins (decided from the file's types: no upload)
         for name, parts in _STACKS.items():
             if stack and not any(p in joins for p in parts) and all(p in names for p in parts) \
                     and self.stackable([names[p] for p in parts]):
                 joins.update(dict.fromkeys(parts, name))
+        # the stacked q|k|v rows take their three biases in one add (one launch, not three)
+        stacked_bias = joins.get("wq") == "wqkv" and all(b in names for b in BIAS_ROLES)
+        t: dict = {role: self.vector(name)[0] for role, name in names.items()
+                   if role not in MATRIX_ROLES and role not in MOE_ROLES and role not in MOE_BIAS_ROLES
+                   and not (stacked_bias and role in BIAS_ROLES)}
+        if stacked_bias:
+            t["bqkv"] = self.dev.to_device(np.concatenate([self.host_vector(names[b]) for b in BIAS_ROLES]))
+        if "router" in names:
+            t["moe"] = self.experts(names)
         for role in (r for r in MATRIX_ROLES if r in names):  # after the stacking decision: nothing held twice
             joined = joins.get(role)
             if joined is None:
@@ -166,22 +189,11 @@ class _Uploader:
 
 def check_runs(g: GGUFFile, config: ModelConfig) -> None:
     """A one-line ModelFileError, before anything is allocated, for a model this backend cannot run (the
-    numpy backend runs them all): a HYPER stack (DeepSeek V4), YaRN, attention sinks, output or expert
-    biases, the clamped SwiGLU, more experts than the routing kernel takes, or a matrix of a type it has no
-    kernels for."""
-    if config.hyper is not None:
-        raise ModelFileError(g.path, f"the cuda backend does not run {config.arch} (hyper-connections, compressed "
-                                     "CSA/HCA attention, hash-routed experts) yet; --backend numpy runs it")
-    moe = config.recipe.moe
-    if moe is not None and (moe.biases or config.recipe.act is Act.SWIGLU_OAI or moe.gating not in MOE_GATINGS
-                            or config.n_experts > ops.MOE_MAX_EXPERTS or config.n_experts_used > ops.MOE_MAX_K):
-        raise ModelFileError(g.path, f"the cuda backend does not run this mixture of experts ({config.arch}: "
-                                     f"{config.n_experts_used} of {config.n_experts} experts, {moe.gating.value} "
-                                     f"gating, {config.recipe.act} experts{', biases' if moe.biases else ''}) yet; "
-                                     "--backend numpy runs it")
-    if config.rope_yarn is not None or config.recipe.attn_sinks or config.recipe.attn_out_bias:
-        raise ModelFileError(g.path, f"the cuda backend does not run YaRN RoPE, attention sinks or output "
-                                     f"biases ({config.arch}) yet; --backend numpy runs them")
+    numpy backend runs them all): a recipe asking for what support.RUNS lacks (a HYPER stack: DeepSeek
+    V4), or a matrix of a type it has no kernels for."""
+    why = refusal(config)
+    if why is not None:
+        raise ModelFileError(g.path, why)
     names = config.family.tensors
     matrices = [names.token_embd] + ([] if config.tied_output else [names.output])
     for i in range(config.n_layers):
@@ -195,7 +207,6 @@ def check_runs(g: GGUFFile, config: ModelConfig) -> None:
                                          f"kernels for yet (it runs {have}); --backend numpy runs it")
 
 
-MOE_GATINGS = (Gating.SOFTMAX, Gating.SOFTMAX_TOPK)  # ops.moe_route's
 WORKING_SET_BYTES = 512 << 20  # beyond the weights: the smallest KV pool, step buffers and scratch
 
 
@@ -221,6 +232,5 @@ def upload_weights(dev: Device, g: GGUFFile, config: ModelConfig, *, stack: bool
     if names.rope_freqs is not None and names.rope_freqs in g.tensors:
         freqs = np.asarray(up.vector(names.rope_freqs)[1], np.float64)
     inv_global, inv_local, mscale = inv_frequencies(config, freqs)
-    assert mscale == 1.0  # YaRN's cos/sin scale: check_runs refuses those models (gpt-oss) on CUDA
     return CudaWeights(token_embd, output, output_norm, layers, dev.to_device(inv_global.astype(np.float32)),
-                       dev.to_device(inv_local.astype(np.float32)))
+                       dev.to_device(inv_local.astype(np.float32)), float(mscale))
