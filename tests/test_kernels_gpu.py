@@ -241,7 +241,10 @@ def test_stream_q8_0_argmax(dev, rng, rows, blocks):
             assert tok == int(ref[0])
 
 
-@pytest.mark.parametrize("act", list(ACTIVATIONS))
+DENSE_ACTS = [a for a in ACTIVATIONS if a != "swiglu_oai"]  # the int8 matvec's (act.cuh dense_act)
+
+
+@pytest.mark.parametrize("act", DENSE_ACTS)
 @pytest.mark.parametrize("n", [1, 2])
 def test_matvec_q8_fused_activation(dev, rng, act, n):
     """x = act(gate) * up read from a fused gate|up buffer: the same as gated_act, then the matvec.
@@ -260,8 +263,19 @@ def test_matvec_q8_fused_activation(dev, rng, act, n):
     assert rel_err(y.to_host(), reference.linear_q8(reference.gated(gu[:, :ffn], gu[:, ffn:], act), wf)) < 1e-3
 
 
+def test_matvec_q8_refuses_swiglu_oai(dev, rng):
+    """gpt-oss's clamped SwiGLU reaches only its experts' kernels: the int8 matvec, which applies a dense
+    MLP's activation, refuses it in either place (the load path, the gated epilogue) instead of computing silu."""
+    w, _, _ = upload_matrix(dev, rng, "q4_k", 2 * 64, 2304)
+    x, y = dev.to_device(rng.normal(0, 1, (1, 2 * 2304)).astype(np.float32)), dev.empty((1, 2 * 64))
+    with pytest.raises(ValueError, match="swiglu_oai"):
+        ops.matvec_q8(dev, w, x, y, n=1, ldx=2 * 2304, act="swiglu_oai", up_offset=2304)
+    with pytest.raises(ValueError, match="swiglu_oai"):
+        ops.matvec_q8(dev, w, x, y, n=1, act="swiglu_oai", gated=True)
+
+
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("act", DENSE_ACTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 11])
 @pytest.mark.parametrize("ffn", [1000, 37])
 def test_matvec_q8_gated_gate_up(dev, rng, tname, act, n, ffn):

@@ -28,3 +28,7 @@ EMBER_DEV float gated_act(int act, float g, float u) {
     }
     return g / (1.0f + expf(-alpha * g)) * u;
 }
+// act(g) * u for a dense MLP's two activations, as the int8 matvec applies them (matvec_k.cu: to every element
+// of x in its load path, or to its gated outputs): a third branch there costs time (kernels/docs/code-choices.md),
+// and gpt-oss's clamped SwiGLU only ever reaches its experts' kernels (ops.matvec_q8 refuses it).
+EMBER_DEV float dense_act(int act, float g, float u) { return (act == ACT_GELU_TANH ? gelu_tanh(g) : silu(g)) * u; }

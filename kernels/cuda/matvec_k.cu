@@ -123,7 +123,7 @@ EMBER_DEV void gated_store(float (*red)[KV2_MAX_RPB * B], int nw, int pair, int 
             g += red[w][t];
             u += red[w][t + pair * B];
         }
-        y[(i64)b * ffn + col] = gated_act(act, g, u);
+        y[(i64)b * ffn + col] = dense_act(act, g, u);
     }
 }
 
@@ -347,10 +347,10 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
                         f = *reinterpret_cast<const float4*>(x + at);
                         if (act != ACT_NONE && !GATED) {
                             const float4 u = *reinterpret_cast<const float4*>(x + at + uoff);
-                            f.x = gated_act(act, f.x, u.x);
-                            f.y = gated_act(act, f.y, u.y);
-                            f.z = gated_act(act, f.z, u.z);
-                            f.w = gated_act(act, f.w, u.w);
+                            f.x = dense_act(act, f.x, u.x);
+                            f.y = dense_act(act, f.y, u.y);
+                            f.z = dense_act(act, f.z, u.z);
+                            f.w = dense_act(act, f.w, u.w);
                         }
                     }
                     v[h][4 * i] = f.x; v[h][4 * i + 1] = f.y; v[h][4 * i + 2] = f.z; v[h][4 * i + 3] = f.w;

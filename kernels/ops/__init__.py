@@ -33,6 +33,7 @@ from .fault import fault_illegal_address
 from .kv_copy import kv_gather, kv_scatter
 from .matmul import HALF_KINDS, gemm, gemm_splitk_bytes, gemm_splits, linear_tc, to_half
 from .matvecs import (
+    KQ8_ACTIVATIONS,
     KQ8_DEFAULT,
     KQ8_MAX_ROWS,
     KQ8_TYPES,
@@ -133,7 +134,8 @@ __all__ = [
     "ACTIVATIONS", "BLOCK_SIZES", "GGML_TYPE_IDS", "GGML_TYPE_NAMES", "HALF_KINDS", "Q6K_PAD",
     "DecodePrologue", "PostNorm", "QuantMatrix", "RowArgmax", "SampleParams",
     # matvec
-    "KQ8_DEFAULT", "KQ8_MAX_ROWS", "KQ8_TYPES", "KQ8_VARIANTS", "KV2_MAX_COLS", "KV2_PREFETCH", "KV2_TYPES",
+    "KQ8_ACTIVATIONS", "KQ8_DEFAULT", "KQ8_MAX_ROWS", "KQ8_TYPES", "KQ8_VARIANTS", "KV2_MAX_COLS", "KV2_PREFETCH",
+    "KV2_TYPES",
     "MATVEC_WARPS", "SQ_MAX_ROW_BYTES", "SQ_ROWS", "SQ_WARPS", "XPRO_COLS",
     "kq8_supported", "kv2_supported", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_post_norm",
     "matvec_q8", "matvec_stream_q8_0", "post_norm_supported", "repack_q6_k", "row_nbytes", "stream_q8_0_smem",

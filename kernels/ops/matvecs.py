@@ -201,6 +201,7 @@ def matvec_post_norm(dev: Device, w: QuantMatrix, pn: PostNorm, y: DeviceArray, 
 KQ8_VARIANTS = {(1, 4, False), (1, 8, False), (2, 4, False), (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True),
                 (4, 2, False), (4, 2, True)}
 KQ8_DEFAULT = {1: (4, False), 2: (4, False), 4: (2, False)}  # (unroll, prefetch) per batch: measured, H200
+KQ8_ACTIVATIONS = frozenset({"silu", "gelu_tanh"})  # a dense MLP's, which kq8 applies (act.cuh dense_act)
 KQ8_MAX_ROWS = 16  # batches up to this many rows run in launches of 4 (each reads W once); more: tensor cores
 
 
@@ -219,6 +220,8 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
     if not kq8_supported(w) or n < 1:
         raise ValueError(f"the int8 matvec takes Q4_K/Q5_K/Q6_K rows of at most {KV2_MAX_COLS} columns")
     code = act_code(act, none=True)
+    if act is not None and act not in KQ8_ACTIVATIONS:  # gpt-oss's clamped SwiGLU reaches its experts' kernels only
+        raise ValueError(f"the int8 matvec applies {' or '.join(sorted(KQ8_ACTIVATIONS))}, not {act}")
     if gated and (act is None or w.rows % 2 or res is not None or unroll or prefetch):
         raise ValueError("a gated matvec needs an activation, an even number of rows, and no residual")
     ldx = w.cols if ldx is None else ldx

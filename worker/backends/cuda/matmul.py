@@ -99,7 +99,7 @@ class Matmuls:
         if isinstance(h, ops.PostNorm):  # the staged gated matvec, normalising its input itself
             ops.matvec_post_norm(self.dev, w, h, self.g, act=act, stream=self.stream)
             return True
-        if self._int8(w, n, tc):
+        if self._int8(w, n, tc) and act in ops.KQ8_ACTIVATIONS:
             ops.matvec_q8(self.dev, w, h, self.g, n=n, act=act, gated=True, stream=self.stream)
             return True
         matmul = tc and self.tensor_cores and n >= TC_MIN_ROWS
@@ -117,7 +117,7 @@ class Matmuls:
             self.linear(w, self.g, y, n, res=res, tc=tc)
             return
         gu = self.gu
-        if lw.gate_up_stacked and self._int8(w, n, tc):
+        if lw.gate_up_stacked and self._int8(w, n, tc) and act in ops.KQ8_ACTIVATIONS:
             ops.matvec_q8(self.dev, w, present(gu), y, n=n, res=res, ldx=2 * cfg.ffn, act=act, up_offset=cfg.ffn,
                           stream=self.stream)
             return
