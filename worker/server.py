@@ -144,7 +144,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         backend = FaultyBackend(backend, faults)
     from .text.formats import resolve as resolve_formats
 
-    formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model
+    formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format,  # once per model
+                              model.config.family.formats)
     limits = EngineLimits.configured(cfg, max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
                                      prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
                                      max_step_tokens=max(chunk, cfg.max_seqs), context=ctx)
