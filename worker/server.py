@@ -162,7 +162,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                         chain_hash=chain_hash, persist=cfg.kv_persist,
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
                         host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"),
-                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None)
+                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None,
+                        buffers=backend.restore_buffers())  # restored blocks are read into the backend's memory
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
                     drafter=drafter)
