@@ -3,8 +3,8 @@ the fields they carry, where state, cache and configuration live, and how settin
 durations.
 
 The worker, the kernels' CLI, the daemon and ops all import this module, and it imports nothing of
-ember (DESIGN.md's import table): a value changed here changes on every side at once, and
-tests/test_contract.py fails when another module spells one of these values itself. What the
+ember (docs/architecture.md, "Import rules"): a value changed here changes on every side at once,
+and tests/test_contract.py fails when another module spells one of these values itself. What the
 daemon makes of them (patience, crash classes, restart policy) is not here: see daemon/verdicts.py,
 daemon/incident.py and daemon/policy.py. A foreign engine (llama.cpp's llama-server, say) speaks
 only part of this contract; the daemon also reads raw CUDA error strings (daemon/detect.py).

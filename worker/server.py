@@ -1,10 +1,10 @@
 """`ember worker`: load the model, start the engine, serve HTTP, and stop by the contract.
 
-Exit codes (DESIGN.md): 0 clean stop; 75 poisoned compute context (restart now); 78 configuration
-error (do not restart); 69 the port is held by another process (listen.py; the daemon retries with
-backoff). The port is bound before anything loads. SIGTERM drains: readiness turns `draining`,
-admissions stop, in-flight work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits
-at once.
+Exit codes (docs/architecture.md, "The contracts"; ops/contract.ExitCode): 0 clean stop; 75 poisoned
+compute context (restart now); 78 configuration error (do not restart); 69 the port is held by
+another process (listen.py; the daemon retries with backoff). The port is bound before anything
+loads. SIGTERM drains: readiness turns `draining`, admissions stop, in-flight work gets
+--drain-seconds to finish, then exit 0; a second SIGTERM exits at once.
 """
 
 from __future__ import annotations
