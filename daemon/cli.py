@@ -1,7 +1,8 @@
 """The `ember` command.
 
-The daemon never imports the worker (see DESIGN.md), so worker verbs are handed to
-`python -m ember.worker` by exec: same process id, same terminal, no import of the data plane here.
+The daemon never imports the worker (docs/architecture.md, "Import rules"), so worker verbs are
+handed to `python -m ember.worker` by exec: same process id, same terminal, no import of the data
+plane here.
 """
 
 from __future__ import annotations

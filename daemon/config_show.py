@@ -2,7 +2,7 @@
 
 Daemon keys (`[daemon]`) are resolved here with the daemon's own rules (ember.daemon.settings).
 Worker keys (top level or `[worker]`) are resolved by the worker's config module, run in a
-subprocess: the daemon process never imports ember.worker (DESIGN.md).
+subprocess: the daemon process never imports ember.worker (docs/architecture.md, "Import rules").
 """
 
 from __future__ import annotations

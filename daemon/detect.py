@@ -2,9 +2,10 @@
 
 The ember worker logs `engine_poisoned` (a JSON line with the CUDA code and name; ember.ops.contract). A foreign engine
 (llama.cpp's llama-server, a PyTorch server) prints the raw CUDA messages instead; the sticky ones
-(the context is unusable afterwards, every later launch fails) are recognised by message, by
-enum name and by code: 700, 702, 710, 714-719. JSON lines are judged only by their `event`, so a
-logged prompt or error text can never trigger a restart.
+(the context is unusable afterwards, every later launch fails: the contract's STICKY_CUDA_ERRORS,
+the same list the worker poisons on, less RAW_LOG_EXEMPT) are recognised by message, by enum name
+and by code. JSON lines are judged only by their `event`, so a logged prompt or error text can never
+trigger a restart.
 """
 
 from __future__ import annotations
@@ -12,24 +13,33 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ember.ops.contract import ERROR_LEVELS, Event
+from ember.ops.contract import ERROR_LEVELS, RAW_LOG_EXEMPT, STICKY_CUDA_ERRORS, Event
 
-# code -> (driver API name, runtime API name, message)
-STICKY = {
-    700: ("CUDA_ERROR_ILLEGAL_ADDRESS", "cudaErrorIllegalAddress", "an illegal memory access was encountered"),
-    702: ("CUDA_ERROR_LAUNCH_TIMEOUT", "cudaErrorLaunchTimeout", "the launch timed out and was terminated"),
-    710: ("CUDA_ERROR_ASSERT", "cudaErrorAssert", "device-side assert triggered"),
-    714: ("CUDA_ERROR_HARDWARE_STACK_ERROR", "cudaErrorHardwareStackError", "hardware stack error"),
-    715: ("CUDA_ERROR_ILLEGAL_INSTRUCTION", "cudaErrorIllegalInstruction", "an illegal instruction was encountered"),
-    716: ("CUDA_ERROR_MISALIGNED_ADDRESS", "cudaErrorMisalignedAddress", "misaligned address"),
-    717: ("CUDA_ERROR_INVALID_ADDRESS_SPACE", "cudaErrorInvalidAddressSpace",
-          "operation not supported on global/shared address space"),
-    718: ("CUDA_ERROR_INVALID_PC", "cudaErrorInvalidPc", "invalid program counter"),
-    719: ("CUDA_ERROR_LAUNCH_FAILED", "cudaErrorLaunchFailure", "unspecified launch failure"),
+# The runtime API's name and message of each sticky error the contract names (by its driver API name);
+# None: the runtime's text is not known here, and such a line is found by its names and code alone.
+_RUNTIME: dict[int, tuple[str, str | None]] = {
+    214: ("cudaErrorECCUncorrectable", "uncorrectable ECC error encountered"),
+    226: ("cudaErrorContained", None),
+    700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
+    702: ("cudaErrorLaunchTimeout", "the launch timed out and was terminated"),
+    710: ("cudaErrorAssert", "device-side assert triggered"),
+    714: ("cudaErrorHardwareStackError", "hardware stack error"),
+    715: ("cudaErrorIllegalInstruction", "an illegal instruction was encountered"),
+    716: ("cudaErrorMisalignedAddress", "misaligned address"),
+    717: ("cudaErrorInvalidAddressSpace", "operation not supported on global/shared address space"),
+    718: ("cudaErrorInvalidPc", "invalid program counter"),
+    719: ("cudaErrorLaunchFailure", "unspecified launch failure"),
+    721: ("cudaErrorTensorMemoryLeak", None),
+    810: ("cudaErrorMpsClientTerminated", None),
+    911: ("cudaErrorExternalDevice", None),
 }
+# code -> (driver API name, runtime API name, message): the sticky errors a raw log line is read for
+STICKY: dict[int, tuple[str, str, str | None]] = {
+    code: (name, *_RUNTIME[code]) for code, name in STICKY_CUDA_ERRORS.items() if code not in RAW_LOG_EXEMPT}
 _BY_TEXT: list[tuple[re.Pattern[str], int]] = []
 for _code, (_drv, _rt, _msg) in STICKY.items():
-    _BY_TEXT.append((re.compile(re.escape(_msg), re.IGNORECASE), _code))
+    if _msg is not None:
+        _BY_TEXT.append((re.compile(re.escape(_msg), re.IGNORECASE), _code))
     _BY_TEXT.append((re.compile(r"\b" + re.escape(_drv) + r"\b"), _code))
     _BY_TEXT.append((re.compile(r"\b" + re.escape(_rt) + r"\b"), _code))
 _CODES = "|".join(str(c) for c in STICKY)
@@ -44,7 +54,8 @@ _OOM_RE = re.compile(
 
 def cuda_info(code: int) -> dict[str, Any]:
     drv, rt, msg = STICKY[code]
-    return {"code": code, "name": drv, "runtime_name": rt, "message": msg}
+    info: dict[str, Any] = {"code": code, "name": drv, "runtime_name": rt}
+    return info if msg is None else {**info, "message": msg}
 
 
 def poison_in_text(text: str) -> dict[str, Any] | None:

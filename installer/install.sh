@@ -103,12 +103,14 @@ port = 8080
 # crash_max_bytes = "256MiB"
 
 # Restart policy: backoff between restarts, and the circuit breaker (this many crashes within the
-# window stop the restarts until `ember restart`).
+# window stop the restarts; after the cool-down it tries once more, 0 = not until `ember start`;
+# `ember start` or `ember restart` starts the worker at once).
 # backoff_base = "1s"
 # backoff_max = "60s"
 # backoff_reset = "10m"
 # breaker_crashes = 5
 # breaker_window = "10m"
+# breaker_cooldown = "10m"
 
 # Health: a worker that does not answer /health/live this many times in a row is restarted; model
 # loading may take up to startup_timeout.

@@ -9,22 +9,11 @@
 
 from __future__ import annotations
 
+from ember.ops.contract import STICKY_CUDA_ERRORS
+
 # CUresult codes after which the CUDA context is unusable ("sticky": every later call in the process
-# returns the same error; only a new process recovers). From the CUDA driver API's CUresult docs.
-STICKY_CODES: dict[int, str] = {
-    214: "CUDA_ERROR_ECC_UNCORRECTABLE",
-    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
-    702: "CUDA_ERROR_LAUNCH_TIMEOUT",
-    709: "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-    710: "CUDA_ERROR_ASSERT",
-    714: "CUDA_ERROR_HARDWARE_STACK_ERROR",
-    715: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-    716: "CUDA_ERROR_MISALIGNED_ADDRESS",
-    717: "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-    718: "CUDA_ERROR_INVALID_PC",
-    719: "CUDA_ERROR_LAUNCH_FAILED",
-    912: "CUDA_ERROR_CONTAINED",
-}
+# returns the same error; only a new process recovers): the contract's one list, which the daemon reads too.
+STICKY_CODES: dict[int, str] = STICKY_CUDA_ERRORS
 
 
 class CudaUnavailable(RuntimeError):

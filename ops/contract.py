@@ -1,10 +1,10 @@
-"""The contract every part of ember shares, written once: exit codes, health states, log events and
-the fields they carry, where state, cache and configuration live, and how settings spell sizes and
-durations.
+"""The contract every part of ember shares, written once: exit codes, health states, the CUDA errors
+that poison a compute context, log events and the fields they carry, where state, cache and
+configuration live, and how settings spell sizes and durations.
 
 The worker, the kernels' CLI, the daemon and ops all import this module, and it imports nothing of
-ember (DESIGN.md's import table): a value changed here changes on every side at once, and
-tests/test_contract.py fails when another module spells one of these values itself. What the
+ember (docs/architecture.md, "Import rules"): a value changed here changes on every side at once,
+and tests/test_contract.py fails when another module spells one of these values itself. What the
 daemon makes of them (patience, crash classes, restart policy) is not here: see daemon/verdicts.py,
 daemon/incident.py and daemon/policy.py. A foreign engine (llama.cpp's llama-server, say) speaks
 only part of this contract; the daemon also reads raw CUDA error strings (daemon/detect.py).
@@ -51,6 +51,38 @@ class HealthState(enum.StrEnum):
     READY = "ready"
     DRAINING = "draining"  # SIGTERM: in-flight work finishes, nothing new is admitted
     POISONED = "poisoned"  # the compute context is gone; the process exits with ExitCode.POISONED
+
+
+# == CUDA's sticky errors: after one, the compute context is poisoned ====================================
+#
+# CUresult codes after which a CUDA context is unusable: every later call in the process fails the same
+# way, and only a new process recovers. The driver API documents each as such, but for two ember counts
+# in because no work can follow them in its own process: ECC_UNCORRECTABLE and CONTEXT_IS_DESTROYED
+# (ember never destroys its context while it serves). The worker turns one into `engine_poisoned` and
+# exit 75 (kernels/errors.py); the daemon also finds them in a foreign engine's raw log, by code and
+# name (daemon/detect.py), all but those in RAW_LOG_EXEMPT.
+
+STICKY_CUDA_ERRORS: dict[int, str] = {
+    214: "CUDA_ERROR_ECC_UNCORRECTABLE",
+    226: "CUDA_ERROR_CONTAINED",
+    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+    709: "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    710: "CUDA_ERROR_ASSERT",
+    714: "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    715: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    716: "CUDA_ERROR_MISALIGNED_ADDRESS",
+    717: "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    718: "CUDA_ERROR_INVALID_PC",
+    719: "CUDA_ERROR_LAUNCH_FAILED",
+    721: "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+    810: "CUDA_ERROR_MPS_CLIENT_TERMINATED",
+    911: "CUDA_ERROR_EXTERNAL_DEVICE",
+}
+# Sticky in the worker's own calls, yet no sign of a poisoned context in another engine's raw log: the
+# driver documents CONTEXT_IS_DESTROYED as a context its caller destroyed itself or has not initialized
+# yet (how it used the API, as in its own teardown), not as a fault of the device.
+RAW_LOG_EXEMPT: frozenset[int] = frozenset({709})
 
 
 # == the log: one JSON object per line on stderr =======================================================

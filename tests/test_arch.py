@@ -18,7 +18,7 @@ import pytest
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench import synth
-from ember.worker.model import arch
+from ember.worker.model import arch, loader
 from ember.worker.model.arch.recipe import (
     BIAS_ROLES,
     ROLES,
@@ -29,11 +29,11 @@ from ember.worker.model.arch.recipe import (
     SlidingWindow,
 )
 from ember.worker.model.config import HyperConfig
-from ember.worker.model.gguf_file import ModelFileError
+from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.loader import open_model
 from ember.worker.model.weights import load_weights
-from ember.worker.text.chat_template import BUILTIN_TEMPLATES
-from ember.worker.text.formats import ReasoningFormat, parse_override, tool_format
+from ember.worker.text.chat_template import BUILTIN_TEMPLATES, ChatTemplateError, builtin_source
+from ember.worker.text.formats import ReasoningFormat, detect_tool_format, parse_override, resolve, tool_format
 
 FAMILIES = sorted(arch.FAMILIES)
 ARCH_DIR = Path(arch.__file__).parent
@@ -109,14 +109,20 @@ def test_only_a_hyper_recipe_names_its_own_keys_and_tensors():
         dataclasses.replace(llama, hyper=deepseek4.hyper)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+DECLARED = [n for n in FAMILIES if arch.FAMILIES[n].formats is not None]
+
+
+@pytest.mark.parametrize("name", DECLARED)
 def test_default_formats_resolve(name):
+    """A family's declared tool-call format is the one its built-in template shows (fenced JSON for a
+    template that never reads `tools`), so serving a file through it is one consistent format."""
     formats = arch.FAMILIES[name].formats
-    assert formats.chat in BUILTIN_TEMPLATES
+    assert formats is not None and formats.chat in BUILTIN_TEMPLATES
     assert tool_format(formats.tool).name == formats.tool
+    assert detect_tool_format(builtin_source(formats.chat)).name == formats.tool
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if arch.FAMILIES[n].formats.reasoning is not None])
+@pytest.mark.parametrize("name", [n for n in DECLARED if arch.FAMILIES[n].formats.reasoning is not None])
 def test_default_reasoning_format_resolves(name):
     reasoning = arch.FAMILIES[name].formats.reasoning
     resolved = parse_override(reasoning)
@@ -166,6 +172,48 @@ def test_loader_resolves_every_synthetic_family(name, synth_files, tmp_path, mon
     tokens = np.arange(5, dtype=np.int32)
     (logits,) = backend.forward([SeqChunk(tokens, 0, [0], "last")])
     assert logits.shape == (1, cfg.vocab_size) and np.isfinite(logits).all()
+
+
+# What a file of each family that carries no chat template is served with: the template its vocabulary's
+# turn tokens name, else its recipe's (the synthetic llama has Llama 2's vocabulary: llama3 comes from the
+# recipe alone), with the recipe's tool-call format and reasoning markers. gpt-oss declares none: refused.
+TEMPLATELESS = {
+    "deepseek4": ("deepseek", "dsml", "think"),
+    "gemma3": ("gemma", "fenced", None),
+    "gpt-oss": None,
+    "llama": ("llama3", "llama3", None),
+    "qwen2": ("chatml", "hermes", None),
+    "qwen3": ("chatml", "hermes", "think"),
+    "qwen3moe": ("chatml", "hermes", "think"),
+}
+
+
+class _NoTemplate(GGUFFile):
+    """The file as it is, less its `tokenizer.chat_template`."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.metadata.pop("tokenizer.chat_template", None)
+
+
+def test_every_family_is_in_the_templateless_table():
+    assert sorted(TEMPLATELESS) == FAMILIES
+
+
+@pytest.mark.parametrize("name", [n for n in synth.ARCHS if TEMPLATELESS[n] is not None])
+def test_a_file_without_a_template_speaks_its_recipes_formats(name, synth_files, monkeypatch):
+    monkeypatch.setattr(loader, "GGUFFile", _NoTemplate)
+    model = open_model(synth_files[name])
+    formats = resolve(model.template, model.tokenizer, None, model.config.family.formats)
+    reasoning = formats.reasoning.name if formats.reasoning is not None else None
+    assert (model.template.name, formats.tool.name, reasoning) == TEMPLATELESS[name]
+
+
+@pytest.mark.parametrize("name", [n for n in synth.ARCHS if TEMPLATELESS[n] is None])
+def test_a_file_without_a_template_of_a_family_without_a_builtin_is_refused(name, synth_files, monkeypatch):
+    monkeypatch.setattr(loader, "GGUFFile", _NoTemplate)
+    with pytest.raises(ChatTemplateError, match=f"no chat template .* for architecture '{name}'"):
+        open_model(synth_files[name])
 
 
 def test_unknown_architecture_is_one_clear_line(tmp_path):

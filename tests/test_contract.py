@@ -354,6 +354,38 @@ def test_the_values_design_md_promises():
     assert REQUIRED_FIELDS[Event.ENGINE_POISONED] == ("code", "name", "message")
 
 
+def test_the_worker_and_the_daemon_read_one_list_of_sticky_cuda_errors():
+    """The worker poisons its context on the contract's sticky errors, and the daemon reads a foreign
+    engine's raw log for the same ones, less RAW_LOG_EXEMPT (a context its caller destroyed is no fault
+    of the device: the worker's own 709 still poisons it, another engine's line does not)."""
+    from ember.daemon import detect
+    from ember.kernels import errors
+
+    assert errors.STICKY_CODES is contract.STICKY_CUDA_ERRORS
+    assert set(contract.STICKY_CUDA_ERRORS) > contract.RAW_LOG_EXEMPT
+    assert set(detect.STICKY) == set(contract.STICKY_CUDA_ERRORS) - contract.RAW_LOG_EXEMPT
+    assert all(detect.STICKY[code][0] == contract.STICKY_CUDA_ERRORS[code] for code in detect.STICKY)
+    for code in contract.STICKY_CUDA_ERRORS:
+        assert isinstance(errors.cuda_error(code, "n", "m"), errors.StickyCudaError), code
+        raw = detect.poison_in_line(f"CUDA error {code}", None)
+        assert (raw is None) == (code in contract.RAW_LOG_EXEMPT), code
+        assert raw is None or raw["code"] == code
+    # 912 is CUDA_ERROR_INVALID_CLUSTER_SIZE, a launch's configuration: the context lives on
+    assert not isinstance(errors.cuda_error(912, "CUDA_ERROR_INVALID_CLUSTER_SIZE", "m"), errors.StickyCudaError)
+
+
+def test_the_sticky_errors_are_named_as_cuda_names_them():
+    """Each code's driver API name (the contract's) and runtime API name (the daemon's) are CUDA's own."""
+    from ember.daemon import detect
+
+    driver = pytest.importorskip("cuda.bindings.driver")  # the enums need no driver library
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    for code, name in contract.STICKY_CUDA_ERRORS.items():
+        assert driver.CUresult(code).name == name, code
+    for code, (_, runtime_name, _) in detect.STICKY.items():
+        assert runtime.cudaError_t(code).name == runtime_name, code
+
+
 def test_the_worker_uses_the_contracts_states_and_outcomes():
     from ember.worker import metrics
     from ember.worker.api.state import STATES, ServerState

@@ -355,9 +355,10 @@ def test_bench_trace_times_every_kernel_of_a_decode_step(dev, model_dir):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_blocks_saved_and_loaded_in_batches(dev, model_dir, mode):
-    """save_blocks / load_blocks (the KV store's path: a copy stream, pinned slabs, one gather or
-    scatter a slab) move exactly what read_block / write_block see, a later step cannot overwrite
-    a block before its save read it, and a save finds no room rather than waiting."""
+    """save_blocks / load_blocks (the KV store's path: a copy stream, pinned slabs and the pinned
+    restore arena, one gather or scatter a slab) move exactly what read_block / write_block see, a
+    later step cannot overwrite a block before its save read it, and a save finds no room rather
+    than waiting."""
     from ember.worker.backends.cuda.kv import SLABS
 
     model = _synth(model_dir, "llama")
@@ -377,7 +378,11 @@ def test_blocks_saved_and_loaded_in_batches(dev, model_dir, mode):
     for j, b in enumerate(order[:70]):
         assert np.array_equal(got[j], stored[b]), f"block {b}"
     payloads = np.stack([stored[b] for b in order[:40]])
-    cud.load_blocks(order[50:90], payloads)
+    arena = cud.restore_buffers()  # load_blocks takes its payloads where the KV store's reader reads them
+    slots = [arena.take(1.0) for _ in range(40)]
+    for slot, payload in zip(slots, payloads, strict=True):
+        slot[...] = payload
+    cud.load_blocks(order[50:90], slots)
     prompt = rng.integers(0, model.config.vocab_size, 20).astype(np.int32)
     cud.forward([SeqChunk(prompt, 0, order[90:92], "last")])  # a step after the load sees the loaded blocks
     for j, b in enumerate(order[50:90]):

@@ -1,9 +1,10 @@
 """A stand-in engine for the daemon tests (a script, not a test module: it has no tests).
 
-It speaks the worker contract of DESIGN.md with the standard library only, so it starts in a
-fraction of a second: /health/live, /health/ready, POST /v1/completions, JSON log lines on stderr
-(config, ready, admit, completed, engine_poisoned, exit), SIGTERM drains and exits 0. With --raw
-it plays a foreign engine instead (llama-server style plain-text log, GET /health).
+It speaks the worker contract (docs/architecture.md, "The contracts") with the standard library
+only, so it starts in a fraction of a second: /health/live, /health/ready, POST /v1/completions,
+JSON log lines on stderr (config, ready, admit, completed, engine_poisoned, exit), SIGTERM drains
+and exits 0. With --raw it plays a foreign engine instead (llama-server style plain-text log, GET
+/health).
 
 Faults (--fault KIND[:key=value...]); `requests=N` fires on the N-th completion (the daemon's
 "ping" probes are counted apart, as probe-N) (that request is in

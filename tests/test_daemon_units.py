@@ -39,6 +39,10 @@ from ember.ops.contract import parse_log_line
     ("CUDA kernel failed with error 717", 717),
     ("CUDA_ERROR_INVALID_PC: invalid program counter", 718),
     ("CUDA error: misaligned address", 716),
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", 214),
+    ("cudaErrorContained", 226),
+    ("CUDA_ERROR_MPS_CLIENT_TERMINATED", 810),
+    ("CUDA error 911", 911),
 ])
 def test_raw_sticky_cuda_errors_are_recognised(line, code):
     info = detect.poison_in_line(line, None)
@@ -50,6 +54,8 @@ def test_raw_sticky_cuda_errors_are_recognised(line, code):
     "CUDA error: out of memory",  # not sticky: the context survives
     "error 700 in parser",  # no CUDA on the line
     "CUDA error 701 something",
+    "CUDA error 912: invalid cluster size",  # a launch's configuration, not sticky
+    "CUDA error: context is destroyed (CUDA_ERROR_CONTEXT_IS_DESTROYED)",  # contract.RAW_LOG_EXEMPT
 ])
 def test_other_lines_are_not_poison(line):
     assert detect.poison_in_line(line, None) is None

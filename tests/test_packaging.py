@@ -1,4 +1,4 @@
-"""The layout the project card fixes, and the import rules of DESIGN.md."""
+"""The layout the project card fixes, and the import rules of docs/architecture.md."""
 
 from __future__ import annotations
 

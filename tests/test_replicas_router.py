@@ -1,7 +1,7 @@
 """Replicas behind sglang-router (the data plane of `[daemon] replicas`): two real numpy workers on
 loopback ports behind a real `sglang_router.launch_router` (the PyPI package's Rust router, the
 cache_aware policy). The OpenAI APIs go through it; Anthropic's /v1/messages is not a route of the
-router (README, "More than one GPU or box"). A worker killed with SIGKILL under eight streaming
+router (docs/operations.md, "Replicas on one host"). A worker killed with SIGKILL under eight streaming
 clients loses only its own in-flight requests, and rejoins when it is ready again."""
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def test_openai_apis_through_the_router(replicas):
         with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert s.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) > 2
-        # not a route of sglang-router 0.3: Anthropic clients talk to a worker (README)
+        # not a route of sglang-router 0.3: Anthropic clients talk to a worker (docs/operations.md, "Replicas on one
+        # host")
         assert c.post("/v1/messages", json={**CHAT, "max_tokens": 4}).status_code == 404
 
 

@@ -266,7 +266,7 @@ def test_system_unit_security_exposure(tmp_path, monkeypatch):
     verdict = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln]
     assert verdict, r.stdout[-2000:] + r.stderr
     score = float(verdict[0].split(":", 1)[1].split()[0])
-    # 9.0 before the sandbox; README's Security section quotes the figure
+    # 9.0 before the sandbox; docs/operations.md's Security section quotes the figure
     assert score <= 3.0, verdict[0]
 
 

@@ -67,8 +67,9 @@ class WorkerConfig(EngineSettings, kw_only=True):
     stall_seconds: float = 60.0
     backend: str = "numpy"
     # cuda: a 16-bit copy of the weight matrices for the tensor-core matmuls (prefill, decode batches of
-    # 16+), decoded once at start instead of at every such step: auto = when it fits with a tenth of
-    # the device left free.
+    # 16+), decoded once at start instead of at every such step. auto: kept where it leaves an automatic
+    # KV pool (kv_mem auto) at least half of what is free after the weights, or, with a sized kv_mem,
+    # a tenth of the device free; never on unified memory (backends/cuda/memory.keep_half_copy).
     f16_weights: str = "auto"
     # cuda: launch each decode step before reading the previous step's tokens (fed on the device), so
     # the host's per-step work overlaps the GPU's instead of adding to it
@@ -295,9 +296,11 @@ def origins(cfg: WorkerConfig) -> list[str]:
     return [o.strip().rstrip("/").lower() for o in cfg.allowed_origins.split(",") if o.strip()]
 
 
-# Prompt tokens a step takes per sequence, by backend: the numpy backend's steps must stay short on
-# two cores (a stream's next token waits for them); a GPU prefills faster in large steps, and the
-# decode streams still get their token first in every step (see README: Performance for the sweep).
+# The most prompt tokens a step takes per sequence where prefill_chunk is auto, by backend: the ceiling
+# within which the engine sizes the chunk once at start to prefill_step_ms (engine/prefill_sizing.py),
+# and the rows a step is built for. The numpy backend's steps must stay short on two cores (a stream's
+# next token waits for them); a GPU prefills faster in large steps, and the decode streams still get
+# their token first in every step.
 AUTO_PREFILL_CHUNK = {"numpy": 256, "cuda": 2048}
 
 

@@ -1,7 +1,8 @@
 """The worker's log: one JSON object per line on stderr, in the contract's format (`ts`, `level`,
 `event`, fields: ember.ops.contract.log_line); the contract also names the events the daemon reads.
 
-The daemon reads these lines (DESIGN.md). Prompt text never goes here unless the user opts in.
+The daemon reads these lines (docs/architecture.md, "The contracts"). Prompt text never goes here
+unless the user opts in.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """`ember worker`: load the model, start the engine, serve HTTP, and stop by the contract.
 
-Exit codes (DESIGN.md): 0 clean stop; 75 poisoned compute context (restart now); 78 configuration
-error (do not restart); 69 the port is held by another process (listen.py; the daemon retries with
-backoff). The port is bound before anything loads. SIGTERM drains: readiness turns `draining`,
-admissions stop, in-flight work gets --drain-seconds to finish, then exit 0; a second SIGTERM exits
-at once.
+Exit codes (docs/architecture.md, "The contracts"; ops/contract.ExitCode): 0 clean stop; 75 poisoned
+compute context (restart now); 78 configuration error (do not restart); 69 the port is held by
+another process (listen.py; the daemon retries with backoff). The port is bound before anything
+loads. SIGTERM drains: readiness turns `draining`, admissions stop, in-flight work gets
+--drain-seconds to finish, then exit 0; a second SIGTERM exits at once.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         backend = FaultyBackend(backend, faults)
     from .text.formats import resolve as resolve_formats
 
-    formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format)  # once per model
+    formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format,  # once per model
+                              model.config.family.formats)
     limits = EngineLimits.configured(cfg, max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
                                      prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
                                      max_step_tokens=max(chunk, cfg.max_seqs), context=ctx)
@@ -161,7 +162,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
                         chain_hash=chain_hash, persist=cfg.kv_persist,
                         disk_budget=worker_config.disk_budget(cfg, kv_dir),
                         host_budget=worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem"),
-                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None)
+                        disk_full=faults.disk_full if any(f.kind == "disk-full" for f in faults.faults) else None,
+                        buffers=backend.restore_buffers())  # restored blocks are read into the backend's memory
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
                     drafter=drafter)

@@ -53,7 +53,7 @@ def _kv2_warps(w: QuantMatrix) -> int:
 
 def _kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
     # small matrices want many blocks: 16 rows per block for the big and the wide matrices, 8 and 4 for
-    # smaller ones (tuned on the H200: kernels/README.md, "Measurements behind the code's choices")
+    # smaller ones (tuned on the H200: kernels/docs/code-choices.md)
     per_sm = rows / dev.sm_count
     rpb = 16 if per_sm >= 64 or (per_sm >= 16 and cols >= 8192) else 8 if per_sm >= 16 else 4
     return max(unroll, rpb)

@@ -70,7 +70,7 @@ def qk_rope_kv(dev: Device, q: DeviceArray, k: DeviceArray, v: DeviceArray, k_ca
 ATT_SPLIT_MIN = 16  # a short context split this fine still fills some SMs (one CTA per kv head is latency)
 
 ATTW_STAGE_BYTES = 128 << 10  # the K and V rows an attn_warp CTA stages in shared memory, at most
-ATTW_CLUSTER_MIN_SPLIT = 32  # keys per clustered CTA, at least (a sweep on the H200: kernels/README.md)
+ATTW_CLUSTER_MIN_SPLIT = 32  # keys per clustered CTA, at least (a sweep on the H200: kernels/docs/code-choices.md)
 ATTW_SPREAD_CTAS = 128  # attn_warp spreads short contexts over more CTAs up to a grid of about this many
 ATTW_MAX_KEYS = 1024  # beyond: attn_decode (its CTAs walk up to 512 keys)
 ATTW_MAX_ROW_HEADS = 64  # and beyond this many (row, kv head) pairs
@@ -97,7 +97,7 @@ def attention_split_warp(head_dim: int, kv_bytes: int, max_keys: int, pairs: int
     launch), at least ATTW_CLUSTER_MIN_SPLIT keys each and at most what one CTA stages in shared
     memory (ATTW_STAGE_BYTES of K and V rows: 128 keys at D 256 in float16). A single CTA over the
     whole context grows slower with it, and many streams spread over 8 CTAs each lose more than they
-    gain (the H200 measurements: kernels/README.md, "Measurements behind the code's choices")."""
+    gain (the H200 measurements: kernels/docs/code-choices.md)."""
     cap = attention_warp_cap(head_dim, kv_bytes, stage_bytes)
     ctas = max(1, min(ATTW_CLUSTER_MAX, ATTW_SPREAD_CTAS // max(1, int(pairs))))
     spread = max(ATTW_CLUSTER_MIN_SPLIT, -(-int(max_keys) // ctas))
@@ -125,7 +125,7 @@ def decode_kernel(rows: int, kv_heads: int, max_keys: int) -> str:
     """The decode attention kernel attention(kernel="auto") runs with a prologue: attn_warp for contexts
     of up to ATTW_MAX_KEYS keys and at most ATTW_MAX_ROW_HEADS (row, kv head) pairs; beyond,
     attn_decode, whose CTAs walk longer runs of keys (faster for many streams on the H200:
-    kernels/README.md)."""
+    kernels/docs/code-choices.md)."""
     return "warp" if max_keys <= ATTW_MAX_KEYS and rows * kv_heads <= ATTW_MAX_ROW_HEADS else "block"
 
 

@@ -101,7 +101,9 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
     loading; `state.attach(engine, model, formats)` supplies them later (generation answers 503
     meanwhile). guard: who may call (default: loopback only, no key beyond `api_key`)."""
     if engine is not None or model is not None:
-        state.attach(engine, model, resolve_formats(model.template, model.tokenizer) if model is not None else None)
+        formats = None if model is None else resolve_formats(model.template, model.tokenizer,
+                                                             family=model.config.family.formats)
+        state.attach(engine, model, formats)
     guard = guard or Guard(api_key=api_key or None)
     ctx = ApiContext(state=state, api_key=guard.api_key, model_name=model_name, keepalive_seconds=keepalive_seconds,
                      limits=limits or RequestLimits(), log_prompts=log_prompts)

@@ -1,9 +1,9 @@
 """The worker's health state, read by /health/live and /health/ready without the engine lock.
 
-States (DESIGN.md, ops/contract.HealthState): `loading` (model not ready yet), `ready`, `draining`
-(SIGTERM: finishing in-flight work, no new admissions), `poisoned` (the compute context is gone; the
-process exits). `set` is the one way to change it, and each change is logged once (`health_state`,
-with the state before); there is no way back from `poisoned`.
+States (docs/architecture.md, "The contracts"; ops/contract.HealthState): `loading` (model not ready
+yet), `ready`, `draining` (SIGTERM: finishing in-flight work, no new admissions), `poisoned` (the
+compute context is gone; the process exits). `set` is the one way to change it, and each change is
+logged once (`health_state`, with the state before); there is no way back from `poisoned`.
 
 Liveness also fails when the engine loop is stalled (it has work but has not made progress for
 `stall_seconds`) and when one of the worker's guarded threads died (the engine loop, the KV

@@ -139,6 +139,40 @@ class Landed:
         pass
 
 
+class RestoreBuffers(Protocol):
+    """Host memory the KV store's reader thread reads restored blocks into (Backend.restore_buffers),
+    so that the engine thread hands each payload to load_blocks as it is and only queues its copy to
+    the device: on CUDA, slots of a pinned arena the copy reads; on numpy, plain arrays (host memory
+    is its pool's own)."""
+
+    def take(self, timeout: float) -> np.ndarray | None:
+        """(the reader thread) One block's buffer to read into, C-contiguous [2, layers, block_size,
+        kv_heads, head_dim] (the backend's block shape) in its block_dtype. Where every buffer is
+        held, take waits for the oldest whose copy to the device is in flight; None when none came
+        free within `timeout` seconds (every one read and not loaded yet, which only loading frees:
+        the bound on what restores hold)."""
+        ...
+
+    def give_back(self, payload: np.ndarray) -> None:
+        """A taken buffer that will not be loaded (a bad file, a restore dropped): free again.
+        A loaded one comes free by itself once the backend is done with it."""
+        ...
+
+
+class HostBuffers:
+    """RestoreBuffers of plain host memory, a new array a block, never short: the numpy backend's
+    (load_blocks writes them into its pools) and a KV store's that was given none."""
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    def take(self, timeout: float) -> np.ndarray:
+        return np.empty(self.shape, self.dtype)
+
+    def give_back(self, payload: np.ndarray) -> None:
+        pass
+
+
 class Done:
     """A step computed when it was submitted (backends without asynchronous steps)."""
 
@@ -151,7 +185,7 @@ class Done:
 
 class Backend:
     """The base every backend inherits: the attributes it must set, the methods it must implement
-    (forward, read_block, write_block, save_blocks, load_blocks), and the defaults of what is
+    (forward, read_block, write_block, save_blocks, load_blocks, restore_buffers), and the defaults of what is
     optional (run-ahead, sampling on the device, injected device faults). The engine uses nothing
     else and never probes for a capability."""
 
@@ -195,8 +229,15 @@ class Backend:
         raise NotImplementedError
 
     def load_blocks(self, blocks: list[int], payloads) -> None:
-        """Fill these blocks from save_blocks' payloads (a list of one array a block, or an array of
-        them), restoring a cached prefix, before the next step runs, without waiting for the device."""
+        """Fill these blocks from payloads in save_blocks' layout (a list of one array a block, or an
+        array of them), restoring a cached prefix, before the next step runs, without waiting for the
+        device. On CUDA each payload must be a buffer of restore_buffers() (its copy to the device
+        reads it there); the numpy backend takes any arrays."""
+        raise NotImplementedError
+
+    def restore_buffers(self) -> RestoreBuffers:
+        """Where the KV store's reader reads the payloads that load_blocks will take (the CUDA
+        backend's: one pinned arena, whichever call asks)."""
         raise NotImplementedError
 
     def inject_fault(self, kind: str) -> None:

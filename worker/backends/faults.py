@@ -180,6 +180,9 @@ class FaultyBackend(Backend):
     def load_blocks(self, blocks, payloads):
         self.inner.load_blocks(blocks, payloads)
 
+    def restore_buffers(self):
+        return self.inner.restore_buffers()
+
     def inject_fault(self, kind):
         self.inner.inject_fault(kind)
 

@@ -19,7 +19,7 @@ from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
 from .restore_policy import RestoreCosts
 from .sequence import Seq
 
-RESTORE_BYTES_PER_STEP = 32 << 20  # KV a step restores while other streams decode (a few ms of host copies)
+RESTORE_BYTES_PER_STEP = 32 << 20  # KV a step restores while other streams decode (a few ms of copies)
 
 
 @dataclass
@@ -81,9 +81,12 @@ class KVManager:
         if kv.blocks:
             self.pool.release(kv.blocks)
             kv.blocks = []
+        if kv.restoring is not None:  # the payloads read and not loaded go back to the backend's buffers
+            self.store.drop(kv.restoring, kv.restore_used)
+            kv.restoring = None
         if kv.restore_blocks:
             self.pool.release(kv.restore_blocks[kv.restore_used :])
-            kv.restore_blocks, kv.restoring = [], None
+            kv.restore_blocks = []
 
     def preempted(self, s: Seq) -> None:
         self.register_full_blocks(s)
@@ -178,7 +181,7 @@ class KVManager:
             job = kv.restoring
             assert job is not None
             if not job.done.is_set() and running and all(r.kv.restoring is not None for r in running):
-                job.done.wait(0.05)  # nothing else to run: do not spin
+                job.wait(0.05)  # nothing else to run: do not spin (the reader wakes it when it needs room)
             results = list(job.results)
             # the payloads read so far, in chain order, up to the first miss; while other streams
             # decode, a step loads a bounded share, so a long restore never stalls them
@@ -188,7 +191,7 @@ class KVManager:
                 if payload is None:
                     break
                 ready.append(payload)
-            if ready:  # into the pool in one batch: the backend copies them without a host wait
+            if ready:  # into the pool in one batch: the backend queues their copies, no host copy or wait
                 first = kv.restore_used
                 self.backend.load_blocks(kv.restore_blocks[first:first + len(ready)], ready)
                 for k in range(first, first + len(ready)):

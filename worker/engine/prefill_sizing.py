@@ -1,16 +1,18 @@
-"""How many prompt tokens one engine step prefills: fixed, or sized by measurement.
+"""How many prompt tokens one engine step prefills: fixed, or sized once at start by measurement.
 
 Every running stream gets its decode token before any prefill chunk, so a step that carries a
 chunk delays every decoding stream by the chunk's compute. A fixed chunk is right for one device and
 model only: 2048 tokens take about 11 ms on an H200 with a 270M model and about 150 ms with an 8B
-one, an inter-token stall no agent's user accepts. Auto sizing (the default) takes the device's
-measured step cost (step_costs.py: fixed and per-token parts fitted over real steps, kept across
-restarts beside the KV blocks) and picks the largest chunk whose step stays within a target time,
-rounded down to a power of two (so the size, and with it the numerics of a prefill, changes only
-when the device's speed changes by half or double), within a floor (smaller chunks waste the
-tensor cores) and the rows the backend was built for. Until the cost is measured it uses the
-ceiling; the first steps measure it. Before serving, `calibrate` times prefills of the floor's and
-the ceiling's size, so a worker starts from its own device's figures.
+one, an inter-token stall no agent's user accepts. Auto sizing (the default) measures the device
+before serving: `calibrate` times prefills of the floor's and the ceiling's size (a step cost with
+fixed and per-token parts, step_costs.PrefillCost), and `chunk` picks the largest chunk whose step
+stays within a target time, the floor doubled while it fits, within the floor (smaller chunks waste
+the tensor cores) and the rows the backend was built for (the ceiling). The engine does this once,
+at start (Engine._calibrate), and keeps the chunk for the worker's life, so the same prompt is always
+split the same way; where nothing could be timed (the ceiling no more than the floor, or no room in
+the pool for the ceiling's blocks) the chunk is the ceiling. The step costs the engine samples while
+it serves, and keeps across restarts beside the KV blocks (cost_sampling.py), feed the restore
+policy, not the chunk.
 """
 
 from __future__ import annotations

@@ -5,10 +5,14 @@ The header names the block (its chain hash), its parent, the model fingerprint a
 layout (salt), the payload's dtype and shape, and xxh3-64 checksums of the header fields and of
 the payload. A file passes only if every one of those agrees with what the reader expects and
 the chain hash recomputed from (parent, tokens) equals the file's name.
+
+`read_into` reads a file's payload straight into memory the caller provides (the backend's restore
+buffers: pinned memory on CUDA), checked as `decode` checks a file read whole.
 """
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 
@@ -94,10 +98,9 @@ def read_header(data: bytes, *, salt: bytes) -> tuple[BlockHeader, list[int]]:
     return header, np.frombuffer(toks, dtype="<i4").tolist()
 
 
-def decode(data: bytes, *, salt: bytes, expect_hash: bytes, shape: tuple[int, ...], dtype=np.float32,
-           chain_hash=None) -> np.ndarray:
-    """The payload of a fully checked file, shaped `shape`."""
-    header, tokens = read_header(data, salt=salt)
+def _check_block(header: BlockHeader, tokens: list[int], *, salt: bytes, expect_hash: bytes,
+                 shape: tuple[int, ...], dtype, chain_hash) -> None:
+    """The header names the block asked for, its tokens hash to that name, and its payload is `shape`."""
     if header.block_hash != expect_hash:
         raise BadBlockFile("block hash does not match the file name")
     if chain_hash is not None and chain_hash(header.parent_hash, tokens, salt) != header.block_hash:
@@ -105,6 +108,13 @@ def decode(data: bytes, *, salt: bytes, expect_hash: bytes, shape: tuple[int, ..
     want = tuple(shape) + (1,) * (5 - len(shape))
     if header.shape != want or header.dtype != np.dtype(dtype):
         raise BadBlockFile(f"payload shape {header.shape} {header.dtype}, expected {want} {np.dtype(dtype)}")
+
+
+def decode(data: bytes, *, salt: bytes, expect_hash: bytes, shape: tuple[int, ...], dtype=np.float32,
+           chain_hash=None) -> np.ndarray:
+    """The payload of a fully checked file, shaped `shape`."""
+    header, tokens = read_header(data, salt=salt)
+    _check_block(header, tokens, salt=salt, expect_hash=expect_hash, shape=shape, dtype=dtype, chain_hash=chain_hash)
     start = HEADER_SIZE + 4 * header.n_tokens
     raw = data[start : start + header.payload_bytes]
     if len(raw) != header.payload_bytes or len(data) != start + header.payload_bytes:
@@ -112,3 +122,40 @@ def decode(data: bytes, *, salt: bytes, expect_hash: bytes, shape: tuple[int, ..
     if xxhash.xxh3_64_intdigest(raw) != header.payload_checksum:
         raise BadBlockFile("payload checksum mismatch")
     return np.frombuffer(raw, dtype=header.dtype).reshape(shape)
+
+
+def _read_exact(f: io.RawIOBase, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        part = f.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def read_into(f: io.RawIOBase, out: np.ndarray, *, salt: bytes, expect_hash: bytes, chain_hash=None) -> None:
+    """Read the block file open as `f` (unbuffered) into `out`, checked as decode checks a file read
+    whole: the payload goes from the file into `out` (C-contiguous, the block's shape and dtype) and
+    through no other buffer. A file that fails a check raises BadBlockFile, and `out` then holds
+    nothing to use."""
+    head = _read_exact(f, HEADER_SIZE)
+    if len(head) == HEADER_SIZE and head[: len(MAGIC)] == MAGIC:
+        head += _read_exact(f, 4 * _HEADER.unpack_from(head, len(MAGIC))[1])  # the token ids
+    header, tokens = read_header(head, salt=salt)
+    _check_block(header, tokens, salt=salt, expect_hash=expect_hash, shape=out.shape, dtype=out.dtype,
+                 chain_hash=chain_hash)
+    raw = out.data.cast("B")
+    if raw.nbytes != header.payload_bytes:
+        raise BadBlockFile(f"payload is {header.payload_bytes} bytes, expected {raw.nbytes}")
+    got = 0
+    while got < raw.nbytes:
+        n = f.readinto(raw[got:])
+        if not n:
+            raise BadBlockFile(f"payload is {got} bytes, header says {header.payload_bytes}")
+        got += n
+    if f.read(1):
+        raise BadBlockFile(f"the file runs on past the header's {header.payload_bytes} payload bytes")
+    if xxhash.xxh3_64_intdigest(raw) != header.payload_checksum:
+        raise BadBlockFile("payload checksum mismatch")

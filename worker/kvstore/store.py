@@ -16,6 +16,13 @@ choice of a restarted worker goes by this disk's measured rate. The directory it
 budget shared with every other store on the KV dir, and quarantine are kvdir's; writing the files
 themselves is files.py's.
 
+Restores go the other way on the reader thread: each block file is read and checked straight into a
+buffer of the backend's restore buffers (Backend.restore_buffers: pinned memory on CUDA), which the
+engine thread hands to load_blocks as it is, so it only queues the copy to the device and never
+copies a payload. The buffers are the bound on what restores hold: while every one is read and not
+yet loaded, the reader waits (and wakes the engine to load what it read); a restore the engine drops
+gives its unloaded buffers back.
+
 Nothing on disk can hurt the worker: every read is checked (see blockfile), a bad file is moved
 to quarantine, logged once, and treated as a miss, and an I/O error is a miss too, so the request
 computes instead. Whatever stands at a block's path that is no block file (a directory, say) is
@@ -46,7 +53,7 @@ import numpy as np
 
 from ember.ops.contract import PersistState
 
-from ..backends.base import Landed
+from ..backends.base import HostBuffers, Landed, RestoreBuffers
 from ..logs import log
 from ..threads import ThreadWatch
 from . import blockfile
@@ -58,6 +65,7 @@ EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of t
 PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this disk's restore rate
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
 MAINTAIN_SECONDS = 1.0  # an idle writer looks after the directory this often (retries, a deleted dir)
+ROOM_WAIT_SECONDS = 0.05  # how long the reader waits for a free restore buffer before it looks up again
 
 
 @dataclass
@@ -86,14 +94,27 @@ class StoreStats:
 
 @dataclass
 class RestoreJob:
-    """Blocks being read for one sequence, in chain order. `results[i]` becomes the payload or
-    None (miss or bad file: the chain stops there); a job may also end short (a dead reader)."""
+    """Blocks being read for one sequence, in chain order. `results[i]` becomes the payload, a buffer
+    of the backend's restore buffers, or None (miss or bad file: the chain stops there); a job may
+    also end short (a dead reader, or dropped by the engine)."""
 
     hashes: list[bytes]
     results: list[np.ndarray | None] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
     tiers: list[str] = field(default_factory=list)  # where each block was when the restore was chosen
+    wake: threading.Event = field(default_factory=threading.Event)  # done, or the reader waits for room
+    dropped: bool = False  # the engine loads no more of it (KVStore.drop)
+
+    def wait(self, timeout: float) -> None:
+        """(engine thread) Return when the job is done, when the reader waits for buffers that only
+        loading what it read will free, or after `timeout` seconds."""
+        self.wake.wait(timeout)
+        self.wake.clear()
+
+    def finish(self) -> None:
+        self.done.set()
+        self.wake.set()
 
 
 class KVStore:
@@ -112,6 +133,7 @@ class KVStore:
         host_budget: int,
         watch: ThreadWatch | None = None,
         disk_full: Callable[[], bool] | None = None,
+        buffers: RestoreBuffers | None = None,
     ):
         self.kvdir = KVDir(Path(root), layout_key(model_key, salt), salt)
         self.root, self.dir, self.quarantine_dir = self.kvdir.root, self.kvdir.dir, self.kvdir.quarantine_dir
@@ -121,6 +143,8 @@ class KVStore:
         self.disk_budget, self.host_budget = disk_budget, host_budget
         self.block_dtype = np.dtype(block_dtype)
         self.block_bytes = int(np.prod(block_shape)) * self.block_dtype.itemsize
+        # where restored payloads are read into: the backend's (Backend.restore_buffers), else plain arrays
+        self.buffers = buffers if buffers is not None else HostBuffers(self.block_shape, self.block_dtype)
         self.stats = StoreStats()
         self.watch = watch if watch is not None else ThreadWatch()
         self.persistence = Persistence(str(self.dir), wanted=persist != "off")
@@ -237,11 +261,21 @@ class KVStore:
         job = RestoreJob(list(hashes))
         with self._lock:
             if self._reader_dead:  # nothing would read it: an empty result, computed instead
-                job.done.set()
+                job.finish()
                 return job
             self._busy.update(hashes)
             self._reads.put(job)
         return job
+
+    def drop(self, job: RestoreJob, used: int) -> None:
+        """(engine thread) The engine loads no more of `job` than its first `used` payloads (its
+        sequence ended): the reader stops it, and the buffers of the payloads read and not loaded
+        go back."""
+        with self._lock:
+            job.dropped = True
+            unloaded = [p for p in job.results[used:] if p is not None]
+        for payload in unloaded:
+            self.buffers.give_back(payload)
 
     def take_disk_probe(self) -> tuple[int, float] | None:
         """The scan's timed reads (bytes, seconds), once; None before the scan measured any."""
@@ -433,10 +467,15 @@ class KVStore:
             t0 = time.monotonic()
             now = time.time()
             for i, h in enumerate(job.hashes):
-                payload = self._read_one(h)
-                job.results.append(payload)
+                payload = None if job.dropped else self._read_one(h, job)
                 with self._lock:
                     self._busy.discard(h)
+                    if job.dropped:  # its sequence is gone: nothing more is read, what was read went back
+                        if payload is not None:
+                            self.buffers.give_back(payload)
+                        self._busy.difference_update(job.hashes[i + 1 :])
+                        break
+                    job.results.append(payload)
                     if payload is not None:
                         self.stats.restore_hits += 1
                         self.stats.restore_bytes += self.block_bytes
@@ -452,7 +491,7 @@ class KVStore:
             if self.writable and job.results and job.results[0] is not None:
                 self.kvdir.touch()
             self._reading = None
-            job.done.set()
+            job.finish()
 
     def _reader_died(self, e: BaseException) -> None:
         """Nothing will be read any more: every job ends now with what it has (the rest computes)."""
@@ -469,38 +508,55 @@ class KVStore:
             for job in jobs:
                 self._busy.difference_update(job.hashes)
         for job in jobs:
-            job.done.set()
+            job.finish()
 
-    def _read_one(self, h: bytes) -> np.ndarray | None:
+    def _read_one(self, h: bytes, job: RestoreJob) -> np.ndarray | None:
+        """Block `h` in a restore buffer: from the host tier, else its file (None: a miss, a bad
+        file, or the job dropped while the reader waited for a buffer)."""
         with self._lock:
             payload = self._host.get(h)
             landing = self._landing.get(h)
-        if payload is not None:
-            return payload
-        if landing is not None:  # offered moments ago: read it once the writer is done with it
+        if payload is None and landing is not None:  # offered moments ago: read it once the writer is done
             landing.handled.wait()
             with self._lock:
                 payload = self._host.get(h)
-            if payload is not None:
-                return payload
-        return self._read_file(h)
+        buf = self._take_buffer(job)
+        if buf is None:
+            return None
+        if payload is not None:
+            buf[...] = payload
+            return buf
+        if self._read_file(h, buf):
+            return buf
+        self.buffers.give_back(buf)
+        return None
 
-    def _read_file(self, h: bytes) -> np.ndarray | None:
-        """Block `h`'s file, read and fully checked (a missing, unreadable or bad file: None)."""
+    def _take_buffer(self, job: RestoreJob) -> np.ndarray | None:
+        """A restore buffer, waiting while every one is held (the reader's backpressure); None when
+        the job is dropped or the store stops meanwhile."""
+        buf = self.buffers.take(0)
+        while buf is None:
+            job.wake.set()  # at once: the engine loads what was read, which frees buffers
+            if job.dropped or self._stop.is_set():
+                return None
+            buf = self.buffers.take(ROOM_WAIT_SECONDS)
+        return buf
+
+    def _read_file(self, h: bytes, out: np.ndarray) -> bool:
+        """Block `h`'s file read into `out` and fully checked (False: a missing, unreadable or bad file)."""
         path = self.path_for(h)
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                blockfile.read_into(f, out, salt=self.salt, expect_hash=h, chain_hash=self.chain_hash)
         except FileNotFoundError:
-            return None
-        except OSError as e:
-            log("kv_read_error", level="warning", file=str(path), error=str(e))
-            return None
-        try:
-            return blockfile.decode(data, salt=self.salt, expect_hash=h, shape=self.block_shape,
-                                    dtype=self.block_dtype, chain_hash=self.chain_hash)
+            return False
         except blockfile.BadBlockFile as e:
             self._quarantine(path, str(e))
-            return None
+            return False
+        except OSError as e:
+            log("kv_read_error", level="warning", file=str(path), error=str(e))
+            return False
+        return True
 
     def _probe(self) -> None:
         """Time reading the newest files (up to PROBE_BYTES) as a restore reads them: the rate a
@@ -517,8 +573,9 @@ class KVStore:
             total += size
         if not picked:
             return
+        scratch = np.empty(self.block_shape, self.block_dtype)  # read as a restore reads, into memory of its own
         t0 = time.monotonic()
-        got = sum(size for h, size in picked if self._read_file(h) is not None)
+        got = sum(size for h, size in picked if self._read_file(h, scratch))
         seconds = time.monotonic() - t0
         if got and seconds > 0:
             with self._lock:

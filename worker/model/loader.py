@@ -38,4 +38,6 @@ def open_model(path: str | Path | None) -> Model:
     g = GGUFFile(resolve_model_path(path))
     config = read_config(g)
     tokenizer = Tokenizer.from_gguf(g)
-    return Model(g.path, g, config, tokenizer, ChatTemplate.from_gguf(g, tokenizer))
+    formats = config.family.formats  # the family's built-in template, for a file without one
+    template = ChatTemplate.from_gguf(g, tokenizer, default=formats.chat if formats is not None else None)
+    return Model(g.path, g, config, tokenizer, template)

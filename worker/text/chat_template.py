@@ -10,10 +10,11 @@ arguments) and the variables ``messages``, ``tools``, ``add_generation_prompt``,
 ``bos_token``/``eos_token`` (plus ``pad_token``/``unk_token`` when the vocabulary has them) and any
 extra keyword arguments (``enable_thinking``, ``reasoning_effort``...).
 
-A GGUF without a template (the embedded Gemma 3 270M has none) gets a built-in one chosen by its
-vocabulary and architecture: ``gemma`` (``<start_of_turn>``), ``llama3`` (header format),
+A GGUF without a template (the embedded Gemma 3 270M has none) gets a built-in one: the one whose
+turn tokens its vocabulary has, ``gemma`` (``<start_of_turn>``), ``llama3`` (header format),
 ``chatml`` (``<|im_start|>``, Qwen 2/3) or ``deepseek`` (``<｜Assistant｜>``, DeepSeek V4 with DSML tool
-calls). They live in ``templates/*.jinja``.
+calls), else the one its family's recipe declares (``Formats.chat``, which the loader passes in).
+They live in ``templates/*.jinja``.
 
 Every template failure (syntax error, ``raise_exception``, a sandbox violation, a type error
 inside the template) raises ``ChatTemplateError`` with a one-line message.
@@ -39,14 +40,6 @@ from ember.worker.text.tokenizer import Tokenizer
 __all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES"]
 
 BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml", "deepseek")
-
-# Architectures whose built-in template is known when the vocabulary does not tell.
-_ARCH_TEMPLATES = {
-    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "gemma-embedding": "gemma",
-    "llama": "llama3", "llama4": "llama3",
-    "qwen2": "chatml", "qwen3": "chatml", "qwen2moe": "chatml", "qwen3moe": "chatml", "qwen2vl": "chatml",
-    "deepseek4": "deepseek",
-}
 
 # Limits against templates that try to exhaust memory or CPU (the sandbox already caps range()).
 _MAX_REPEAT = 1 << 22  # characters or items a single `*` may produce
@@ -130,21 +123,22 @@ def _one_line(e: BaseException) -> str:
 
 
 def builtin_source(name: str) -> str:
-    """The text of a built-in template (gemma, llama3, chatml)."""
+    """The text of a built-in template (gemma, llama3, chatml, deepseek)."""
     if name not in BUILTIN_TEMPLATES:
         raise ChatTemplateError(f"no built-in chat template named {name!r} (have: {', '.join(BUILTIN_TEMPLATES)})")
     return (resources.files("ember.worker.text") / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
 
 
-def pick_builtin(arch: str, tokenizer: Tokenizer | None) -> str | None:
-    """The built-in template for a model without one: by the turn tokens its vocabulary has, then by arch."""
+def pick_builtin(tokenizer: Tokenizer | None, default: str | None = None) -> str | None:
+    """The built-in template for a model without one: by the turn tokens its vocabulary has, else
+    `default` (its family's, from the recipe)."""
     if tokenizer is not None:
         turns = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"),
                  ("<｜Assistant｜>", "deepseek"))
         for token, name in turns:
             if tokenizer.id_of(token) is not None:
                 return name
-    return _ARCH_TEMPLATES.get(arch)
+    return default
 
 
 class ChatTemplate:
@@ -180,14 +174,15 @@ class ChatTemplate:
         return "tools" in self.variables
 
     @classmethod
-    def from_gguf(cls, g: GGUFFile, tokenizer: Tokenizer) -> ChatTemplate:
-        """The model's `tokenizer.chat_template`, or the built-in one for its vocabulary/architecture."""
+    def from_gguf(cls, g: GGUFFile, tokenizer: Tokenizer, default: str | None = None) -> ChatTemplate:
+        """The model's `tokenizer.chat_template`, or the built-in one for its vocabulary, else `default`
+        (the built-in its family's recipe declares: Formats.chat)."""
         tokens = _special_token_strings(tokenizer)
         source = g.metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
             return cls(source, name="gguf", tokenizer=tokenizer, **tokens)
         arch = g.metadata.get("general.architecture")
-        name = pick_builtin(arch if isinstance(arch, str) else "", tokenizer)
+        name = pick_builtin(tokenizer, default)
         if name is None:
             raise ChatTemplateError(f"{g.path}: the model has no chat template and there is no built-in one "
                                     f"for architecture {arch!r}")

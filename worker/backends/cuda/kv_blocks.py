@@ -1,7 +1,8 @@
 """The CUDA backend's KV blocks to and from the host: one block at a time in the numpy layout
 (read_block / write_block, for the prefix cache's tests and tools) and many at once on a copy stream
-(save_blocks / load_blocks through kv.KVTransfer, for KV persistence and restores). A mixin of
-CudaBackend: it reads the pools and the stream the backend allocated.
+(save_blocks / load_blocks through kv.KVTransfer, for KV persistence and restores; load_blocks takes
+its payloads in the pinned arena of restore_buffers(), where the KV store's reader read them). A
+mixin of CudaBackend: it reads the pools and the stream the backend allocated.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from ember.kernels.cuda_runtime import Device, DeviceArray, Stream
 
     from ...model.config import ModelConfig
-    from .kv import KVTransfer
+    from .kv import KVTransfer, RestoreSlots
 
 
 class CudaKVBlocks:
@@ -33,6 +34,7 @@ class CudaKVBlocks:
     v_pool: DeviceArray
     _layer_elems: int  # a layer's share of each pool (elements)
     _transfer: KVTransfer | None  # made on the first save or load (pinned slabs)
+    _restore: RestoreSlots | None = None  # the restore arena, made when the KV store asks for it
 
     def _block_copy(self, block: int, host: np.ndarray, to_host: bool) -> None:
         """K and V of one block for every layer <-> host [2, layers, block_size * kv_dim] (KV dtype):
@@ -64,15 +66,28 @@ class CudaKVBlocks:
         return raw.astype(np.float32, copy=False).reshape(2, cfg.n_layers, self.block_size, cfg.n_kv_heads,
                                                           cfg.head_dim)
 
-    def _kv_transfer(self):
+    @property
+    def _block_shape(self) -> tuple[int, ...]:
+        cfg = self.config
+        return (2, cfg.n_layers, self.block_size, cfg.n_kv_heads, cfg.head_dim)
+
+    def restore_buffers(self) -> RestoreSlots:
+        """The pinned arena restored blocks are read into (kv.RestoreSlots): one, whoever asks."""
+        if self._restore is None:
+            from .kv import RestoreSlots
+
+            self._restore = RestoreSlots(self.dev, self._block_shape, self.kv_dtype)
+        return self._restore
+
+    def _kv_transfer(self) -> KVTransfer:
         if self._transfer is None:
             from .kv import KVTransfer
 
             cfg = self.config
             self._transfer = KVTransfer(self.dev, self.k_pool, self.v_pool, self.stream, layers=cfg.n_layers,
                                         layer_elems=self._layer_elems, block_elems=self.block_size * cfg.kv_dim,
-                                        block_shape=(2, cfg.n_layers, self.block_size, cfg.n_kv_heads, cfg.head_dim),
-                                        dtype=self.kv_dtype)
+                                        block_shape=self._block_shape, dtype=self.kv_dtype,
+                                        restore=self.restore_buffers())
         return self._transfer
 
     @poison_guard
@@ -86,6 +101,8 @@ class CudaKVBlocks:
 
     @poison_guard
     def load_blocks(self, blocks: list[int], payloads) -> None:
+        """Restored blocks into the pools from the restore arena's slots (restore_buffers()): their
+        copies and one scatter queued on the copy stream, no host copy and no host wait."""
         if any(not 0 <= b < self.n_blocks for b in blocks):
             raise IndexError(f"a block outside the pool of {self.n_blocks}")
         self.dev.make_current()

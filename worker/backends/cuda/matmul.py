@@ -20,10 +20,12 @@ from .layers import CudaLayer
 TC_MIN_ROWS = 16
 # Below this many output rows a single-row matvec takes the staged kernel (float x, one 16-byte load
 # pass, weights loaded before the PDL wait) rather than the int8 one, whose per-warp x quantization
-# does not pay off on so few rows (README.md, "Kernel choices": Gemma 3 270M's matrices).
+# does not pay off on so few rows (kernels/docs/code-choices.md, "Kernel choices in the CUDA backend":
+# Gemma 3 270M's matrices).
 INT8_MIN_ROWS = 1024
 # From this many columns such a row is shared by a block's warps (ops.matvec split): one warp alone
-# keeps the 270M's down projection waiting on its 2048-column rows (README.md, "Kernel choices").
+# keeps the 270M's down projection waiting on its 2048-column rows (kernels/docs/code-choices.md, "Kernel
+# choices in the CUDA backend").
 SPLIT_MIN_COLS = 1024
 # A single row through a Q8_0 matrix of at least this many rows (a tied output projection) streams it
 # with int8 x (ops.matvec_stream_q8_0): the staged matvec is bound by instructions there (2.28 TB/s

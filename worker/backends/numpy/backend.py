@@ -17,7 +17,7 @@ from ...model.arch.recipe import Rope
 from ...model.config import ModelConfig
 from ...model.rope import inv_frequencies
 from ...model.weights import ModelWeights
-from ..base import Backend, Done, Landed, SampledToken, SeqChunk, chunk_logits, present, step_rows
+from ..base import Backend, Done, HostBuffers, Landed, SampledToken, SeqChunk, chunk_logits, present, step_rows
 from .hyper import HyperStack
 from .mtp import MtpHead
 
@@ -182,3 +182,6 @@ class NumpyBackend(Backend):
     def load_blocks(self, blocks: list[int], payloads) -> None:
         for b, p in zip(blocks, payloads, strict=True):
             self.write_block(b, p)
+
+    def restore_buffers(self) -> HostBuffers:
+        return HostBuffers(self.read_block(0).shape, self.block_dtype)  # the pools are host memory already

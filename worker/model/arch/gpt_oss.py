@@ -10,7 +10,6 @@ from .recipe import (
     QKV_BIAS_LAYER,
     Act,
     Family,
-    Formats,
     Gating,
     MetadataKeys,
     Moe,
@@ -36,7 +35,7 @@ FAMILY = Family(
         sliding_window=SlidingWindow(period=2, local_rope_base=None, pattern_from_file=False),  # even layers local
         moe=Moe(gating=Gating.SOFTMAX_TOPK, norm_topk=False, biases=True),
     ),
-    # a file without a template: ChatML and fenced JSON; with gpt-oss's own template ember speaks Harmony
-    # (worker/text/formats/harmony.py, detected from the template)
-    formats=Formats(chat="chatml", tool="fenced"),
+    # gpt-oss speaks Harmony, which its files' own template shows (worker/text/formats/harmony.py, detected
+    # from the template); its vocabulary has no built-in template's turn tokens, so none is declared
+    formats=None,
 )

@@ -266,9 +266,12 @@ class HyperNames:
 
 @dataclass(frozen=True)
 class Formats:
-    """The text formats a family speaks when its file does not say (names the text layer resolves):
-    the built-in chat template for a file without one, the tool-call format of that template, and
-    the reasoning markers of its thinking models (None: the family does not think)."""
+    """The text formats a family speaks when its file does not say (names the text layer resolves),
+    the one table the runtime reads for them: the built-in chat template for a file without one
+    (when its vocabulary names no built-in's turn tokens: model/loader.py), and the tool-call format
+    and reasoning markers a model speaks through that template (text/formats/registry.resolve;
+    reasoning None: found as for any template, from its markers in the vocabulary). A file with a
+    template of its own speaks what that template shows."""
 
     chat: str
     tool: str
@@ -283,7 +286,7 @@ class Family:
     keys: MetadataKeys
     tensors: TensorNames
     recipe: Recipe
-    formats: Formats
+    formats: Formats | None  # None: no built-in template; a file of the family without one is refused
     hyper: HyperNames | None = None  # a HYPER stack's own names; every HYPER family has them, no other does
 
     def __post_init__(self) -> None:

@@ -2,9 +2,11 @@
 
 TOOL_FORMATS lists the tool-call formats in detection order: the first whose signals appear in
 the chat template wins, and fenced JSON (any template) comes last. Reasoning formats are detected
-likewise (reasoning.py), unless the worker's `reasoning_format` setting names one. `resolve` reads
-the template and the vocabulary once and answers a ModelFormats, which the API keeps beside the
-model (api/state.py); nothing here is global state.
+likewise (reasoning.py), unless the worker's `reasoning_format` setting names one. A model served
+through its family's built-in template (its file has none) speaks what the family's recipe declares
+for it instead (model/arch/recipe.Formats: the tool-call format, and the reasoning markers where it
+names them). `resolve` reads the template and the vocabulary once and answers a ModelFormats, which
+the API keeps beside the model (api/state.py); nothing here is global state.
 
 Harmony (gpt-oss) owns the whole turn: when it is detected, `ModelFormats.channels` is the format
 that renders the prompt and parses the output, and its analysis channel is the reasoning format
@@ -16,7 +18,7 @@ fenced JSON, with one warning line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.worker.logs import log
 
@@ -30,6 +32,9 @@ from .llama3 import Llama3
 from .mistral import Mistral
 from .reasoning import ReasoningFormat, detect, parse_override
 from .tool_format import ToolFormat
+
+if TYPE_CHECKING:
+    from ember.worker.model.arch.recipe import Formats
 
 TOOL_FORMATS: tuple[type[ToolFormat], ...] = (Harmony, Dsml, Hermes, Mistral, Llama3, FencedJson)
 
@@ -102,13 +107,26 @@ class ModelFormats:
         return "\n".join([start, *rules])
 
 
-def resolve(template: Any, tokenizer: Any, reasoning_setting: str | None = None) -> ModelFormats:
+def resolve(template: Any, tokenizer: Any, reasoning_setting: str | None = None,
+            family: Formats | None = None) -> ModelFormats:
     """The formats of a model with this chat template and vocabulary. reasoning_setting: the worker's
-    `reasoning_format` ("auto" or None: detect; see reasoning.parse_override)."""
+    `reasoning_format` ("auto" or None: detect; see reasoning.parse_override). family: what the
+    model's family declares (its recipe's Formats), which holds when the template is the family's
+    built-in one."""
     source = getattr(template, "source", "") or ""
+    declared = family if family is not None and getattr(template, "name", None) == family.chat else None
     choice = parse_override(reasoning_setting)
-    reasoning = detect(source, tokenizer) if choice == "auto" else choice
-    tool = detect_tool_format(source)
+    reasoning: ReasoningFormat | None
+    if not isinstance(choice, str):  # the setting names one, or "none"
+        reasoning = choice
+    elif declared is not None and declared.reasoning is not None:
+        named = parse_override(declared.reasoning)
+        if not isinstance(named, ReasoningFormat):
+            raise ValueError(f"the family declares reasoning {declared.reasoning!r}, which is no reasoning format")
+        reasoning = named
+    else:
+        reasoning = detect(source, tokenizer)
+    tool = tool_format(declared.tool) if declared is not None else detect_tool_format(source)
     spelled: tuple[tuple[str, tuple[int, ...]], ...] = ()
     if isinstance(tool, Harmony):
         try:
