@@ -26,7 +26,8 @@ Run `ember <command> --help` for a command's options.
 """
 
 
-# control-plane verbs (ember.daemon.commands) and the crash archive (ember.ops.crashes), imported on use
+# control-plane verbs (ember.daemon.commands), the crash archive (ember.ops.crashes) and the cache report
+# (ember.ops.cache_report), imported on use
 DAEMON_VERBS = {
     "start": "start ember in the background and wait until it serves",
     "stop": "drain and stop the worker, then the daemon",
@@ -34,6 +35,7 @@ DAEMON_VERBS = {
     "status": "daemon and worker state, pids, uptime, model, restarts, last crash (--json)",
     "logs": "the worker's log, pretty-printed (-f follows; --daemon for the daemon's)",
     "crashes": "the crash archive: crashes list | show ID | export ID",
+    "cache": "the prefix cache: cache report [--since 24h] (warm share, misses by cause, divergence points)",
     "daemon": "daemon run: the supervising daemon in the foreground (what the service runs)",
     "service": "start at boot: service install|uninstall|status [--system] [--dry-run]",
     "config": "config show: the effective settings and where each came from",
@@ -62,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.ops.crashes import main as crashes_main
 
         return crashes_main(args[1:])
+    if verb == "cache":
+        from ember.ops.cache_report import main as cache_main
+
+        return cache_main(args[1:])
     if verb in ("service", "config"):
         from .service import VERBS as SERVICE_VERBS
 

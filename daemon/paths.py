@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.ops import contract
 from ember.ops.contract import private_dir, state_dir
 
 SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
@@ -151,7 +152,7 @@ class Layout:
 
     @property
     def worker_log(self) -> Path:
-        return self.logs / "worker.log"
+        return contract.worker_log(self.state)  # where ops (ember cache report) reads it too
 
     @property
     def supervisor_log(self) -> Path:

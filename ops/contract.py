@@ -133,6 +133,28 @@ REQUIRED_FIELDS: dict[Event, tuple[str, ...]] = {
 }
 
 
+class MissCause(enum.StrEnum):
+    """Why an admitted prompt got less from the prefix cache than it could have: the `admit` line's
+    `miss_cause` (worker/engine/misses.py decides it; `ember cache report` sums the tokens it cost)."""
+
+    EVICTED = "evicted"  # cached once and evicted; `evicted_from` names the tier that last held it
+    NEVER_PERSISTED = "never_persisted"  # offered to the KV store and dropped before it reached the disk
+    RESTORE_DECLINED = "restore_declined"  # the store held it; computing it again was measured faster
+    UNREADABLE = "unreadable"  # its block file failed a check (quarantined)
+    CHANGED_TEXT = "changed_text"  # the prompt's text differs there from the conversation's previous turn
+    TOKENIZATION = "tokenization"  # the same text, other tokens (the previous answer tokenized afresh)
+    UNKNOWN = "unknown"  # a recent sequence had the block; what became of it is not known
+
+
+# The admit line's fields when its prompt missed what the cache could have given it (absent otherwise):
+# the cause, the first token the cache could have supplied and did not, the tokens it could have
+# supplied, the tier an evicted block left last, that token's offset in the rendered prompt
+# (characters) and, for chat-shaped requests, the message it falls in ({index, role}). Never text.
+ADMIT_MISS_FIELDS = ("miss_cause", "diverged_at", "could_have_cached", "evicted_from", "diverged_char",
+                     "diverged_message")
+ADMIT_CLIENT_FIELD = "user_agent"  # the admit line's client, as its User-Agent header named it (when it did)
+
+
 class PersistState(enum.StrEnum):
     """Whether the worker's KV blocks reach the disk (the `kv_persistence` event, the health bodies,
     /v1/stats, /metrics, `ember status`). A degraded store keeps serving and retries with backoff."""
@@ -239,6 +261,12 @@ def cache_dir(env: Mapping[str, str] | None = None, *, system: bool | None = Non
 
 def config_file(env: Mapping[str, str] | None = None, *, system: bool | None = None) -> Path:
     return _place(env, system, ENV_CONFIG, SYSTEM_CONFIG_DIR / CONFIG_NAME, "config", APP, CONFIG_NAME)
+
+
+def worker_log(state: Path | None = None) -> Path:
+    """The worker's log where the daemon keeps it: <state>/logs/worker.log, rotated by supervisord to
+    worker.log.1 (the newest) ... worker.log.N beside it."""
+    return (state or state_dir()) / "logs" / "worker.log"
 
 
 # ember.toml: the worker's keys at the top level or under [worker] (one or the other for each key), the

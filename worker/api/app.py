@@ -47,6 +47,7 @@ from .sse import SSE_HEADERS, stream
 from .state import ServerState
 
 JSON = "application/json"
+USER_AGENT_CHARS = 200  # of a client's User-Agent the admit line keeps
 
 _encoder = msgspec.json.Encoder()
 
@@ -187,6 +188,7 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                 req, notes = await adapter.to_generation(ctx, body, rid)
                 if adapter.reads_probe:
                     req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
+                req.user_agent = request.headers.get("user-agent", "")[:USER_AGENT_CHARS]  # for the admit line
                 handle = common.submit(ctx, req, adapter.prompt_param)
             except ApiError as e:
                 raise common.refuse(ctx, rid, adapter.protocol, e) from None

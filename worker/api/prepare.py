@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.requests import GenerationRequest, ReasoningBudget
+from ..engine.requests import GenerationRequest, MessageSpans, ReasoningBudget
+from ..text.chat_template import message_starts
 from ..text.formats import ModelFormats
 from . import common, structured
 from .errors import bad_request
@@ -23,6 +24,7 @@ from .output_parser import OutputPlan
 from .tool_plan import ReasoningAsk, Tool, ToolPlan, effort_for_budget, template_effort
 
 MAX_PARALLEL_CALLS = 8  # a forced-call grammar allows this many calls in one turn (parallel on)
+SPANS_INLINE_CHARS = 1 << 16  # a longer prompt's messages are found off the event loop
 
 
 def _schema_json(schema: dict) -> str:
@@ -71,6 +73,7 @@ class Prepared:
     grammar: str | None
     reasoning: ReasoningBudget | None
     output: OutputPlan
+    spans: MessageSpans | None = None
 
 
 async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: ReasoningAsk | None, param: str,
@@ -97,6 +100,9 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         if effort and effort != "none" and not ask.disabled:
             kwargs["reasoning_effort"] = template_effort(effort, ctx.model.template.effort_levels)
     text, prompt = await common.render_prompt(ctx, msgs, tools, param, bounded=bounded, **kwargs)
+    roles = [str(m.get("role", "")) if isinstance(m, dict) else "" for m in msgs]
+    starts = (message_starts(text, msgs) if len(text) <= SPANS_INLINE_CHARS
+              else await asyncio.to_thread(message_starts, text, msgs))
     inside = r is not None and r.starts_inside(text)
     if structured and inside:
         prompt = prompt + ctx.tokenizer.encode(r.end + "\n\n", add_special=False, parse_special=True)
@@ -115,7 +121,7 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         grammar = await asyncio.to_thread(tool_grammar, plan, formats, reasoning_open=opening)
     output = OutputPlan(formats.tool if plan.active else None, r, inside, formats.marker_tokens,
                         forced=grammar is not None, channels=formats.channels)
-    return Prepared(prompt, grammar, budget, output)
+    return Prepared(prompt, grammar, budget, output, MessageSpans(starts, roles))
 
 
 def apply(req: GenerationRequest, prep: Prepared) -> GenerationRequest:
@@ -127,4 +133,5 @@ def apply(req: GenerationRequest, prep: Prepared) -> GenerationRequest:
     if prep.reasoning is not None:
         req.reasoning = prep.reasoning
     req.output_plan = prep.output
+    req.message_spans = prep.spans
     return req

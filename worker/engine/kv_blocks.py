@@ -4,9 +4,13 @@ A full block is named by a hash chain over (model fingerprint, parent block hash
 so two sequences that share a prefix share its blocks, whichever conversation computed them.
 A block is in exactly one of three states:
   - in use: referenced by one or more sequences (refs > 0);
-  - cached: unreferenced but holding a registered full block, kept for reuse in LRU order;
+  - cached: unreferenced but holding a registered full block, kept for reuse;
   - free: holds nothing worth keeping.
-Allocation takes free blocks first, then evicts the least recently used cached ones.
+Allocation takes free blocks first, then evicts cached ones by the policy every tier shares
+(kvstore/eviction.py): blocks only one sequence ever took go first, least recently used first, and
+blocks that two or more took (a system prompt three sessions start from, the head of a long session)
+only when no other is left. A sequence releases its blocks tail first, so its head outlives its leaves.
+The pool remembers the hashes it evicted lately, so a miss can say where its block went (misses.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+
+from ..kvstore.eviction import SHARED_SHARE, TwoClassLRU, is_shared
 
 
 class OutOfBlocks(Exception):
@@ -33,6 +39,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int], salt: bytes) -> bytes:
 
 ROOT_HASH = b"\0" * 16
 KV_LAYOUT_VERSION = 1
+EVICTED_MEMO = 16384  # hashes of blocks evicted lately, for explaining misses (a few MB at most)
 
 
 def kv_salt(model_fingerprint: str, kv_layout: str) -> bytes:
@@ -48,8 +55,11 @@ class BlockPool:
         self.refs = [0] * n_blocks
         self.block_hash: list[bytes | None] = [None] * n_blocks
         self.by_hash: dict[bytes, int] = {}
+        self.uses = [0] * n_blocks  # sequences that took each registered block (eviction.py)
         self._free = list(range(n_blocks - 1, -1, -1))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
+        # unreferenced registered blocks, in eviction order
+        self._cached: TwoClassLRU[int, None] = TwoClassLRU(int(n_blocks * SHARED_SHARE))
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()  # the last EVICTED_MEMO hashes evicted
         self.hits = 0  # blocks reused from the cache
         self.evictions = 0
 
@@ -78,24 +88,30 @@ class BlockPool:
             if self._free:
                 b = self._free.pop()
             else:
-                b, _ = self._cached.popitem(last=False)
+                b, _ = self._cached.evict()
                 h = self.block_hash[b]
                 if h is not None:  # always: a cached block is a registered one
                     del self.by_hash[h]
+                    self._evicted[h] = None
+                    if len(self._evicted) > EVICTED_MEMO:
+                        self._evicted.popitem(last=False)
                 self.block_hash[b] = None
+                self.uses[b] = 0
                 self.evictions += 1
             self.refs[b] = 1
             out.append(b)
         return out
 
     def release(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
+        """Drop one reference to each block. A chain is released tail first: its head ends up the more
+        recently used, so the pool evicts a sequence's leaves before the prefix later turns need."""
+        for b in reversed(blocks):
             self.refs[b] -= 1
             if self.refs[b] < 0:
                 raise RuntimeError(f"KV block {b} released twice")
             if self.refs[b] == 0:
                 if self.block_hash[b] is not None:
-                    self._cached[b] = None  # most recently used at the end
+                    self._cached.put(b, None, shared=is_shared(self.uses[b]))  # most recently used of its class
                 else:
                     self._free.append(b)
 
@@ -107,8 +123,11 @@ class BlockPool:
         existing = self.by_hash.get(h)
         if existing is not None and existing != block:
             return existing
+        if self.block_hash[block] != h:
+            self.uses[block] = 1  # the sequence that computed it
         self.block_hash[block] = h
         self.by_hash[h] = block
+        self._evicted.pop(h, None)
         return block
 
     def share(self, block: int, h: bytes) -> int:
@@ -118,6 +137,7 @@ class BlockPool:
         if canonical != block:
             self.retain(canonical)
             self.release([block])
+            self.uses[canonical] += 1  # two sequences computed it: it is shared
         return canonical
 
     def match(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
@@ -142,5 +162,16 @@ class BlockPool:
     def retain(self, b: int) -> None:
         """One more reference to block b (a cached one is in use again)."""
         if self.refs[b] == 0:
-            self._cached.pop(b, None)
+            self._cached.pop(b)
         self.refs[b] += 1
+
+    def used_by_another(self, blocks: Sequence[int], at_least: Sequence[int] = ()) -> None:
+        """A sequence other than the ones that computed them took `blocks` (its prompt matched them,
+        or they were restored for it): one more use each, and at least at_least[i] (what the KV store
+        counted for a restored block)."""
+        for i, b in enumerate(blocks):
+            self.uses[b] = max(self.uses[b] + 1, at_least[i] if i < len(at_least) else 0)
+
+    def was_evicted(self, h: bytes) -> bool:
+        """Block `h` was cached here lately and evicted (not registered again since)."""
+        return h in self._evicted

@@ -57,6 +57,9 @@ class KVManager:
         kv.blocks, kv.hashes = p.blocks, p.hashes
         kv.n_computed, kv.n_registered = len(p.blocks) * self.bs, len(p.blocks)
         kv.n_offered = max(kv.n_offered, kv.n_registered)  # matched blocks are known to the store
+        if not s.begun and p.blocks:  # one more sequence took them (a preempted one comes back: not counted)
+            self.pool.used_by_another(p.blocks)
+            self._touch(p.hashes[: len(p.blocks)], new_use=True)
 
     def start_restore(self, s: Seq, p: Prefix) -> None:
         kv = s.kv
@@ -96,11 +99,23 @@ class KVManager:
 
     def finished(self, s: Seq) -> None:
         """A running sequence ends: its last full blocks registered (and offered where the store
-        persists finished ones) and copied off before its blocks are released."""
+        persists finished ones) and copied off before its blocks are released; the store hears its
+        chain was used just now, head last (so its own tiers evict the leaves first, as the pool does)."""
         self.register_full_blocks(s)
         if self.store is not None and self.store.persist == "finished":
             self._offer(s)
         self.flush_offers()
+        self._touch(s.kv.hashes[: s.kv.n_registered], new_use=False)
+
+    def _touch(self, hashes: list[bytes], new_use: bool) -> None:
+        """Tell the store a chain was used (eviction.py); it never raises: the order of evictions is
+        not worth a request."""
+        if self.store is None or not hashes:
+            return
+        try:
+            self.store.touch(hashes, new_use=new_use)
+        except Exception as e:
+            log("kv_lookup_error", level="warning", error=f"{type(e).__name__}: {e}")
 
     # -- the prefix cache and the store ---------------------------------------------------------------
 
@@ -159,6 +174,12 @@ class KVManager:
             log("kv_lookup_error", level="warning", error=f"{type(e).__name__}: {e}")
             return []
 
+    def _stored_uses(self, hashes: list[bytes]) -> list[int]:
+        try:
+            return self.store.uses_of(hashes)
+        except Exception:
+            return []
+
     def worth_restoring(self, s: Seq, tiers: list[str]) -> bool:
         """Restore the stored blocks, or compute them again: whichever this worker measured faster."""
         probe = self.store.take_disk_probe()
@@ -196,6 +217,9 @@ class KVManager:
                 self.backend.load_blocks(kv.restore_blocks[first:first + len(ready)], ready)
                 for k in range(first, first + len(ready)):
                     kv.blocks.append(self.pool.share(kv.restore_blocks[k], job.hashes[k]))
+                # as shared on the device as the store counted them (the restore was one more use)
+                landed = job.hashes[first:first + len(ready)]
+                self.pool.used_by_another(kv.blocks[-len(ready):], self._stored_uses(landed))
                 kv.restore_used += len(ready)
                 kv.n_computed += len(ready) * self.bs
                 kv.n_registered += len(ready)

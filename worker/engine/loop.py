@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ember.ops.contract import Event
+from ember.ops.contract import ADMIT_CLIENT_FIELD, Event
 
 from ..backends.base import Backend, ContextPoisoned, Failure, SampledToken, SeqChunk, attempt
 from ..backends.faults import FaultInjector, FaultyBackend
@@ -51,6 +51,7 @@ from .kv_blocks import BlockPool, kv_salt
 from .kv_manager import KVManager
 from .limits import EngineLimits
 from .loopguard import LoopGuard
+from .misses import MissExplainer
 from .output import Finish, OutputProcessor
 from .prefill_sizing import PrefillSizing
 from .queues import RequestQueues
@@ -133,6 +134,7 @@ class Engine:
                                       limits.spec_max_context) if limits.spec != "off" else None)
         self.costs = CostSampler(self.restore_costs, self.speculator, store)  # reads the last process's rates
         self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
+        self.misses = MissExplainer(self.pool, store, model.tokenizer)  # the admit line's account of a miss
         self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
         self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, limits.max_seqs,
                                    sized=limits.prefill_step_s is not None, speculator=self.speculator)
@@ -407,10 +409,15 @@ class Engine:
         s.cached_tokens = s.kv.n_computed
         self.metrics.prompt_tokens.inc(s.prompt_len)
         self.metrics.cached_tokens.inc(s.cached_tokens)
-        probe: dict[str, Any] = {"probe": True} if s.req.probe else {}
+        extra: dict[str, Any] = {"probe": True} if s.req.probe else {}
+        if s.req.user_agent:
+            extra[ADMIT_CLIENT_FIELD] = s.req.user_agent
+        miss = self.misses.explain(s)
+        if miss is not None:
+            extra.update(miss.fields())
         log(Event.ADMIT, request_id=s.req.request_id, seq=s.number, protocol=s.req.protocol,
             prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens, new_tokens=s.prompt_len - s.cached_tokens,
-            **probe)
+            **extra)
         s.handle.push([Started(s.prompt_len, s.cached_tokens)])
 
     # -- execute ----------------------------------------------------------------------------------------
@@ -530,6 +537,7 @@ class Engine:
         else:
             fields["phase"] = "decode" if s.out.generated else ("prefill" if s.kv.n_computed else "queued")
         log(outcome.value, level="error" if outcome is Outcome.FAILED else "info", **fields)
+        self.misses.record(s)  # its chain, for explaining a later turn's miss
         s.handle.push([event])  # last: whoever sees the end also sees the counters and the log line
 
     def _poison(self, e: ContextPoisoned) -> None:

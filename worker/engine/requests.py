@@ -54,6 +54,16 @@ class FinishReason(str, enum.Enum):  # noqa: UP042 (as Outcome)
     LENGTH = "length"  # max_tokens, the context limit, or the loop guard (a repeating n-gram)
 
 
+@dataclass(frozen=True)
+class MessageSpans:
+    """Where each message of a chat-shaped prompt begins in its rendered text (characters) and its
+    role, as the API rendered it: how a cache miss names the message it diverged in (misses.py). No
+    text: offsets and roles only."""
+
+    starts: list[int]
+    roles: list[str]
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -73,6 +83,8 @@ class GenerationRequest:
     grammar: str | None = None
     reasoning: ReasoningBudget | None = None  # None: no bound (or not a thinking model)
     output_plan: object | None = None  # the protocol adapter's own state (how to parse the output); never read here
+    user_agent: str = ""  # the client's User-Agent, for the admit line only
+    message_spans: MessageSpans | None = None  # a chat-shaped prompt's messages in its rendered text (misses.py)
 
 
 @dataclass

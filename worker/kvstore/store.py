@@ -10,11 +10,14 @@ drops blocks, counted in `write_drops`, and never keeps a block whose parent it 
 are not fsynced one by one: a file a power loss truncates or garbles fails its checksum and is
 quarantined, and its block is computed again; a KV block is a cache. A restarted worker finds its
 blocks by name: the path is derived from the chain hash, so lookups need no index. The index, built
-by a background scan of headers only, orders this store's files for eviction (LRU, leaves of a
-chain first); the scan then reads the newest files whole, timed, so the first restore-or-recompute
-choice of a restarted worker goes by this disk's measured rate. The directory itself, the disk
-budget shared with every other store on the KV dir, and quarantine are kvdir's; writing the files
-themselves is files.py's.
+by a background scan of headers only, orders this store's files for eviction; the scan then reads the
+newest files whole, timed, so the first restore-or-recompute choice of a restarted worker goes by this
+disk's measured rate. The host tier and the disk evict by the policy every tier shares (eviction.py):
+blocks that two or more sequences took (the engine says so: touch) outlive those only one did, and a
+chain's leaves go before its head. The block history (history.py) keeps those use counts across restarts,
+with the fate of blocks the store lost or never got (dropped, evicted, unreadable), which the engine
+reads to explain a miss. The directory itself, the disk budget shared with every other store on the
+KV dir, and quarantine are kvdir's; writing the files themselves is files.py's.
 
 Restores go the other way on the reader thread: each block file is read and checked straight into a
 buffer of the backend's restore buffers (Backend.restore_buffers: pinned memory on CUDA), which the
@@ -36,7 +39,6 @@ reported, and what waited on it is released (restores come back empty, persisten
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import queue
@@ -57,7 +59,9 @@ from ..backends.base import HostBuffers, Landed, RestoreBuffers
 from ..logs import log
 from ..threads import ThreadWatch
 from . import blockfile
+from .eviction import SHARED_SHARE, TwoClassLRU, disk_order, is_shared
 from .files import Block, BlockFiles, leftover
+from .history import EVICTED, NOT_PERSISTED, UNREADABLE, BlockHistory
 from .kvdir import KVDir, layout_key, remove_entry
 from .persistence import Persistence
 
@@ -66,6 +70,7 @@ PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
 MAINTAIN_SECONDS = 1.0  # an idle writer looks after the directory this often (retries, a deleted dir)
 ROOM_WAIT_SECONDS = 0.05  # how long the reader waits for a free restore buffer before it looks up again
+HISTORY_SECONDS = 5.0  # the block history is written at most this often while it changes (and at close)
 
 
 @dataclass
@@ -150,7 +155,10 @@ class KVStore:
         self.persistence = Persistence(str(self.dir), wanted=persist != "off")
         self.files = BlockFiles(self.kvdir, salt, self.block_bytes, self._quarantine, disk_full)
         self._lock = threading.Lock()  # in-process state; never held while taking the KV dir's lock
-        self._host: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        # the host tier, in eviction order (eviction.py)
+        self._host: TwoClassLRU[bytes, np.ndarray] = TwoClassLRU(int(host_budget // self.block_bytes * SHARED_SHARE))
+        self.history = BlockHistory.load(self.dir)  # use counts and fates (history.py), under _lock
+        self._history_saved = time.monotonic()
         self._index: dict[bytes, tuple[int, float]] = {}  # hash -> (file size, last used)
         self._busy: set[bytes] = set()  # being read or written: never evicted
         self._quarantined: set[bytes] = set()  # moved away while the scan may still index the old file
@@ -210,6 +218,7 @@ class KVStore:
                     take.append(h)
                 else:
                     drops += 1  # the writer is behind: skip rather than stall
+                    self.history.lose(h, NOT_PERSISTED)
             self.stats.write_drops += drops
             self._busy.update(take)
             self._pending_write_bytes += len(take) * self.block_bytes
@@ -223,6 +232,8 @@ class KVStore:
         with self._lock:
             if copy is None or self._writer_dead:
                 self.stats.write_drops += len(entries)
+                for h, _, _ in entries:
+                    self.history.lose(h, NOT_PERSISTED)
                 self._busy.difference_update(h for h, _, _ in entries)
                 self._pending_write_bytes -= len(entries) * self.block_bytes
                 return
@@ -277,6 +288,32 @@ class KVStore:
         for payload in unloaded:
             self.buffers.give_back(payload)
 
+    def touch(self, hashes: list[bytes], *, new_use: bool) -> None:
+        """(engine thread) A chain of blocks was used just now, from its head: the blocks this store holds
+        count as the most recently used, the deeper ones as a little older (a chain's leaves are evicted
+        before its head), and with `new_use` as taken by one more sequence (eviction.py)."""
+        now = time.time()
+        with self._lock:
+            for i, h in enumerate(hashes):
+                held = self._index.get(h)
+                if held is not None:
+                    self._index[h] = (held[0], now - i * 1e-6)
+                if new_use and (held is not None or h in self._host or h in self._busy):
+                    self.history.used(h)
+            for h in reversed(hashes):  # the host tier: the head last, the most recently used
+                self._host.touch(h, is_shared(self.history.count(h)))
+
+    def uses_of(self, hashes: list[bytes]) -> list[int]:
+        """How many sequences took each block, as far as this store knows (1 when it knows of none more)."""
+        with self._lock:
+            return [self.history.count(h) for h in hashes]
+
+    def lost(self, h: bytes) -> str | None:
+        """What became of block `h`, which the store does not hold: not_persisted, evicted or unreadable
+        (history.py), or None when it knows nothing of it."""
+        with self._lock:
+            return self.history.lost.get(h)
+
     def take_disk_probe(self) -> tuple[int, float] | None:
         """The scan's timed reads (bytes, seconds), once; None before the scan measured any."""
         with self._lock:
@@ -329,6 +366,7 @@ class KVStore:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        self._save_history(force=True)
         self.kvdir.close()
 
     # -- threads ---------------------------------------------------------------------------------------------
@@ -340,6 +378,7 @@ class KVStore:
                 item = self._writes.get(timeout=MAINTAIN_SECONDS)
             except queue.Empty:
                 self._maintain()
+                self._save_history()
                 continue
             try:
                 if item is None:
@@ -359,17 +398,19 @@ class KVStore:
                     copy.release()
                     self._settle_entries(entries)
                     item.handled.set()
+                self._save_history()
             finally:
                 self._writes.task_done()
 
     def _land(self, entries: list, payloads: np.ndarray | None) -> None:
-        """The batch is on the host: into the host tier (LRU within the host budget)."""
+        """The batch is on the host: into the host tier, within the host budget (eviction.py: a chain's
+        head the most recently used of its batch, shared blocks kept ahead of the rest)."""
         with self._lock:
-            for row, (h, _, _) in enumerate(entries):
-                self._host[h] = payloads[row]
-                self._host.move_to_end(h)
-            while len(self._host) * self.block_bytes > self.host_budget and self._host:
-                self._host.popitem(last=False)
+            for row in reversed(range(len(entries))):
+                h = entries[row][0]
+                self._host.put(h, payloads[row], is_shared(self.history.count(h)))
+            while len(self._host) * self.block_bytes > self.host_budget and len(self._host):
+                self._host.evict()
 
     def _settle_entries(self, entries: list) -> None:
         with self._lock:
@@ -405,6 +446,7 @@ class KVStore:
             return
         if p.state is PersistState.DEGRADED and not p.due():
             p.skipped(len(blocks))
+            self._not_persisted(blocks)
             return
         try:
             try:
@@ -417,9 +459,30 @@ class KVStore:
                 doomed = self.files.write_batch(blocks, self._written)
         except OSError as e:
             p.failed(e, len(blocks))
+            self._not_persisted(blocks)
             return
         _remove_dirs(doomed)
         p.recovered()
+
+    def _not_persisted(self, blocks: list[Block]) -> None:
+        with self._lock:
+            for h, *_ in blocks:
+                self.history.lose(h, NOT_PERSISTED)
+
+    def _save_history(self, force: bool = False) -> None:
+        """(writer thread, or close) The block history to disk when it changed, at most every
+        HISTORY_SECONDS. A failure is not worth a line: it only sharpens eviction and explanations."""
+        now = time.monotonic()
+        if not self.writable or (not force and now - self._history_saved < HISTORY_SECONDS):
+            return
+        with self._lock:
+            if not self.history.dirty:
+                return
+            data = self.history.encode()
+            self.history.dirty = False
+        self._history_saved = now
+        with contextlib.suppress(OSError):
+            BlockHistory.write(self.dir, data)
 
     def _written(self, files: list[tuple[bytes, int]]) -> list[Path]:
         """(KV dir locked) A batch's files are in place: index them, then fit the budget."""
@@ -428,6 +491,7 @@ class KVStore:
             for h, size in files:
                 self._index[h] = (size, now)
                 self._quarantined.discard(h)
+                self.history.found(h)
                 self.stats.writes += 1
                 self.stats.write_bytes += size
         return self._fit_budget(written=files[-1][0])
@@ -479,6 +543,7 @@ class KVStore:
                     if payload is not None:
                         self.stats.restore_hits += 1
                         self.stats.restore_bytes += self.block_bytes
+                        self.history.used(h)  # a restore is one more sequence taking it (eviction.py)
                         if h in self._index:  # deeper blocks look older: leaves are evicted first
                             self._index[h] = (self._index[h][0], now - i * 1e-6)
                     else:
@@ -638,9 +703,10 @@ class KVStore:
 
     def _fit_budget(self, written: bytes | None = None) -> list[Path]:
         """(KV dir locked) Bring everything under the KV dir within the disk budget: quarantine
-        first, oldest first; then least recently used first among this store's files (the block just
-        `written` last of all) and whole directories no live store holds. Returns directories to
-        delete once the lock is released."""
+        first, oldest first; then this store's files in eviction.py's order (ordinary blocks least
+        recently used first, then shared ones; the block just `written` last of all) and whole
+        directories no live store holds, least recently used first. Returns directories to delete
+        once the lock is released."""
         u = self.kvdir.usage()
         over = u.total - self.disk_budget
         if over <= 0:  # the common case, after every batch: nothing to sort
@@ -649,7 +715,10 @@ class KVStore:
         with self._lock:  # copied under the lock, sorted outside it: the engine thread takes this lock
             items = list(self._index.items())
             busy = set(self._busy)
-        own = sorted((used, size, h) for h, (size, used) in items if h not in busy or h == written)
+            uses = dict(self.history.uses)
+        last = [(used, size, h) for h, (size, used) in items if h == written]
+        own = disk_order(((used, size, h) for h, (size, used) in items if h not in busy and h != written), uses,
+                         int(self.disk_budget * SHARED_SHARE)) + last
         others = sorted(u.others, key=lambda o: o.used)
         doomed: list[Path] = []
         evicted: list[bytes] = []
@@ -681,15 +750,22 @@ class KVStore:
                 freed, removed, over = freed + size, removed + 1, over - size
             except FileNotFoundError:  # another store of this directory evicted it already
                 pass
-        if evicted:
-            with self._lock:
-                for h in evicted:
-                    self._index.pop(h, None)
-                self.stats.evictions += removed
+        self._forget_evicted(evicted, removed)
         if freed:
             self.kvdir.add(-freed)
         self.kvdir.total_bytes = self.disk_budget + over - slack
         return doomed
+
+    def _forget_evicted(self, evicted: list[bytes], removed: int) -> None:
+        """Blocks whose files the budget took: out of the index, and where no tier of this store holds
+        them any more, their fate in the block history (a miss may name it) and their use count gone."""
+        with self._lock:
+            for h in evicted:
+                self._index.pop(h, None)
+                if h not in self._host:
+                    self.history.lose(h, EVICTED)
+                    self.history.forget_uses(h)
+            self.stats.evictions += removed
 
     def _quarantine(self, path: Path, why: str, locked: bool = False) -> None:
         """Move a bad entry (a file that failed a check, or whatever stands at a block's path) to
@@ -702,6 +778,7 @@ class KVStore:
             if h is not None:
                 self._index.pop(h, None)
                 self._quarantined.add(h)
+                self.history.lose(h, UNREADABLE)
         log("kv_quarantined", level="warning", file=path.name, reason=why)
         if not self.writable:  # a store that does not persist changes nothing on disk
             return

@@ -37,7 +37,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ember.worker.model.gguf_file import GGUFFile
 from ember.worker.text.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "BUILTIN_TEMPLATES", "message_starts"]
 
 BUILTIN_TEMPLATES = ("gemma", "llama3", "chatml", "deepseek")
 
@@ -233,6 +233,32 @@ class ChatTemplate:
         if tok.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text, tok.encode(text, add_special=True, parse_special=True, limit=limit)
+
+
+_NEEDLE = 256  # characters of a message's content searched for
+
+
+def message_starts(text: str, messages: list[dict]) -> list[int]:
+    """Where each message's content begins in its rendered prompt `text` (characters), in order. A
+    message is found by its text (trimmed, as templates often print it; the first text part of a
+    list); one whose content is not there verbatim (none, a tool call, a template that rewrites it)
+    starts where the previous one's content ended. Template markup between two contents counts as
+    the earlier message's. For naming the message a position falls in (a cache miss's), not for
+    cutting the text."""
+    starts, pos = [], 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            content = parts[0] if parts else None
+        needle = content.strip() if isinstance(content, str) else ""
+        at = text.find(needle[:_NEEDLE], pos) if needle else -1
+        if at < 0:
+            starts.append(pos)
+            continue
+        starts.append(at)
+        pos = at + (len(needle) if text.startswith(needle, at) else min(len(needle), _NEEDLE))
+    return starts
 
 
 def _special_token_strings(tokenizer: Tokenizer) -> dict[str, Any]:

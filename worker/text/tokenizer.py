@@ -301,6 +301,15 @@ class Tokenizer:
             out.append(blob[off[i]:off[i + 1]])
         return b"".join(out)
 
+    def piece_chars(self) -> np.ndarray:
+        """Characters each token's piece adds to a text (special tokens as their text), one int32 an id:
+        its UTF-8 lead bytes, so a sum over tokens counts the characters of their text even where a
+        character's bytes span tokens."""
+        blob = np.frombuffer(self._pieces, dtype=np.uint8)
+        lead = np.concatenate([[0], np.cumsum((blob & 0xC0) != 0x80)])
+        off = np.asarray(self._offsets, dtype=np.int64)
+        return (lead[off[1:]] - lead[off[:-1]]).astype(np.int32)
+
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         """Text of `ids`: the concatenation of llama.cpp token pieces.
 
