@@ -34,15 +34,17 @@ def hermetic_env(workdir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def start_worker(default_model_path, tmp_path_factory):
+def start_worker(request, tmp_path_factory):
     """Start a worker with extra flags and wait until it is ready; `model` replaces the default
-    model. Each runs in a fresh directory (its log is `worker.log` there) and is stopped at the end
-    of the session unless a test or fixture stops it sooner."""
+    model (the embedded one is assembled only when a test asks for it, so a machine without its
+    package runs the tests that bring their own). Each runs in a fresh directory (its log is
+    `worker.log` there) and is stopped at the end of the session unless a test or fixture stops it sooner."""
     started: list[WorkerProcess] = []
 
     def start(*args: str, api_key: str | None = API_KEY, model: Path | None = None) -> WorkerProcess:
         workdir = tmp_path_factory.mktemp("worker")
-        w = WorkerProcess("--model", str(model or default_model_path), *args, log_path=workdir / "worker.log",
+        path = model or request.getfixturevalue("default_model_path")
+        w = WorkerProcess("--model", str(path), *args, log_path=workdir / "worker.log",
                           env=hermetic_env(workdir), cwd=workdir, api_key=api_key, own_session=False)
         started.append(w)
         return w.start()
