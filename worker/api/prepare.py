@@ -98,7 +98,7 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
             kwargs["reasoning_effort"] = template_effort(effort, ctx.model.template.effort_levels)
     text, prompt = await common.render_prompt(ctx, msgs, tools, param, bounded=bounded, **kwargs)
     inside = r is not None and r.starts_inside(text)
-    if structured and inside:
+    if structured and inside and r is not None:  # (inside: r is not None)
         prompt = prompt + ctx.tokenizer.encode(r.end + "\n\n", add_special=False, parse_special=True)
         inside, ask = False, ReasoningAsk(disabled=True)
     budget = None

@@ -17,8 +17,11 @@ from .scan import partial_suffix
 
 
 class Markers(Protocol):
-    start: str
-    end: str
+    @property
+    def start(self) -> str: ...
+
+    @property
+    def end(self) -> str: ...
 
 
 REASONING = "reasoning"
