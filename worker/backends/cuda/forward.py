@@ -210,33 +210,10 @@ class Forward:
             gated = mm.gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             if self.post_norms:
                 mm.down(lw, o2, n, tc=tc, gated=gated)
-                if li + 1 < len(w.layers):  # and the next layer's attention pre-norm
-                    post.defer(o2, lw.post_ffn_norm, w.layers[li + 1].attn_norm)
-                    h_ready = True
-                elif n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
-                    post.defer(o2, lw.post_ffn_norm, w.output_norm)
-                    post.inputs([])
-                    final = h
-                else:
-                    ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=hid,
-                                     stream=st)
+                h_ready, final = self._post_ffn_norm(li, lw, post, n, n_out, final)
             else:
                 mm.down(lw, x, n, res=x, tc=tc, gated=gated)
-        if n_out:
-            if final is None:
-                src = post.x
-                if n_out != n:  # the output rows are a subset (out_rows lists them in order)
-                    ops.gather_rows(dev, post.x, inp.out_rows, o2, n=n_out, cols=hid, stream=st)
-                    src = o2
-                ops.rms_norm(dev, src, w.output_norm, act.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
-                final = act.hn
-            # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
-            argmax = act.argmax if sample and mm.streamed(w.output, n_out) else None
-            mm.linear(w.output, final, act.logits, n_out, tc=tc, argmax=argmax)
-            if sample:
-                params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
-                ops.sample(dev, act.logits, params, draws, rows=n_out, vocab=cfg.vocab_size,
-                           work=act.sample_work, greedy=argmax, stream=st)
+        self._logits(inp, draws, post.x, final, n, n_out, sample=sample, tc=tc)
 
     def _host_attention(self, li, chunks, spans, positions, q, att, window) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
@@ -256,3 +233,44 @@ class Forward:
             res[a:b] = reference.attention(qh[a:b], keys, values, positions[a:b].astype(np.int64), window=window,
                                            scale=cfg.attn_scale).reshape(b - a, cfg.q_dim)
         att.view(0, n * cfg.q_dim).upload(res.reshape(-1))
+
+    def _logits(self, inp: StepInputs, draws: DeviceArray, x: DeviceArray, final: DeviceArray | None, n: int,
+                n_out: int, *, sample: bool, tc: bool) -> None:
+        """The output rows' logits (none where n_out is 0) from the residual `x` (`final`: their final-normed
+        state where a fused norm made it), and with `sample` their draws."""
+        if not n_out:
+            return
+        dev, cfg, st, w, act, mm = self.dev, self.config, self.stream, self.w, self.act, self.mm
+        hid = cfg.hidden
+        if final is None:
+            src = x
+            if n_out != n:  # the output rows are a subset (out_rows lists them in order)
+                ops.gather_rows(dev, x, inp.out_rows, act.o2, n=n_out, cols=hid, stream=st)
+                src = act.o2
+            ops.rms_norm(dev, src, w.output_norm, act.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
+            final = act.hn
+        # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
+        argmax = act.argmax if sample and mm.streamed(w.output, n_out) else None
+        mm.linear(w.output, final, act.logits, n_out, tc=tc, argmax=argmax)
+        if sample:
+            params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
+            ops.sample(dev, act.logits, params, draws, rows=n_out, vocab=cfg.vocab_size,
+                       work=act.sample_work, greedy=argmax, stream=st)
+
+    def _post_ffn_norm(self, li: int, lw, post: PostNorms, n: int, n_out: int,
+                       final: DeviceArray | None) -> tuple[bool, DeviceArray | None]:
+        """Layer li's FFN post-norm into the residual, joined by the next layer's attention pre-norm or, after
+        the last layer, by the final norm where every row is an output row: (whether h holds the next
+        layer's pre-norm, the final-normed state where that made it)."""
+        dev, cfg, st, w, act = self.dev, self.config, self.stream, self.w, self.act
+        o2 = act.o2
+        if li + 1 < len(w.layers):  # and the next layer's attention pre-norm
+            post.defer(o2, lw.post_ffn_norm, w.layers[li + 1].attn_norm)
+            return True, final
+        if n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
+            post.defer(o2, lw.post_ffn_norm, w.output_norm)
+            post.inputs([])
+            return False, act.h
+        ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=cfg.hidden,
+                         stream=st)
+        return False, final
