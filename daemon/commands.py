@@ -370,63 +370,78 @@ def cmd_status(argv: list[str]) -> int:
     st = _status(lay)
     running = st is not None
     if st is None:
-        st = read_json(lay.status_file) or {}
-        st = {**st, "state": Status.STOPPED if st.get("state") != Status.FAILED else Status.FAILED}
-        st["daemon"] = {**(st.get("daemon") or {}), "pid": None, "running": False}
-        orphan = _unsupervised(lay)
-        if orphan:  # the daemon died and left supervisord and the worker serving
-            st["state"] = Status.UNSUPERVISED
-            st["not_ready_reason"] = "the daemon is not running; the worker still serves (ember start re-attaches)"
-            st["daemon"]["supervisor_pid"] = orphan["supervisor_pid"]
-            st["worker"] = {**(st.get("worker") or {}), "pid": orphan["pid"], "state": Status.UNSUPERVISED}
+        st = _status_without_daemon(lay)
     else:
         st["daemon"]["running"] = True
     if args.json:
         print(json.dumps(st, indent=2, default=str))
     else:
-        d, w = st.get("daemon") or {}, st.get("worker") or {}
-        print(f"ember: {st.get('state', 'stopped')}" + (f"  {st.get('endpoint')}" if running else ""))
-        if running:
-            print(f"  daemon   pid {d.get('pid')}  up {_ago(d.get('uptime_seconds'))}  ({d.get('mode')})"
-                  f"  supervisord pid {d.get('supervisor_pid')}")
-            print(f"  worker   {w.get('state')}  pid {w.get('pid') or '-'}  up {_ago(w.get('uptime_seconds'))}"
-                  f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
-            for r in [*st.get("replicas", []), *([st["router"]] if st.get("router") else [])]:
-                gpu = f"  gpu {r['gpu']}" if r.get("gpu") else ""
-                print(f"  {r['name']:<10} {r['state']}  port {r['port']}{gpu}  pid {r.get('pid') or '-'}"
-                      f"  restarts {r.get('restarts', 0)}  ({r['state_dir']})")
-            if st.get("router"):
-                print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
-                      "/v1/messages (Anthropic) only on a replica's own port")
-            kv = w.get("kv_persistence") or {}
-            if kv.get("state") == PersistState.PERSISTING:
-                print(f"  kv cache persisting to {kv.get('dir')}")
-            mem = w.get("memory")
-            if mem:  # a CUDA worker's division of the device (worker/backends/cuda/memory.py)
-                where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"
-                print(f"  memory   {where} {mem.get('device_total_mb')} MiB: weights {mem.get('weights_mb')}, "
-                      f"16-bit copy {mem.get('f16_copy_mb')}, KV pool {mem.get('kv_pool_mb')} "
-                      f"({w.get('kv_tokens')} tokens), host KV tier {mem.get('kv_host_tier_mb')} MiB")
-        else:
-            print("  daemon   not running")
-            if w.get("state") == Status.UNSUPERVISED:
-                print(f"  worker   still serving, unsupervised  pid {w.get('pid')}  "
-                      f"(supervisord pid {d.get('supervisor_pid')})")
-        if st.get("state") not in (Status.READY, Status.STOPPED, None) and st.get("not_ready_reason"):
-            print(f"  why      {st['not_ready_reason']}")
-        lc = st.get("last_crash")
-        nxt = f"  (next in {st['next_restart_in']}s)" if st.get("next_restart_in") else ""
-        print(f"  restarts {st.get('restarts', 0)}{nxt}")
-        if lc:
-            print(f"  last crash {lc.get('detected_at')}  {lc.get('class')}  {lc.get('id')}  ({lc.get('reason')})")
-        if st.get("last_recovery_seconds") is not None:
-            print(f"  last recovery {st['last_recovery_seconds']:.1f}s from detection to ready")
-        if running:
-            for line in _health_lines(st):
-                print(line)
+        _print_status(st, running)
     if not running:
         return EX_NOT_RUNNING
     return EX_OK if st.get("state") == Status.READY else EX_FAIL
+
+
+def _status_without_daemon(lay: Layout) -> dict[str, Any]:
+    """The last status the daemon wrote, as it stands now that no daemon runs."""
+    st = read_json(lay.status_file) or {}
+    st = {**st, "state": Status.STOPPED if st.get("state") != Status.FAILED else Status.FAILED}
+    st["daemon"] = {**(st.get("daemon") or {}), "pid": None, "running": False}
+    orphan = _unsupervised(lay)
+    if orphan:  # the daemon died and left supervisord and the worker serving
+        st["state"] = Status.UNSUPERVISED
+        st["not_ready_reason"] = "the daemon is not running; the worker still serves (ember start re-attaches)"
+        st["daemon"]["supervisor_pid"] = orphan["supervisor_pid"]
+        st["worker"] = {**(st.get("worker") or {}), "pid": orphan["pid"], "state": Status.UNSUPERVISED}
+    return st
+
+
+def _print_status(st: dict[str, Any], running: bool) -> None:
+    d, w = st.get("daemon") or {}, st.get("worker") or {}
+    print(f"ember: {st.get('state', 'stopped')}" + (f"  {st.get('endpoint')}" if running else ""))
+    if running:
+        _print_processes(st, d, w)
+    else:
+        print("  daemon   not running")
+        if w.get("state") == Status.UNSUPERVISED:
+            print(f"  worker   still serving, unsupervised  pid {w.get('pid')}  "
+                  f"(supervisord pid {d.get('supervisor_pid')})")
+    if st.get("state") not in (Status.READY, Status.STOPPED, None) and st.get("not_ready_reason"):
+        print(f"  why      {st['not_ready_reason']}")
+    lc = st.get("last_crash")
+    nxt = f"  (next in {st['next_restart_in']}s)" if st.get("next_restart_in") else ""
+    print(f"  restarts {st.get('restarts', 0)}{nxt}")
+    if lc:
+        print(f"  last crash {lc.get('detected_at')}  {lc.get('class')}  {lc.get('id')}  ({lc.get('reason')})")
+    if st.get("last_recovery_seconds") is not None:
+        print(f"  last recovery {st['last_recovery_seconds']:.1f}s from detection to ready")
+    if running:
+        for line in _health_lines(st):
+            print(line)
+
+
+def _print_processes(st: dict[str, Any], d: dict[str, Any], w: dict[str, Any]) -> None:
+    """A running daemon's processes: itself, the worker (or replicas and router), the worker's KV and memory."""
+    print(f"  daemon   pid {d.get('pid')}  up {_ago(d.get('uptime_seconds'))}  ({d.get('mode')})"
+          f"  supervisord pid {d.get('supervisor_pid')}")
+    print(f"  worker   {w.get('state')}  pid {w.get('pid') or '-'}  up {_ago(w.get('uptime_seconds'))}"
+          f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
+    for r in [*st.get("replicas", []), *([st["router"]] if st.get("router") else [])]:
+        gpu = f"  gpu {r['gpu']}" if r.get("gpu") else ""
+        print(f"  {r['name']:<10} {r['state']}  port {r['port']}{gpu}  pid {r.get('pid') or '-'}"
+              f"  restarts {r.get('restarts', 0)}  ({r['state_dir']})")
+    if st.get("router"):
+        print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "
+              "/v1/messages (Anthropic) only on a replica's own port")
+    kv = w.get("kv_persistence") or {}
+    if kv.get("state") == PersistState.PERSISTING:
+        print(f"  kv cache persisting to {kv.get('dir')}")
+    mem = w.get("memory")
+    if mem:  # a CUDA worker's division of the device (worker/backends/cuda/memory.py)
+        where = "unified memory (shared with the host)" if mem.get("unified_memory") else "GPU memory"
+        print(f"  memory   {where} {mem.get('device_total_mb')} MiB: weights {mem.get('weights_mb')}, "
+              f"16-bit copy {mem.get('f16_copy_mb')}, KV pool {mem.get('kv_pool_mb')} "
+              f"({w.get('kv_tokens')} tokens), host KV tier {mem.get('kv_host_tier_mb')} MiB")
 
 
 # -- ember logs -----------------------------------------------------------------------------------------

@@ -257,8 +257,16 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
 
 
 def validate(s: Settings) -> None:
+    """Raise SettingsError for the first setting that is wrong: the port, the engine, the timings, the fleet."""
     if not 0 < s.port < 65536:
         raise SettingsError(f"port: {s.port} is not a TCP port")
+    _check_engine(s)
+    _check_timings(s)
+    _check_choices(s)
+
+
+def _check_engine(s: Settings) -> None:
+    """A named engine profile (applied here) or a foreign engine's command, with what each needs."""
     if s.engine:
         from .engines import PROFILES
 
@@ -272,6 +280,9 @@ def validate(s: Settings) -> None:
             raise SettingsError("command: empty")
         if not s.health_url:
             raise SettingsError("command: a foreign engine needs health_url (its liveness URL), or engine = a profile")
+
+
+def _check_timings(s: Settings) -> None:
     for name in ("tick", "live_interval", "live_timeout", "ready_interval", "ready_timeout", "startup_poll",
                  "startup_timeout", "backoff_base", "backoff_max"):
         if getattr(s, name) <= 0:
@@ -284,6 +295,9 @@ def validate(s: Settings) -> None:
                  "dstate_seconds", "poison_grace", "kill_grace", "stop_timeout"):
         if getattr(s, name) < 0:
             raise SettingsError(f"{name}: must not be negative")
+
+
+def _check_choices(s: Settings) -> None:
     if not 1 <= s.replicas <= 64:
         raise SettingsError(f"replicas: {s.replicas} (1 to 64)")
     if s.fleet and s.command is not None:

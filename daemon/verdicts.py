@@ -114,14 +114,9 @@ class LiveWatch:
             self.last_answer = now
         if rec.steps is not None:
             self.steps = rec.steps
-        if rec.process == psutil.STATUS_DISK_SLEEP:
-            if self.dstate_since is None:
-                self.dstate_since = now
-            if now - self.dstate_since >= s.dstate_seconds:
-                return Kill(HANG, f"worker stuck in uninterruptible sleep (D state) for "
-                                  f"{now - self.dstate_since:.0f}s", "process")
-        else:
-            self.dstate_since = None
+        stuck = self._disk_sleep(rec, now, s)
+        if stuck is not None:
+            return stuck
         if kind is LiveKind.OK:
             self.fails, self.since, self.cpu0 = 0, None, None
             return None
@@ -142,6 +137,23 @@ class LiveWatch:
             self.cpu0 = rec.cpu
         if self.fails < s.live_failures:
             return None
+        return self._failing(kind, rec, now, s)
+
+    def _disk_sleep(self, rec: ProbeResult, now: float, s: Any) -> Kill | None:
+        """A process in uninterruptible sleep (D state) for dstate_seconds is hung, whatever its probes say."""
+        if rec.process != psutil.STATUS_DISK_SLEEP:
+            self.dstate_since = None
+            return None
+        if self.dstate_since is None:
+            self.dstate_since = now
+        if now - self.dstate_since >= s.dstate_seconds:
+            return Kill(HANG, f"worker stuck in uninterruptible sleep (D state) for "
+                              f"{now - self.dstate_since:.0f}s", "process")
+        return None
+
+    def _failing(self, kind: LiveKind, rec: ProbeResult, now: float, s: Any) -> Kill | None:
+        """The verdict on live_failures failed probes in a row, by the kind of the last."""
+        assert self.since is not None
         details: dict[str, Any] = {"live_failures": self.fails}
         if kind is LiveKind.STALLED:
             why = "the engine loop stopped making progress (liveness 503"

@@ -141,175 +141,212 @@ def cublas_seconds(m: int, n: int, k: int, reps: int = 10) -> float | None:
 
 def run(out_path: str | None = None, sections=SECTIONS) -> dict:
     dev = Device()
-    stream = Stream()
-    rng = np.random.default_rng(0)
     res: dict = {"device": dev.name, "arch": dev.arch, "sms": dev.sm_count, "date": time.strftime("%Y-%m-%d")}
     print(f"device: {dev.name} ({dev.arch}, {dev.sm_count} SMs, L2 {dev.l2_bytes >> 20} MiB)")
-    ceil = copy_ceiling(dev)
+    b = _Bench(dev, Stream(), np.random.default_rng(0), res)
+    ceil = b.ceil = copy_ceiling(dev)
     res["copy_TBps"] = ceil / 1e12
     print(f"device-to-device copy: {ceil / 1e12:.2f} TB/s (read + write)")
-
-    rows_out = []
-
-    def rec(kind, name, t, nbytes, **kw):
-        bw = nbytes / t
-        rows_out.append(dict(kind=kind, name=name, us=t * 1e6, GBps=bw / 1e9, share=bw / ceil, **kw))
-        extra = " ".join(f"{k}={v}" for k, v in kw.items())
-        print(f"  {kind:<10} {name:<34} {t * 1e6:9.2f} us  {bw / 1e9:8.1f} GB/s  {100 * bw / ceil:5.1f}%  {extra}")
-
-    if "types" in sections:
-        # matvec: quant types on the big 8B shape, batch 1
-        print("matvec, batch 1, [14336 x 4096] (ffn gate/up of an 8B model), staged kernel:")
-        for tname in ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16"):
-            t, nb = bench_matvec(dev, stream, rng, tname, 14336, 4096, variant="staged")
-            rec("matvec", f"{tname} 14336x4096 b1 staged", t, nb)
-    if "kv2" in sections:
-        print("matvec Q4_K / Q5_K, column-resident kv2 kernel (unroll, prefetch, rows per block) vs staged:")
-        for tname in ("q4_k", "q5_k"):
-            for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336)):
-                for u, pf in ((4, False), (8, False), (2, True), (4, True)):
-                    for rpb in (None, 8, 16):
-                        if rpb is not None and rpb % u:
-                            continue
-                        t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="kv2", unroll=u, prefetch=pf,
-                                             rows_per_block=rpb)
-                        rec("matvec", f"{tname} {rows}x{cols} b1 kv2{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
-                t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, variant="staged")
-                rec("matvec", f"{tname} {rows}x{cols} b1 staged", t, nb)
-                for kw in (dict(variant="kv2", unroll=4), dict(variant="staged")):
-                    t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=2, **kw)
-                    rec("matvec", f"{tname} {rows}x{cols} b2 {kw['variant']}", t, nb)
-    if "kq8" in sections:
-        print("matvec Q4_K / Q5_K, int8 x (kq8: unroll, prefetch, rows per block):")
-        for tname in ("q4_k", "q5_k", "q6_k"):
-            for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336), (20480, 2560), (2560, 10240),
-                               (1024, 2560), (128256, 4096)):
-                full = tname == "q4_k" and (rows, cols) == (14336, 4096)  # every variant on one shape
-                for b, u, pf in sorted(ops.KQ8_VARIANTS):
-                    if not full and (b > 1 or (u, pf) not in ((4, True), (2, True), (4, False))):
-                        continue
-                    for rpb in (None, 8, 16, 32) if full else (None, 8, 16):
-                        if rpb is not None and rpb % u:
-                            continue
-                        t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, batch=b, int8=True, unroll=u,
-                                             prefetch=pf, rows_per_block=rpb)
-                        variant = f"kq8{'p' if pf else ''} u{u} rpb{rpb or 'auto'}"
-                        rec("matvec", f"{tname} {rows}x{cols} b{b} {variant}", t, nb)
-    if "batch" in sections:
-        for b in (4, 8):
-            t, nb = bench_matvec(dev, stream, rng, "q4_k", 14336, 4096, batch=b, variant="staged")
-            rec("matvec", f"q4_k 14336x4096 b{b} staged", t, nb)
-    if "step" in sections:
-        print("llama-8B Q4_K_M decode step, matvecs only (default variant choice):")
-        total = 0.0
-        total_bytes = 0
-        seen: dict = {}
-        for _name, tname, rows, cols, count in LLAMA8B:
-            key = (tname, rows, cols)
-            if key not in seen:
-                seen[key] = bench_matvec(dev, stream, rng, tname, rows, cols)
-                rec("matvec", f"{tname} {rows}x{cols} b1 (auto)", *seen[key])
-            t, nb = seen[key]
-            total += t * count
-            total_bytes += nb * count
-        total8 = 0.0
-        for _name, tname, rows, cols, count in LLAMA8B:
-            if tname in ("q4_k", "q5_k", "q6_k"):  # every K-quant (Q6_K repacked on upload)
-                t, nb = bench_matvec(dev, stream, rng, tname, rows, cols, int8=True)
-                rec("matvec", f"{tname} {rows}x{cols} b1 kq8 (default)", t, nb)
-            else:
-                t, nb = seen[(tname, rows, cols)]
-            total8 += t * count
-        res["llama8b_matvec_int8_ms"] = total8 * 1e3
-        print(f"  8B step with int8 x: {total8 * 1e3:.3f} ms = {total_bytes / total8 / 1e9:.0f} GB/s")
-        res["llama8b_matvec_ms"] = total * 1e3
-        res["llama8b_matvec_GB"] = total_bytes / 1e9
-        print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = "
-              f"{total_bytes / total / 1e9:.0f} GB/s -> at most {1 / total:.0f} tok/s from the matvecs alone "
-              f"(bandwidth limit {ceil / total_bytes:.0f} tok/s)")
-
-    if "attention" in sections:
-        # attention decode
-        print("paged attention decode (fp16 KV, 32 q heads, 8 kv heads, D 128, block 16):")
-        for L, B in ((4096, 1), (32768, 1), (4096, 8), (1024, 64)):
-            hq, hk, d, bs = 32, 8, 128, 16
-            nblk = B * (L // bs)
-            kc = dev.empty((nblk * bs, hk, d), np.float16)
-            vc = dev.empty((nblk * bs, hk, d), np.float16)
-            kc.fill_bytes(0x3C)
-            vc.fill_bytes(0x3C)
-            tables = dev.to_device(rng.permutation(nblk).astype(np.int32).reshape(B, L // bs))
-            q = dev.to_device(rng.normal(0, 1, (B, hq, d)).astype(np.float32))
-            seq = dev.to_device(np.arange(B, dtype=np.int32))
-            pos = dev.to_device(np.full(B, L - 1, np.int32))
-            out = dev.empty((B, hq, d))
-
-            body = functools.partial(ops.attention, dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq,
-                                     kv_heads=hk, head_dim=d, block_size=bs, max_blocks=L // bs, max_keys=L,
-                                     scale=0.088, stream=stream)
-            t = _time_graph(dev, stream, body, 1, replays=9)
-            rec("attention", f"ctx {L} x {B} seqs", t, 2 * B * L * hk * d * 2)
-            kc.free()
-            vc.free()
-
-    if "small" in sections:
-        # small kernels: latency
-        print("small kernels (20 launches per graph; time per launch):")
-        x = dev.to_device(rng.normal(0, 1, (64, 4096)).astype(np.float32))
-        w = dev.to_device(np.ones(4096, np.float32))
-        y = dev.empty((64, 4096))
-        for n in (1, 64):
-            t = _time_graph(dev, stream, lambda n=n: [ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x,
-                                                                     h_out=y, stream=stream) for _ in range(20)], 20)
-            rec("rms_norm", f"residual+norm 4096 x {n}", t, n * 4096 * 4 * 4)
-        qkv = dev.to_device(rng.normal(0, 1, (64, 6144)).astype(np.float32))
-        posd = dev.to_device(np.arange(64, dtype=np.int32) + 1000)
-        invf = dev.to_device((1.0 / 500000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
-        for n in (1, 64):
-            t = _time_graph(dev, stream, lambda n=n: [
-                ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n, hq=32, hk=8, head_dim=128,
-                         neox=False, ldq=6144, ldk=6144, stream=stream) for _ in range(20)], 20)
-            rec("rope", f"32+8 heads x {n}", t, n * 40 * 128 * 8)
-        logits = dev.to_device(rng.normal(0, 1, (8, 128256)).astype(np.float32))
-        idx = dev.empty(8, np.int32)
-        for n in (1, 8):
-            t = _time_graph(dev, stream, lambda n=n: [ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
-                                                      for _ in range(20)], 20)
-            rec("argmax", f"vocab 128256 x {n}", t, n * 128256 * 4)
-        emb_raw = _rand_weights(rng, "q4_k", 128256, 4096)
-        emb = ops.QuantMatrix.upload(dev, emb_raw, "q4_k", 128256, 4096)
-        ids = dev.to_device(rng.integers(0, 128256, 64).astype(np.int32))
-        eo = dev.empty((64, 4096))
-        for n in (1, 64):
-            t = _time_graph(dev, stream, lambda n=n: [ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
-                                                      for _ in range(20)], 20)
-            rec("embed", f"q4_k rows 4096 x {n}", t, n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
-
-    if "gemm" in sections:
-        print("prefill matmul, f16 inputs, f32 accumulation (m tokens x n x k): ember's mma.sync kernel, then cuBLAS")
-        for m in (2048, 512, 64):
-            for name, n, k in GEMM_SHAPES:
-                a = dev.to_device(rng.normal(0, 1, (m, k)).astype(np.float16).view(np.uint16))
-                b = dev.to_device(rng.normal(0, 0.02, (n, k)).astype(np.float16).view(np.uint16))
-                c = dev.empty((m, n))
-                t = _time_graph(dev, stream, functools.partial(ops.gemm, dev, a, b, c, m=m, n=n, k=k, stream=stream), 1)
-                nbytes = 2 * (m + n) * k + 4 * m * n
-                rec("gemm", f"ember {name} {m}x{n}x{k}", t, nbytes, TFLOPS=round(2 * m * n * k / t / 1e12, 1))
-                tc = cublas_seconds(m, n, k)
-                if tc is not None:
-                    rec("gemm", f"cublas {name} {m}x{n}x{k}", tc, nbytes, TFLOPS=round(2 * m * n * k / tc / 1e12, 1))
-                a.free()
-                b.free()
-                c.free()
-
-    if "launch" in sections:
-        res["launch"] = launch_probes(dev, stream)
-
-    res["rows"] = rows_out
+    for name in SECTIONS:  # in this order, whichever order they are asked for in
+        if name in sections:
+            _SECTION_RUNS[name](b)
+    res["rows"] = b.rows
     if out_path:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+class _Bench:
+    """One run: the device and stream, the random numbers, the copy ceiling, the results."""
+
+    def __init__(self, dev: Device, stream: Stream, rng: np.random.Generator, res: dict):
+        self.dev, self.stream, self.rng, self.res = dev, stream, rng, res
+        self.ceil = 0.0
+        self.rows: list[dict] = []
+
+    def rec(self, kind: str, name: str, t: float, nbytes: int, **kw) -> None:
+        bw = nbytes / t
+        self.rows.append(dict(kind=kind, name=name, us=t * 1e6, GBps=bw / 1e9, share=bw / self.ceil, **kw))
+        extra = " ".join(f"{k}={v}" for k, v in kw.items())
+        print(f"  {kind:<10} {name:<34} {t * 1e6:9.2f} us  {bw / 1e9:8.1f} GB/s  {100 * bw / self.ceil:5.1f}%  {extra}")
+
+    def matvec(self, tname: str, rows: int, cols: int, **kw) -> tuple[float, int]:
+        return bench_matvec(self.dev, self.stream, self.rng, tname, rows, cols, **kw)
+
+    def time(self, body, n_inner: int, replays: int = 7) -> float:
+        return _time_graph(self.dev, self.stream, body, n_inner, replays)
+
+
+def _types(b: _Bench) -> None:
+    # matvec: quant types on the big 8B shape, batch 1
+    print("matvec, batch 1, [14336 x 4096] (ffn gate/up of an 8B model), staged kernel:")
+    for tname in ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16"):
+        t, nb = b.matvec(tname, 14336, 4096, variant="staged")
+        b.rec("matvec", f"{tname} 14336x4096 b1 staged", t, nb)
+
+
+def _kv2(b: _Bench) -> None:
+    print("matvec Q4_K / Q5_K, column-resident kv2 kernel (unroll, prefetch, rows per block) vs staged:")
+    for tname in ("q4_k", "q5_k"):
+        for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336)):
+            for u, pf in ((4, False), (8, False), (2, True), (4, True)):
+                for rpb in (None, 8, 16):
+                    if rpb is not None and rpb % u:
+                        continue
+                    t, nb = b.matvec(tname, rows, cols, variant="kv2", unroll=u, prefetch=pf, rows_per_block=rpb)
+                    b.rec("matvec", f"{tname} {rows}x{cols} b1 kv2{'p' if pf else ''} u{u} rpb{rpb or 'auto'}", t, nb)
+            t, nb = b.matvec(tname, rows, cols, variant="staged")
+            b.rec("matvec", f"{tname} {rows}x{cols} b1 staged", t, nb)
+            for kw in (dict(variant="kv2", unroll=4), dict(variant="staged")):
+                t, nb = b.matvec(tname, rows, cols, batch=2, **kw)
+                b.rec("matvec", f"{tname} {rows}x{cols} b2 {kw['variant']}", t, nb)
+
+
+def _kq8(b: _Bench) -> None:
+    print("matvec Q4_K / Q5_K, int8 x (kq8: unroll, prefetch, rows per block):")
+    for tname in ("q4_k", "q5_k", "q6_k"):
+        for rows, cols in ((4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336), (20480, 2560), (2560, 10240),
+                           (1024, 2560), (128256, 4096)):
+            full = tname == "q4_k" and (rows, cols) == (14336, 4096)  # every variant on one shape
+            for batch, u, pf in sorted(ops.KQ8_VARIANTS):
+                if not full and (batch > 1 or (u, pf) not in ((4, True), (2, True), (4, False))):
+                    continue
+                for rpb in (None, 8, 16, 32) if full else (None, 8, 16):
+                    if rpb is not None and rpb % u:
+                        continue
+                    t, nb = b.matvec(tname, rows, cols, batch=batch, int8=True, unroll=u, prefetch=pf,
+                                     rows_per_block=rpb)
+                    variant = f"kq8{'p' if pf else ''} u{u} rpb{rpb or 'auto'}"
+                    b.rec("matvec", f"{tname} {rows}x{cols} b{batch} {variant}", t, nb)
+
+
+def _batch(b: _Bench) -> None:
+    for batch in (4, 8):
+        t, nb = b.matvec("q4_k", 14336, 4096, batch=batch, variant="staged")
+        b.rec("matvec", f"q4_k 14336x4096 b{batch} staged", t, nb)
+
+
+def _step(b: _Bench) -> None:
+    print("llama-8B Q4_K_M decode step, matvecs only (default variant choice):")
+    total = 0.0
+    total_bytes = 0
+    seen: dict = {}
+    for _name, tname, rows, cols, count in LLAMA8B:
+        key = (tname, rows, cols)
+        if key not in seen:
+            seen[key] = b.matvec(tname, rows, cols)
+            b.rec("matvec", f"{tname} {rows}x{cols} b1 (auto)", *seen[key])
+        t, nb = seen[key]
+        total += t * count
+        total_bytes += nb * count
+    total8 = 0.0
+    for _name, tname, rows, cols, count in LLAMA8B:
+        if tname in ("q4_k", "q5_k", "q6_k"):  # every K-quant (Q6_K repacked on upload)
+            t, nb = b.matvec(tname, rows, cols, int8=True)
+            b.rec("matvec", f"{tname} {rows}x{cols} b1 kq8 (default)", t, nb)
+        else:
+            t, nb = seen[(tname, rows, cols)]
+        total8 += t * count
+    b.res["llama8b_matvec_int8_ms"] = total8 * 1e3
+    print(f"  8B step with int8 x: {total8 * 1e3:.3f} ms = {total_bytes / total8 / 1e9:.0f} GB/s")
+    b.res["llama8b_matvec_ms"] = total * 1e3
+    b.res["llama8b_matvec_GB"] = total_bytes / 1e9
+    print(f"  8B step: {total_bytes / 1e9:.2f} GB of weights in {total * 1e3:.3f} ms = "
+          f"{total_bytes / total / 1e9:.0f} GB/s -> at most {1 / total:.0f} tok/s from the matvecs alone "
+          f"(bandwidth limit {b.ceil / total_bytes:.0f} tok/s)")
+
+
+def _attention(b: _Bench) -> None:
+    # attention decode
+    dev, rng = b.dev, b.rng
+    print("paged attention decode (fp16 KV, 32 q heads, 8 kv heads, D 128, block 16):")
+    for L, B in ((4096, 1), (32768, 1), (4096, 8), (1024, 64)):
+        hq, hk, d, bs = 32, 8, 128, 16
+        nblk = B * (L // bs)
+        kc = dev.empty((nblk * bs, hk, d), np.float16)
+        vc = dev.empty((nblk * bs, hk, d), np.float16)
+        kc.fill_bytes(0x3C)
+        vc.fill_bytes(0x3C)
+        tables = dev.to_device(rng.permutation(nblk).astype(np.int32).reshape(B, L // bs))
+        q = dev.to_device(rng.normal(0, 1, (B, hq, d)).astype(np.float32))
+        seq = dev.to_device(np.arange(B, dtype=np.int32))
+        pos = dev.to_device(np.full(B, L - 1, np.int32))
+        out = dev.empty((B, hq, d))
+
+        body = functools.partial(ops.attention, dev, q, kc, vc, tables, seq, pos, out, rows=B, heads=hq,
+                                 kv_heads=hk, head_dim=d, block_size=bs, max_blocks=L // bs, max_keys=L,
+                                 scale=0.088, stream=b.stream)
+        t = b.time(body, 1, replays=9)
+        b.rec("attention", f"ctx {L} x {B} seqs", t, 2 * B * L * hk * d * 2)
+        kc.free()
+        vc.free()
+
+
+def _small(b: _Bench) -> None:
+    # small kernels: latency
+    dev, rng, stream = b.dev, b.rng, b.stream
+    print("small kernels (20 launches per graph; time per launch):")
+    x = dev.to_device(rng.normal(0, 1, (64, 4096)).astype(np.float32))
+    w = dev.to_device(np.ones(4096, np.float32))
+    y = dev.empty((64, 4096))
+    for n in (1, 64):
+        def norms(n: int = n) -> None:
+            for _ in range(20):
+                ops.rms_norm(dev, x, w, y, eps=1e-5, rows=n, cols=4096, res=x, h_out=y, stream=stream)
+        b.rec("rms_norm", f"residual+norm 4096 x {n}", b.time(norms, 20), n * 4096 * 4 * 4)
+    qkv = dev.to_device(rng.normal(0, 1, (64, 6144)).astype(np.float32))
+    posd = dev.to_device(np.arange(64, dtype=np.int32) + 1000)
+    invf = dev.to_device((1.0 / 500000 ** (np.arange(0, 128, 2) / 128)).astype(np.float32))
+    for n in (1, 64):
+        def ropes(n: int = n) -> None:
+            for _ in range(20):
+                ops.rope(dev, qkv, qkv.view(4096, (64 * 6144 - 4096,)), posd, invf, n=n, hq=32, hk=8, head_dim=128,
+                         neox=False, ldq=6144, ldk=6144, stream=stream)
+        b.rec("rope", f"32+8 heads x {n}", b.time(ropes, 20), n * 40 * 128 * 8)
+    logits = dev.to_device(rng.normal(0, 1, (8, 128256)).astype(np.float32))
+    idx = dev.empty(8, np.int32)
+    for n in (1, 8):
+        def argmaxes(n: int = n) -> None:
+            for _ in range(20):
+                ops.argmax(dev, logits, idx, rows=n, vocab=128256, stream=stream)
+        b.rec("argmax", f"vocab 128256 x {n}", b.time(argmaxes, 20), n * 128256 * 4)
+    emb_raw = _rand_weights(rng, "q4_k", 128256, 4096)
+    emb = ops.QuantMatrix.upload(dev, emb_raw, "q4_k", 128256, 4096)
+    ids = dev.to_device(rng.integers(0, 128256, 64).astype(np.int32))
+    eo = dev.empty((64, 4096))
+    for n in (1, 64):
+        def embeds(n: int = n) -> None:
+            for _ in range(20):
+                ops.dequant_rows(dev, emb, eo, ids, n=n, stream=stream)
+        b.rec("embed", f"q4_k rows 4096 x {n}", b.time(embeds, 20), n * (ops.row_nbytes("q4_k", 4096) + 4096 * 4))
+
+
+def _gemm(b: _Bench) -> None:
+    dev, rng = b.dev, b.rng
+    print("prefill matmul, f16 inputs, f32 accumulation (m tokens x n x k): ember's mma.sync kernel, then cuBLAS")
+    for m in (2048, 512, 64):
+        for name, n, k in GEMM_SHAPES:
+            x = dev.to_device(rng.normal(0, 1, (m, k)).astype(np.float16).view(np.uint16))
+            w = dev.to_device(rng.normal(0, 0.02, (n, k)).astype(np.float16).view(np.uint16))
+            c = dev.empty((m, n))
+            t = b.time(functools.partial(ops.gemm, dev, x, w, c, m=m, n=n, k=k, stream=b.stream), 1)
+            nbytes = 2 * (m + n) * k + 4 * m * n
+            b.rec("gemm", f"ember {name} {m}x{n}x{k}", t, nbytes, TFLOPS=round(2 * m * n * k / t / 1e12, 1))
+            tc = cublas_seconds(m, n, k)
+            if tc is not None:
+                b.rec("gemm", f"cublas {name} {m}x{n}x{k}", tc, nbytes, TFLOPS=round(2 * m * n * k / tc / 1e12, 1))
+            x.free()
+            w.free()
+            c.free()
+
+
+def _launch(b: _Bench) -> None:
+    b.res["launch"] = launch_probes(b.dev, b.stream)
+
+
+_SECTION_RUNS = {"types": _types, "kv2": _kv2, "kq8": _kq8, "batch": _batch, "step": _step,
+                 "attention": _attention, "small": _small, "gemm": _gemm, "launch": _launch}
 
 
 def launch_probes(dev: Device, stream: Stream, links: int = 200, iters: int = 2000) -> dict:

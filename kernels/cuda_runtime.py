@@ -414,7 +414,8 @@ class DeviceArray:
     def __init__(self, device: Device, shape: int | Sequence[int], dtype: Any = np.float32, *,
                  _base: DeviceArray | None = None, _ptr: int | None = None):
         self.device = device
-        self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        # np.isscalar's TypeIs names complex, not int: mypy narrows neither branch of an int | Sequence[int]
+        self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)  # type: ignore[arg-type, union-attr]
         self.dtype = np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self._base = _base

@@ -341,7 +341,8 @@ def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType | int, shape: Se
     Returns a new, writeable float32 array of that shape.
     """
     t = _as_type(ggml_type)
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+    # np.isscalar's TypeIs names complex, not int: mypy narrows neither branch of an int | Sequence[int]
+    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)  # type: ignore[arg-type, union-attr]
     if not shape or any(s <= 0 for s in shape):
         raise ValueError(f"bad tensor shape {shape}")
     row_len = shape[-1]

@@ -110,39 +110,50 @@ def spelled_contract_values(source: str, filename: str) -> list[str]:
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     docs = _docstrings(tree)
     found = []
-
-    def note(node: ast.AST, what: str) -> None:
-        found.append(f"{filename}:{getattr(node, 'lineno', '?')}: {what}")
-
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and id(node) not in docs:
-            v = node.value
-            if isinstance(v, int) and not isinstance(v, bool) and v in EXIT_VALUES and _is_exit_use(node, parents):
-                note(node, f"exit code {v} (use ExitCode)")
-            if not isinstance(v, str):
-                continue
-            if EXIT_TEXT.search(v):
-                note(node, f"exit code in text {v!r} (use ExitCode)")
-            if v in HEALTH_ONLY and not _excused_health_word(node, parents):
-                note(node, f"health state {v!r} (use HealthState)")
-            if any(f in v for f in PATH_FRAGMENTS) or v in PATH_VARIABLES:
-                note(node, f"path {v!r} (use contract.state_dir/cache_dir/config_file and ENV_*)")
-            if UNIT_PATTERNS.search(v):
-                note(node, f"unit pattern {v!r} (use contract.parse_size/parse_duration)")
-        elif isinstance(node, ast.Dict):
-            keys = {k.value.lower() for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-            if len(keys & SIZE_SUFFIXES) >= 2:
-                note(node, "a size-suffix table (use contract.parse_size)")
-        elif isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            words = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in HEALTH_ALL]
-            if words and any(_name(s) in ("state", "_state") for s in sides):
-                note(node, f"health state {words[0]!r} compared (use HealthState)")
-        elif isinstance(node, ast.Call) and _name(node.func) in ("set", "ServerState") and node.args:
-            arg = node.args[0]
-            if isinstance(arg, ast.Constant) and arg.value in HEALTH_ALL:
-                note(node, f"health state {arg.value!r} set (use HealthState)")
+        if isinstance(node, ast.Constant):
+            spelled = [] if id(node) in docs else _spelled_constant(node, parents)
+        else:
+            spelled = _spelled_construct(node)
+        found += [f"{filename}:{getattr(node, 'lineno', '?')}: {what}" for what in spelled]
     return found
+
+
+def _spelled_constant(node: ast.Constant, parents: dict[ast.AST, ast.AST]) -> list[str]:
+    """What a literal spells: an exit code, a health state, a path, a unit pattern."""
+    v = node.value
+    spelled = []
+    if isinstance(v, int) and not isinstance(v, bool) and v in EXIT_VALUES and _is_exit_use(node, parents):
+        spelled.append(f"exit code {v} (use ExitCode)")
+    if not isinstance(v, str):
+        return spelled
+    if EXIT_TEXT.search(v):
+        spelled.append(f"exit code in text {v!r} (use ExitCode)")
+    if v in HEALTH_ONLY and not _excused_health_word(node, parents):
+        spelled.append(f"health state {v!r} (use HealthState)")
+    if any(f in v for f in PATH_FRAGMENTS) or v in PATH_VARIABLES:
+        spelled.append(f"path {v!r} (use contract.state_dir/cache_dir/config_file and ENV_*)")
+    if UNIT_PATTERNS.search(v):
+        spelled.append(f"unit pattern {v!r} (use contract.parse_size/parse_duration)")
+    return spelled
+
+
+def _spelled_construct(node: ast.AST) -> list[str]:
+    """What a dict, a comparison or a call spells: a size-suffix table, a health state compared or set."""
+    if isinstance(node, ast.Dict):
+        keys = {k.value.lower() for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+        if len(keys & SIZE_SUFFIXES) >= 2:
+            return ["a size-suffix table (use contract.parse_size)"]
+    elif isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        words = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in HEALTH_ALL]
+        if words and any(_name(s) in ("state", "_state") for s in sides):
+            return [f"health state {words[0]!r} compared (use HealthState)"]
+    elif isinstance(node, ast.Call) and _name(node.func) in ("set", "ServerState") and node.args:
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and arg.value in HEALTH_ALL:
+            return [f"health state {arg.value!r} set (use HealthState)"]
+    return []
 
 
 PLANTED = {

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ def parse_size(text: str | int, name: str = "size") -> int:
 
 def _fields() -> list[tuple[str, Any, Any]]:
     info = msgspec.inspect.type_info(WorkerConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
     return [(f.name, f.type, f.default) for f in info.fields]
 
 
@@ -186,12 +188,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace | None = None,
-         env: dict[str, str] | None = None) -> tuple[WorkerConfig, dict[str, str]]:
+         env: Mapping[str, str] | None = None) -> tuple[WorkerConfig, dict[str, str]]:
     """The effective config and, per setting, where it came from (default, file, env, flag)."""
-    env = os.environ if env is None else env
+    environ = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source: dict[str, str] = {name: "default" for name, _, _ in _fields()}
-    path = (getattr(args, "config", None) if args else None) or env.get(contract.ENV_CONFIG)
+    path = (getattr(args, "config", None) if args else None) or environ.get(contract.ENV_CONFIG)
     if path:
         try:
             data = tomllib.loads(Path(path).expanduser().read_text())
@@ -206,8 +208,8 @@ def load(args: argparse.Namespace | None = None,
             raw[key], source[key] = value, f"file {path}"
     for name, _, _ in _fields():
         var = "EMBER_" + name.upper()
-        if var in env and env[var] != "":
-            raw[name], source[name] = env[var], f"env {var}"
+        if var in environ and environ[var] != "":
+            raw[name], source[name] = environ[var], f"env {var}"
         value = getattr(args, name, None) if args else None
         if value is not None:
             raw[name], source[name] = value, "flag --" + name.replace("_", "-")
@@ -220,75 +222,104 @@ def load(args: argparse.Namespace | None = None,
 
 
 def validate(cfg: WorkerConfig) -> None:
-    if not 0 < cfg.port < 65536:
-        raise ConfigError(f"port: {cfg.port} is not a TCP port")
-    for name in ("max_seqs", "max_queue"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}: must be at least 1")
-    if cfg.prefill_chunk < 0:
-        raise ConfigError("prefill_chunk: must be 0 (auto) or a positive number of tokens")
-    if not 1 <= cfg.prefill_step_ms <= 10_000:
-        raise ConfigError("prefill_step_ms: must be between 1 and 10000 milliseconds")
-    if cfg.ctx < 0:
-        raise ConfigError("ctx: must be 0 (automatic) or a positive number of tokens")
-    if cfg.kv_mem != "auto" and parse_size(cfg.kv_mem, "kv_mem") < 1 << 20:
-        raise ConfigError("kv_mem: at least 1MiB")
-    if cfg.kv_persist not in ("all", "finished", "off"):
-        raise ConfigError(f"kv_persist: {cfg.kv_persist!r} is not one of all, finished, off")
-    if cfg.kv_disk_budget != "auto":
-        parse_size(cfg.kv_disk_budget, "kv_disk_budget")
-    parse_size(cfg.kv_host_mem, "kv_host_mem")
-    if cfg.stall_seconds <= 0:
-        raise ConfigError("stall_seconds: must be positive")
-    if cfg.drain_seconds < 0:
-        raise ConfigError("drain_seconds: must not be negative")
-    if cfg.backend not in ("numpy", "cuda"):
-        raise ConfigError(f"backend: {cfg.backend!r} is not available (available: numpy, cuda)")
-    if cfg.f16_weights not in ("auto", "on", "off"):
-        raise ConfigError(f"f16_weights: {cfg.f16_weights!r} is not one of auto, on, off")
-    if cfg.loop_guard_repeats < 2:
-        raise ConfigError("loop_guard_repeats: must be at least 2")
-    if cfg.spec.startswith("draft:"):
-        if not Path(cfg.spec[6:]).expanduser().is_file():
-            raise ConfigError(f"spec: the draft model {cfg.spec[6:]!r} is not a file")
-    elif cfg.spec.startswith("mtp:"):
-        if not Path(cfg.spec[4:]).expanduser().is_file():
-            raise ConfigError(f"spec: the next-token layer file {cfg.spec[4:]!r} is not a file")
-    elif cfg.spec not in ("off", "ngram", "suffix", "mtp"):
-        raise ConfigError(f"spec: {cfg.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, "
-                          "mtp:PATH)")
-    if (cfg.spec == "mtp" or cfg.spec.startswith("mtp:")) and cfg.backend != "numpy":
-        raise ConfigError("spec: mtp runs on the numpy backend only (the CUDA backend has no next-token layer yet)")
-    if not 1 <= cfg.spec_k <= 64:
-        raise ConfigError("spec_k: must be between 1 and 64 tokens")
-    if cfg.spec_max_batch < 1 or cfg.spec_max_context < 1:
-        raise ConfigError("spec_max_batch and spec_max_context: must be at least 1")
-    if cfg.loop_guard_min_span < 0:
-        raise ConfigError("loop_guard_min_span: must not be negative")
+    """Raise ConfigError for the first setting that fails its check (in _CHECKS' order)."""
+    for check in _CHECKS:
+        problem = check(cfg)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+# A check: the config -> the one-line problem with a setting, or None.
+_Check = Callable[[WorkerConfig], str | None]
+
+
+def _fails(bad: Callable[[WorkerConfig], bool], problem: str) -> _Check:
+    """A check whose `problem` (a format string of the config `c`) is reported when `bad` holds."""
+    return lambda c: problem.format(c=c) if bad(c) else None
+
+
+def _at_least_1(name: str) -> _Check:
+    return _fails(lambda c: getattr(c, name) < 1, name + ": must be at least 1")
+
+
+def _size(name: str, *, auto: bool = False) -> _Check:
+    """A size (or "auto" where `auto`): parse_size names one it cannot read in its own error."""
+    def check(c: WorkerConfig) -> None:
+        if not (auto and getattr(c, name) == "auto"):
+            parse_size(getattr(c, name), name)
+    return check
+
+
+def _spec_problem(c: WorkerConfig) -> str | None:
+    if c.spec.startswith("draft:"):
+        if not Path(c.spec[6:]).expanduser().is_file():
+            return f"spec: the draft model {c.spec[6:]!r} is not a file"
+    elif c.spec.startswith("mtp:"):
+        if not Path(c.spec[4:]).expanduser().is_file():
+            return f"spec: the next-token layer file {c.spec[4:]!r} is not a file"
+    elif c.spec not in ("off", "ngram", "suffix", "mtp"):
+        return f"spec: {c.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, mtp:PATH)"
+    return None
+
+
+def _reasoning_format_problem(c: WorkerConfig) -> str | None:
     from .text.formats.reasoning import ReasoningConfigError, parse_override
 
     try:
-        parse_override(cfg.reasoning_format)
+        parse_override(c.reasoning_format)
     except ReasoningConfigError as e:
-        raise ConfigError(f"reasoning_format: {e}") from None
-    for name in ("max_stop", "max_stop_chars", "max_tools", "max_tool_schema_bytes", "max_top_k", "max_json_depth"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}: must be at least 1")
-    if cfg.max_output_tokens < 0:
-        raise ConfigError("max_output_tokens: must not be negative (0 = no cap)")
-    if cfg.max_logit_bias < 0:
-        raise ConfigError("max_logit_bias: must not be negative (0 = refuse logit_bias)")
-    if cfg.max_body != "auto" and parse_size(cfg.max_body, "max_body") < 1024:
-        raise ConfigError("max_body: at least 1KiB")
-    if cfg.read_header_seconds <= 0 or cfg.read_body_seconds <= 0:
-        raise ConfigError("read_header_seconds and read_body_seconds: must be positive")
-    if cfg.read_body_min_rate < 1 or cfg.max_slow_connections < 1:
-        raise ConfigError("read_body_min_rate and max_slow_connections: must be at least 1")
-    for origin in origins(cfg):
+        return f"reasoning_format: {e}"
+    return None
+
+
+def _origins_problem(c: WorkerConfig) -> str | None:
+    for origin in origins(c):
         if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
-            raise ConfigError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
-    if cfg.fault and not is_loopback(cfg.host):
-        raise ConfigError(f"fault: fault injection is refused on a non-loopback host ({cfg.host})")
+            return f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)"
+    return None
+
+
+# Every setting's check, in the order they are made: the first that fails is the error.
+_CHECKS: tuple[_Check, ...] = (
+    _fails(lambda c: not 0 < c.port < 65536, "port: {c.port} is not a TCP port"),
+    _at_least_1("max_seqs"),
+    _at_least_1("max_queue"),
+    _fails(lambda c: c.prefill_chunk < 0, "prefill_chunk: must be 0 (auto) or a positive number of tokens"),
+    _fails(lambda c: not 1 <= c.prefill_step_ms <= 10_000, "prefill_step_ms: must be between 1 and 10000 milliseconds"),
+    _fails(lambda c: c.ctx < 0, "ctx: must be 0 (automatic) or a positive number of tokens"),
+    _fails(lambda c: c.kv_mem != "auto" and parse_size(c.kv_mem, "kv_mem") < 1 << 20, "kv_mem: at least 1MiB"),
+    _fails(lambda c: c.kv_persist not in ("all", "finished", "off"),
+           "kv_persist: {c.kv_persist!r} is not one of all, finished, off"),
+    _size("kv_disk_budget", auto=True),
+    _size("kv_host_mem"),
+    _fails(lambda c: c.stall_seconds <= 0, "stall_seconds: must be positive"),
+    _fails(lambda c: c.drain_seconds < 0, "drain_seconds: must not be negative"),
+    _fails(lambda c: c.backend not in ("numpy", "cuda"),
+           "backend: {c.backend!r} is not available (available: numpy, cuda)"),
+    _fails(lambda c: c.f16_weights not in ("auto", "on", "off"),
+           "f16_weights: {c.f16_weights!r} is not one of auto, on, off"),
+    _fails(lambda c: c.loop_guard_repeats < 2, "loop_guard_repeats: must be at least 2"),
+    _spec_problem,
+    _fails(lambda c: (c.spec == "mtp" or c.spec.startswith("mtp:")) and c.backend != "numpy",
+           "spec: mtp runs on the numpy backend only (the CUDA backend has no next-token layer yet)"),
+    _fails(lambda c: not 1 <= c.spec_k <= 64, "spec_k: must be between 1 and 64 tokens"),
+    _fails(lambda c: c.spec_max_batch < 1 or c.spec_max_context < 1,
+           "spec_max_batch and spec_max_context: must be at least 1"),
+    _fails(lambda c: c.loop_guard_min_span < 0, "loop_guard_min_span: must not be negative"),
+    _reasoning_format_problem,
+    *(_at_least_1(name) for name in ("max_stop", "max_stop_chars", "max_tools", "max_tool_schema_bytes",
+                                     "max_top_k", "max_json_depth")),
+    _fails(lambda c: c.max_output_tokens < 0, "max_output_tokens: must not be negative (0 = no cap)"),
+    _fails(lambda c: c.max_logit_bias < 0, "max_logit_bias: must not be negative (0 = refuse logit_bias)"),
+    _fails(lambda c: c.max_body != "auto" and parse_size(c.max_body, "max_body") < 1024, "max_body: at least 1KiB"),
+    _fails(lambda c: c.read_header_seconds <= 0 or c.read_body_seconds <= 0,
+           "read_header_seconds and read_body_seconds: must be positive"),
+    _fails(lambda c: c.read_body_min_rate < 1 or c.max_slow_connections < 1,
+           "read_body_min_rate and max_slow_connections: must be at least 1"),
+    _origins_problem,
+    _fails(lambda c: bool(c.fault) and not is_loopback(c.host),
+           "fault: fault injection is refused on a non-loopback host ({c.host})"),
+)
 
 
 def origins(cfg: WorkerConfig) -> list[str]:

@@ -18,14 +18,25 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.ops.contract import Event, ExitCode, HealthState
 
 from . import config as worker_config
 from . import listen
 from .logs import log
+
+if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
+
+    from .backends.base import Backend
+    from .backends.faults import FaultInjector
+    from .engine.spec.drafters import Drafter
 
 EX_OK, EX_POISONED, EX_CONFIG = ExitCode.OK, ExitCode.POISONED, ExitCode.CONFIG
 POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error events
@@ -100,7 +111,8 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     chunk = worker_config.prefill_chunk(cfg)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend, mtp)
     memory: dict = {}
-    drafter = None
+    drafter: Drafter | None = None
+    backend: Backend
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
         from .engine.spec.draft_model import ModelDrafter, open_draft_model
 
@@ -117,11 +129,11 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
 
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
-            backend = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
-                                  max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
-                                  f16_weights=cfg.f16_weights, host_tier_bytes=host_tier)
-            backend.runs_ahead = cfg.run_ahead
-            memory = backend.memory.as_dict()
+            backend = cuda = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
+                                         max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
+                                         f16_weights=cfg.f16_weights, host_tier_bytes=host_tier)
+            cuda.runs_ahead = cfg.run_ahead
+            memory = cuda.memory.as_dict()
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
     else:
@@ -129,12 +141,12 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         weights = load_weights(model.gguf, model.config)
         if mtp_file is not None:
             weights = mtp_file.attach(weights)
-        backend = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
+        backend = host = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
         if mtp:
             from .engine.spec.mtp_drafter import MtpDrafter
 
-            assert backend.mtp is not None
-            drafter = MtpDrafter(backend.mtp)
+            assert host.mtp is not None
+            drafter = MtpDrafter(host.mtp)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)
@@ -175,18 +187,9 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
 
 def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     """Serve HTTP at once (health says `loading`), load the model off the event loop, then serve."""
-    import uvicorn
-
-    from .api import readguard
-    from .api.app import create_app
-    from .api.limits import RequestLimits
-    from .api.security import Guard
-    from .api.state import ServerState
     from .backends.faults import FaultInjector, FaultSpecError, parse_faults
-    from .metrics import Metrics
     from .model.gguf_file import ModelFileError
     from .model.loader import resolve_model_path
-    from .text.chat_template import ChatTemplateError
 
     t0 = time.monotonic()
     # the daemon sends SIGUSR1 before killing a hung worker: every thread's stack lands in the log
@@ -208,100 +211,134 @@ def serve(cfg: worker_config.WorkerConfig, sources: dict[str, str]) -> int:
     except (ModelFileError, FaultSpecError) as e:
         log(Event.CONFIG_ERROR, level="error", error=str(e))
         return EX_CONFIG
-    state = ServerState(HealthState.LOADING, stall_seconds=cfg.stall_seconds)
-    metrics = Metrics()
-    poisoned_exit = threading.Event()
+    return _Serving(cfg, faults, model_path, t0).run(listeners)
 
-    def on_poisoned(e) -> None:  # engine thread
-        state.set(HealthState.POISONED)
-        poisoned_exit.set()
 
-    guard = Guard(api_key=cfg.api_key or None, loopback_only=worker_config.is_loopback(cfg.host),
-                  allowed_origins=tuple(worker_config.origins(cfg)), metrics_auth=cfg.metrics_auth)
-    if not guard.loopback_only and guard.api_key is None:
-        log("insecure_bind", level="warning", host=cfg.host, port=cfg.port,
-            message=f"serving {cfg.host}:{cfg.port} beyond loopback WITHOUT an API key: anyone who can reach this "
-                    "port can use the model; set --api-key (see README: Security)")
-    app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=state,
-                     limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
-                     version=_version())
-    slow = readguard.ReadLimits(cfg.read_header_seconds, cfg.read_body_seconds, cfg.read_body_min_rate,
-                                cfg.max_slow_connections)
-    http = readguard.protocol_class(slow, closed=lambda phase: metrics.slow_clients.labels(phase).inc())
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
-                                           access_log=False, lifespan="on", timeout_graceful_shutdown=1))
-    server.capture_signals = contextlib.nullcontext  # we own SIGTERM/SIGINT (drain, then exit)
-    exit_code = [EX_OK]
-    terms = [0]
-    loaded: list[_Loaded] = []
+class _Serving:
+    """One worker's HTTP server from its first request to its exit code: the model loads while it
+    serves health, SIGTERM drains, a poisoned context exits at once."""
 
-    def busy() -> bool:
-        return bool(loaded) and loaded[0].engine.stats.busy
+    def __init__(self, cfg: worker_config.WorkerConfig, faults: FaultInjector, model_path: Path, t0: float):
+        from .api.state import ServerState
+        from .metrics import Metrics
 
-    async def drain() -> None:
-        state.set(HealthState.DRAINING)
-        if loaded:
-            loaded[0].engine.stop_accepting()
-            st = loaded[0].engine.stats
-            log("draining", in_flight=st.running + st.waiting, seconds=cfg.drain_seconds)
-        deadline = time.monotonic() + cfg.drain_seconds
-        while busy() and time.monotonic() < deadline:
+        self.cfg, self.faults, self.t0 = cfg, faults, t0
+        self.state = ServerState(HealthState.LOADING, stall_seconds=cfg.stall_seconds)
+        self.metrics = Metrics()
+        self.poisoned_exit = threading.Event()
+        self.server = self._http_server(model_path)
+        self.exit_code: int = EX_OK
+        self.terms = 0
+        self.loaded: _Loaded | None = None
+
+    def _http_server(self, model_path: Path) -> uvicorn.Server:
+        import uvicorn
+
+        from .api import readguard
+        from .api.app import create_app
+        from .api.limits import RequestLimits
+        from .api.security import Guard
+
+        cfg = self.cfg
+        guard = Guard(api_key=cfg.api_key or None, loopback_only=worker_config.is_loopback(cfg.host),
+                      allowed_origins=tuple(worker_config.origins(cfg)), metrics_auth=cfg.metrics_auth)
+        if not guard.loopback_only and guard.api_key is None:
+            log("insecure_bind", level="warning", host=cfg.host, port=cfg.port,
+                message=f"serving {cfg.host}:{cfg.port} beyond loopback WITHOUT an API key: anyone who can reach "
+                        "this port can use the model; set --api-key (see README: Security)")
+        app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=self.state,
+                         limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
+                         version=_version())
+        slow = readguard.ReadLimits(cfg.read_header_seconds, cfg.read_body_seconds, cfg.read_body_min_rate,
+                                    cfg.max_slow_connections)
+        http = readguard.protocol_class(slow, closed=lambda phase: self.metrics.slow_clients.labels(phase).inc())
+
+        class OwnSignals(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield  # we own SIGTERM/SIGINT (drain, then exit)
+
+        return OwnSignals(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
+                                         access_log=False, lifespan="on", timeout_graceful_shutdown=1))
+
+    def run(self, listeners: list[socket.socket]) -> int:
+        try:
+            asyncio.run(self._main(listeners))
+        finally:
+            if self.loaded is not None:
+                self.loaded.engine.shutdown(timeout=2.0)
+                if self.loaded.store is not None:
+                    self.loaded.store.close(timeout=10.0)  # queued blocks reach the disk before a clean exit
+        log("exit", code=self.exit_code)
+        return self.exit_code
+
+    async def _main(self, listeners: list[socket.socket]) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.create_task(self._watch_poison())
+        loader = loop.create_task(self._load_then_serve())
+        await self.server.serve(sockets=listeners)
+        if not self.server.started:
+            self.exit_code = self.exit_code or 1
+        loader.cancel()
+
+    def _on_poisoned(self, e: BaseException) -> None:  # engine thread
+        self.state.set(HealthState.POISONED)
+        self.poisoned_exit.set()
+
+    def _busy(self) -> bool:
+        return self.loaded is not None and self.loaded.engine.stats.busy
+
+    async def _drain(self) -> None:
+        self.state.set(HealthState.DRAINING)
+        if self.loaded is not None:
+            self.loaded.engine.stop_accepting()
+            st = self.loaded.engine.stats
+            log("draining", in_flight=st.running + st.waiting, seconds=self.cfg.drain_seconds)
+        deadline = time.monotonic() + self.cfg.drain_seconds
+        while self._busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if busy():
+        if self._busy():
             log("drain_timeout", level="warning")
-        server.should_exit = True
+        self.server.should_exit = True
 
-    def on_signal(signum: int) -> None:
-        terms[0] += 1
-        log("signal", signal=signal.Signals(signum).name, count=terms[0])
-        if terms[0] > 1:
+    def _on_signal(self, signum: int) -> None:
+        self.terms += 1
+        log("signal", signal=signal.Signals(signum).name, count=self.terms)
+        if self.terms > 1:
             os._exit(EX_OK)
-        asyncio.get_running_loop().create_task(drain())
+        asyncio.get_running_loop().create_task(self._drain())
 
-    async def watch_poison() -> None:
-        while not poisoned_exit.is_set():
+    async def _watch_poison(self) -> None:
+        while not self.poisoned_exit.is_set():
             await asyncio.sleep(0.05)
         await asyncio.sleep(POISON_FLUSH_SECONDS)
         log("exit", code=EX_POISONED, reason="poisoned compute context")
         os._exit(EX_POISONED)  # never wait on a poisoned context's teardown
 
-    async def load_then_serve() -> None:
+    async def _load_then_serve(self) -> None:
+        from .backends.faults import FaultSpecError
+        from .model.gguf_file import ModelFileError
+        from .text.chat_template import ChatTemplateError
+
+        server = self.server
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.01)
         try:
-            result = await asyncio.to_thread(_load, cfg, metrics, faults, on_poisoned)
+            result = await asyncio.to_thread(_load, self.cfg, self.metrics, self.faults, self._on_poisoned)
         except (ModelFileError, ChatTemplateError, worker_config.ConfigError, FaultSpecError) as e:
             log(Event.CONFIG_ERROR, level="error", error=str(e))
-            exit_code[0] = EX_CONFIG
+            self.exit_code = EX_CONFIG
             server.should_exit = True
             return
-        loaded.append(result)
-        if state.state == HealthState.DRAINING:  # SIGTERM while loading: nothing to drain
+        self.loaded = result
+        if self.state.state == HealthState.DRAINING:  # SIGTERM while loading: nothing to drain
             server.should_exit = True
             return
         result.engine.start()
-        state.store = result.store  # (before the engine: the bodies read "off" from a store-less engine)
-        state.attach(result.engine, result.model, result.formats)
-        state.set(HealthState.READY)
-        log(Event.READY, host=cfg.host, port=cfg.port, **result.facts, startup_seconds=round(time.monotonic() - t0, 2))
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
-        loop.create_task(watch_poison())
-        loader = loop.create_task(load_then_serve())
-        await server.serve(sockets=listeners)
-        if not server.started:
-            exit_code[0] = exit_code[0] or 1
-        loader.cancel()
-
-    try:
-        asyncio.run(main())
-    finally:
-        if loaded:
-            loaded[0].engine.shutdown(timeout=2.0)
-            if loaded[0].store is not None:
-                loaded[0].store.close(timeout=10.0)  # queued blocks reach the disk before a clean exit
-    log("exit", code=exit_code[0])
-    return exit_code[0]
+        self.state.store = result.store  # (before the engine: the bodies read "off" from a store-less engine)
+        self.state.attach(result.engine, result.model, result.formats)
+        self.state.set(HealthState.READY)
+        log(Event.READY, host=self.cfg.host, port=self.cfg.port, **result.facts,
+            startup_seconds=round(time.monotonic() - self.t0, 2))

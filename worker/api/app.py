@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 from litestar.response import Stream
+from litestar.types import HTTPReceiveMessage
 
 from ..logs import log
 from ..text.formats import resolve as resolve_formats
@@ -102,17 +105,28 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
     loading; `state.attach(engine, model, formats)` supplies them later (generation answers 503
     meanwhile). guard: who may call (default: loopback only, no key beyond `api_key`)."""
     if engine is not None or model is not None:
-        formats = None if model is None else resolve_formats(model.template, model.tokenizer,
-                                                             family=model.config.family.formats)
-        state.attach(engine, model, formats)
+        state.attach(engine, model, resolve_formats(model.template, model.tokenizer) if model is not None else None)
     guard = guard or Guard(api_key=api_key or None)
     ctx = ApiContext(state=state, api_key=guard.api_key, model_name=model_name, keepalive_seconds=keepalive_seconds,
                      limits=limits or RequestLimits(), log_prompts=log_prompts)
-    created_unix = int(time.time())
-    metrics_opt = {"public": not guard.metrics_auth}
+    return Litestar(
+        route_handlers=[*_generation_routes(ctx), *_model_routes(ctx), *_helper_routes(ctx, version),
+                        *_health_routes(ctx, {"public": not guard.metrics_auth})],
+        before_request=_caller_check(guard),
+        exception_handlers={ApiError: _on_api_error, ClientGone: _on_client_gone, HTTPException: _on_http_error,
+                            Exception: _on_error},
+        request_max_body_size=None,  # read_body applies the context's limit
+        cors_config=_cors(guard),
+        openapi_config=None,
+        logging_config=None,
+        debug=False,
+    )
 
-    # -- plumbing -------------------------------------------------------------------------------------------
 
+# -- plumbing ---------------------------------------------------------------------------------------------------
+
+
+def _caller_check(guard: Guard) -> Callable[[Request], Awaitable[Response | None]]:
     async def check_caller(request: Request) -> Response | None:
         """Host, Origin, Content-Type, then the key: refused before any work, in the protocol's shape."""
         try:
@@ -124,101 +138,133 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
             return error_response(request, e)
         return None
 
-    def on_api_error(request: Request, e: ApiError) -> Response:
-        return error_response(request, e)
+    return check_caller
 
-    def on_http_error(request: Request, e: HTTPException) -> Response:
-        status = e.status_code
-        if status >= 500:  # Litestar's own 5xx: log it like any other fault
-            return on_error(request, e)
-        message = {404: f"no such endpoint: {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}",
-                   413: "the request body is too large"}.get(status, str(e.detail))
-        return error_response(request, ApiError(status, message))
 
-    def on_error(request: Request, e: Exception) -> Response:
-        log("api_error", level="error", path=request.url.path, error=f"{type(e).__name__}: {e}",
-            traceback=traceback.format_exc())
-        return error_response(request, ApiError(500, f"internal error: {type(e).__name__}"))
+def _cors(guard: Guard) -> CORSConfig:
+    """CORS for the origins the guard lets in; preflights from any other origin get no CORS headers."""
+    return CORSConfig(allow_origins=["*"] if guard.any_origin else list(guard.allowed_origins),
+                      allow_origin_regex=None if guard.any_origin else LOOPBACK_ORIGIN,
+                      allow_methods=["GET", "POST", "OPTIONS"],
+                      allow_headers=["authorization", "x-api-key", "content-type", "anthropic-version",
+                                     "anthropic-beta", "openai-beta"],
+                      expose_headers=["x-request-id", "request-id", "retry-after"])
 
-    async def body_of(request: Request, type_: type) -> Any:
-        return await common.decode_body_async(await read_body(request), type_, ctx.limits)
 
-    async def read_body(request: Request) -> bytes:
-        """The body, refused (413) as soon as it is known to be past what the context can use:
-        from Content-Length before reading, else while it streams in. The ASGI messages are read
-        here rather than through request.stream(), whose disconnect is a 500 with a traceback."""
-        limit = ctx.body_limit()
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+def _on_api_error(request: Request, e: ApiError) -> Response:
+    return error_response(request, e)
+
+
+def _on_http_error(request: Request, e: HTTPException) -> Response:
+    status = e.status_code
+    if status >= 500:  # Litestar's own 5xx: log it like any other fault
+        return _on_error(request, e)
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}",
+               413: "the request body is too large"}.get(status, str(e.detail))
+    return error_response(request, ApiError(status, message))
+
+
+def _on_error(request: Request, e: Exception) -> Response:
+    log("api_error", level="error", path=request.url.path, error=f"{type(e).__name__}: {e}",
+        traceback=traceback.format_exc())
+    return error_response(request, ApiError(500, f"internal error: {type(e).__name__}"))
+
+
+def _on_client_gone(request: Request, e: ClientGone) -> Response:
+    if SCOPE_KEY not in request.scope:  # (one it timed out, readguard has logged)
+        log("client_gone", path=request.url.path, phase="body", body_bytes=e.received,
+            content_length=int(e.declared) if e.declared.isdigit() else None)
+    return Response(b"", status_code=499)  # nobody reads it: the connection is gone
+
+
+async def _body_of(ctx: ApiContext, request: Request, type_: type) -> Any:
+    return await common.decode_body_async(await _read_body(request, ctx.body_limit()), type_, ctx.limits)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to be past `limit` (what the context can use):
+    from Content-Length before reading, else while it streams in. The ASGI messages are read
+    here rather than through request.stream(), whose disconnect is a 500 with a traceback."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    while True:
+        # an HTTP request receives HTTP messages only (Request.receive is typed for websockets too,
+        # and Litestar's own request.stream() casts it the same way)
+        message = cast("HTTPReceiveMessage", await request.receive())
+        if message["type"] == "http.disconnect":
+            raise ClientGone(size, declared)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
             raise too_large(limit)
-        chunks, size = [], 0
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone(size, declared)
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
-    def on_client_gone(request: Request, e: ClientGone) -> Response:
-        if SCOPE_KEY not in request.scope:  # (one it timed out, readguard has logged)
-            log("client_gone", path=request.url.path, phase="body", body_bytes=e.received,
-                content_length=int(e.declared) if e.declared.isdigit() else None)
-        return Response(b"", status_code=499)  # nobody reads it: the connection is gone
 
-    def sse(handle, renderer, headers: dict[str, str]) -> Stream:
-        # The background task runs once the body is done, also when a disconnect cancelled the stream
-        # before it began: cancelling a settled request is a no-op, an unsettled one stops at once.
-        return Stream(stream(handle, renderer, ctx.keepalive_seconds), media_type="text/event-stream",
-                      headers={**SSE_HEADERS, **headers}, background=BackgroundTask(handle.cancel))
+def _sse(ctx: ApiContext, handle, renderer, headers: dict[str, str]) -> Stream:
+    # The background task runs once the body is done, also when a disconnect cancelled the stream
+    # before it began: cancelling a settled request is a no-op, an unsettled one stops at once.
+    return Stream(stream(handle, renderer, ctx.keepalive_seconds), media_type="text/event-stream",
+                  headers={**SSE_HEADERS, **headers}, background=BackgroundTask(handle.cancel))
 
-    # -- generation endpoints: one handler over the route table ------------------------------------------------
 
-    def generation_route(adapter: ProtocolAdapter):
-        async def generate(request: Request) -> Response:
-            rid = common.new_id(adapter.id_prefix)
-            try:  # until the engine has it, whatever ends the request is its one outcome line
-                body = await body_of(request, adapter.body_type)
-                common.check_accepting(ctx)
-                req, notes = await adapter.to_generation(ctx, body, rid)
-                if adapter.reads_probe:
-                    req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
-                req.user_agent = request.headers.get("user-agent", "")[:USER_AGENT_CHARS]  # for the admit line
-                handle = common.submit(ctx, req, adapter.prompt_param)
-            except ApiError as e:
-                raise common.refuse(ctx, rid, adapter.protocol, e) from None
-            except ClientGone:
-                raise  # (a client_gone line)
-            except Exception as e:
-                common.fail_early(ctx, rid, adapter.protocol, e)
-                raise
-            submitted = Submitted(ctx, body, rid, common.now(), req, notes)
-            headers = adapter.headers(rid)
-            if body.stream:
-                return sse(handle, adapter.renderer(submitted), headers)
-            result = await common.collect(request.receive, handle)
-            return _json(adapter.response(submitted, result), headers=headers)
+def _need_model(ctx: ApiContext) -> None:
+    if ctx.model is None:
+        raise ApiError(503, "the model is still loading; retry shortly", code="service_unavailable",
+                       retry_after=common.RETRY_AFTER_UNAVAILABLE)
 
-        return post(adapter.path, status_code=200, name=adapter.protocol)(generate)
 
+# -- generation endpoints: one handler over the route table ------------------------------------------------------
+
+
+def _generation_routes(ctx: ApiContext) -> list[HTTPRouteHandler]:
     @post("/v1/messages/count_tokens", status_code=200)
     async def count_tokens(request: Request) -> Response:
-        body = await body_of(request, anthropic_messages.MessagesRequest)
-        need_model()
+        body = await _body_of(ctx, request, anthropic_messages.MessagesRequest)
+        _need_model(ctx)
         prompt = await anthropic_messages.prompt_of(ctx, body)
         return _json(anthropic_messages.CountTokensResponse(len(prompt)))
 
-    def need_model() -> None:
-        if ctx.model is None:
-            raise ApiError(503, "the model is still loading; retry shortly", code="service_unavailable",
-                           retry_after=common.RETRY_AFTER_UNAVAILABLE)
+    return [*(_generation_route(ctx, a) for a in ROUTES), count_tokens]
 
-    # -- models ------------------------------------------------------------------------------------------------
+
+def _generation_route(ctx: ApiContext, adapter: ProtocolAdapter) -> HTTPRouteHandler:
+    async def generate(request: Request) -> Response:
+        rid = common.new_id(adapter.id_prefix)
+        try:  # until the engine has it, whatever ends the request is its one outcome line
+            body = await _body_of(ctx, request, adapter.body_type)
+            common.check_accepting(ctx)
+            req, notes = await adapter.to_generation(ctx, body, rid)
+            if adapter.reads_probe:
+                req.probe = request.headers.get("x-ember-probe") == "1"  # the daemon's readiness probe
+            req.user_agent = request.headers.get("user-agent", "")[:USER_AGENT_CHARS]  # for the admit line
+            handle = common.submit(ctx, req, adapter.prompt_param)
+        except ApiError as e:
+            raise common.refuse(ctx, rid, adapter.protocol, e) from None
+        except ClientGone:
+            raise  # (a client_gone line)
+        except Exception as e:
+            common.fail_early(ctx, rid, adapter.protocol, e)
+            raise
+        submitted = Submitted(ctx, body, rid, common.now(), req, notes)
+        headers = adapter.headers(rid)
+        if body.stream:
+            return _sse(ctx, handle, adapter.renderer(submitted), headers)
+        result = await common.collect(request.receive, handle)
+        return _json(adapter.response(submitted, result), headers=headers)
+
+    return post(adapter.path, status_code=200, name=adapter.protocol)(generate)
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+
+def _model_routes(ctx: ApiContext) -> list[HTTPRouteHandler]:
+    created_unix = int(time.time())
 
     def card() -> ModelCard:
         stamp = datetime.fromtimestamp(created_unix, UTC).isoformat().replace("+00:00", "Z")
@@ -238,25 +284,37 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
                            param="model", code="model_not_found")
         return _json(card())
 
-    # -- tokenizer helpers -------------------------------------------------------------------------------------
+    return [list_models, get_model]
 
+
+# -- tokenizer helpers, the OpenAPI document ---------------------------------------------------------------------
+
+
+def _helper_routes(ctx: ApiContext, version: str) -> list[HTTPRouteHandler]:
     @post("/tokenize", status_code=200)
     async def tokenize_text(request: Request) -> Response:
-        body = await body_of(request, tokenize.TokenizeRequest)
-        need_model()
+        body = await _body_of(ctx, request, tokenize.TokenizeRequest)
+        _need_model(ctx)
         return _json(await tokenize.tokenize(ctx, body))
 
     @post("/detokenize", status_code=200)
     async def detokenize_ids(request: Request) -> Response:
-        body = await body_of(request, tokenize.DetokenizeRequest)
-        need_model()
+        body = await _body_of(ctx, request, tokenize.DetokenizeRequest)
+        _need_model(ctx)
         return _json(await tokenize.detokenize(ctx, body))
 
     @get("/openapi.json")
     async def openapi_document() -> Response:
         return _json(openapi.document(version))
 
-    # -- health, metrics, stats (public; never the engine lock) -------------------------------------------------
+    return [tokenize_text, detokenize_ids, openapi_document]
+
+
+# -- health, metrics, stats (public; never the engine lock) ------------------------------------------------------
+
+
+def _health_routes(ctx: ApiContext, metrics_opt: dict[str, Any]) -> list[HTTPRouteHandler]:
+    state = ctx.state
 
     @get("/health/live", opt={"public": True})
     async def live() -> Response:
@@ -294,22 +352,4 @@ def create_app(engine: Any, model: Any, *, api_key: str | None, model_name: str,
         out["kv_persistence"] = state.kv_persistence()
         return _json(out)
 
-    # CORS for the origins the guard lets in; preflights from any other origin get no CORS headers
-    cors = CORSConfig(allow_origins=["*"] if guard.any_origin else list(guard.allowed_origins),
-                      allow_origin_regex=None if guard.any_origin else LOOPBACK_ORIGIN,
-                      allow_methods=["GET", "POST", "OPTIONS"],
-                      allow_headers=["authorization", "x-api-key", "content-type", "anthropic-version",
-                                     "anthropic-beta", "openai-beta"],
-                      expose_headers=["x-request-id", "request-id", "retry-after"])
-    return Litestar(
-        route_handlers=[*(generation_route(a) for a in ROUTES), count_tokens, list_models, get_model, tokenize_text,
-                        detokenize_ids, openapi_document, live, ready, metrics, stats],
-        before_request=check_caller,
-        exception_handlers={ApiError: on_api_error, ClientGone: on_client_gone, HTTPException: on_http_error,
-                            Exception: on_error},
-        request_max_body_size=None,  # read_body applies the context's limit
-        cors_config=cors,
-        openapi_config=None,
-        logging_config=None,
-        debug=False,
-    )
+    return [live, ready, metrics, stats]

@@ -267,7 +267,9 @@ async def render_prompt(ctx: ApiContext, messages: list[dict], tools: list[dict]
     prompt text and its ids. bounded: refuse a prompt past the context, as soon as that is known."""
     from ..text.chat_template import ChatTemplateError
 
-    template = ctx.model.template
+    model = ctx.model
+    assert model is not None, "the model is not loaded"
+    template = model.template
     limit = ctx.prompt_limit if bounded else None
     channels = ctx.formats.channels if ctx.formats is not None else None
 
@@ -369,8 +371,10 @@ def submit(ctx: ApiContext, req: GenerationRequest, param: str) -> RequestHandle
     """Hand the request to the engine; its refusals as ApiErrors (the caller logs the outcome)."""
     check_accepting(ctx)
     handle = RequestHandle(req, asyncio.get_running_loop())
+    engine = ctx.engine
+    assert engine is not None, "the model is not loaded"  # (check_accepting: the worker is ready)
     try:
-        ctx.engine.submit(handle)
+        engine.submit(handle)
     except QueueFull as e:
         raise ApiError(429, f"the worker is busy: {e}; retry shortly", code="rate_limit_exceeded",
                        retry_after=RETRY_AFTER_BUSY) from None

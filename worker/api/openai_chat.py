@@ -218,7 +218,7 @@ def template_messages(messages: list[ChatMessageIn]) -> list[dict]:
         if m.tool_calls:
             calls = []
             for c in m.tool_calls:
-                fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+                fn = f if isinstance(f := c.get("function"), dict) else {}
                 calls.append({"id": c.get("id"), "type": "function",
                               "function": {"name": fn.get("name", ""),
                                            "arguments": common.json_arguments(fn.get("arguments", {}))}})

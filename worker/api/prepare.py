@@ -104,7 +104,7 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
     starts = (message_starts(text, msgs) if len(text) <= SPANS_INLINE_CHARS
               else await asyncio.to_thread(message_starts, text, msgs))
     inside = r is not None and r.starts_inside(text)
-    if structured and inside:
+    if structured and inside and r is not None:  # (inside: r is not None)
         prompt = prompt + ctx.tokenizer.encode(r.end + "\n\n", add_special=False, parse_special=True)
         inside, ask = False, ReasoningAsk(disabled=True)
     budget = None

@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import ApiError
@@ -72,10 +73,10 @@ class Guard:
         raise ApiError(415, f"the request body must be JSON: send Content-Type: application/json ({got})",
                        code="unsupported_media_type")
 
-    def check_key(self, headers: dict[str, str] | object, public: bool) -> None:
+    def check_key(self, headers: Mapping[str, str], public: bool) -> None:
         if self.api_key is None or public:
             return
-        get = headers.get  # type: ignore[attr-defined]
+        get = headers.get
         supplied = [get("x-api-key")]
         auth = get("authorization") or ""
         if auth[:7].lower() == "bearer ":

@@ -91,6 +91,23 @@ def bound_schema(schema: Any, *, in_all_of: bool = False) -> Any:
         return schema  # false, or something malformed that the compiler will name
     if not (_CONSTRAINING & schema.keys()):  # {} or annotations only: any value
         return {**schema, **bounded_any()}
+    s = _with_bounded_subschemas(schema)
+    if "enum" in s or "const" in s or "$ref" in s:
+        return s  # finite already, or bounded where it points
+    types = _types(s)
+    if "string" in types and "maxLength" not in s:
+        s["maxLength"] = max(MAX_STRING, _int(s.get("minLength")))
+    if types & {"number", "integer"}:
+        _bound_number(s, is_number="number" in types)
+    if "array" in types and "maxItems" not in s and s.get("items") is not False:
+        s["maxItems"] = max(MAX_ITEMS, _int(s.get("minItems")))
+    if "object" in types:
+        _bound_object(s, in_all_of=in_all_of)
+    return s
+
+
+def _with_bounded_subschemas(schema: dict) -> dict:
+    """A copy of `schema` whose subschemas are bounded."""
     s = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(s.get(key), dict):
@@ -106,43 +123,46 @@ def bound_schema(schema: Any, *, in_all_of: bool = False) -> Any:
         s["items"] = [bound_schema(v) for v in items]
     elif "items" in s:
         s["items"] = bound_schema(items)
-    if "enum" in s or "const" in s or "$ref" in s:
-        return s  # finite already, or bounded where it points
-    types = s.get("type")
-    types = set(types) if isinstance(types, list) else {types} if isinstance(types, str) else set()
+    return s
+
+
+def _types(s: dict) -> set[str]:
+    """The types a schema allows: its `type`, or without one, those its keywords imply."""
+    t = s.get("type")
+    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
     if not types:  # no type: go by the keywords present
         if {"properties", "additionalProperties", "required"} & s.keys():
             types.add("object")
         if {"items", "prefixItems"} & s.keys():
             types.add("array")
-    if "string" in types and "maxLength" not in s:
-        s["maxLength"] = max(MAX_STRING, _int(s.get("minLength")))
-    if types & {"number", "integer"}:
-        low = s.get("minimum", s.get("exclusiveMinimum"))
-        high = s.get("maximum", s.get("exclusiveMaximum"))
-        if low is None and (high is None or _num(high) > -SAFE_INT):
-            s["minimum"] = -SAFE_INT
-        if high is None and (low is None or _num(low) < SAFE_INT):
-            s["maximum"] = SAFE_INT
-        if "number" in types and "multipleOf" not in s:
-            s["multipleOf"] = NUMBER_STEP
-    if "array" in types and "maxItems" not in s and s.get("items") is not False:
-        s["maxItems"] = max(MAX_ITEMS, _int(s.get("minItems")))
-    if "object" in types:
-        declared = s.get("properties") if isinstance(s.get("properties"), dict) else {}
-        required = s.get("required") if isinstance(s.get("required"), list) else []
-        if "additionalProperties" not in s and not ({"patternProperties", "unevaluatedProperties"} & s.keys()):
-            # Declared keys only, when that can satisfy the schema: models ramble less. Not inside
-            # allOf, where another branch may declare the keys this one would then forbid.
-            closed = declared and not in_all_of and all(k in declared for k in required)
-            s["additionalProperties"] = False if closed else bounded_any()
-        # llguidance counts properties only when every declared one is required; elsewhere the
-        # number of extra keys stays open (each of their values is still bounded)
-        if s.get("additionalProperties", True) is not False and "maxProperties" not in s \
-                and all(k in required for k in declared):
-            s["maxProperties"] = max(len(declared) + MAX_EXTRA_PROPERTIES, len(set(required)),
-                                     _int(s.get("minProperties")))
-    return s
+    return types
+
+
+def _bound_number(s: dict, *, is_number: bool) -> None:
+    low = s.get("minimum", s.get("exclusiveMinimum"))
+    high = s.get("maximum", s.get("exclusiveMaximum"))
+    if low is None and (high is None or _num(high) > -SAFE_INT):
+        s["minimum"] = -SAFE_INT
+    if high is None and (low is None or _num(low) < SAFE_INT):
+        s["maximum"] = SAFE_INT
+    if is_number and "multipleOf" not in s:
+        s["multipleOf"] = NUMBER_STEP
+
+
+def _bound_object(s: dict, *, in_all_of: bool) -> None:
+    declared = props if isinstance(props := s.get("properties"), dict) else {}
+    required = req if isinstance(req := s.get("required"), list) else []
+    if "additionalProperties" not in s and not ({"patternProperties", "unevaluatedProperties"} & s.keys()):
+        # Declared keys only, when that can satisfy the schema: models ramble less. Not inside
+        # allOf, where another branch may declare the keys this one would then forbid.
+        closed = declared and not in_all_of and all(k in declared for k in required)
+        s["additionalProperties"] = False if closed else bounded_any()
+    # llguidance counts properties only when every declared one is required; elsewhere the
+    # number of extra keys stays open (each of their values is still bounded)
+    if s.get("additionalProperties", True) is not False and "maxProperties" not in s \
+            and all(k in required for k in declared):
+        s["maxProperties"] = max(len(declared) + MAX_EXTRA_PROPERTIES, len(set(required)),
+                                 _int(s.get("minProperties")))
 
 
 def _int(v: Any) -> int:

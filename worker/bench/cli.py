@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from ember.ops.contract import ExitCode
 
@@ -94,7 +95,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
             token = int(np.argmax(logits[-1]))
         tg.append(args.gen_tokens / (time.perf_counter() - t))
         seq.close()
-    result = {
+    result: dict[str, Any] = {
         "model": str(runtime.model.path.name),
         "backend": runtime.backend.name,
         f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1),

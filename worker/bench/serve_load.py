@@ -124,7 +124,7 @@ def summarize(report: LoadReport, stats_before: dict, stats_after: dict, wall: f
     per_stream = [t.tokens / t.decode_s for t in ok if t.decode_s > 0 and t.tokens > 1]
     prompt = sum(t.prompt for t in ok)
     cached = sum(t.cached for t in ok)
-    outcomes = {}
+    outcomes: dict[str, int] = {}
     for t in report.turns:
         outcomes[t.outcome] = outcomes.get(t.outcome, 0) + 1
 

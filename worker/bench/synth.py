@@ -154,7 +154,13 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int, part: str = 
         w.add_rope_freq_base_swa(s.rope_base_swa)
     if s.dsv4 is not None:
         _add_dsv4_metadata(w, s, nextn)
-    # tokenizer
+    _add_tokenizer_metadata(w, v)
+    w.add_quantization_version(2)
+    file_type = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "ds4-flash": LlamaFileType.MOSTLY_IQ2_XXS}
+    w.add_file_type(int(file_type.get(s.mix, LlamaFileType.MOSTLY_Q4_K_M)))
+
+
+def _add_tokenizer_metadata(w: GGUFWriter, v: Vocab) -> None:
     w.add_tokenizer_model(v.model)
     if v.pre:
         w.add_tokenizer_pre(v.pre)
@@ -177,9 +183,6 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int, part: str = 
         w.add_add_space_prefix(v.add_space_prefix)
     if v.chat_template:
         w.add_chat_template(v.chat_template)
-    w.add_quantization_version(2)
-    file_type = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "ds4-flash": LlamaFileType.MOSTLY_IQ2_XXS}
-    w.add_file_type(int(file_type.get(s.mix, LlamaFileType.MOSTLY_Q4_K_M)))
 
 
 def _add_dsv4_metadata(w: GGUFWriter, s: ShapeSpec, nextn: int) -> None:

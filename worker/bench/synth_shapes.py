@@ -374,7 +374,7 @@ def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
     def type_of(name: str, shape: tuple[int, ...], il: int) -> GGMLQuantizationType:
         if s.type_table is not None:
             types = s.type_table[name]
-            return T[types[il] if il >= 0 else types[0]]
+            return GGMLQuantizationType[types[il] if il >= 0 else types[0]]  # by name (mypy reads T[...] as a type)
         if len(shape) == 1 or name == "ffn_gate_inp.weight" or name.endswith(".bias"):  # the router stays F32
             return T.F32
         if s.mix == "mxfp4":  # gpt-oss as released: MXFP4 experts, the other matrices Q8_0

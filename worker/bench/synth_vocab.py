@@ -226,7 +226,7 @@ _DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence�
 def _vocab_spm_llama(n_vocab: int) -> Vocab:
     # Llama 2 layout: <unk> <s> </s>, the 256 byte tokens, then pieces by score
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    types: list[int] = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256]
     scores = [0.0] * len(tokens)
     for rank, piece in enumerate(_spm_pieces(n_vocab - len(tokens))):
         tokens.append(piece)
@@ -244,7 +244,7 @@ def _vocab_spm_gemma(n_vocab: int) -> Vocab:
     # Gemma 3 layout: <pad> <eos> <bos> <unk> <mask> [multimodal], (<unused0..98> in the real-size
     # vocab), <start_of_turn> <end_of_turn>, the 256 byte tokens, pieces by score, <unusedN> filler
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "[multimodal]"]
-    types = [TokenType.CONTROL] * 5 + [TokenType.USER_DEFINED]
+    types: list[int] = [*[TokenType.CONTROL] * 5, TokenType.USER_DEFINED]
     n_unused = 99 if n_vocab >= 100_000 else 0
     tokens += [f"<unused{i}>" for i in range(n_unused)]
     types += [TokenType.CONTROL] * n_unused

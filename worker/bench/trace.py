@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from typing import Any
 
 from ember.ops.contract import ExitCode
 
@@ -114,9 +115,9 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     by: dict[str, list[float]] = defaultdict(list)
     for name, c in zip(names, cost, strict=False):
         by[name].append(float(c))
-    table = sorted(({"kernel": k, "launches": len(v), "total_us": round(sum(v), 2),
-                     "mean_us": round(sum(v) / len(v), 2)}
-                    for k, v in by.items()), key=lambda d: -d["total_us"])
+    kernels: list[dict[str, Any]] = [{"kernel": k, "launches": len(v), "total_us": round(sum(v), 2),
+                                      "mean_us": round(sum(v) / len(v), 2)} for k, v in by.items()]
+    table = sorted(kernels, key=lambda d: -d["total_us"])
     clocks = np.array(marks)
     phases = {}
     for name, (first, ends) in PHASES.items():

@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 # payload checksum, header checksum
 _HEADER = struct.Struct("<HHB5IQ16s16s16sQQ")
 HEADER_SIZE = len(MAGIC) + _HEADER.size
-_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
+_DTYPES: dict[int, np.dtype] = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -64,7 +64,7 @@ def encode_parts(block_hash: bytes, parent_hash: bytes, salt: bytes, tokens, pay
     payload = np.ascontiguousarray(payload)
     code = _CODES[payload.dtype.newbyteorder("<") if payload.dtype.byteorder == ">" else payload.dtype]
     shape = tuple(payload.shape) + (1,) * (5 - payload.ndim)
-    raw = memoryview(payload).cast("B")
+    raw = memoryview(payload).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on 3.12+ only
     toks = np.asarray(tokens, dtype="<i4").tobytes()
     fields = (FORMAT_VERSION, len(tokens), code, *shape, raw.nbytes, block_hash, parent_hash, salt_digest(salt),
               xxhash.xxh3_64_intdigest(raw))

@@ -95,7 +95,8 @@ def disk_order(entries: Iterable[tuple[float, int, bytes]], uses: dict[bytes, in
     """The disk tier's files, (last used, size, hash) each, in the order to evict them: ordinary files
     least recently used first, then shared ones least recently used first. Shared files past
     `shared_cap_bytes` (the least recently used of them) join the ordinary ones."""
-    ordinary, shared = [], []
+    ordinary: list[tuple[float, int, bytes]] = []
+    shared: list[tuple[float, int, bytes]] = []
     for e in entries:
         (shared if is_shared(uses.get(e[2], 1)) else ordinary).append(e)
     shared.sort(reverse=True)  # most recently used first: they keep their place up to the cap

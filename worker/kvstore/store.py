@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import queue
 import shutil
 import stat
@@ -402,7 +403,7 @@ class KVStore:
             finally:
                 self._writes.task_done()
 
-    def _land(self, entries: list, payloads: np.ndarray | None) -> None:
+    def _land(self, entries: list, payloads: list[np.ndarray] | np.ndarray) -> None:
         """The batch is on the host: into the host tier, within the host budget (eviction.py: a chain's
         head the most recently used of its batch, shared blocks kept ahead of the rest)."""
         with self._lock:
@@ -669,22 +670,10 @@ class KVStore:
             for path in files:
                 if self._stop.is_set():
                     return
-                try:
-                    st = path.lstat()
-                    if not stat.S_ISREG(st.st_mode):
-                        raise blockfile.BadBlockFile("not a regular file, at a block's path")
-                    with open(path, "rb") as f:
-                        head = f.read(head_len)
-                    header, _ = blockfile.read_header(head, salt=self.salt)
-                    if header.file_size != st.st_size:
-                        raise blockfile.BadBlockFile(f"size {st.st_size}, header says {header.file_size}")
-                    if header.block_hash.hex() + ".kv" != path.name:
-                        raise blockfile.BadBlockFile("file name does not match the block hash")
-                except blockfile.BadBlockFile as e:
-                    self._quarantine(path, str(e))
+                found = self._scan_header(path, head_len)
+                if found is None:
                     continue
-                except OSError:
-                    continue
+                header, st = found
                 with self._lock:
                     if header.block_hash not in self._quarantined and header.block_hash not in self._index:
                         self._index[header.block_hash] = (st.st_size, st.st_mtime)
@@ -698,6 +687,27 @@ class KVStore:
             self._probe()
         finally:
             self.scan_done.set()
+
+    def _scan_header(self, path: Path, head_len: int) -> tuple[blockfile.BlockHeader, os.stat_result] | None:
+        """A block file's header and stat, checked against its name and size; None for one that is gone or
+        unreadable, and for a bad one, quarantined."""
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                raise blockfile.BadBlockFile("not a regular file, at a block's path")
+            with open(path, "rb") as f:
+                head = f.read(head_len)
+            header, _ = blockfile.read_header(head, salt=self.salt)
+            if header.file_size != st.st_size:
+                raise blockfile.BadBlockFile(f"size {st.st_size}, header says {header.file_size}")
+            if header.block_hash.hex() + ".kv" != path.name:
+                raise blockfile.BadBlockFile("file name does not match the block hash")
+        except blockfile.BadBlockFile as e:
+            self._quarantine(path, str(e))
+            return None
+        except OSError:
+            return None
+        return header, st
 
     # -- budget, quarantine, degradation -------------------------------------------------------------------
 

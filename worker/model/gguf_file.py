@@ -101,7 +101,7 @@ class _Cursor:
         """A tight loop for the one hot spot: vocabularies of 100k+ strings."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
         unpack = struct.Struct("<Q").unpack_from
-        out = []
+        out: list[str] = []
         append = out.append
         for _ in range(count):
             if pos + 8 > end:

@@ -20,6 +20,7 @@ head prefers them, as llama.cpp's graph reads its own model's); equal ones are n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -100,7 +101,30 @@ def check_pair(g: GGUFFile, model: Model) -> MtpFile:
         raise ModelFileError(g.path, f"{model.path.name} carries its own next-token layer; use --spec mtp")
     if g.architecture != a:
         raise ModelFileError(g.path, f"architecture {g.architecture}, the model's is {a}")
-    keys, hkeys = family.keys, family.hyper.keys
+    hkeys = family.hyper.keys
+    il = _layer_index(g, model, hkeys)
+    _check_tensors(g, model, il)
+    eh = family.hyper.layer_name(il, "nextn_eh_proj")
+    if list(g.tensors[eh].shape) != [2 * cfg.hidden, cfg.hidden]:
+        raise ModelFileError(g.path, f"tensor {eh} has shape {list(g.tensors[eh].shape)}, not "
+                                     f"[{2 * cfg.hidden}, {cfg.hidden}]")
+    ratios = np.atleast_1d(np.asarray(g.get(hkeys["compress_ratios"], [])))
+    if len(ratios) <= il or int(ratios[il]):  # llama.cpp's MTP graph attends over a plain windowed cache
+        raise ModelFileError(g.path, f"the next-token layer's compress ratio is "
+                                     f"{int(ratios[il]) if len(ratios) > il else 'missing'} (supported: 0)")
+    if il < cfg.hyper.hash_layers:  # its graph routes by the learned router only
+        raise ModelFileError(g.path, f"a hash-routed next-token layer ({cfg.hyper.hash_layers} hash layers)")
+    exp = _clamp(g, hkeys["swiglu_clamp_exp"], None, il)
+    shexp = _clamp(g, hkeys["swiglu_clamp_shexp"], exp, il)
+    hyper = msgspec.structs.replace(cfg.hyper, nextn_layers=1, swiglu_clamp_exp=(*cfg.hyper.swiglu_clamp_exp, exp),
+                                    swiglu_clamp_shexp=(*cfg.hyper.swiglu_clamp_shexp, shexp))
+    return MtpFile(g, trunk, msgspec.structs.replace(cfg, hyper=hyper))
+
+
+def _layer_index(g: GGUFFile, model: Model, hkeys: Mapping[str, str]) -> int:
+    """The index of g's next-token layer, checked: it follows the trunk's layers, and the settings the two must
+    share are equal."""
+    cfg, trunk, keys = model.config, model.gguf, model.config.family.keys
     nextn = int(g.get(hkeys["nextn_layers"], 0))
     if nextn < 1:
         raise ModelFileError(g.path, f"no next-token layer ({hkeys['nextn_layers']} is {nextn})")
@@ -112,6 +136,13 @@ def check_pair(g: GGUFFile, model: Model) -> MtpFile:
         ours, theirs = trunk.get(key), g.get(key)
         if not np.array_equal(np.asarray(ours), np.asarray(theirs)):
             raise ModelFileError(g.path, f"{key} is {theirs}, {model.path.name}'s is {ours}")
+    return il
+
+
+def _check_tensors(g: GGUFFile, model: Model, il: int) -> None:
+    """The trunk's vocabulary, and every tensor of the layer (il) and of the model its graph reads, shaped as
+    the trunk's."""
+    cfg, trunk, family = model.config, model.gguf, model.config.family
     tokens, ours_tokens = g.get("tokenizer.ggml.tokens"), trunk.get("tokenizer.ggml.tokens")
     embd = g.tensors.get(family.tensors.token_embd)
     if embd is None or embd.shape != trunk.tensors[family.tensors.token_embd].shape or \
@@ -128,21 +159,6 @@ def check_pair(g: GGUFFile, model: Model) -> MtpFile:
         if like is not None and trunk.tensors[like].shape != g.tensors[f"blk.{il}.{n}"].shape:
             raise ModelFileError(g.path, f"tensor blk.{il}.{n} has shape {list(g.tensors[f'blk.{il}.{n}'].shape)}, "
                                          f"{like} of {model.path.name} has {list(trunk.tensors[like].shape)}")
-    eh = family.hyper.layer_name(il, "nextn_eh_proj")
-    if list(g.tensors[eh].shape) != [2 * cfg.hidden, cfg.hidden]:
-        raise ModelFileError(g.path, f"tensor {eh} has shape {list(g.tensors[eh].shape)}, not "
-                                     f"[{2 * cfg.hidden}, {cfg.hidden}]")
-    ratios = np.atleast_1d(np.asarray(g.get(hkeys["compress_ratios"], [])))
-    if len(ratios) <= il or int(ratios[il]):  # llama.cpp's MTP graph attends over a plain windowed cache
-        raise ModelFileError(g.path, f"the next-token layer's compress ratio is "
-                                     f"{int(ratios[il]) if len(ratios) > il else 'missing'} (supported: 0)")
-    if il < cfg.hyper.hash_layers:  # its graph routes by the learned router only
-        raise ModelFileError(g.path, f"a hash-routed next-token layer ({cfg.hyper.hash_layers} hash layers)")
-    exp = _clamp(g, hkeys["swiglu_clamp_exp"], None, il)
-    shexp = _clamp(g, hkeys["swiglu_clamp_shexp"], exp, il)
-    hyper = msgspec.structs.replace(cfg.hyper, nextn_layers=1, swiglu_clamp_exp=(*cfg.hyper.swiglu_clamp_exp, exp),
-                                    swiglu_clamp_shexp=(*cfg.hyper.swiglu_clamp_shexp, shexp))
-    return MtpFile(g, trunk, msgspec.structs.replace(cfg, hyper=hyper))
 
 
 def _clamp(g: GGUFFile, key: str, default: float | None, il: int) -> float:

@@ -82,6 +82,17 @@ class Partitioner:
 
     def _split_exact(self, text: str) -> list[str | int]:
         """The literal llama.cpp loop, restricted to the special tokens that occur in `text`."""
+        present = self._present(text)
+        if not present:
+            return [text]
+        frags: list[str | int] = [text]
+        for tid, tok in zip(self.ids, self.texts, strict=True):
+            if tok in present:
+                frags = _cut(frags, tid, tok, self.strip.get(tid, 0))
+        return frags
+
+    def _present(self, text: str) -> set[str]:
+        """The special tokens that occur in `text`."""
         if self._rx_overlap is None:
             self._rx_overlap = re.compile("(?=(" + _trie_regex(self.texts) + "))")
             pt: dict[str, list[str]] = {}
@@ -92,34 +103,32 @@ class Partitioner:
         present: set[str] = set()
         for m in self._rx_overlap.finditer(text):
             present.update(self._prefix_tokens[m.group(1)])
-        if not present:
-            return [text]
-        frags: list[str | int] = [text]
-        for tid, tok in zip(self.ids, self.texts, strict=True):
-            if tok not in present:
-                continue
-            strip = self.strip.get(tid, 0)
-            new: list[str | int] = []
-            for f in frags:
-                if not isinstance(f, str):
-                    new.append(f)
-                    continue
-                start = 0
-                while True:
-                    hit = f.find(tok, start)
-                    if hit < 0:
-                        break
-                    left = f[start:hit]
-                    if strip & ATTR_LSTRIP:
-                        left = left.rstrip(" \t\n\v\f\r")
-                    if left:
-                        new.append(left)
-                    new.append(tid)
-                    start = hit + len(tok)
-                    if strip & ATTR_RSTRIP:
-                        while start < len(f) and f[start] in " \t\n\v\f\r":
-                            start += 1
-                if start < len(f):
-                    new.append(f[start:])
-            frags = new
-        return frags
+        return present
+
+
+def _cut(frags: list[str | int], tid: int, tok: str, strip: int) -> list[str | int]:
+    """One token's pass of llama.cpp's loop: each `tok` in the text fragments becomes `tid`, the
+    whitespace beside it stripped where its attributes say."""
+    new: list[str | int] = []
+    for f in frags:
+        if not isinstance(f, str):
+            new.append(f)
+            continue
+        start = 0
+        while True:
+            hit = f.find(tok, start)
+            if hit < 0:
+                break
+            left = f[start:hit]
+            if strip & ATTR_LSTRIP:
+                left = left.rstrip(" \t\n\v\f\r")
+            if left:
+                new.append(left)
+            new.append(tid)
+            start = hit + len(tok)
+            if strip & ATTR_RSTRIP:
+                while start < len(f) and f[start] in " \t\n\v\f\r":
+                    start += 1
+        if start < len(f):
+            new.append(f[start:])
+    return new

@@ -80,6 +80,15 @@ class TooManyTokens(ValueError):
         self.at_least, self.limit, self.chars = at_least, limit, chars
 
 
+def _without_surrogates(text: str) -> str:
+    """`text` with its lone surrogates (not valid Unicode text, so never from UTF-8 input) as U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATES.sub("\ufffd", text)
+    return text
+
+
 class Tokenizer:
     """A GGUF model's tokenizer; encode/decode agree with llama.cpp token for token."""
 
@@ -181,7 +190,7 @@ class Tokenizer:
                 p = self._parts.get(parse_special)
                 if p is None:
                     ids = [i for i in self._specials_all if parse_special or not self._special_list[i]]
-                    texts = [self._hf.id_to_token(i) for i in ids]
+                    texts = [self._text(i) for i in ids]
                     safe = self.meta["ll_safe_all" if parse_special else "ll_safe_user"]
                     p = Partitioner(ids, texts, self._attrs, safe)
                     self._parts[parse_special] = p
@@ -205,18 +214,24 @@ class Tokenizer:
             fewest = self.fewest_tokens(text)
             if fewest > limit:
                 raise TooManyTokens(fewest, limit, len(text))
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = _SURROGATES.sub("\ufffd", text)
-        parts = self._partitioner(parse_special).split(text)
+        text = _without_surrogates(text)
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
+        out += self._encode_parts(self._partitioner(parse_special).split(text), len(out), limit, len(text))
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        if limit is not None and len(out) > limit:
+            raise TooManyTokens(len(out), limit, len(text))
+        return out
+
+    def _encode_parts(self, parts: list[str | int], total: int, limit: int | None, chars: int) -> list[int]:
+        """The ids of `parts` (text fragments and special tokens' ids), the fragments encoded in batches.
+        total: the ids before them; limit and chars: for TooManyTokens."""
         batch: list[str] = []
         slots: list[int] = []  # where each batched fragment's ids go in `pieces`
         pieces: list[list[int] | int] = []
-        size, total = 0, len(out)  # characters in the batch; ids known so far
+        size = 0  # characters in the batch; `total`: ids known so far
 
         def flush() -> None:
             nonlocal size, total
@@ -224,7 +239,7 @@ class Tokenizer:
                 pieces[slot] = e.ids
                 total += len(e.ids)
             if limit is not None and total > limit:
-                raise TooManyTokens(total, limit, len(text))
+                raise TooManyTokens(total, limit, chars)
             batch.clear()
             slots.clear()
             size = 0
@@ -242,15 +257,12 @@ class Tokenizer:
                 total += 1
         if batch:
             flush()
-        for p in pieces:
-            if isinstance(p, list):
-                out.extend(p)
+        out: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, list):
+                out.extend(piece)
             else:
-                out.append(p)
-        if add_special and self.add_eos and self.eos_id is not None:
-            out.append(self.eos_id)
-        if limit is not None and len(out) > limit:
-            raise TooManyTokens(len(out), limit, len(text))
+                out.append(piece)
         return out
 
     def fewest_tokens(self, text: str) -> int:
@@ -331,7 +343,13 @@ class Tokenizer:
 
     def token_text(self, id: int) -> str:
         """The token's text as stored in the GGUF (with ▁ or GPT-2 byte characters)."""
-        return self._hf.id_to_token(self._check(int(id)))
+        return self._text(self._check(int(id)))
+
+    def _text(self, i: int) -> str:
+        text = self._hf.id_to_token(i)
+        if text is None:  # (every id in the vocabulary has one)
+            raise ValueError(f"token id {i} has no text")
+        return text
 
     @property
     def hf(self) -> HFTokenizer:

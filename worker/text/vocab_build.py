@@ -158,65 +158,99 @@ def _fail(g: GGUFFile, problem: str) -> ModelFileError:
 def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
     """GGUF metadata -> (HF tokenizer JSON, meta, pieces blob, piece offsets, attributes)."""
     md = g.metadata
-    model = md.get("tokenizer.ggml.model")
+    kind = _kind(g)
+    tokens = _tokens(g)
+    n = len(tokens)
+    scores = _per_token(g, "tokenizer.ggml.scores", n, "fiu", "a numeric array", np.float32, 0)
+    types = _per_token(g, "tokenizer.ggml.token_type", n, "iu", "an integer array", np.int64, 1)
+    attrs = np.array([_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types.tolist()], dtype=np.int32)
+    vocab = _vocab(g, tokens)
+    flags = _flags(g, kind, n)
+    ids = flags.ids
+    _detect_by_text(ids, vocab, tokens, attrs)
+    eog = _end_of_generation(ids, vocab, tokens, attrs)
+    pieces = _pieces(g, kind, tokens, attrs)
+    _strip_by_model(md, vocab, attrs)
+
+    added = _added_tokens(tokens, attrs)
+    if kind == "spm":
+        hf = _hf_spm(tokens, vocab, scores, attrs, flags, added)
+    else:
+        assert flags.pre is not None
+        hf = _hf_bpe(g, vocab, flags.pre, added)
+    partition_all = [i for i in range(n) if attrs[i] & PARTITION_ATTRS]
+    partition_user = [i for i in partition_all if not attrs[i] & SPECIAL_ATTRS]
+    meta = {
+        "version": CACHE_VERSION, "kind": kind, "pre": flags.pre_name if kind == "bpe" else None,
+        "n_vocab": n, "add_bos": flags.add_bos, "add_eos": flags.add_eos, "add_space_prefix": flags.add_space_prefix,
+        "ids": ids, "eog": sorted(eog),
+        "ll_safe_all": _leftmost_longest_is_exact([tokens[i] for i in partition_all]),
+        "ll_safe_user": _leftmost_longest_is_exact([tokens[i] for i in partition_user]),
+    }
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in pieces], out=offsets[1:])
+    return hf, meta, b"".join(pieces), offsets, attrs
+
+
+# -- the vocabulary ---------------------------------------------------------------------------------------
+
+
+def _kind(g: GGUFFile) -> str:
+    """spm (tokenizer.ggml.model llama) or bpe (gpt2)."""
+    model = g.metadata.get("tokenizer.ggml.model")
     if not isinstance(model, str):
         raise _fail(g, "unsupported tokenizer: no tokenizer.ggml.model in metadata")
     if model == "llama":
-        kind = "spm"
-    elif model == "gpt2":
-        kind = "bpe"
-    else:
-        raise _fail(g, f"unsupported tokenizer model '{model}' (supported: llama, gpt2)")
+        return "spm"
+    if model == "gpt2":
+        return "bpe"
+    raise _fail(g, f"unsupported tokenizer model '{model}' (supported: llama, gpt2)")
 
-    tokens = md.get("tokenizer.ggml.tokens")
+
+def _tokens(g: GGUFFile) -> list[str]:
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise _fail(g, "unsupported tokenizer: tokenizer.ggml.tokens is missing or not a list of strings")
-    n = len(tokens)
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp does
+    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp does
 
-    scores_raw = md.get("tokenizer.ggml.scores")
-    if scores_raw is None:
-        scores = np.zeros(n, dtype=np.float32)
-    else:
-        scores = np.asarray(scores_raw)
-        if scores.ndim != 1 or scores.shape[0] < n or scores.dtype.kind not in "fiu":
-            raise _fail(g, "unsupported tokenizer: tokenizer.ggml.scores is not a numeric array as long as the "
-                           "vocabulary")
-        scores = scores[:n].astype(np.float32)
-    types_raw = md.get("tokenizer.ggml.token_type")
-    if types_raw is None:
-        types = np.ones(n, dtype=np.int64)
-    else:
-        types = np.asarray(types_raw)
-        if types.ndim != 1 or types.shape[0] < n or types.dtype.kind not in "iu":
-            raise _fail(g, "unsupported tokenizer: tokenizer.ggml.token_type is not an integer array as long as the "
-                           "vocabulary")
-        types = types[:n].astype(np.int64)
-    attrs = np.array([_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types.tolist()], dtype=np.int32)
 
+def _per_token(g: GGUFFile, key: str, n: int, kinds: str, what: str, dtype: type, default: int) -> np.ndarray:
+    """The first n of a per-token array, or `default` for every token where the key is absent."""
+    raw = g.metadata.get(key)
+    if raw is None:
+        return np.full(n, default, dtype=dtype)
+    values = np.asarray(raw)
+    if values.ndim != 1 or values.shape[0] < n or values.dtype.kind not in kinds:
+        raise _fail(g, f"unsupported tokenizer: {key} is not {what} as long as the vocabulary")
+    return values[:n].astype(dtype)
+
+
+def _vocab(g: GGUFFile, tokens: list[str]) -> dict[str, int]:
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if t in vocab:
             raise _fail(g, f"unsupported tokenizer: duplicate token {t!r} (ids {vocab[t]} and {i})")
         vocab[t] = i
+    return vocab
 
-    # -- flags and special ids, llama.cpp defaults first, then the GGUF keys --------------------------
-    pre_name = md.get("tokenizer.ggml.pre")
-    pre: _PreTok | None = None
-    if kind == "spm":
-        add_space_prefix, add_bos, add_eos = True, True, False
-        ids: dict[str, int | None] = {"bos": 1, "eos": 2, "unk": 0}
-    else:
-        if pre_name is None or pre_name == "":
-            pre_name = "default"
-        if not isinstance(pre_name, str) or pre_name not in _PRE_TABLE:
-            raise _fail(g, f"unsupported tokenizer pre-tokenizer '{pre_name}' for gpt2 vocabulary "
-                           f"(supported: {', '.join(sorted(_PRE_TABLE))})")
-        pre = _PRE_TABLE[pre_name]
-        add_space_prefix, add_bos, add_eos = False, pre.add_bos, False
-        ids = {"bos": 11, "eos": 11}
-        if pre.no_bos:
-            ids["bos"] = None
+
+# -- flags and special ids, llama.cpp defaults first, then the GGUF keys ----------------------------------
+
+
+@dataclass
+class _Flags:
+    pre_name: Any  # tokenizer.ggml.pre as given ("default" for a gpt2 vocabulary without one)
+    pre: _PreTok | None  # a gpt2 vocabulary's pre-tokenizer
+    add_space_prefix: bool
+    add_bos: bool
+    add_eos: bool
+    ids: dict[str, int | None]
+
+
+def _flags(g: GGUFFile, kind: str, n: int) -> _Flags:
+    md = g.metadata
+    flags = _defaults(g, kind)
+    ids = flags.ids
     for k in _ID_KEYS:
         ids.setdefault(k, None)
     for k, v in list(ids.items()):
@@ -228,40 +262,63 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
             continue
         if isinstance(v, (int, np.integer)) and 0 <= int(v) < n:
             ids[k] = int(v)
-    for key, name in (("tokenizer.ggml.add_space_prefix", "asp"), ("tokenizer.ggml.add_bos_token", "bos"),
-                      ("tokenizer.ggml.add_eos_token", "eos")):
-        v = md.get(key)
-        if isinstance(v, (bool, np.bool_)):
-            if name == "asp":
-                add_space_prefix = bool(v)
-            elif name == "bos":
-                add_bos = bool(v)
-            else:
-                add_eos = bool(v)
-    if add_bos and ids["bos"] is None:
+    flags.add_space_prefix = _flag(md, "tokenizer.ggml.add_space_prefix", flags.add_space_prefix)
+    flags.add_bos = _flag(md, "tokenizer.ggml.add_bos_token", flags.add_bos)
+    flags.add_eos = _flag(md, "tokenizer.ggml.add_eos_token", flags.add_eos)
+    if flags.add_bos and ids["bos"] is None:
         raise _fail(g, "unsupported tokenizer: tokenizer.ggml.add_bos_token is true, but no BOS token id is set")
-    if add_eos and ids["eos"] is None:
+    if flags.add_eos and ids["eos"] is None:
         raise _fail(g, "unsupported tokenizer: tokenizer.ggml.add_eos_token is true, but no EOS token id is set")
+    return flags
 
-    # -- text-based detection of EOT/EOM/FIM tokens; they become control tokens ------------------------
-    def detect(name: str, texts: Iterable[str]) -> None:
-        if ids[name] is not None:
-            return
-        for t in texts:  # llama.cpp walks a hash map; we take the first listed text that exists
-            if t in vocab:
-                ids[name] = vocab[t]
-                attrs[vocab[t]] |= ATTR_CONTROL
-                return
 
-    detect("eot", _EOT_TEXTS)
-    detect("eom", _EOM_TEXTS)
+def _defaults(g: GGUFFile, kind: str) -> _Flags:
+    """llama.cpp's defaults for the kind (and a gpt2 vocabulary's pre-tokenizer)."""
+    pre_name = g.metadata.get("tokenizer.ggml.pre")
+    if kind == "spm":
+        return _Flags(pre_name, None, True, True, False, {"bos": 1, "eos": 2, "unk": 0})
+    if pre_name is None or pre_name == "":
+        pre_name = "default"
+    if not isinstance(pre_name, str) or pre_name not in _PRE_TABLE:
+        raise _fail(g, f"unsupported tokenizer pre-tokenizer '{pre_name}' for gpt2 vocabulary "
+                       f"(supported: {', '.join(sorted(_PRE_TABLE))})")
+    pre = _PRE_TABLE[pre_name]
+    return _Flags(pre_name, pre, False, pre.add_bos, False, {"bos": None if pre.no_bos else 11, "eos": 11})
+
+
+def _flag(md: dict, key: str, default: bool) -> bool:
+    v = md.get(key)
+    return bool(v) if isinstance(v, (bool, np.bool_)) else default
+
+
+# -- text-based detection of EOT/EOM/FIM tokens; they become control tokens -------------------------------
+
+
+def _detect_by_text(ids: dict[str, int | None], vocab: dict[str, int], tokens: list[str], attrs: np.ndarray) -> None:
+    _detect(ids, vocab, attrs, "eot", _EOT_TEXTS)
+    _detect(ids, vocab, attrs, "eom", _EOM_TEXTS)
     for name, texts in _FIM_TEXTS.items():
-        detect(name, texts)
-    for i in range(n):  # control tokens named "unused" are unused
+        _detect(ids, vocab, attrs, name, texts)
+    for i in range(len(tokens)):  # control tokens named "unused" are unused
         if attrs[i] & ATTR_CONTROL and "unused" in tokens[i]:
             attrs[i] |= ATTR_UNUSED
 
-    eog: set[int] = set(ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if ids[k] is not None)
+
+def _detect(ids: dict[str, int | None], vocab: dict[str, int], attrs: np.ndarray, name: str,
+            texts: Iterable[str]) -> None:
+    if ids[name] is not None:
+        return
+    for t in texts:  # llama.cpp walks a hash map; we take the first listed text that exists
+        if t in vocab:
+            ids[name] = vocab[t]
+            attrs[vocab[t]] |= ATTR_CONTROL
+            return
+
+
+def _end_of_generation(ids: dict[str, int | None], vocab: dict[str, int], tokens: list[str],
+                       attrs: np.ndarray) -> set[int]:
+    """The end-of-generation ids (llama.cpp's special_eog_ids, with its exceptions)."""
+    eog = {i for k in ("fim_pad", "fim_rep", "fim_sep") if (i := ids[k]) is not None}
     for t in _EOG_TEXTS:
         i = vocab.get(t)
         if i is not None:
@@ -270,9 +327,7 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
     for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss: always render
         if t in vocab:
             attrs[vocab[t]] = ATTR_USER_DEFINED
-    for k in ("eos", "eot", "eom"):
-        if ids[k] is not None:
-            eog.add(ids[k])
+    eog |= {i for k in ("eos", "eot", "eom") if (i := ids[k]) is not None}
     eog_texts = {tokens[i] for i in eog}
     if "<|end|>" in eog_texts and (("<|return|>" in eog_texts and "<|call|>" in eog_texts)
                                    or ("<|calls|>" in eog_texts and "<|flush|>" in eog_texts)):
@@ -281,8 +336,13 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
     if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
         eog.discard(vocab["</s>"])
         attrs[vocab["</s>"]] = ATTR_NORMAL
+    return eog
 
-    # -- pieces (llama.cpp's token_to_piece cache, rendered with special=true) ------------------------
+
+# -- pieces (llama.cpp's token_to_piece cache, rendered with special=true) --------------------------------
+
+
+def _pieces(g: GGUFFile, kind: str, tokens: list[str], attrs: np.ndarray) -> list[bytes]:
     pieces: list[bytes] = []
     for i, t in enumerate(tokens):
         a = int(attrs[i])
@@ -300,8 +360,11 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
                 raise _fail(g, f"unsupported tokenizer: byte token {i} has text {t!r}") from None
         else:
             pieces.append(b"")
+    return pieces
 
-    # -- per-token strip attributes by model name (llama.cpp, after the caches) ------------------------
+
+def _strip_by_model(md: dict, vocab: dict[str, int], attrs: np.ndarray) -> None:
+    """Per-token strip attributes by model name (llama.cpp, after the caches)."""
     name = str(md.get("general.name", "")).lower()
     arch = str(md.get("general.architecture", ""))
     pre_s = str(md.get("tokenizer.ggml.pre", ""))
@@ -310,7 +373,7 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
         if "<mask>" in vocab:
             attrs[vocab["<mask>"]] |= ATTR_LSTRIP
     elif "phi-3" in name or "phi3" in name:
-        for i in range(n):
+        for i in range(len(attrs)):
             if attrs[i] & PARTITION_ATTRS:
                 attrs[i] |= ATTR_RSTRIP
         for t, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
@@ -319,61 +382,58 @@ def build(g: GGUFFile) -> tuple[dict, dict, bytes, np.ndarray, np.ndarray]:
     elif "modern-bert" in name and "[MASK]" in vocab:
         attrs[vocab["[MASK]"]] |= ATTR_LSTRIP
 
-    # -- the HF tokenizer ------------------------------------------------------------------------------
+
+# -- the HF tokenizer -------------------------------------------------------------------------------------
+
+
+def _added_tokens(tokens: list[str], attrs: np.ndarray) -> list[dict]:
     added = []
-    for i in range(n):
+    for i in range(len(tokens)):
         a = int(attrs[i])
         if a & PARTITION_ATTRS:
             added.append({"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": bool(a & SPECIAL_ATTRS)})
-    if kind == "spm":
-        merges = _spm_merges(tokens, vocab, scores, attrs)
-        normalizers: list[dict] = []
-        if add_space_prefix:
-            normalizers.append({"type": "Prepend", "prepend": _SPACE_ESC})
-        normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_ESC})
-        unk = tokens[ids["unk"]] if ids["unk"] is not None else None
-        decoders = [{"type": "Replace", "pattern": {"String": _SPACE_ESC}, "content": " "},
-                    {"type": "ByteFallback"}, {"type": "Fuse"}]
-        if add_space_prefix:
-            decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-        hf = {
-            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": {"type": "Sequence", "normalizers": normalizers},
-            "pre_tokenizer": None, "post_processor": None,
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True,
-                      "ignore_merges": False, "vocab": vocab, "merges": merges},
-        }
-    else:
-        assert pre is not None
-        merges = _bpe_merges(g, md.get("tokenizer.ggml.merges"), vocab)
-        pretoks: list[dict] = [{"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
-                               for rx in pre.regexes]
-        pretoks.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False})
-        hf = {
-            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": pretoks}, "post_processor": None,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": merges},
-        }
+    return added
 
-    partition_all = [i for i in range(n) if attrs[i] & PARTITION_ATTRS]
-    partition_user = [i for i in partition_all if not attrs[i] & SPECIAL_ATTRS]
-    meta = {
-        "version": CACHE_VERSION, "kind": kind, "pre": pre_name if kind == "bpe" else None,
-        "n_vocab": n, "add_bos": add_bos, "add_eos": add_eos, "add_space_prefix": add_space_prefix,
-        "ids": ids, "eog": sorted(eog),
-        "ll_safe_all": _leftmost_longest_is_exact([tokens[i] for i in partition_all]),
-        "ll_safe_user": _leftmost_longest_is_exact([tokens[i] for i in partition_user]),
+
+def _hf_spm(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, attrs: np.ndarray, flags: _Flags,
+            added: list[dict]) -> dict:
+    merges = _spm_merges(tokens, vocab, scores, attrs)
+    normalizers: list[dict] = []
+    if flags.add_space_prefix:
+        normalizers.append({"type": "Prepend", "prepend": _SPACE_ESC})
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_ESC})
+    unk_id = flags.ids["unk"]
+    unk = tokens[unk_id] if unk_id is not None else None
+    decoders = [{"type": "Replace", "pattern": {"String": _SPACE_ESC}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if flags.add_space_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True,
+                  "ignore_merges": False, "vocab": vocab, "merges": merges},
     }
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in pieces], out=offsets[1:])
-    return hf, meta, b"".join(pieces), offsets, attrs
+
+
+def _hf_bpe(g: GGUFFile, vocab: dict[str, int], pre: _PreTok, added: list[dict]) -> dict:
+    merges = _bpe_merges(g, g.metadata.get("tokenizer.ggml.merges"), vocab)
+    pretoks: list[dict] = [{"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
+                           for rx in pre.regexes]
+    pretoks.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False})
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pretoks}, "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": merges},
+    }
 
 
 def _byte_decode(text: str) -> bytes:

@@ -265,7 +265,7 @@ class CudaBackend(CudaKVBlocks, Backend):
         one token is the draw of chunk j of the step submitted just before (still running, perhaps),
         copied on the device; its `tokens` value is ignored. At most two steps are in flight: a third
         submit first collects the oldest."""
-        dev, cfg, bs = self.dev, self.config, self.block_size
+        dev, bs = self.dev, self.block_size
         dev.make_current()
         n = sum(len(c.tokens) for c in chunks)
         if n > self.max_rows or len(chunks) > self.max_rows:
@@ -288,55 +288,8 @@ class CudaBackend(CudaKVBlocks, Backend):
 
         # the step's inputs, packed into pinned memory and sent in one copy
         lay, hb = self.layout, self._h_in[slot].array
-        tok = host_view(hb, lay.tok, rows, np.int32)
-        pos = host_view(hb, lay.pos, rows, np.int32)
-        slots = host_view(hb, lay.slots, rows, np.int32)
-        seq = host_view(hb, lay.seq, rows, np.int32)
-        tables = host_view(hb, lay.tables, (len(chunks) + (1 if graph_rows else 0)) * stride, np.int32)
-        tok[:n] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
-        if sources is not None:
-            tok[:n][sources >= 0] = 0
-        if graph_rows:  # a captured step feeds its own tokens (its first kernel): -1 keeps the host's
-            fed = host_view(hb, lay.feed, rows, np.int32)
-            fed[:] = -1
-            if sources is not None:
-                fed[:n] = sources
-        elif sources is not None:
-            host_view(hb, lay.feed, n, np.int32)[:] = sources
-        if tok[:n].size and (tok[:n].min() < 0 or tok[:n].max() >= cfg.vocab_size):
-            raise ValueError("token id out of range")
-        pos[:n] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
-        slots[:n] = kv_slots(chunks, bs, self.n_blocks)
-        spans, at = [], 0
-        tables = tables.reshape(-1, stride)  # a view: writes land in the host buffer
-        tables[:] = self.trash_block
-        for si, c in enumerate(chunks):
-            m = len(c.tokens)
-            spans.append((at, at + m))
-            seq[at : at + m] = si
-            used = min(len(c.block_table), stride)
-            tables[si, :used] = c.block_table[:used]
-            at += m
-        if graph_rows:  # padded rows: token 0 at position 0 of the trash block
-            tok[n:rows], pos[n:rows], seq[n:rows] = 0, 0, len(chunks)
-            slots[n:rows] = self.trash_block * bs
-        # which rows need logits, and which of those are drawn on the device
-        want: list[tuple[int, int, int]] = []  # (chunk, first row, row count)
-        for si, (c, (a, b)) in enumerate(zip(chunks, spans, strict=True)):
-            if c.logits == "last":
-                want.append((si, b - 1, 1))
-            elif c.logits == "all":
-                want.append((si, a, b - a))
-        out_rows = host_view(hb, lay.out_rows, rows, np.int32)
-        n_out = 0
-        for _, r0, cnt in want:
-            out_rows[n_out : n_out + cnt] = np.arange(r0, r0 + cnt)
-            n_out += cnt
-        sampled = [si for si, _, cnt in want if cnt == 1 and chunks[si].sample is not None]
-        if graph_rows:
-            out_rows[:rows] = np.arange(rows)
-            n_out = rows
-        self._pack_sampling(hb, chunks, want, n_out)
+        spans, pos, tables = self._pack_inputs(hb, chunks, sources, n, rows, stride, graph_rows)
+        want, sampled, n_out = self._pack_outputs(hb, chunks, spans, rows, graph_rows)
         n_tiles = 0
         if not graph_rows and self._flash and n > len(chunks):  # prefill rows: flash attention
             tiles = ops.flash_tiles(spans)
@@ -370,6 +323,68 @@ class CudaBackend(CudaKVBlocks, Backend):
         self._inflight[slot] = self._last = pending
         self._slot ^= 1  # only after a launch: a fed step's source is always the other slot's last step
         return pending
+
+    def _pack_inputs(self, hb: np.ndarray, chunks: list[SeqChunk], sources: np.ndarray | None, n: int, rows: int,
+                     stride: int, graph_rows: int) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+        """The step's token ids (and the rows fed from the step before), positions, KV slots, sequences and
+        block tables into the slot's pinned input buffer `hb`: (each chunk's rows, the positions, the tables)."""
+        lay, cfg, bs = self.layout, self.config, self.block_size
+        tok = host_view(hb, lay.tok, rows, np.int32)
+        pos = host_view(hb, lay.pos, rows, np.int32)
+        slots = host_view(hb, lay.slots, rows, np.int32)
+        seq = host_view(hb, lay.seq, rows, np.int32)
+        tables = host_view(hb, lay.tables, (len(chunks) + (1 if graph_rows else 0)) * stride, np.int32)
+        tok[:n] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
+        if sources is not None:
+            tok[:n][sources >= 0] = 0
+        if graph_rows:  # a captured step feeds its own tokens (its first kernel): -1 keeps the host's
+            fed = host_view(hb, lay.feed, rows, np.int32)
+            fed[:] = -1
+            if sources is not None:
+                fed[:n] = sources
+        elif sources is not None:
+            host_view(hb, lay.feed, n, np.int32)[:] = sources
+        if tok[:n].size and (tok[:n].min() < 0 or tok[:n].max() >= cfg.vocab_size):
+            raise ValueError("token id out of range")
+        pos[:n] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        slots[:n] = kv_slots(chunks, bs, self.n_blocks)
+        spans, at = [], 0
+        tables = tables.reshape(-1, stride)  # a view: writes land in the host buffer
+        tables[:] = self.trash_block
+        for si, c in enumerate(chunks):
+            m = len(c.tokens)
+            spans.append((at, at + m))
+            seq[at : at + m] = si
+            used = min(len(c.block_table), stride)
+            tables[si, :used] = c.block_table[:used]
+            at += m
+        if graph_rows:  # padded rows: token 0 at position 0 of the trash block
+            tok[n:rows], pos[n:rows], seq[n:rows] = 0, 0, len(chunks)
+            slots[n:rows] = self.trash_block * bs
+        return spans, pos, tables
+
+    def _pack_outputs(self, hb: np.ndarray, chunks: list[SeqChunk], spans: list[tuple[int, int]], rows: int,
+                      graph_rows: int) -> tuple[list[tuple[int, int, int]], list[int], int]:
+        """Which rows need logits, and which of those are drawn on the device (with their sampling
+        parameters), into `hb`: (want: (chunk, first row, row count) each, the chunks drawn, the logits rows)."""
+        lay = self.layout
+        want: list[tuple[int, int, int]] = []  # (chunk, first row, row count)
+        for si, (c, (a, b)) in enumerate(zip(chunks, spans, strict=True)):
+            if c.logits == "last":
+                want.append((si, b - 1, 1))
+            elif c.logits == "all":
+                want.append((si, a, b - a))
+        out_rows = host_view(hb, lay.out_rows, rows, np.int32)
+        n_out = 0
+        for _, r0, cnt in want:
+            out_rows[n_out : n_out + cnt] = np.arange(r0, r0 + cnt)
+            n_out += cnt
+        sampled = [si for si, _, cnt in want if cnt == 1 and chunks[si].sample is not None]
+        if graph_rows:
+            out_rows[:rows] = np.arange(rows)
+            n_out = rows
+        self._pack_sampling(hb, chunks, want, n_out)
+        return want, sampled, n_out
 
     def _feed_sources(self, chunks, feed) -> np.ndarray:
         """Per row, the row of the previous step's draws (Activations.tokens_out) that is its token, or -1."""

@@ -114,8 +114,8 @@ class Forward:
         draws into `draws`; chunks/spans/positions are needed only by the host attention fallback."""
         dev, cfg, st, w, act, mm = self.dev, self.config, self.stream, self.w, self.act, self.mm
         H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        hid, qd, kvd = cfg.hidden, cfg.q_dim, cfg.kv_dim
-        x, h, o2, q, k, v, att = act.x, act.h, act.o2, act.q, act.k, act.v, act.att
+        hid = cfg.hidden
+        x, h, o2, q, att = act.x, act.h, act.o2, act.q, act.att
         block_size, layer_elems = self.kv.block_size, self.kv.layer_elems
         with pdl_launches(False):  # the step's first kernel follows the input copy, not a kernel
             # feed: the rows fed from the previous step's draws (d_feed: -1 for the others); the first
@@ -132,31 +132,7 @@ class Forward:
             local = cfg.is_local_layer(li)
             if not h_ready:
                 ops.rms_norm(dev, post.x, lw.attn_norm, h, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
-            if lw.qkv is QKV.STACKED:  # one matmul; q, k and v are column slices of its rows
-                ld = qd + 2 * kvd
-                wqkv, qkv = present(lw.wqkv), present(act.qkv)
-                (hq_,) = post.inputs([wqkv])
-                mm.linear(wqkv, hq_, qkv, n, tc=tc)
-                q_, k_, v_ = (qkv.view(off, qkv.size - off) for off in (0, qd, qd + kvd))
-                ldq = ldk = ldv = ld
-            elif lw.qkv is QKV.QK_STACKED:  # q and k stacked, v (another type) on its own
-                wqk, wv, qkv = present(lw.wqk), present(lw.wv), present(act.qkv)
-                hq_, hv_ = post.inputs([wqk, wv])
-                mm.linear(wqk, hq_, qkv, n, tc=tc)
-                mm.linear(wv, hv_, v, n, tc=tc)
-                q_, k_, v_ = qkv, qkv.view(qd, qkv.size - qd), v
-                ldq = ldk = qd + kvd
-                ldv = kvd
-            else:
-                mats = (present(lw.wq), present(lw.wk), present(lw.wv))
-                for wm, out, hin in zip(mats, (q, k, v), post.inputs(list(mats)), strict=True):
-                    mm.linear(wm, hin, out, n, tc=tc)
-                q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
-            if lw.bqkv is not None:  # the recipe's biases, where the file has them: the stacked rows' in one add
-                ops.add_bias(dev, q_, lw.bqkv, n=n, cols=qd + 2 * kvd, ldy=ldq, stream=st)
-            for bias, out, cols, ldo in ((lw.bq, q_, qd, ldq), (lw.bk, k_, kvd, ldk), (lw.bv, v_, kvd, ldv)):
-                if bias is not None:
-                    ops.add_bias(dev, out, bias, n=n, cols=cols, ldy=ldo, stream=st)
+            q_, k_, v_, ldq, ldk, ldv = self._project_qkv(lw, post, n, tc)
             inv = w.inv_freq_local if local else w.inv_freq_global
             kc = self.kv.k.view(li * layer_elems, layer_elems)
             vc = self.kv.v.view(li * layer_elems, layer_elems)
@@ -217,33 +193,10 @@ class Forward:
             gated = mm.gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             if self.post_norms:
                 mm.down(lw, o2, n, tc=tc, gated=gated)
-                if li + 1 < len(w.layers):  # and the next layer's attention pre-norm
-                    post.defer(o2, lw.post_ffn_norm, w.layers[li + 1].attn_norm)
-                    h_ready = True
-                elif n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
-                    post.defer(o2, lw.post_ffn_norm, w.output_norm)
-                    post.inputs([])
-                    final = h
-                else:
-                    ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=hid,
-                                     stream=st)
+                h_ready, final = self._post_ffn_norm(li, lw, post, n, n_out, final)
             else:
                 mm.down(lw, x, n, res=x, tc=tc, gated=gated)
-        if n_out:
-            if final is None:
-                src = post.x
-                if n_out != n:  # the output rows are a subset (out_rows lists them in order)
-                    ops.gather_rows(dev, post.x, inp.out_rows, o2, n=n_out, cols=hid, stream=st)
-                    src = o2
-                ops.rms_norm(dev, src, w.output_norm, act.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
-                final = act.hn
-            # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
-            argmax = act.argmax if sample and mm.streamed(w.output, n_out) else None
-            mm.linear(w.output, final, act.logits, n_out, tc=tc, argmax=argmax)
-            if sample:
-                params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
-                ops.sample(dev, act.logits, params, draws, rows=n_out, vocab=cfg.vocab_size,
-                           work=act.sample_work, greedy=argmax, stream=st)
+        self._logits(inp, draws, post.x, final, n, n_out, sample=sample, tc=tc)
 
     def _host_attention(self, li, chunks, spans, positions, q, att, window, sinks) -> None:
         """Fallback for head sizes without a device kernel: the numpy twin over this layer's blocks."""
@@ -264,3 +217,77 @@ class Forward:
             res[a:b] = reference.attention(qh[a:b], keys, values, positions[a:b].astype(np.int64), window=window,
                                            scale=cfg.attn_scale, sinks=host_sinks).reshape(b - a, cfg.q_dim)
         att.view(0, n * cfg.q_dim).upload(res.reshape(-1))
+
+    def _project_qkv(self, lw, post: PostNorms, n: int, tc: bool):
+        """One layer's q, k and v projections with their biases: (q, k, v, ldq, ldk, ldv), views of the
+        activations with their row strides."""
+        dev, cfg, st, act, mm = self.dev, self.config, self.stream, self.act, self.mm
+        qd, kvd = cfg.q_dim, cfg.kv_dim
+        q, k, v = act.q, act.k, act.v
+        if lw.qkv is QKV.STACKED:  # one matmul; q, k and v are column slices of its rows
+            ld = qd + 2 * kvd
+            wqkv, qkv = present(lw.wqkv), present(act.qkv)
+            (hq_,) = post.inputs([wqkv])
+            mm.linear(wqkv, hq_, qkv, n, tc=tc)
+            q_, k_, v_ = (qkv.view(off, qkv.size - off) for off in (0, qd, qd + kvd))
+            ldq = ldk = ldv = ld
+        elif lw.qkv is QKV.QK_STACKED:  # q and k stacked, v (another type) on its own
+            wqk, wv, qkv = present(lw.wqk), present(lw.wv), present(act.qkv)
+            hq_, hv_ = post.inputs([wqk, wv])
+            mm.linear(wqk, hq_, qkv, n, tc=tc)
+            mm.linear(wv, hv_, v, n, tc=tc)
+            q_, k_, v_ = qkv, qkv.view(qd, qkv.size - qd), v
+            ldq = ldk = qd + kvd
+            ldv = kvd
+        else:
+            mats = (present(lw.wq), present(lw.wk), present(lw.wv))
+            for wm, out, hin in zip(mats, (q, k, v), post.inputs(list(mats)), strict=True):
+                mm.linear(wm, hin, out, n, tc=tc)
+            q_, k_, v_, ldq, ldk, ldv = q, k, v, qd, kvd, kvd
+        if lw.bqkv is not None:  # the recipe's biases, where the file has them: the stacked rows' in one add
+            ops.add_bias(dev, q_, lw.bqkv, n=n, cols=qd + 2 * kvd, ldy=ldq, stream=st)
+        for bias, out, cols, ldo in ((lw.bq, q_, qd, ldq), (lw.bk, k_, kvd, ldk), (lw.bv, v_, kvd, ldv)):
+            if bias is not None:
+                ops.add_bias(dev, out, bias, n=n, cols=cols, ldy=ldo, stream=st)
+        return q_, k_, v_, ldq, ldk, ldv
+
+    def _logits(self, inp: StepInputs, draws: DeviceArray, x: DeviceArray, final: DeviceArray | None, n: int,
+                n_out: int, *, sample: bool, tc: bool) -> None:
+        """The output rows' logits (none where n_out is 0) from the residual `x` (`final`: their final-normed
+        state where a fused norm made it), and with `sample` their draws."""
+        if not n_out:
+            return
+        dev, cfg, st, w, act, mm = self.dev, self.config, self.stream, self.w, self.act, self.mm
+        hid = cfg.hidden
+        if final is None:
+            src = x
+            if n_out != n:  # the output rows are a subset (out_rows lists them in order)
+                ops.gather_rows(dev, x, inp.out_rows, act.o2, n=n_out, cols=hid, stream=st)
+                src = act.o2
+            ops.rms_norm(dev, src, w.output_norm, act.hn, eps=cfg.norm_eps, rows=n_out, cols=hid, stream=st)
+            final = act.hn
+        # one row streamed through a tall Q8_0 output projection: its greedy token found on the way
+        argmax = act.argmax if sample and mm.streamed(w.output, n_out) else None
+        mm.linear(w.output, final, act.logits, n_out, tc=tc, argmax=argmax)
+        if sample:
+            params = inp.sample.view(0, ops.SampleParams.nbytes(n_out))
+            ops.sample(dev, act.logits, params, draws, rows=n_out, vocab=cfg.vocab_size,
+                       work=act.sample_work, greedy=argmax, stream=st)
+
+    def _post_ffn_norm(self, li: int, lw, post: PostNorms, n: int, n_out: int,
+                       final: DeviceArray | None) -> tuple[bool, DeviceArray | None]:
+        """Layer li's FFN post-norm into the residual, joined by the next layer's attention pre-norm or, after
+        the last layer, by the final norm where every row is an output row: (whether h holds the next
+        layer's pre-norm, the final-normed state where that made it)."""
+        dev, cfg, st, w, act = self.dev, self.config, self.stream, self.w, self.act
+        o2 = act.o2
+        if li + 1 < len(w.layers):  # and the next layer's attention pre-norm
+            post.defer(o2, lw.post_ffn_norm, w.layers[li + 1].attn_norm)
+            return True, final
+        if n_out == n:  # every row is an output row, in order: the final norm joins the post-norm
+            post.defer(o2, lw.post_ffn_norm, w.output_norm)
+            post.inputs([])
+            return False, act.h
+        ops.rms_norm_add(dev, o2, present(lw.post_ffn_norm), post.x, eps=cfg.norm_eps, rows=n, cols=cfg.hidden,
+                         stream=st)
+        return False, final

@@ -168,7 +168,7 @@ class Dsml(ToolFormat):
         """Rules for one tool's parameters, in any order as the model may write them: each at most once,
         every required one present. The expression for all of them, or for the blank line of a call
         without any."""
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = p if isinstance(p := schema.get("properties"), dict) else {}
         required = [k for k in schema.get("required") or [] if k in props]
         shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
         keys = [*required, *(k for k in props if k not in required)]

@@ -53,7 +53,7 @@ class ToolCallArgsDelta:
 Event = ContentDelta | ToolCallStart | ToolCallArgsDelta | ReasoningDelta
 
 
-def merge_text(events: list, text_types: tuple[type, ...] = (ContentDelta,)) -> list:
+def merge_text(events: list, text_types: tuple[type[ContentDelta | ReasoningDelta], ...] = (ContentDelta,)) -> list:
     """Adjacent text events of one type joined into one, empty ones dropped."""
     out: list = []
     for e in events:

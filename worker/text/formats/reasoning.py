@@ -14,7 +14,7 @@ before a forced call; its output is split by the Harmony parser, never by a spli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .lark import Term, lark_literal
 from .reasoning_stream import ReasoningSplitter
@@ -85,11 +85,11 @@ class CommandThink(ReasoningFormat):
     name: str = "command"
 
 
-# in detection order
-REASONING_FORMATS: tuple[type[ReasoningFormat], ...] = (ThinkTags, SeedThink, MistralThink, CommandThink)
+# in detection order (frozen: one instance of each serves every model)
+REASONING_FORMATS: tuple[ReasoningFormat, ...] = (ThinkTags(), SeedThink(), MistralThink(), CommandThink())
 
 
-def parse_override(value: str | None) -> ReasoningFormat | None | str:
+def parse_override(value: str | None) -> ReasoningFormat | None | Literal["auto"]:
     """A configured reasoning format: "auto" (or empty: detect), "none" (no reasoning parsing),
     a known name ("think", "mistral"...) or "START,END". Returns "auto", None or a format."""
     v = (value or "").strip()
@@ -97,25 +97,25 @@ def parse_override(value: str | None) -> ReasoningFormat | None | str:
         return "auto"
     if v.lower() in ("none", "off", "false"):
         return None
-    for cls in REASONING_FORMATS:
-        if v.lower() == cls.name:
-            return cls()
+    for fmt in REASONING_FORMATS:
+        if v.lower() == fmt.name:
+            return fmt
     if "," in v:
         start, end = (p.strip() for p in v.split(",", 1))
         if start and end and start != end:
             return ReasoningFormat(start, end)
     raise ReasoningConfigError(f"reasoning format {value!r}: use auto, none, one of "
-                               f"{', '.join(cls.name for cls in REASONING_FORMATS)}, or START,END markers")
+                               f"{', '.join(fmt.name for fmt in REASONING_FORMATS)}, or START,END markers")
 
 
 def detect(template_source: str | None, tokenizer: Any = None) -> ReasoningFormat | None:
     """The model's reasoning format, or None for a model that does not think."""
     src = template_source or ""
-    for cls in REASONING_FORMATS:
-        if cls.start in src:
-            return cls()
+    for fmt in REASONING_FORMATS:
+        if fmt.start in src:
+            return fmt
     if tokenizer is not None:
-        for cls in REASONING_FORMATS:
-            if tokenizer.id_of(cls.start) is not None and tokenizer.id_of(cls.end) is not None:
-                return cls()
+        for fmt in REASONING_FORMATS:
+            if tokenizer.id_of(fmt.start) is not None and tokenizer.id_of(fmt.end) is not None:
+                return fmt
     return None

@@ -17,8 +17,11 @@ from .scan import partial_suffix
 
 
 class Markers(Protocol):
-    start: str
-    end: str
+    @property
+    def start(self) -> str: ...
+
+    @property
+    def end(self) -> str: ...
 
 
 REASONING = "reasoning"
@@ -71,70 +74,86 @@ class ReasoningSplitter:
         return out
 
     def _run(self, out: list[tuple[str, str]], final: bool) -> None:
-        fmt = self.fmt
+        """Split the buffer, state by state, while there is something to split now. Each state's
+        step returns False where it waits for more text (or for finish())."""
         while self.buf:
             if self.state == "start":
-                assert fmt is not None
-                s = self.buf.lstrip()
-                if s.startswith(fmt.start):
-                    self.buf = s[len(fmt.start):]
-                    self.state, self.had_reasoning, self._lead = REASONING, True, True
-                    continue
-                if not final and fmt.start.startswith(s):
-                    return  # whitespace or a partial start marker: wait
-                self.state = CONTENT
-                continue
-            if self.state == REASONING:
-                assert fmt is not None
-                if self._lead:
-                    self.buf = self.buf.lstrip()
-                    if not self.buf:
-                        return
-                    self._lead = False
-                j = self.buf.find(fmt.end)
-                if j >= 0:
-                    text = self.buf[:j].rstrip()
-                    if text:
-                        out.append((REASONING, text))
-                    self.buf = self.buf[j + len(fmt.end):]
-                    self.state, self._after_close = CONTENT, True
-                    continue
-                if final:
-                    return  # finish() flushes what is left
-                keep = partial_suffix(self.buf, (fmt.end,))
-                body = self.buf[:len(self.buf) - keep]
-                ws = len(body) - len(body.rstrip())  # trailing whitespace may precede the end marker
-                emit = body[:len(body) - ws]
-                if emit:
-                    out.append((REASONING, emit))
-                self.buf = self.buf[len(emit):]
+                go_on = self._at_start(final)
+            elif self.state == REASONING:
+                go_on = self._in_reasoning(out, final)
+            else:
+                go_on = self._in_content(out, final)
+            if not go_on:
                 return
-            # content
-            if self._after_close:
-                self.buf = self.buf.lstrip()
-                if not self.buf:
-                    return
-                self._after_close = False
-            if fmt is not None and self.had_reasoning:
-                # once a block has closed, the markers are markup, never answer text: a second block
-                # (a small model's, or one opened after the budget ran out) is reasoning too, and a
-                # stray end marker is dropped. Before any block, a marker in running text is text.
-                js, je = self.buf.find(fmt.start), self.buf.find(fmt.end)
-                if js >= 0 and (je < 0 or js < je):
-                    if self.buf[:js].rstrip():
-                        out.append((CONTENT, self.buf[:js].rstrip()))
-                    self.buf = self.buf[js + len(fmt.start):]
-                    self.state, self._lead = REASONING, True
-                    continue
-                if je >= 0:
-                    if self.buf[:je]:
-                        out.append((CONTENT, self.buf[:je]))
-                    self.buf = self.buf[je + len(fmt.end):]
-                    continue
-                keep = 0 if final else partial_suffix(self.buf, (fmt.start, fmt.end))
-                if keep < len(self.buf):
-                    out.append((CONTENT, self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
-                return
-            out.append((CONTENT, self.buf))
-            self.buf = ""
+
+    def _at_start(self, final: bool) -> bool:
+        fmt = self.fmt
+        assert fmt is not None
+        s = self.buf.lstrip()
+        if s.startswith(fmt.start):
+            self.buf = s[len(fmt.start):]
+            self.state, self.had_reasoning, self._lead = REASONING, True, True
+            return True
+        if not final and fmt.start.startswith(s):
+            return False  # whitespace or a partial start marker: wait
+        self.state = CONTENT
+        return True
+
+    def _in_reasoning(self, out: list[tuple[str, str]], final: bool) -> bool:
+        fmt = self.fmt
+        assert fmt is not None
+        if self._lead:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return False
+            self._lead = False
+        j = self.buf.find(fmt.end)
+        if j >= 0:
+            text = self.buf[:j].rstrip()
+            if text:
+                out.append((REASONING, text))
+            self.buf = self.buf[j + len(fmt.end):]
+            self.state, self._after_close = CONTENT, True
+            return True
+        if final:
+            return False  # finish() flushes what is left
+        keep = partial_suffix(self.buf, (fmt.end,))
+        body = self.buf[:len(self.buf) - keep]
+        ws = len(body) - len(body.rstrip())  # trailing whitespace may precede the end marker
+        emit = body[:len(body) - ws]
+        if emit:
+            out.append((REASONING, emit))
+        self.buf = self.buf[len(emit):]
+        return False
+
+    def _in_content(self, out: list[tuple[str, str]], final: bool) -> bool:
+        fmt = self.fmt
+        if self._after_close:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return False
+            self._after_close = False
+        if fmt is not None and self.had_reasoning:
+            # once a block has closed, the markers are markup, never answer text: a second block
+            # (a small model's, or one opened after the budget ran out) is reasoning too, and a
+            # stray end marker is dropped. Before any block, a marker in running text is text.
+            js, je = self.buf.find(fmt.start), self.buf.find(fmt.end)
+            if js >= 0 and (je < 0 or js < je):
+                if self.buf[:js].rstrip():
+                    out.append((CONTENT, self.buf[:js].rstrip()))
+                self.buf = self.buf[js + len(fmt.start):]
+                self.state, self._lead = REASONING, True
+                return True
+            if je >= 0:
+                if self.buf[:je]:
+                    out.append((CONTENT, self.buf[:je]))
+                self.buf = self.buf[je + len(fmt.end):]
+                return True
+            keep = 0 if final else partial_suffix(self.buf, (fmt.start, fmt.end))
+            if keep < len(self.buf):
+                out.append((CONTENT, self.buf[:len(self.buf) - keep]))
+            self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        out.append((CONTENT, self.buf))
+        self.buf = ""
+        return False
