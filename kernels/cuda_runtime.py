@@ -464,11 +464,16 @@ class DeviceArray:
                   "cuMemcpyDtoHAsync")
 
     def upload(self, arr: np.ndarray) -> None:
+        """Copy from host memory, landed when this returns. A cuMemcpyHtoD from pageable memory returns once
+        the data is staged, before its DMA lands, and the backend's non-blocking streams do not wait for the
+        legacy stream it runs on: a kernel queued next on them could read the old bytes (it did, under
+        another process's load: the host attention fallback's output), so the legacy stream is waited for."""
         arr = np.ascontiguousarray(arr)
         if arr.nbytes != self.nbytes:
             raise ValueError(f"upload of {arr.nbytes} bytes into a {self.nbytes}-byte array")
         if self.nbytes:
             check(_driver().cuMemcpyHtoD(self.ptr, arr.ctypes.data, self.nbytes), "cuMemcpyHtoD")
+            check(_driver().cuStreamSynchronize(_stream_handle(None)), "cuStreamSynchronize")
 
     def to_host(self) -> np.ndarray:
         out = np.empty(self.shape, dtype=self.dtype)

@@ -13,6 +13,7 @@ time, and the block history that carries the use counts over a restart.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,8 +70,12 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab, n).tolist()
 
 
-def _engine(runtime, backend, store=None) -> Engine:
-    e = Engine(runtime.model, backend(), EngineLimits(max_seqs=1, context=2048), metrics=Metrics(), store=store)
+def _engine(runtime, backend, store_root: Path | None = None) -> Engine:
+    """An engine on a fresh backend; with store_root, a KV store there that reads restored blocks into
+    that backend's restore buffers, as the worker's does (engine.store)."""
+    be = backend()
+    store = None if store_root is None else _store(runtime, store_root, be)
+    e = Engine(runtime.model, be, EngineLimits(max_seqs=1, context=2048), metrics=Metrics(), store=store)
     # the restore policy is not under test: computing looks slow, so what a tier holds is read back
     e.restore_costs.prefill = PrefillCost(1.0, 1.0)
     e.start()
@@ -97,7 +102,8 @@ def _store(runtime, root, be) -> KVStore:
     file_bytes = blockfile.HEADER_SIZE + 4 * BS + block_bytes
     return KVStore(root, salt=kv_salt(runtime.model.fingerprint, be.kv_layout), model_key=runtime.model.fingerprint,
                    block_shape=shape, block_tokens=BS, block_dtype=be.block_dtype, chain_hash=chain_hash,
-                   disk_budget=DISK_FILES * file_bytes, host_budget=HOST_BLOCKS * block_bytes)
+                   disk_budget=DISK_FILES * file_bytes, host_budget=HOST_BLOCKS * block_bytes,
+                   buffers=be.restore_buffers())
 
 
 def _hashes(engine: Engine, tokens: list[int]) -> list[bytes]:
@@ -150,8 +156,8 @@ def test_a_burst_of_one_off_prompts_keeps_the_shared_head_on_the_device(runtime,
 
 
 def test_a_burst_keeps_the_shared_head_in_the_host_tier_and_on_disk_across_a_restart(runtime, backend, tmp_path):
-    store = _store(runtime, tmp_path, backend())
-    engine = _engine(runtime, backend, store)
+    engine = _engine(runtime, backend, tmp_path)
+    store = engine.store
     host_copies = engine.backend.name == "numpy"  # CUDA's blocks go to disk from pinned slabs, never kept in RAM
     sessions = Sessions(runtime)
     head = _hashes(engine, sessions.head)
@@ -170,8 +176,8 @@ def test_a_burst_keeps_the_shared_head_in_the_host_tier_and_on_disk_across_a_res
         assert min(store.uses_of(head)) >= 3  # three sessions took it
     finally:
         store.close()
-    store = _store(runtime, tmp_path, engine.backend)  # a restarted worker: files and the block history only
-    engine = _engine(runtime, backend, store)
+    engine = _engine(runtime, backend, tmp_path)  # a restarted worker: files and the block history only
+    store = engine.store
     try:
         store.scan_done.wait(10)
         assert min(store.uses_of(head)) >= 3  # the block history carried the use counts over
