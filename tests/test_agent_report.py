@@ -73,12 +73,12 @@ def test_request_edits_per_protocol():
     _set_answer_format("/v1/messages", body, "stop")
     _thinking_off("/v1/messages", body)
     _cap_output("/v1/messages", body, 256)
-    assert body == {"max_tokens": 256, "thinking": {"type": "disabled"}, "stop_sequences": ["\n", ".", ","]}
+    assert body == {"max_tokens": 256, "thinking": {"type": "disabled"}, "stop_sequences": ["k"]}
     chat: dict = {"max_completion_tokens": 100}
     _set_answer_format("/v1/chat/completions", chat, "stop")
     _thinking_off("/v1/chat/completions", chat)
     _cap_output("/v1/chat/completions", chat, 256)
-    assert chat == {"max_completion_tokens": 100, "max_tokens": 256, "stop": ["\n", ".", ","],
+    assert chat == {"max_completion_tokens": 100, "max_tokens": 256, "stop": ["k"],
                     "reasoning_effort": "none"}
     resp: dict = {"reasoning": {"summary": "auto"}}
     _set_answer_format("/v1/responses", resp, "stop")  # Responses has no stop parameter: the format
