@@ -3,7 +3,8 @@
 
 The pinned CLIs come from tests/agents/package.json (`npm ci --prefix tests/agents`, which .ci/run
 does); a CLI that is not installed skips with what is missing, one that is installed must work.
-Each run goes CLI -> tests/agent_proxy.py -> worker, all on loopback. The proxy forces one call of
+Each client runs as worker/bench/agent_clients.py sets it up (its own home and config, pointed at one URL)
+and goes CLI -> worker/bench/agent_proxy.py -> worker, all on loopback. The proxy forces one call of
 a harmless read-only tool of that client (the tiny model never calls one by itself) and holds every
 later request that carries tools to a short structured answer, so no other tool call can come back;
 the CLIs also get no permission to run shell commands or write files. A run passes when the CLI
@@ -27,38 +28,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_proxy import Exchange, ForcingProxy
+from agent_support import need_cli
 
+from ember.worker.bench import agent_clients
+from ember.worker.bench.agent_clients import CLIENTS
+from ember.worker.bench.agent_proxy import Exchange, ForcingProxy
 from ember.worker.bench.workerproc import WorkerProcess
-
-AGENTS = Path(__file__).parent / "agents"
-MODULES = AGENTS / "node_modules"
-CLAUDE = MODULES / ".bin" / "claude"
-CODEX = MODULES / ".bin" / "codex"
-OPENCODE = MODULES / "opencode-linux-x64" / "bin" / "opencode"  # not the opencode-ai wrapper: agents/README.md
 
 pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT = 600  # seconds for one CLI run, and what each CLI may wait for one response
+CTX = 32768
 PROMPT = "Read the file notes.txt and tell me what it says."
 OUTCOMES = ("completed", "failed", "canceled", "refused")
-
-
-def _pinned(package: str) -> str:
-    manifest = json.loads((AGENTS / "package.json").read_text())
-    return {**manifest["dependencies"], **manifest.get("optionalDependencies", {})}[package]
-
-
-def _need(binary: Path, package: str, home: Path) -> None:
-    """Skip when the CLI is not installed; when it is, it must run and be the pinned version."""
-    if not binary.exists():
-        pytest.skip(f"{package}@{_pinned(package)} is not installed in tests/agents/node_modules: run "
-                    "`npm ci --prefix tests/agents` (.ci/run does when the npm registry answers)")
-    home.mkdir(exist_ok=True)
-    r = subprocess.run([str(binary), "--version"], check=False, capture_output=True, text=True, timeout=60, cwd=home,
-                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)})
-    assert r.returncode == 0 and _pinned(package) in r.stdout + r.stderr, \
-        f"{binary} --version: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
 
 
 # -- the worker, shared by the three runs ----------------------------------------------------------------------
@@ -74,7 +56,7 @@ def agent_worker(start_worker):
     def get() -> WorkerProcess:
         if not started:
             started.append(start_worker(
-                "--ctx", "32768", "--kv-mem", "1536MiB", "--max-seqs", "4", "--prefill-chunk", "2048",
+                "--ctx", str(CTX), "--kv-mem", "1536MiB", "--max-seqs", "4", "--prefill-chunk", "2048",
                 "--kv-persist", "off", "--max-output-tokens", "256", "--drain-seconds", "5"))
         return started[0]
 
@@ -101,12 +83,10 @@ class Run:
         self.stdout = self.stderr = ""
         self.seconds = 0.0
 
-    def env(self, **extra: str) -> dict[str, str]:
-        """Nothing of the caller's environment but PATH: no keys, proxies or config leak in."""
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home), "LANG": "C.UTF-8",
-                "XDG_CONFIG_HOME": str(self.home / ".config"), "XDG_CACHE_HOME": str(self.home / ".cache"),
-                "XDG_DATA_HOME": str(self.home / ".local/share"), "XDG_STATE_HOME": str(self.home / ".local/state"),
-                "TMPDIR": str(self.tmp), **extra}
+    def env(self, client: agent_clients.AgentClient) -> dict[str, str]:
+        """The client's environment and config (worker/bench/agent_clients.py), pointed at the proxy."""
+        return client.env(agent_clients.Run(self.home, self.tmp, self.proxy.url, self.worker.api_key or "none", CTX,
+                                            256, RUN_TIMEOUT))
 
     def run(self, argv: list[str], env: dict[str, str]) -> Run:
         t0 = time.monotonic()
@@ -235,91 +215,43 @@ def run_factory(agent_worker, tmp_path):
 
 def test_claude_code(run_factory, tmp_path):
     """`claude -p` on the messages API; Read is forced (Bash, Edit, Write, NotebookEdit disallowed)."""
-    _need(CLAUDE, "@anthropic-ai/claude-code", tmp_path / "version")
-    run = run_factory("Read")
-    env = run.env(ANTHROPIC_BASE_URL=run.proxy.url, ANTHROPIC_API_KEY=run.worker.api_key or "none",
-                  CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
-                  DISABLE_ERROR_REPORTING="1", DISABLE_BUG_COMMAND="1", API_TIMEOUT_MS=str(RUN_TIMEOUT * 1000))
-    run.run([str(CLAUDE), "-p", PROMPT, "--output-format", "json", "--max-turns", "3",
-             "--disallowedTools", "Bash", "Edit", "Write", "NotebookEdit"], env)
-    forced = run.check("/v1/messages")
+    client = CLIENTS["claude"]
+    binary = need_cli(client, tmp_path / "version")
+    run = run_factory(client.tool)
+    run.run(client.argv(binary, PROMPT), run.env(client))
+    forced = run.check(client.protocol_path)
     result = json.loads(run.stdout)
     assert result["type"] == "result" and result["subtype"] == "success" and not result["is_error"], run.report()
     assert result["num_turns"] >= 2, run.report()  # the tool call, then the answer
     assert "Bash" not in forced.tools and "Read" in forced.tools
-    run.check_all_tools_forceable(forced, "/v1/messages")
+    run.check_all_tools_forceable(forced, client.protocol_path)
 
 
 def test_codex(run_factory, tmp_path):
     """`codex exec` with a custom provider on the Responses API; get_goal is forced (the shell tool
     is disabled, the sandbox read-only)."""
-    _need(CODEX, "@openai/codex", tmp_path / "version")
-    run = run_factory("get_goal")
-    codex_home = run.tmp / "codex-home"
-    codex_home.mkdir()
-    (codex_home / "config.toml").write_text(f'''\
-model = "ember"
-model_provider = "ember"
-model_context_window = 32768
-approval_policy = "never"
-sandbox_mode = "read-only"
-check_for_update_on_startup = false
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-
-[model_providers.ember]
-name = "ember"
-base_url = "{run.proxy.url}/v1"
-env_key = "EMBER_AGENT_KEY"
-wire_api = "responses"
-request_max_retries = 0
-stream_max_retries = 0
-stream_idle_timeout_ms = {RUN_TIMEOUT * 1000}
-''')
-    env = run.env(CODEX_HOME=str(codex_home), EMBER_AGENT_KEY=run.worker.api_key or "none")
-    run.run([str(CODEX), "exec", "--skip-git-repo-check", "--disable", "shell_tool", "--json", PROMPT], env)
-    forced = run.check("/v1/responses")
+    client = CLIENTS["codex"]
+    binary = need_cli(client, tmp_path / "version")
+    run = run_factory(client.tool)
+    run.run(client.argv(binary, PROMPT), run.env(client))
+    forced = run.check(client.protocol_path)
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     kinds = [e.get("type") for e in events]
     assert "turn.completed" in kinds and "turn.failed" not in kinds, run.report()
     assert any(e.get("type") == "item.completed" and (e.get("item") or {}).get("type") == "agent_message"
                for e in events), run.report()
     assert "exec_command" not in forced.tools and "get_goal" in forced.tools
-    run.check_all_tools_forceable(forced, "/v1/responses")
+    run.check_all_tools_forceable(forced, client.protocol_path)
 
 
 def test_opencode(run_factory, tmp_path):
     """`opencode run` with an @ai-sdk/openai-compatible provider on chat completions; read is
-    forced (bash, edit and webfetch denied)."""
-    _need(OPENCODE, "opencode-linux-x64", tmp_path / "version")
-    run = run_factory("read")
-    config = run.tmp / "opencode.json"
-    config.write_text(json.dumps({
-        "$schema": "https://opencode.ai/config.json",
-        "model": "ember/gemma",
-        "small_model": "ember/gemma",
-        "autoupdate": False,
-        "share": "disabled",
-        "permission": {"bash": "deny", "edit": "deny", "webfetch": "deny", "external_directory": "deny"},
-        "provider": {"ember": {
-            "npm": "@ai-sdk/openai-compatible",
-            "name": "ember",
-            "options": {"baseURL": f"{run.proxy.url}/v1", "apiKey": run.worker.api_key or "none",
-                        "timeout": RUN_TIMEOUT * 1000},
-            "models": {"gemma": {"name": "gemma", "limit": {"context": 32768, "output": 256}}},
-        }},
-    }, indent=2))
-    # the openai-compatible provider is bundled in the binary; a dead registry proves nothing is fetched
-    env = run.env(OPENCODE_CONFIG=str(config), OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1",
-                  OPENCODE_DISABLE_LSP_DOWNLOAD="1", OPENCODE_DISABLE_DEFAULT_PLUGINS="1", OPENCODE_DISABLE_SHARE="1",
-                  OPENCODE_DISABLE_CLAUDE_CODE="1", OPENCODE_DISABLE_PROJECT_CONFIG="1",
-                  NPM_CONFIG_REGISTRY="http://127.0.0.1:9/", BUN_CONFIG_REGISTRY="http://127.0.0.1:9/")
-    run.run([str(OPENCODE), "run", "--format", "json", "-m", "ember/gemma", PROMPT], env)
-    forced = run.check("/v1/chat/completions")
+    forced (bash, edit and webfetch denied; a dead npm registry proves nothing is fetched)."""
+    client = CLIENTS["opencode"]
+    binary = need_cli(client, tmp_path / "version")
+    run = run_factory(client.tool)
+    run.run(client.argv(binary, PROMPT), run.env(client))
+    forced = run.check(client.protocol_path)
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     tools = [e["part"] for e in events if e.get("type") == "tool_use"]
     assert [t.get("tool") for t in tools] == ["read"], run.report()
@@ -327,4 +259,4 @@ def test_opencode(run_factory, tmp_path):
     finishes = [e["part"].get("reason") for e in events if e.get("type") == "step_finish"]
     assert finishes[:1] == ["tool-calls"] and finishes[-1] == "stop", run.report()
     assert "bash" not in forced.tools and "read" in forced.tools
-    run.check_all_tools_forceable(forced, "/v1/chat/completions")
+    run.check_all_tools_forceable(forced, client.protocol_path)

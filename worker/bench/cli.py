@@ -42,6 +42,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_speed)
 
+    from .agents import add_agents_parser
     from .grammar import add_grammar_parser
     from .replay import add_replay_parser
     from .resume import add_resume_parser
@@ -59,6 +60,7 @@ def add_bench_parser(sub) -> None:
     add_trace_parser(bsub)
     add_soak_parser(bsub)
     add_spec_parser(bsub)
+    add_agents_parser(bsub)
 
 
 def cmd_speed(args: argparse.Namespace) -> int:

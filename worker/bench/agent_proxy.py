@@ -1,18 +1,28 @@
-"""A loopback forwarding proxy between an agent CLI and a worker, for tests/test_agent_clients.py.
+"""A loopback forwarding proxy between an agent CLI and a server, for tests/test_agent_clients.py,
+tests/test_agent_sessions.py and `ember bench agents`.
 
 A tiny model never chooses to call a tool by itself, and left free it rambles until the output
 cap cuts it (which some clients report as a failed turn). So the proxy steers every request that
 carries tools, and passes everything else through unchanged:
 - the first one that offers the named (harmless) tool is forced to call it: the protocol's own
   forced tool choice (messages `{"type": "tool", "name": X}`, Responses `{"type": "function",
-  "name": X}`, chat `{"type": "function", "function": {"name": X}}`);
-- every later one gets a short answer: the protocol's structured-output format (messages
-  `output_config.format`, Responses `text.format`, chat `response_format`) with a one-field
-  schema, so the answer ends by itself and no other tool call can come back.
+  "name": X}`, chat `{"type": "function", "function": {"name": X}}`); `reset()` arms it again
+  (a session forces one call a turn);
+- every later one gets a short answer. `answer="format"`: the protocol's structured-output format
+  (messages `output_config.format`, Responses `text.format`, chat `response_format`) with a
+  one-field schema, so the answer ends by itself and no other tool call can come back.
+  `answer="stop"`: stop sequences instead (messages `stop_sequences`, chat `stop`), which every
+  server honours, so the same requests can go to ember and to llama-server (which ignores the
+  formats on /v1/messages); Responses has no stop parameter and keeps the format.
+Two more knobs apply to every request body on the three protocols, side requests too: `thinking_off`
+(messages `thinking: disabled`, chat `reasoning_effort: none`, Responses `reasoning.effort: none`,
+for a thinking template whose tiny model would never close its block) and `max_tokens` (the output
+cap, for a server that has no cap of its own).
 It records each exchange (path, status, tool names, what it set, tool results the client sent
-back, the response bytes) so a test can assert that the call went out in the client's own format
-and its result came back. One request per connection (`Connection: close` both ways); stdlib only;
-not a general HTTP proxy (no TLS, no upgrades, loopback only).
+back, the response's headers and bytes, the `turn` the driver had set) so a test can assert that
+the call went out in the client's own format and its result came back, and read each response's
+request id and prompt usage. One request per connection (`Connection: close` both ways); stdlib
+only; not a general HTTP proxy (no TLS, no upgrades).
 """
 
 from __future__ import annotations
@@ -21,11 +31,25 @@ import asyncio
 import contextlib
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_RECORDED_RESPONSE = 1 << 20  # bytes of each response kept for assertions
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
                  "required": ["answer"], "additionalProperties": False}
+# answer="stop": a letter that a synthetic vocabulary's filler tokens (" tok123") carry, so a tiny random
+# model's text reaches it within a few tokens, and that few tokens begin with, so the answer is seldom
+# empty (an empty answer makes Claude Code ask again, and give up the turn after a second one)
+STOP_SEQUENCES = ["k"]
+ANSWER_MODES = ("format", "stop")
+PROTOCOL_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A response's prompt accounting: every prompt token, and those the server served from its cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass
@@ -37,7 +61,9 @@ class Exchange:
     forced: str | None  # the tool this request was forced to call
     answer: bool  # this request was held to the short answer format
     tool_results: list[str]  # the call ids of the tool results the client sent back in this request
+    turn: int | None = None  # the proxy's `turn` when the request came
     status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)  # the response's, names lowercased
     chunked: bool = False
     response: bytes = b""  # the body as it came (still chunk-framed when chunked)
 
@@ -45,9 +71,8 @@ class Exchange:
         body = _dechunk(self.response) if self.chunked else self.response
         return body.decode("utf-8", errors="replace")
 
-    def calls(self) -> list[tuple[str, str]]:
-        """(name, call id) of each tool call in the response, in any of the three protocols,
-        streamed (SSE `data:` lines) or not."""
+    def docs(self) -> list[dict]:
+        """The response's JSON objects: each SSE `data:` line's, or the whole body's."""
         docs = []
         for line in self.response_text().splitlines():
             line = line.strip()
@@ -56,10 +81,58 @@ class Exchange:
             if line.startswith("{"):
                 with contextlib.suppress(ValueError):
                     docs.append(json.loads(line))
+        return docs
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, call id) of each tool call in the response, in any of the three protocols,
+        streamed (SSE `data:` lines) or not."""
         found: list[tuple[str, str]] = []
-        for doc in docs:
+        for doc in self.docs():
             _walk_calls(doc, found)
         return list(dict.fromkeys(found))
+
+    @property
+    def request_id(self) -> str | None:
+        """The server's id for the request: ember's x-request-id header, else the response's own id
+        (llama-server sends no header)."""
+        if self.headers.get("x-request-id"):
+            return self.headers["x-request-id"]
+        for doc in self.docs():
+            for node in (doc.get("message"), doc.get("response"), doc):
+                if isinstance(node, dict) and isinstance(node.get("id"), str):
+                    return node["id"]
+        return None
+
+    def usage(self) -> Usage | None:
+        """The prompt's tokens and cached tokens as the response reports them, in any protocol, from
+        the last report in the stream: messages `usage` (input_tokens counts the uncached part,
+        cache_read_input_tokens the cached), chat `usage.prompt_tokens_details.cached_tokens` or
+        llama-server's `timings` (prompt_n uncached, cache_n cached), Responses `usage.input_tokens_details`."""
+        found: Usage | None = None
+        for doc in self.docs():
+            for node in (doc, doc.get("message"), doc.get("response")):
+                u = _usage_of(node)
+                if u is not None:
+                    found = u
+        return found
+
+
+def _usage_of(node) -> Usage | None:
+    if not isinstance(node, dict):
+        return None
+    u = node.get("usage")
+    if isinstance(u, dict):
+        if "cache_read_input_tokens" in u and "input_tokens" in u:  # messages
+            cached = int(u.get("cache_read_input_tokens") or 0)
+            return Usage(int(u["input_tokens"]) + cached + int(u.get("cache_creation_input_tokens") or 0), cached)
+        details = u.get("prompt_tokens_details") or u.get("input_tokens_details")
+        total = u.get("prompt_tokens", u.get("input_tokens"))
+        if isinstance(details, dict) and isinstance(total, int):  # chat, Responses
+            return Usage(total, int(details.get("cached_tokens") or 0))
+    t = node.get("timings")
+    if isinstance(t, dict) and "cache_n" in t and "prompt_n" in t:  # llama-server
+        return Usage(int(t["prompt_n"]) + int(t["cache_n"]), int(t["cache_n"]))
+    return None
 
 
 def _tool_names(path: str, body: dict) -> list[str]:
@@ -82,8 +155,12 @@ def _forced_choice(path: str, name: str) -> dict:
     return {"type": "function", "name": name}  # Responses
 
 
-def _set_answer_format(path: str, body: dict) -> None:
-    if "/v1/messages" in path:
+def _set_answer_format(path: str, body: dict, mode: str = "format") -> None:
+    if mode == "stop" and "/v1/messages" in path:
+        body["stop_sequences"] = list(STOP_SEQUENCES)
+    elif mode == "stop" and "/chat/completions" in path:
+        body["stop"] = list(STOP_SEQUENCES)
+    elif "/v1/messages" in path:
         oc = body.get("output_config")
         fmt: dict = {"type": "json_schema", "schema": ANSWER_SCHEMA}
         body["output_config"] = {**(oc if isinstance(oc, dict) else {}), "format": fmt}
@@ -94,6 +171,25 @@ def _set_answer_format(path: str, body: dict) -> None:
         text = body.get("text")
         fmt = {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}
         body["text"] = {**(text if isinstance(text, dict) else {}), "format": fmt}
+
+
+def _thinking_off(path: str, body: dict) -> None:
+    if "/v1/messages" in path:
+        body["thinking"] = {"type": "disabled"}
+    elif "/chat/completions" in path:
+        body["reasoning_effort"] = "none"
+    else:
+        reasoning = body.get("reasoning")
+        body["reasoning"] = {**(reasoning if isinstance(reasoning, dict) else {}), "effort": "none"}
+
+
+def _cap_output(path: str, body: dict, cap: int) -> None:
+    keys = ("max_tokens",) if "/v1/messages" in path else ("max_output_tokens",) if "/v1/responses" in path \
+        else ("max_tokens", "max_completion_tokens")
+    for k in keys:
+        if k == keys[0] or k in body:
+            asked = body.get(k)
+            body[k] = min(asked, cap) if isinstance(asked, int) and asked > 0 else cap
 
 
 def _tool_result_ids(path: str, body: dict) -> list[str]:
@@ -135,12 +231,22 @@ def _walk_calls(node, found: list[tuple[str, str]]) -> None:
 
 
 class ForcingProxy:
-    """Forward 127.0.0.1:<port> to `upstream` (host, port); force `tool` once."""
+    """Forward 127.0.0.1:<port> to `upstream_host`:`upstream_port`; force `tool` once (again after
+    each `reset`); hold later tool-carrying requests to the `answer` mode; `thinking_off` and
+    `max_tokens` as the module says."""
 
-    def __init__(self, upstream_port: int, tool: str | None):
+    def __init__(self, upstream_port: int, tool: str | None, *, upstream_host: str = "127.0.0.1",
+                 answer: str = "format", thinking_off: bool = False, max_tokens: int | None = None):
+        if answer not in ANSWER_MODES:
+            raise ValueError(f"answer must be one of {ANSWER_MODES} (got {answer!r})")
+        self.upstream_host = upstream_host
         self.upstream_port = upstream_port
         self.tool = tool
+        self.answer = answer
+        self.thinking_off = thinking_off
+        self.max_tokens = max_tokens
         self.forced_once = False
+        self.turn: int | None = None  # set by a session driver; each exchange records it
         self.exchanges: list[Exchange] = []
         self.errors: list[str] = []
         self.port = 0
@@ -148,6 +254,11 @@ class ForcingProxy:
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+
+    def reset(self, turn: int | None = None) -> None:
+        """A new turn of a session: force the tool once more, and label what comes with `turn`."""
+        self.forced_once = False
+        self.turn = turn
 
     @property
     def url(self) -> str:
@@ -223,23 +334,30 @@ class ForcingProxy:
         if isinstance(parsed, dict):
             tools = _tool_names(path, parsed)
             results = _tool_result_ids(path, parsed)
+            changed = False
+            if method == "POST" and any(p in path for p in PROTOCOL_PATHS):
+                if self.thinking_off:
+                    _thinking_off(path, parsed)
+                if self.max_tokens:
+                    _cap_output(path, parsed, self.max_tokens)
+                changed = self.thinking_off or bool(self.max_tokens)
             if self.tool and not self.forced_once and self.tool in tools:
                 self.forced_once = True
                 forced = self.tool
                 parsed["tool_choice"] = _forced_choice(path, self.tool)
             elif tools:
                 answer = True
-                _set_answer_format(path, parsed)
-            if forced or answer:
+                _set_answer_format(path, parsed, self.answer)
+            if forced or answer or changed:
                 body = json.dumps(parsed).encode()
-        ex = Exchange(method, target, parsed, tools, forced, answer, results)
+        ex = Exchange(method, target, parsed, tools, forced, answer, results, turn=self.turn)
         self.exchanges.append(ex)
 
         drop = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
-        out = [f"{method} {target} HTTP/1.1", f"Host: 127.0.0.1:{self.upstream_port}",
+        out = [f"{method} {target} HTTP/1.1", f"Host: {self.upstream_host}:{self.upstream_port}",
                f"Content-Length: {len(body)}", "Connection: close"]
         out += [f"{k.strip()}: {v.strip()}" for k, v in headers if k.strip().lower() not in drop]
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         try:
             up_writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body)
             await up_writer.drain()
@@ -249,6 +367,7 @@ class ForcingProxy:
             names = [x.split(":", 1)[0].strip().lower() for x in rlines[1:]]
             ex.chunked = any(n == "transfer-encoding" and "chunked" in x.lower()
                              for n, x in zip(names, rlines[1:], strict=True))
+            ex.headers = {n: x.split(":", 1)[1].strip() for n, x in zip(names, rlines[1:], strict=True) if ":" in x}
             kept = [x for n, x in zip(names, rlines[1:], strict=True) if x and n not in ("connection", "keep-alive")]
             writer.write(("\r\n".join([rlines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1"))
             await writer.drain()
