@@ -1197,25 +1197,3 @@ def test_matvec_rows_matches_linear(dev, rng):
         ops.matvec_rows(dev, w, dev.to_device(x), y, n=n)
         assert rel_err(y.to_host(), x.astype(np.float64) @ wf.T.astype(np.float64)) < FP32_BAR
 
-
-def test_an_upload_has_landed_for_the_next_kernel_on_a_stream_of_its_own(dev, rng):
-    """DeviceArray.upload returns once its bytes are on the device: a kernel queued right after on a
-    non-blocking stream (the backend's kind, which does not wait for the legacy stream the copy runs on)
-    reads them, also while another process keeps the GPU busy (tests/gpu_load.py)."""
-    from gpu_load import busy_gpu
-
-    from ember.kernels.cuda_runtime import Stream
-
-    n = 2 << 20
-    buf, out, stream = dev.empty((n,)), dev.empty((n,), np.uint16), Stream()
-    try:
-        with busy_gpu():
-            for i in range(40):
-                x = rng.normal(0, 1, n).astype(np.float32)
-                buf.upload(x)
-                ops.to_half(dev, buf, out, n, stream=stream)
-                stream.synchronize()
-                got = out.to_host().view(np.float16)
-                assert np.array_equal(got, x.astype(np.float16)), f"upload {i}: the kernel read older bytes"
-    finally:
-        stream.destroy()
