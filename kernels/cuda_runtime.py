@@ -455,6 +455,13 @@ class DeviceArray:
             check(_driver().cuMemcpyHtoDAsync(self.ptr, host.ptr + host_offset, nbytes, _stream_handle(stream)),
                   "cuMemcpyHtoDAsync")
 
+    def copy_from(self, src: DeviceArray, nbytes: int, stream: Any) -> None:
+        """Asynchronous device-to-device copy of nbytes from `src`, ordered on `stream`."""
+        if nbytes > self.nbytes or nbytes > src.nbytes:
+            raise ValueError("copy exceeds a buffer")
+        if nbytes:
+            check(_driver().cuMemcpyDtoDAsync(self.ptr, src.ptr, nbytes, _stream_handle(stream)), "cuMemcpyDtoDAsync")
+
     def download_into(self, host: HostBuffer, nbytes: int, stream: Any, host_offset: int = 0) -> None:
         """Asynchronous copy of nbytes into pinned host memory; done once `stream` is synchronized."""
         if nbytes > self.nbytes or host_offset + nbytes > host.nbytes:

@@ -411,3 +411,18 @@ def test_blocks_saved_and_loaded_in_batches(dev, model_dir, mode):
     again = cud.save_blocks(order[:3])
     assert len(again.wait()) == 3 and np.array_equal(again.wait()[2], stored[order[2]])
     again.release()
+
+
+def test_the_bandwidth_limit_is_measured_on_the_card_it_runs_on(dev):
+    """Issue 39: `ember bench speed`'s limit comes from a device-to-device copy on this card (an H100 and an
+    H200 differ by half), not from one card's figure: a copy's rate, between a laptop GPU's and HBM's."""
+    from ember.kernels.cuda_runtime import Stream, Timer
+    from ember.worker.bench.gpu_speed import copy_bandwidth
+
+    stream = Stream()
+    try:
+        rate = copy_bandwidth(dev, stream, Timer())
+    finally:
+        stream.destroy()
+    print(f"{dev.name}: copy bandwidth {rate / 1e9:.0f} GB/s")
+    assert 1e11 < rate < 2e13
