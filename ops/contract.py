@@ -235,6 +235,12 @@ def xdg_home(kind: str, env: Mapping[str, str] | None = None) -> Path:
     return Path(_env(env).get(var) or os.path.expanduser("~/" + default))
 
 
+def xdg_environment(home: Path) -> dict[str, str]:
+    """The XDG base directory variables (data, cache, config) at their defaults under `home`: the environment
+    of a child program given a home of its own (the agent CLIs `ember bench agents` drives)."""
+    return {var: str(home / default) for var, default in _XDG.values()}
+
+
 def is_system(env: Mapping[str, str] | None = None) -> bool:
     """A system run: root, told so by EMBER_SYSTEM=1."""
     return os.geteuid() == 0 and _env(env).get(ENV_SYSTEM) == "1"

@@ -436,3 +436,15 @@ def test_worker_and_daemon_write_the_same_line_format(tmp_path):
         "request_id", "cached_tokens", "new_tokens")
     assert contract.missing_fields({"event": "phase"}) == ("ts", "level")
     assert contract.parse_log_line("plain text") is None and contract.parse_log_line('{"no": "event"}') is None
+
+
+
+def test_a_child_home_gets_every_xdg_directory_under_it(monkeypatch, tmp_path):
+    """The XDG layout a child program is given under a home of its own (the agent CLIs' private homes) is
+    where the contract's own lookup puts each directory for that home."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    env = contract.xdg_environment(tmp_path)
+    assert len(env) == 3
+    for kind in ("data", "cache", "config"):
+        assert contract.xdg_home(kind, env) == contract.xdg_home(kind, {})
+    assert all(Path(v).is_relative_to(tmp_path) and Path(v) != tmp_path for v in env.values())

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ember.ops.contract import xdg_environment
+
 CLIENT_NAMES = ("claude", "codex", "opencode")
 MODEL_NAME = "ember"  # what the clients call the model; the servers serve whatever they loaded
 
@@ -51,9 +53,7 @@ class Run:
         """Nothing of the caller's environment but PATH: no keys, proxies or config leak in."""
         h = self.home
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(h), "LANG": "C.UTF-8",
-                "XDG_CONFIG_HOME": str(h / ".config"), "XDG_CACHE_HOME": str(h / ".cache"),
-                "XDG_DATA_HOME": str(h / ".local/share"), "XDG_STATE_HOME": str(h / ".local/state"),
-                "TMPDIR": str(self.tmp)}
+                **xdg_environment(h), "XDG_STATE_HOME": str(h / ".local/state"), "TMPDIR": str(self.tmp)}
 
 
 class AgentClient:
