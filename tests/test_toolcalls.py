@@ -424,3 +424,28 @@ def test_a_forced_call_cut_short_is_never_content(fmt, cut):
     p = new_parser("hermes", ids(), forced=True)
     assert collect(p.feed(done) + p.finish()).tool_calls[0].name == "f"
     assert collect(stream(cut, fmt, [])).content == cut
+
+
+def test_fenced_forced_choice_is_asked_for_in_the_last_user_turn_so_the_head_stays_cached():
+    """A template that never reads tools gets them in the system message; a forced tool choice is asked for
+    at the end of the last user turn, not in that block: the forced request and the next one (tool choice
+    auto, the call and its result appended) render the same system message and history up to that turn
+    (in the tools block, a Codex session re-prefilled 2,035 of 14,515 tokens after every forced call)."""
+    from ember.worker.text.formats.fenced import FencedJson
+
+    tools = [{"type": "function", "function": {"name": "get_goal", "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the goal?"}]
+    forced = FencedJson().describe(history, tools, forced="get_goal")
+    call = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                 "function": {"name": "get_goal", "arguments": "{}"}}]}
+    later = FencedJson().describe([*history, call, {"role": "tool", "tool_call_id": "c1", "content": "ship it"}], tools)
+    assert forced[0] == later[0] and "get_goal" in forced[0]["content"] and "now." not in forced[0]["content"]
+    assert forced[1]["content"] == "What is the goal?\n\nCall the function get_goal now."
+    assert later[1]["content"] == "What is the goal?" and len(later) == 4
+    parts = FencedJson().describe([{"role": "user", "content": [{"type": "text", "text": "Go."}]}], tools,
+                                  required=True)
+    assert parts[-1]["content"] == [{"type": "text", "text": "Go."},
+                                    {"type": "text", "text": "Call at least one function now."}]
+    assistant_last = FencedJson().describe([*history, {"role": "assistant", "content": "Sure"}], tools,
+                                           forced="get_goal")
+    assert assistant_last[0]["content"].endswith("\nCall the function get_goal now.")

@@ -111,7 +111,7 @@ def fenced_call(name: str, arguments: Any) -> str:
     return "```json\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n```"
 
 
-def tools_system_text(tools: list[dict], forced: str | None, required: bool) -> str:
+def tools_system_text(tools: list[dict]) -> str:
     """The tools (template dicts) and the fenced-JSON calling convention, for templates without tool support."""
     lines = ["# Tools", "", "You can call these functions (JSON schemas):"]
     for t in tools:
@@ -119,11 +119,14 @@ def tools_system_text(tools: list[dict], forced: str | None, required: bool) -> 
     lines += ["", "To call a function, answer with a JSON object in a fenced block, one block per call:",
               "```json", '{"name": "<function name>", "arguments": {<arguments>}}', "```",
               "Results come back in a message that starts with \"Tool result\"."]
-    if forced:
-        lines.append(f"Call the function {forced} now.")
-    elif required:
-        lines.append("Call at least one function now.")
     return "\n".join(lines)
+
+
+def call_now_text(forced: str | None, required: bool) -> str | None:
+    """What a forced tool choice asks of the model in words (the grammar holds it to that anyway)."""
+    if forced:
+        return f"Call the function {forced} now."
+    return "Call at least one function now." if required else None
 
 
 class FencedJson(ToolFormat):
@@ -165,9 +168,20 @@ class FencedJson(ToolFormat):
         for m in out:
             m.pop("_tool_results", None)
         if tools:
-            text = tools_system_text(tools, forced, required)
+            text = tools_system_text(tools)
             if out and out[0].get("role") == "system":
                 out[0] = {**out[0], "content": text_of(out[0].get("content")) + "\n\n" + text}
             else:
                 out.insert(0, {"role": "system", "content": text})
+        now = call_now_text(forced, required) if tools else None
+        if now:
+            # at the end of the last user turn, not in the tools block: a forced request and the next one
+            # (tool choice auto) then share the whole prompt up to that turn, and the prefix cache holds
+            # (in the tools block, every later turn re-prefilled from the head of the conversation)
+            if out[-1].get("role") == "user":
+                c = out[-1].get("content")
+                c = [*c, {"type": "text", "text": now}] if isinstance(c, list) else text_of(c) + "\n\n" + now
+                out[-1] = {**out[-1], "content": c}
+            else:
+                out[0] = {**out[0], "content": text_of(out[0].get("content")) + "\n" + now}
         return out
