@@ -20,6 +20,19 @@ def default_model_path() -> Path:
     return embedded(quiet=True)
 
 
+@pytest.fixture(scope="module")
+def dev():
+    """The CUDA device the GPU tests run on; they skip, saying why, where there is none."""
+    try:
+        from ember.kernels.cuda_runtime import try_device
+    except ImportError as e:
+        pytest.skip(f"no cuda-python: {e}")
+    d, why = try_device()
+    if d is None:
+        pytest.skip(f"no CUDA device: {why}")
+    return d
+
+
 # -- a real worker process over HTTP (ember.worker.bench.workerproc, the bench's own launcher) ------------------
 
 API_KEY = "test-key"

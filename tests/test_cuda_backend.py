@@ -24,16 +24,6 @@ pytestmark = pytest.mark.gpu
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        from ember.kernels.cuda_runtime import try_device
-    except ImportError as e:
-        pytest.skip(f"no cuda-python: {e}")
-    d, why = try_device()
-    if d is None:
-        pytest.skip(f"no CUDA device: {why}")
-    return d
 
 
 @pytest.fixture(scope="module")

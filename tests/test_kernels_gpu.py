@@ -30,14 +30,6 @@ FP32_BAR = 1e-5
 FP16_BAR = 1e-2
 
 
-@pytest.fixture(scope="module")
-def dev():
-    from ember.kernels.cuda_runtime import try_device
-
-    d, why = try_device()
-    if d is None:
-        pytest.skip(f"no CUDA device: {why}")
-    return d
 
 
 @pytest.fixture

@@ -29,16 +29,6 @@ TYPES = {name: T(constants.GGML_TYPE_IDS[name]) for name in constants.LOW_BIT_TY
 FP32_BAR = 1e-5
 
 
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        from ember.kernels.cuda_runtime import try_device
-    except ImportError as e:
-        pytest.skip(f"no cuda-python: {e}")
-    d, why = try_device()
-    if d is None:
-        pytest.skip(f"no CUDA device: {why}")
-    return d
 
 
 @pytest.fixture

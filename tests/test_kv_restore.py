@@ -443,16 +443,6 @@ def test_load_takes_only_the_arenas_buffers(host_cuda):
 # -- the CUDA backend on a GPU ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        from ember.kernels.cuda_runtime import try_device
-    except ImportError as e:
-        pytest.skip(f"no cuda-python: {e}")
-    d, why = try_device()
-    if d is None:
-        pytest.skip(f"no CUDA device: {why}")
-    return d
 
 
 @pytest.mark.gpu
