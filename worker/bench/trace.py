@@ -87,12 +87,16 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     if dev.trace is None:
         raise RuntimeError("the kernels were not built for tracing (EMBER_TRACE=1)")
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(rows)]
+    # every sequence its own tokens, as in service: a mixture of experts then routes each row its own way
+    # (rows of one token all take the same experts, and a batched step's expert tiles come out few and full)
+    tokens = np.random.default_rng(0).integers(1, model.config.vocab_size, (rows, keys), dtype=np.int32)
 
     def step(pos: int) -> None:
-        backend.forward([SeqChunk(np.array([7], np.int32), pos, t, "last", sample=GREEDY) for t in tables])
+        backend.forward([SeqChunk(tokens[s, pos:pos + 1], pos, t, "last", sample=GREEDY)
+                         for s, t in enumerate(tables)])
 
-    for t in tables:
-        backend.forward([SeqChunk(np.arange(1, keys - 1, dtype=np.int32), 0, t, "last", sample=GREEDY)])
+    for s, t in enumerate(tables):
+        backend.forward([SeqChunk(tokens[s, : keys - 2], 0, t, "last", sample=GREEDY)])
     step(keys - 2)  # run eagerly: modules loaded, the step's shape seen
     dev.launch_names.clear()
     step(keys - 1)  # captured now (and replayed): its launches, in order
