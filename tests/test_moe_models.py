@@ -86,6 +86,19 @@ def test_qwen3_30b_a3b_plan_is_llama_cpps_q4_k_m():
     assert 17.0e9 < total < 19.5e9, total  # a real Qwen3-30B-A3B Q4_K_M file is 18.6 GB
 
 
+def test_qwen3_30b_a3b_q2_plan_is_a_2_to_3_bit_dynamic_mix():
+    t = {p.name: p for p in synth.plan("qwen3moe", "qwen3-30b-a3b-q2")}
+    types = {n: p.ggml_type.name for n, p in t.items()}
+    assert (types["blk.0.ffn_gate_exps.weight"], types["blk.0.ffn_down_exps.weight"]) == ("IQ3_XXS", "Q3_K")
+    assert (types["blk.7.ffn_up_exps.weight"], types["blk.7.ffn_down_exps.weight"]) == ("IQ2_XXS", "Q2_K")
+    assert types["blk.7.attn_q.weight"] == "Q4_K" and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    experts = sum(p.nbytes for n, p in t.items() if n.endswith("_exps.weight"))
+    bits = 8 * experts / (48 * 3 * 128 * 768 * 2048)
+    assert 2.0 < bits < 3.0, bits
+    total = sum(p.nbytes for p in t.values())
+    assert 8.0e9 < total < 11.5e9, total  # the users' 2-3-bit files of this model are 9-12 GB
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     return synth.make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf", seed=0)

@@ -14,6 +14,7 @@ Shapes (`SHAPES`, what users type after --shape):
   gemma3-4b        Gemma 3 4B (text), Q4_K_M mix
   llama-8b         Llama 3 8B, Q4_K_M mix, Llama 3 BPE vocabulary
   qwen3-30b-a3b    Qwen3-Coder-30B-A3B (qwen3moe: 128 experts, 8 per token), Q4_K_M mix
+  qwen3-30b-a3b-q2 the same in a 2-3-bit dynamic mix: IQ2_XXS/IQ3_XXS gate/up, Q2_K/Q3_K down experts
   gpt-oss-20b      gpt-oss-20b (32 experts, 4 per token): MXFP4 experts, Q8_0 elsewhere
   deepseek-v4-flash-L8
                    DeepSeek-V4-Flash's first 8 of 43 layers (every attention kind, both routings) and its
@@ -156,7 +157,8 @@ def _add_metadata(w: GGUFWriter, s: ShapeSpec, v: Vocab, seed: int, part: str = 
         _add_dsv4_metadata(w, s, nextn)
     _add_tokenizer_metadata(w, v)
     w.add_quantization_version(2)
-    file_type = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "ds4-flash": LlamaFileType.MOSTLY_IQ2_XXS}
+    file_type = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "ds4-flash": LlamaFileType.MOSTLY_IQ2_XXS,
+                 "q2-dynamic": LlamaFileType.MOSTLY_Q2_K}
     w.add_file_type(int(file_type.get(s.mix, LlamaFileType.MOSTLY_Q4_K_M)))
 
 

@@ -186,6 +186,12 @@ SHAPES: dict[str, ShapeSpec] = {
                   tokenizer="bpe-qwen3", tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768,
                   size_label="30B-A3B", real=True,
                   description="Qwen3-Coder-30B-A3B, Q4_K_M (128 experts, 8 per token)"),
+        ShapeSpec("qwen3-30b-a3b-q2", "qwen3moe", n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4,
+                  head_dim=128, n_ff=6144, n_ctx=262144, rope_base=10000000.0, rms_eps=1e-6,
+                  tokenizer="bpe-qwen3", tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768,
+                  mix="q2-dynamic", size_label="30B-A3B", real=True,
+                  description="Qwen3-Coder-30B-A3B in a 2-3-bit dynamic mix: IQ2_XXS gate/up and Q2_K down "
+                              "experts, IQ3_XXS and Q3_K on llama.cpp's use_more_bits layers, Q4_K_M elsewhere"),
         ShapeSpec("gpt-oss-20b", "gpt-oss", n_vocab=201088, n_embd=2880, n_layer=24, n_head=64, n_head_kv=8,
                   head_dim=64, n_ff=2880, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5, tokenizer="bpe-gpt-oss",
                   tied=False, sliding_window=128, rope_yarn=(32.0, 4096), n_expert=32, n_expert_used=4,
@@ -228,6 +234,15 @@ def _use_more_bits(i_layer: int, n_layer: int) -> bool:
 
 
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def _q2_dynamic_expert_type(name: str, i_layer: int, n_layer: int) -> GGMLQuantizationType:
+    """A 2-3-bit MoE quant's expert types, as the users' dynamic quants are made: 2-bit i-quant gate/up and
+    Q2_K down, a bit more (IQ3_XXS, Q3_K) on the layers llama.cpp gives more bits (use_more_bits)."""
+    more = _use_more_bits(i_layer, n_layer)
+    if name.startswith("ffn_down"):
+        return T.Q3_K if more else T.Q2_K
+    return T.IQ3_XXS if more else T.IQ2_XXS
 
 
 def q4_k_m_type(kind: str, i_layer: int, n_layer: int, row_len: int, tied: bool) -> GGMLQuantizationType:
@@ -354,7 +369,7 @@ _DS4_FLASH_EXPERTS = {"ffn_gate_exps.weight": T.IQ2_XXS, "ffn_up_exps.weight": T
 
 def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
     """The tensor table of a shape, in file order."""
-    if s.mix not in ("q4_k_m", "mxfp4", "q8_0", "ds4-flash"):
+    if s.mix not in ("q4_k_m", "mxfp4", "q8_0", "ds4-flash", "q2-dynamic"):
         raise SynthError(f"unknown quantization mix {s.mix!r}")
     if s.dsv4 is not None:  # Q8_0 matrices (as the released file has outside its experts), F32 tables
         glob, layers = _dsv4_tensor_shapes(s)
@@ -379,6 +394,8 @@ def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
             return T.F32
         if s.mix == "mxfp4":  # gpt-oss as released: MXFP4 experts, the other matrices Q8_0
             return T.MXFP4 if name.endswith("_exps.weight") else T.Q8_0
+        if s.mix == "q2-dynamic" and name.endswith("_exps.weight"):  # the users' 2-3-bit MoE quants' experts
+            return _q2_dynamic_expert_type(name, il, s.n_layer)
         return q4_k_m_type(name.split(".")[0], il, s.n_layer, shape[0], s.tied)
 
     # order: global tensors, then layer by layer, names sorted (as in the embedded Gemma file)
