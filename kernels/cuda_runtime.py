@@ -102,6 +102,14 @@ TRACE_WORDS = KERNEL_CONSTANTS["TRACE_WORDS"]  # common.cuh EMBER_TRACE: the cou
 TRACE_MARKS = KERNEL_CONSTANTS["TRACE_MARKS"]  # common.cuh TRACE_MARK: the SM clock at mark k in word TRACE_MARKS + k
 
 
+def capped_memory(free: int, total: int, cap: int | None) -> tuple[int, int]:
+    """(free, total) of a device of `cap` bytes holding all that this one holds (what is in use stays in use);
+    a cap of None, or not below the device's size, changes nothing."""
+    if cap is None or cap >= total:
+        return free, total
+    return max(0, free - (total - cap)), cap
+
+
 class Device:
     """One GPU's primary context. Create it once per process; call ``make_current`` in every other
     thread that launches work (the engine loop's thread)."""
@@ -123,6 +131,9 @@ class Device:
             raise CudaUnavailable(f"no CUDA device {ordinal} (the driver sees {count})")
         self.ordinal = ordinal
         self.cache = cache
+        # bytes this process counts as the device's (--gpu-mem): memory_info reports a device of this size
+        # with every allocation on the real one (the CUDA context's included) in use; None: the device's own
+        self.memory_cap: int | None = None
         self.handle = check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
         self.context = check(drv.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
         self.make_current()
@@ -163,9 +174,10 @@ class Device:
         check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
 
     def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory."""
+        """(free, total) bytes of device memory, as a device of memory_cap bytes would report them where a
+        cap below the device's size is set."""
         free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
-        return int(free), int(total)
+        return capped_memory(int(free), int(total), self.memory_cap)
 
     # modules and kernels
     def module(self, name: str) -> Module:

@@ -216,6 +216,29 @@ def test_run_ahead_decoding_gives_the_waiting_tokens(dev, model_dir):
         cud.submit([SeqChunk(np.zeros(1, np.int32), 21, tables[0], "last", sample=GREEDY)], feed=[3])
 
 
+def test_gpu_mem_caps_what_the_backend_counts_as_the_device(dev, model_dir):
+    """--gpu-mem: the backend divides a device of that size, everything already allocated on the real one
+    counted as in use (the automatic KV pool takes what is left of the cap, minus the margin), and a cap
+    that leaves no room for the KV pool is refused in one line, before any step runs."""
+    from ember.kernels.cuda_runtime import Device
+    from ember.worker.backends.cuda.backend import CudaBackend
+    from ember.worker.backends.cuda.memory import kv_margin
+    from ember.worker.model.gguf_file import ModelFileError
+
+    model = _synth(model_dir, "llama")
+    free, total = dev.memory_info()
+    cap = (total - free) + (2 << 30)  # two GiB more than is in use now
+    be = CudaBackend(model.config, model.gguf, n_blocks=None, block_size=BLOCK, device=Device(), gpu_mem=cap)
+    assert be.memory.total == cap and be.dev.memory_info()[1] == cap
+    kv = be.memory.kv_pool
+    assert 0 < kv <= (2 << 30) - kv_margin(cap)
+    be.forward([SeqChunk(np.array([1, 2, 3], np.int32), 0, [0], "last")])
+    del be
+    with pytest.raises(ModelFileError, match="too little GPU memory left for the KV cache|too big for this GPU"):
+        CudaBackend(model.config, model.gguf, n_blocks=None, block_size=BLOCK, device=Device(),
+                    gpu_mem=(total - dev.memory_info()[0]) + (64 << 20))
+
+
 def test_sticky_error_becomes_context_poisoned(dev, model_dir):
     """In a child process (the context stays poisoned): an out-of-bounds write by a real kernel
     surfaces from the backend's next forward as ContextPoisoned 700, not as StickyCudaError."""

@@ -4,6 +4,9 @@ backend applies it on the device (tests/test_cuda_backend.py, test_daemon_gpu.py
 
 from __future__ import annotations
 
+import pytest
+
+from ember.kernels.cuda_runtime import capped_memory
 from ember.worker.backends.cuda.memory import (
     HALF_COPY_KV_SHARE,
     KV_MARGIN_MIN,
@@ -66,3 +69,30 @@ def test_kv_mem_auto_is_the_default_and_means_1gib_on_numpy():
     assert kv_blocks_for("auto", cfg, 16, "numpy") == kv_blocks_for("1GiB", cfg, 16, "numpy")
     assert kv_blocks_for("auto", cfg, 16, "cuda") is None  # sized by the backend from the free memory
     assert abs(kv_blocks_for("2GiB", cfg, 16, "cuda") - 2 * kv_blocks_for("1GiB", cfg, 16, "cuda")) <= 1
+
+
+def test_gpu_mem_makes_the_device_look_that_size_with_everything_in_use_still_in_use():
+    assert capped_memory(78 * GiB, 80 * GiB, 24 * GiB) == (22 * GiB, 24 * GiB)  # 2 GiB in use (the context)
+    assert capped_memory(78 * GiB, 80 * GiB, None) == (78 * GiB, 80 * GiB)
+    assert capped_memory(78 * GiB, 80 * GiB, 96 * GiB) == (78 * GiB, 80 * GiB)  # above the card: the card
+    assert capped_memory(10 * GiB, 80 * GiB, 24 * GiB) == (0, 24 * GiB)  # more in use than the cap: none free
+    # a 24 GB card's decisions: 18.6 GiB of weights leave 3.4 GiB, whose pool keeps no 2 GiB 16-bit copy
+    free, total = capped_memory(80 * GiB - 2 * GiB - int(18.6 * GiB), 80 * GiB, 24 * GiB)
+    assert not keep_half_copy("auto", 2 * GiB, free, total, integrated=False, kv_sized=False)
+    assert auto_kv_bytes(free, total, integrated=False, host_tier=0) == free - GiB
+
+
+def test_gpu_mem_is_a_size_of_at_least_1gib():
+    import argparse
+
+    from ember.worker import config as wc
+
+    p = argparse.ArgumentParser()
+    wc.add_arguments(p)
+    cfg, src = wc.load(p.parse_args(["--gpu-mem", "24GiB"]), env={})
+    assert wc.parse_size(cfg.gpu_mem) == 24 << 30 and src["gpu_mem"] == "flag --gpu-mem"
+    assert wc.load(p.parse_args([]), env={})[0].gpu_mem == "auto"
+    with pytest.raises(wc.ConfigError, match="gpu_mem: at least 1GiB"):
+        wc.load(p.parse_args(["--gpu-mem", "512MiB"]), env={})
+    with pytest.raises(wc.ConfigError, match="gpu_mem"):
+        wc.load(p.parse_args([]), env={"EMBER_GPU_MEM": "lots"})

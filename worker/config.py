@@ -72,6 +72,8 @@ class WorkerConfig(EngineSettings, kw_only=True):
     # KV pool (kv_mem auto) at least half of what is free after the weights, or, with a sized kv_mem,
     # a tenth of the device free; never on unified memory (backends/cuda/memory.keep_half_copy).
     f16_weights: str = "auto"
+    # cuda: bytes of the GPU this worker counts as the device's; auto: all of it
+    gpu_mem: str = "auto"
     # cuda: launch each decode step before reading the previous step's tokens (fed on the device), so
     # the host's per-step work overlaps the GPU's instead of adding to it
     run_ahead: bool = True
@@ -124,6 +126,9 @@ HELP = {
     "backend": "compute backend: numpy (default) or cuda",
     "f16_weights": "cuda: keep a 16-bit copy of the weights for prefill and large batches: "
                    "auto (default: when it fits), on, off",
+    "gpu_mem": "cuda: GPU memory this worker may count as the device's, e.g. 24GiB to share a card or to plan for "
+               "a smaller one: the weights' fit, the 16-bit copy and an automatic KV pool are decided within it "
+               "(default auto: the whole device)",
     "run_ahead": "cuda: launch each decode step before the previous step's tokens are read (default on)",
     "fault": "fault injection for tests, e.g. poison:step=5 (loopback only)",
     "log_prompts": "include prompt text in logs (default: never)",
@@ -288,6 +293,7 @@ _CHECKS: tuple[_Check, ...] = (
     _fails(lambda c: not 1 <= c.prefill_step_ms <= 10_000, "prefill_step_ms: must be between 1 and 10000 milliseconds"),
     _fails(lambda c: c.ctx < 0, "ctx: must be 0 (automatic) or a positive number of tokens"),
     _fails(lambda c: c.kv_mem != "auto" and parse_size(c.kv_mem, "kv_mem") < 1 << 20, "kv_mem: at least 1MiB"),
+    _fails(lambda c: c.gpu_mem != "auto" and parse_size(c.gpu_mem, "gpu_mem") < 1 << 30, "gpu_mem: at least 1GiB"),
     _fails(lambda c: c.kv_persist not in ("all", "finished", "off"),
            "kv_persist: {c.kv_persist!r} is not one of all, finished, off"),
     _size("kv_disk_budget", auto=True),

@@ -69,12 +69,12 @@ def _version() -> str:
         return "unknown"
 
 
-def _draft_backend(kind: str, model, n_blocks: int, block_size: int):
+def _draft_backend(kind: str, model, n_blocks: int, block_size: int, gpu_mem: int | None = None):
     """The backend a draft model (--spec draft:PATH) runs on: the target's kind, a KV pool of its own."""
     if kind == "cuda":
         from .backends.cuda.backend import CudaBackend
 
-        return CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size)
+        return CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size, gpu_mem=gpu_mem)
     from .backends.numpy.backend import NumpyBackend
     from .model.weights import load_weights
 
@@ -111,6 +111,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     chunk = worker_config.prefill_chunk(cfg)
     n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend, mtp)
     memory: dict = {}
+    gpu_mem = None if cfg.gpu_mem == "auto" else worker_config.parse_size(cfg.gpu_mem, "gpu_mem")
     drafter: Drafter | None = None
     backend: Backend
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
@@ -119,7 +120,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         room = min(cfg.ctx or model.config.context_length, model.config.context_length) + cfg.spec_k
         draft = open_draft_model(cfg.spec[6:], model)
         draft_blocks = cfg.max_seqs * -(-room // DEFAULT_BLOCK_SIZE) + 1
-        drafter = ModelDrafter(draft, _draft_backend(cfg.backend, draft, draft_blocks, DEFAULT_BLOCK_SIZE),
+        drafter = ModelDrafter(draft, _draft_backend(cfg.backend, draft, draft_blocks, DEFAULT_BLOCK_SIZE, gpu_mem),
                                draft_blocks)
     if cfg.backend == "cuda":
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
@@ -131,7 +132,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
             backend = cuda = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
                                          max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
-                                         f16_weights=cfg.f16_weights, host_tier_bytes=host_tier)
+                                         f16_weights=cfg.f16_weights, host_tier_bytes=host_tier, gpu_mem=gpu_mem)
             cuda.runs_ahead = cfg.run_ahead
             memory = cuda.memory.as_dict()
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash

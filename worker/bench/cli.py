@@ -32,6 +32,10 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="cuda: KV cache precision (default f16)")
     s.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
                    help="cuda: keep a 16-bit copy of the weights for prefill and large batches (default auto)")
+    s.add_argument("--gpu-mem", metavar="SIZE",
+                   help="cuda: count only this much of the GPU as the device's, as the worker's --gpu-mem does (e.g. "
+                        "24GiB for a 24 GB card); the KV pool is then the worker's automatic one, which must hold "
+                        "the run (default: the whole device, a pool sized to the run)")
     s.add_argument("--no-int8", dest="int8", action="store_false",
                    help="cuda: float activations in the decode matvecs (default: int8, as llama.cpp)")
     s.add_argument("--no-pdl", dest="pdl", action="store_false",
@@ -123,12 +127,17 @@ def cmd_speed(args: argparse.Namespace) -> int:
 def _speed_cuda(args: argparse.Namespace) -> int:
     from ember.kernels.errors import CudaUnavailable
 
-    from .gpu_speed import run
+    from ..config import ConfigError
+    from ..model.gguf_file import ModelFileError
+    from .gpu_speed import TooLittleMemory, run
 
     try:
         result = run(args)
     except CudaUnavailable as e:
         print(f"ember bench speed: no usable CUDA device ({e})", file=sys.stderr)
+        return ExitCode.CONFIG
+    except (TooLittleMemory, ModelFileError, ConfigError) as e:
+        print(f"ember bench speed: {e}", file=sys.stderr)
         return ExitCode.CONFIG
     result["machine"] = machine_facts()
     if args.json:
@@ -136,6 +145,7 @@ def _speed_cuda(args: argparse.Namespace) -> int:
         return 0
     print(f"model    {result['model']} (cuda backend, {result['device']}, KV {result['kv_dtype']})")
     for key, value in result.items():
-        if key.endswith("_tok_s") or key in ("tg_share_of_limit", "load_s", "peak_device_mb", "graph_replays"):
+        if key.endswith("_tok_s") or key in ("tg_share_of_limit", "load_s", "peak_device_mb", "graph_replays",
+                                             "kv_pool_tokens", "f16_weights"):
             print(f"{key:<28} {value}")
     return 0

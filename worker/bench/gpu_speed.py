@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ..backends.base import DeviceSample, SeqChunk
+from ..config import parse_size
 
 COPY_BYTES = 1 << 30  # the device-to-device copy that measures the card's bandwidth (at most a tenth of what is free)
 COPY_RUNS = 5
@@ -56,7 +57,6 @@ class _Seqs:
 def run(args) -> dict:
     from ember.kernels.cuda_runtime import Timer
 
-    from ..backends.cuda.backend import CudaBackend
     from ..model.loader import open_model
 
     t0 = time.perf_counter()
@@ -67,10 +67,9 @@ def run(args) -> dict:
     per_seq = args.prompt_tokens + args.gen_tokens + 1
     stream_ctx = args.stream_prompt + args.gen_tokens + 1
     bs = 16
-    n_blocks = 2 * (-(-per_seq // bs)) + streams * (-(-stream_ctx // bs)) + 2
-    backend = CudaBackend(cfg, model.gguf, n_blocks=n_blocks, block_size=bs, max_rows=max(chunk, streams),
-                          max_seqs=max(streams, 1), kv_dtype=args.kv_dtype, f16_weights=args.f16_weights,
-                          int8_activations=args.int8, pdl=args.pdl)
+    gpu_mem = None if args.gpu_mem is None else parse_size(args.gpu_mem, "--gpu-mem")
+    backend = _backend(args, model, bs, chunk, streams, per_seq, stream_ctx, gpu_mem)
+    n_blocks = backend.n_blocks
     load_s = time.perf_counter() - t0
     peak = backend.device_memory()[0]
     rng = np.random.default_rng(args.seed)
@@ -143,12 +142,40 @@ def run(args) -> dict:
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "bandwidth_limit_tok_s": round(limit, 1), "tg_share_of_limit": round(tg_med / limit, 3),
         "weight_bytes": wbytes, "load_s": round(load_s, 2), "peak_device_mb": round(peak / 2**20),
+        "gpu_mem_mb": None if gpu_mem is None else gpu_mem >> 20, "kv_pool_tokens": backend.n_blocks * bs,
         "graph_replays": backend.graph_replays, "runs": len(pp),
         "decode_graph_gpu_ms": graph_ms,  # per captured step, replayed back to back: the device's share
     }
     if multi:
         out[f"decode_{streams}_streams_tok_s"] = round(float(np.median(multi)), 1)
     return out
+
+
+def _backend(args, model, bs: int, chunk: int, streams: int, per_seq: int, stream_ctx: int, gpu_mem: int | None):
+    """The run's CUDA backend: a KV pool sized to the run (two sequences of per_seq tokens and the streams'),
+    or with --gpu-mem the worker's automatic pool within it, which must hold the run's sequences at once
+    (the prompt's, the decode from position 0, the streams'; later runs reuse the pool from its start)."""
+    from ..backends.cuda.backend import CudaBackend
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // bs)
+
+    streams_blocks = streams * blocks(stream_ctx) if streams > 1 else 0
+    backend = CudaBackend(model.config, model.gguf,
+                          n_blocks=None if gpu_mem else 2 * blocks(per_seq) + streams * blocks(stream_ctx) + 2,
+                          block_size=bs, max_rows=max(chunk, streams), max_seqs=max(streams, 1),
+                          kv_dtype=args.kv_dtype, f16_weights=args.f16_weights, int8_activations=args.int8,
+                          pdl=args.pdl, gpu_mem=gpu_mem)
+    need = blocks(per_seq) + blocks(args.gen_tokens + 1) + streams_blocks
+    if backend.n_blocks < need:
+        raise TooLittleMemory(f"the KV pool within --gpu-mem {args.gpu_mem} holds {backend.n_blocks * bs} tokens "
+                              f"(f16 weight copy {'kept' if backend.f16_weights else 'off'}); this run needs "
+                              f"{need * bs} (fewer --prompt-tokens or --streams, or --f16-weights off)")
+    return backend
+
+
+class TooLittleMemory(Exception):
+    """The KV pool that --gpu-mem leaves cannot hold the run asked for."""
 
 
 def copy_bandwidth(dev, stream, timer) -> float:

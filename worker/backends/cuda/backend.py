@@ -69,10 +69,11 @@ class CudaBackend(CudaKVBlocks, Backend):
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device=None, max_rows: int = 512, max_seqs: int = 64, kv_dtype: str = "f16",
                  tensor_cores: bool = True, graphs: bool = True, int8_activations: bool = True,
-                 f16_weights: str = "auto", pdl: bool = True, host_tier_bytes: int = 0):
+                 f16_weights: str = "auto", pdl: bool = True, host_tier_bytes: int = 0, gpu_mem: int | None = None):
         """n_blocks None: the KV pool takes what is free once everything else has its memory (--kv-mem
         auto; memory.py); host_tier_bytes: the host KV tier's budget, which on an integrated GPU
-        comes out of the same memory."""
+        comes out of the same memory; gpu_mem: bytes of the device this process counts as the device's
+        (--gpu-mem: a card shared, or a smaller card's budget), else all of it."""
         from ember.kernels.cuda_runtime import Device, Event, HostBuffer, Stream
 
         if kv_dtype not in ("f16", "f32"):
@@ -87,6 +88,8 @@ class CudaBackend(CudaKVBlocks, Backend):
             self.dev = device if device is not None else Device()
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
+        if gpu_mem is not None:
+            self.dev.memory_cap = gpu_mem
         self.config, self.gguf = config, gguf_file
         self.block_size, self.n_blocks = block_size, n_blocks or 0
         self.kv_dtype = np.float16 if kv_dtype == "f16" else np.float32
