@@ -244,10 +244,15 @@ def gated(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
 
 
 def gated_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, *, act: str,
-              biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, q8_inputs: bool = False) -> np.ndarray:
     """down(act(gate(x)) * up(x)), with act "silu" (llama, qwen), "gelu_tanh" (gemma) or "swiglu_oai"
-    (gpt-oss); biases: (gate, up, down) ones, where the model has them."""
+    (gpt-oss); biases: (gate, up, down) ones, where the model has them. q8_inputs: gate and up take x
+    quantized to int8 per 32 columns (linear_q8, no biases), as the CUDA int8 matvecs do."""
     bg, bu, bd = biases or (None, None, None)
+    if q8_inputs:
+        if bg is not None or bu is not None:
+            raise ValueError("the int8 products take no biases")
+        return linear(gated(linear_q8(x, w_gate), linear_q8(x, w_up), act), w_down, bd)
     return linear(gated(linear(x, w_gate, bg), linear(x, w_up, bu), act), w_down, bd)
 
 
@@ -283,18 +288,20 @@ def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softm
 
 def moe_mlp(x: np.ndarray, router: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
             *, k: int, act: str, gating: str = "softmax", norm_topk: bool = True,
-            biases: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+            biases: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+            q8_inputs: bool = False) -> np.ndarray:
     """A mixture-of-experts MLP: each row through its k experts' gated MLPs (gate/up_exps [experts,
     ffn, hidden], down_exps [experts, hidden, ffn]), their outputs summed by the router's weights.
     biases: (router [experts], gate, up [experts, ffn], down [experts, hidden]) where the model has
-    them. The rows are grouped by expert, so each expert's weights are read once per call."""
+    them; q8_inputs: gate and up take int8 inputs (gated_mlp). The rows are grouped by expert, so each
+    expert's weights are read once per call."""
     rb, gb, ub, db = biases or (None, None, None, None)
     top, weights = moe_route(x, router, k=k, gating=gating, norm_topk=norm_topk, bias=rb)
     out = np.zeros((x.shape[0], down_exps.shape[1]), dtype=np.float32)
     for e in np.unique(top):
         rows, slot = np.nonzero(top == e)
         eb = None if gb is None or ub is None or db is None else (gb[e], ub[e], db[e])
-        y = gated_mlp(x[rows], gate_exps[e], up_exps[e], down_exps[e], act=act, biases=eb)
+        y = gated_mlp(x[rows], gate_exps[e], up_exps[e], down_exps[e], act=act, biases=eb, q8_inputs=q8_inputs)
         out[rows] += weights[rows, slot, None] * y
     return out
 

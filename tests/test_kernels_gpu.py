@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
+from moe_support import assert_fused_batch1_is_grouped
 
 from ember.kernels import ops, quants, reference
 from ember.kernels.constants import ACTIVATIONS
@@ -1160,7 +1161,7 @@ def test_moe_mlp_matches_reference(dev, rng, types, n, half):
     x = rng.normal(0, 1, (8 * n, hidden)).astype(np.float32)
     if half == "f16":
         x = x * np.float32(1e-3)
-    x = x[_clear_routing(reference.linear(x, router), k, "softmax")][:n]  # rows whose routing is clear
+    x, x_more = x[_clear_routing(reference.linear(x, router), k, "softmax")][:n], x[:3]  # rows routed clearly
     assert len(x) == n
     res = rng.normal(0, 1, (n, hidden)).astype(np.float32)
     scratch = ops.MoeScratch.alloc(dev, n, E, k, hidden, ffn, apart=not stacked)
@@ -1178,6 +1179,41 @@ def test_moe_mlp_matches_reference(dev, rng, types, n, half):
     ops.moe_mlp(dev, w, dev.to_device(x), xr, scratch, n=n, k=k, act="silu", gating="softmax", norm_topk=True,
                 res=xr, half=half)
     assert np.array_equal(xr.to_host(), out)
+    if n == 1:
+        assert_fused_batch1_is_grouped(dev, w, x_more, k=k, apart=not stacked, act="silu", gating="softmax",
+                                       norm_topk=True)
+
+
+@pytest.mark.parametrize("gu_type", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("hidden", [512, 2304])
+def test_moe_mlp_int8_experts_at_batch_1(dev, rng, gu_type, act, hidden):
+    """One token's stacked gate|up experts through the int8 matvec (kq8ge_b1_u4 on the tiles the batch-1 router
+    writes; 2304 columns: a second warp with one super-block of eight), the down rows and their weighted sum
+    as the float path's: the twin with int8 gate/up inputs, token after token through one scratch."""
+    E, k, ffn = 32, 8, 256
+    gt, dt = QTYPES[gu_type], QTYPES["q6_k"]
+    router = rng.normal(0, 0.1, (E, hidden)).astype(np.float32)
+    raws = [random_tensor(rng, gt, E * ffn, hidden), random_tensor(rng, gt, E * ffn, hidden),
+            random_tensor(rng, dt, E * hidden, ffn)]
+    gate, up = (quants.dequantize(r, gt, (E, ffn, hidden)) for r in raws[:2])
+    down = quants.dequantize(raws[2], dt, (E, hidden, ffn))
+    em = ops.ExpertMatrices.upload
+    w = ops.MoeWeights(router=ops.QuantMatrix.upload(dev, router, T.F32, E, hidden),
+                       down=em(dev, [raws[2]], dt, E, [hidden], ffn),
+                       gate_up=em(dev, raws[:2], gt, E, [ffn, ffn], hidden))
+    assert ops.moe_q8_supported(w.gate_up, act)
+    x = rng.normal(0, 1, (16, hidden)).astype(np.float32)
+    x = x[_clear_routing(reference.linear(x, router), k, "softmax")][:3]
+    scratch = ops.MoeScratch.alloc(dev, 1, E, k, hidden, ffn)
+    res = rng.normal(0, 1, hidden).astype(np.float32)
+    for t in x:
+        y = dev.to_device(res[None])
+        ops.moe_mlp(dev, w, dev.to_device(t[None]), y, scratch, n=1, k=k, act=act, gating="softmax", norm_topk=True,
+                    res=y, int8=True)
+        ref = reference.moe_mlp(t[None], router, gate, up, down, k=k, act=act, q8_inputs=True)
+        assert rel_err(y.to_host() - res, ref) < FP32_BAR
+        assert rel_err(y.to_host() - res, reference.moe_mlp(t[None], router, gate, up, down, k=k, act=act)) < 3e-2
 
 
 def test_matvec_rows_matches_linear(dev, rng):

@@ -19,6 +19,7 @@ import pytest
 from gguf import quants as peer
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
+from moe_support import assert_fused_batch1_is_grouped
 
 from ember.kernels import constants, ops, quants, reference
 from ember.kernels.quants import BLOCK_DTYPES
@@ -253,7 +254,7 @@ def test_moe_mlp_matches_reference(dev, rng, types, n, half):
     x = rng.normal(0, 1, (8 * n, hidden)).astype(np.float32)
     if half == "f16":
         x = x * np.float32(1e-3)
-    x = x[_clear_rows(x, router, k)][:n]
+    x, x_more = x[_clear_rows(x, router, k)][:n], x[: 3]
     assert len(x) == n
     res = rng.normal(0, 1, (n, hidden)).astype(np.float32)
     scratch = ops.MoeScratch.alloc(dev, n, E, k, hidden, ffn, apart=not stacked)
@@ -265,6 +266,9 @@ def test_moe_mlp_matches_reference(dev, rng, types, n, half):
                 res=dev.to_device(res), half=half)
     ref = reference.moe_mlp(x, router, gate, up, down, k=k, act="silu")
     assert rel_err(y.to_host() - res, ref) < {None: FP32_BAR, "f16": 3e-3, "bf16": 1e-2}[half], types
+    if n == 1:
+        assert_fused_batch1_is_grouped(dev, w, x_more, k=k, apart=not stacked, act="silu", gating="softmax",
+                                       norm_topk=True)
 
 
 @pytest.mark.parametrize("up_type", ["mxfp4", "q5_1"], ids=["gate|up", "apart"])
@@ -300,7 +304,7 @@ def test_moe_mlp_gpt_oss(dev, rng, up_type, n, half):
     if half == "f16":
         x = x * np.float32(1e-3)
     top = -np.sort(-reference.linear(x, router, rb), axis=-1)  # rows whose k largest logits are clear
-    x = x[(top[:, k - 1] - top[:, k]) > 1e-4 * np.abs(top[:, :1]).max(axis=-1)][:n]
+    x, x_more = x[(top[:, k - 1] - top[:, k]) > 1e-4 * np.abs(top[:, :1]).max(axis=-1)][:n], x[:3]
     assert len(x) == n
     res = rng.normal(0, 1, (n, hidden)).astype(np.float32)
     scratch = ops.MoeScratch.alloc(dev, n, E, k, hidden, ffn, apart=not stacked)
@@ -313,6 +317,9 @@ def test_moe_mlp_gpt_oss(dev, rng, up_type, n, half):
     ref = reference.moe_mlp(x, router, gate, up, down, k=k, act="swiglu_oai", gating="softmax-topk", norm_topk=False,
                             biases=(rb, gb, ub, db))
     assert rel_err(y.to_host() - res, ref) < {None: FP32_BAR, "f16": 3e-3, "bf16": 1e-2}[half]
+    if n == 1:
+        assert_fused_batch1_is_grouped(dev, w, x_more, k=k, apart=not stacked, act="swiglu_oai",
+                                       gating="softmax-topk", norm_topk=False)
 
 
 @pytest.mark.parametrize("tname", list(TYPES))

@@ -9,6 +9,7 @@
 // for all R rows. Per unit: sum q*x in float, then * scale (- min * sum x); the final sum over
 // lanes is a butterfly. Memory-bound by design: every weight byte is read exactly once.
 #include "act.cuh"
+#include "moe.cuh"
 #include "norm.cuh"
 #include "quant.cuh"
 
@@ -364,4 +365,119 @@ extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)
             float* y) {
     const int b0 = 8 * blockIdx.y;
     qmv<8, 1, 16>(W, row_bytes, rows, cols, x + (i64)b0 * cols, min(8, n - b0), nullptr, y + (i64)b0 * rows);
+}
+
+// One token through a mixture of experts in three launches (ops.moe_mlp at batch 1): qmvs_route_b1 (the
+// router's logits, then its routing by the block that finishes last), qmoeg_b1 (each chosen expert's gate|up
+// rows and the activation, on the tiles the routing wrote) and qmoed_b1 (the down rows of every chosen
+// expert and their weighted sum into the residual), where the grouped path takes six (moe.cu).
+
+// The router's logits as qmvs_b1_r1 makes them (a block a row, its warps sharing the row's chunks), then the
+// block that finishes last routes the token (moe.cuh route_token) and writes the tiles qmoe* read: slot j is
+// tile j = (expert, first pair j, 1 pair), slots in the router's order (best first). done: a counter the
+// last block finds at gridDim.x - 1 and sets back to 0 for the next launch (zero when first launched).
+extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)
+    qmvs_route_b1(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
+                  float* logits, const float* __restrict__ bias, int k, int gating, int norm, float sum_min,
+                  int* ids, float* wts, int* tiles, u32* done) {
+    qmv<1, 1, SplitVec<QTYPE>::VEC, false, XK_NONE, true>(W, row_bytes, rows, cols, x, 1, nullptr, logits);
+    // warp 0 of every block is here as a whole (qmv's split path returns the block's other warps early)
+    if ((threadIdx.x >> 5) != 0) return;
+    const int lane = threadIdx.x & 31;
+    u32 last = 0;
+    if (lane == 0) {
+        __threadfence();  // this block's logit is visible to every block before it is counted
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    route_token<true>(logits, bias, 0, rows, k, gating, norm, sum_min, ids, wts);
+    __syncwarp();  // lane 0's ids, for the lanes writing the tiles
+    for (int j = lane; j < k; j += 32) {
+        tiles[3 * j] = ids[j];
+        tiles[3 * j + 1] = j;
+        tiles[3 * j + 2] = 1;
+    }
+    if (lane == 0) *done = 0u;
+}
+
+// y[r] = res[r] + sum over slots j of wts[j] * (hs[j] . W_ids[j][r] + bias_ids[j][r]): the down projection of
+// every chosen expert and the weighted sum over them (moe.cu moe_combine's, slots in order), a warp an output
+// row. Each slot's dot product is qmoe_b1's, in the same order of operations (lanes over the row's units,
+// chunk after chunk, then the butterfly), and the sum moe_combine's: given the same routing, the grouped
+// path's result bit for bit. The chunks of every slot's row are one stream, loaded two ahead of the one
+// decoded.
+template <int VEC>
+EMBER_DEV void qmoed(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+                     const int* __restrict__ ids, const float* __restrict__ wts, int k, const float* __restrict__ hs,
+                     const float* res, float* y, const float* __restrict__ bias) {
+    typedef QT<QTYPE> Q;
+    typedef typename VecT<VEC>::T V;
+    constexpr int CB = Q::CB, CHUNK = CB * Q::BYTES;
+    constexpr int NVR = (CHUNK + 32 * VEC - 1) / (32 * VEC);
+    __shared__ __align__(16) u8 smem[MATVEC_WARPS][NVR * 32 * VEC];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MATVEC_WARPS + warp;
+    grid_dependency_sync();  // the experts chosen, and their inputs, come from the kernels before
+    if (row >= rows) return;  // the whole warp; only __syncwarp is used below
+    const int nblk = cols / Q::ELEMS, nchunks = (nblk + CB - 1) / CB, total = k * nchunks;
+    V buf[2][NVR];
+    auto load = [&](int i, V* b) {  // chunk i of the stream: slot i / nchunks, chunk i % nchunks of its row
+        const int j = i / nchunks, ch = i - j * nchunks;
+        const V* src = reinterpret_cast<const V*>(W + ids[j] * expert_bytes + (i64)row * row_bytes + (i64)ch * CHUNK);
+        const int bytes = min(CB, nblk - ch * CB) * Q::BYTES;
+#pragma unroll
+        for (int v = 0; v < NVR; ++v)
+            if ((v * 32 + lane) * VEC < bytes) b[v] = __ldg(src + v * 32 + lane);
+    };
+    load(0, buf[0]);
+    if (total > 1) load(1, buf[1]);
+    float out = 0.0f, acc = 0.0f;
+    for (int i = 0; i < total; ++i) {
+        const int j = i / nchunks, ch = i - j * nchunks;
+        const int nbc = min(CB, nblk - ch * CB), bytes = nbc * Q::BYTES;
+        __syncwarp();
+        V* dst = reinterpret_cast<V*>(&smem[warp][0]);
+#pragma unroll
+        for (int v = 0; v < NVR; ++v)
+            if ((v * 32 + lane) * VEC < bytes) dst[v * 32 + lane] = buf[0][v];
+        __syncwarp();
+#pragma unroll
+        for (int v = 0; v < NVR; ++v) buf[0][v] = buf[1][v];
+        if (i + 2 < total) load(i + 2, buf[1]);
+        const float* xc = hs + (i64)j * cols + (i64)ch * CB * Q::ELEMS;
+        for (int u = lane; u < nbc * Q::UNITS; u += 32) {
+            const int blk = u / Q::UNITS, uu = u % Q::UNITS;
+            const int e = blk * Q::ELEMS + uu * 8;
+            const float4 lo = __ldg(reinterpret_cast<const float4*>(xc + e));
+            const float4 hi = __ldg(reinterpret_cast<const float4*>(xc + e + 4));
+            const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            float xs = 0.0f;
+            if (Q::HAS_MIN) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) xs += xv[t];
+            }
+            float q[8], sc, o;
+            Q::template unit<Q::SMEM_A8>(&smem[warp][blk * Q::BYTES], uu, q, sc, o);
+            float d = 0.0f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) d = fmaf(q[t], xv[t], d);
+            if (Q::IS_FLOAT) acc += d;
+            else if (Q::HAS_MIN) acc += sc * d - o * xs;
+            else acc = fmaf(sc, d, acc);
+        }
+        if (ch == nchunks - 1) {  // slot j's row done: its sum (qmoe_b1's y, bias and all), weighted into out
+            float dot = warp_sum(acc) + (bias ? bias[(i64)ids[j] * rows + row] : 0.0f);
+            out = fmaf(wts[j], dot + 0.0f, out);
+            acc = 0.0f;
+        }
+    }
+    if (lane == 0) y[row] = out + (res ? res[row] : 0.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)
+    qmoed_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+             const int* __restrict__ ids, const float* __restrict__ wts, int k, const float* __restrict__ hs,
+             const float* res, float* y, const float* __restrict__ bias) {
+    qmoed<16>(W, row_bytes, expert_bytes, rows, cols, ids, wts, k, hs, res, y, bias);
 }

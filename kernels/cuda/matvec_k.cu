@@ -271,9 +271,15 @@ EMBER_DEV int pack_i8x4(int a, int b, int c, int d) {
 // GATED: W is the stacked [gate; up] matrix (rows = 2 ffn) and y = act(x W_gate^T) * (x W_up^T), [nb, ffn]:
 // a block takes rows_per_block / 2 gate rows and the up rows that pair with them, so the MLP's
 // activation is applied once per column here instead of in every block of the down projection.
-template <int B, int RU, bool PF, bool GATED>
+// MOE: W holds experts' matrices expert_bytes apart and blockIdx.y is tile y of `tiles` (moe.cuh's
+// (expert, first pair, pairs); matvec.cu qmvs_route_b1 writes them for one token): the block multiplies
+// that expert's rows with x's one row into y's row `first pair`. The expert is known only once the
+// kernel before is done, so the first rows' loads wait for it.
+template <int B, int RU, bool PF, bool GATED, bool MOE = false>
 EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x,
-                   i64 ldx, i64 uoff, int act, int nb, const float* res, float* y, int rows_per_block) {
+                   i64 ldx, i64 uoff, int act, int nb, const float* res, float* y, int rows_per_block,
+                   const int* __restrict__ tiles = nullptr, i64 expert_bytes = 0) {
+    static_assert(!MOE || (B == 1 && GATED), "experts: one token's gate|up rows");
     typedef QT<QTYPE> Q;
     constexpr bool Q5 = QTYPE == GT_Q5_K, Q6 = QTYPE == GT_Q6_KP;
     constexpr int QS_OFF = Q5 ? 48 : 16;
@@ -323,10 +329,19 @@ EMBER_DEV void kq8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, 
             }
         }
     };
-    // the first rows' weights depend on no earlier kernel: their loads are issued before waiting
-    // for it (programmatic dependent launch), and x is read after
-    load(0);
-    grid_dependency_sync();
+    if constexpr (MOE) {
+        grid_dependency_sync();
+        const int* tile = tiles + 3 * blockIdx.y;
+        if (tile[2] == 0) return;  // the whole block
+        W += tile[0] * expert_bytes;
+        y += (i64)tile[1] * (rows / 2);
+        load(0);
+    } else {
+        // the first rows' weights depend on no earlier kernel: their loads are issued before waiting
+        // for it (programmatic dependent launch), and x is read after
+        load(0);
+        grid_dependency_sync();
+    }
 
     // this lane's slice of x as int8: group g in xq[b][4g .. 4g + 4)
     int xq[B][16], xsum[B][4];
@@ -467,3 +482,10 @@ KQ8(kq8p_b1_u2, 1, 2, true) KQ8(kq8p_b1_u4, 1, 4, true) KQ8(kq8p_b2_u2, 2, 2, tr
 KQ8(kq8_b4_u2, 4, 2, false) KQ8(kq8p_b4_u2, 4, 2, true)
 // the gate|up projection with the activation in its epilogue (x plain: act applies to the outputs)
 KQ8_(kq8g_b1_u4, 1, 4, false, true) KQ8_(kq8g_b2_u4, 2, 4, false, true) KQ8_(kq8g_b4_u2, 4, 2, false, true)
+// a mixture of experts' gate|up rows for one token, on qmvs_route_b1's tiles (ops.moe_mlp's int8 batch-1 path)
+extern "C" __global__ void __launch_bounds__(KV2_MAX_WARPS * 32)
+    kq8ge_b1_u4(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+                const int* __restrict__ tiles, const float* __restrict__ x, int act, float* y, int rows_per_block) {
+    kq8<1, 4, false, true, true>(W, row_bytes, rows, cols, x, cols, 0, act, 1, nullptr, y, rows_per_block, tiles,
+                                 expert_bytes);
+}

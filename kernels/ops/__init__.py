@@ -71,7 +71,9 @@ from .moe import (
     moe_gemm,
     moe_group,
     moe_matvec,
+    moe_matvec_q8,
     moe_mlp,
+    moe_q8_supported,
     moe_route,
     moe_route_group,
     qgemm_supported,
@@ -157,7 +159,8 @@ __all__ = [
     "gemm", "gemm_splitk_bytes", "gemm_splits", "linear_tc", "to_half",
     # mixture of experts
     "MOE_MAX_EXPERTS", "MOE_MAX_K", "QGEMM_MIN_ROWS", "ExpertMatrices", "MoeScratch", "MoeWeights", "matvec_rows",
-    "moe_gemm", "moe_group", "moe_matvec", "moe_mlp", "moe_route", "moe_route_group", "qgemm_supported",
+    "moe_gemm", "moe_group", "moe_matvec", "moe_matvec_q8", "moe_mlp", "moe_q8_supported", "moe_route",
+    "moe_route_group", "qgemm_supported",
     # kv copy, fault injection
     "fault_illegal_address", "kv_gather", "kv_scatter",
 ]

@@ -46,12 +46,12 @@ def kq8_supported(w: QuantMatrix) -> bool:
     return w.type in KQ8_TYPES and w.cols <= KV2_MAX_COLS and w.data.ptr % 16 == 0
 
 
-def _kv2_warps(w: QuantMatrix) -> int:
+def kv2_warps(w: QuantMatrix) -> int:
     """The block of matvec_k.cu's kernels: a warp per KV2_WARP_SUPERBLOCKS super-blocks of the row."""
     return -(-(w.cols // SUPERBLOCK) // KV2_WARP_SUPERBLOCKS)
 
 
-def _kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
+def kv2_rows_per_block(dev: Device, rows: int, cols: int, unroll: int) -> int:
     # small matrices want many blocks: 16 rows per block for the big and the wide matrices, 8 and 4 for
     # smaller ones (tuned on the H200: kernels/docs/code-choices.md)
     per_sm = rows / dev.sm_count
@@ -91,10 +91,10 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
         combos = ((1, 2), (1, 4), (2, 2)) if pf else ((1, 4), (1, 8), (2, 2), (2, 4))
         if (bt, u) not in combos:
             raise ValueError(f"kv2{'p' if pf else ''} (batch, unroll) must be one of {combos}")
-        rpb = rows_per_block or _kv2_rows_per_block(dev, w.rows, w.cols, u)
+        rpb = rows_per_block or kv2_rows_per_block(dev, w.rows, w.cols, u)
         if rpb % u or rpb > KV2_MAX_RPB:
             raise ValueError(f"rows_per_block must be a multiple of the unroll and at most {KV2_MAX_RPB}")
-        warps = _kv2_warps(w)
+        warps = kv2_warps(w)
         dev.kernel(f"matvec_k_{w.type}", f"kv2{'p' if pf else ''}_b{bt}_u{u}").launch(
             (-(-w.rows // rpb),), (32 * warps,), w.data, I64(w.row_bytes), w.rows, w.cols, x, n, res, y, rpb,
             stream=stream)
@@ -232,7 +232,7 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
     need(y, np.float32, n * out_rows, "y")
     if res is not None:
         need(res, np.float32, n * w.rows, "res")
-    warps = _kv2_warps(w)
+    warps = kv2_warps(w)
     for b0 in range(0, n, 4):
         nb = min(4, n - b0)
         bt = 1 if nb == 1 else 2 if nb == 2 else 4
@@ -241,7 +241,7 @@ def matvec_q8(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n:
         pf = dpf if prefetch is None else prefetch
         if (bt, u, pf) not in KQ8_VARIANTS:
             raise ValueError(f"kq8 (batch, unroll, prefetch) must be one of {sorted(KQ8_VARIANTS)}")
-        rpb = rows_per_block or _kv2_rows_per_block(dev, w.rows, w.cols, u)
+        rpb = rows_per_block or kv2_rows_per_block(dev, w.rows, w.cols, u)
         if rpb % u or rpb > KV2_MAX_RPB or (gated and rpb % 2):
             raise ValueError("rows_per_block must be a multiple of the unroll (and even when gated), "
                              f"at most {KV2_MAX_RPB}")

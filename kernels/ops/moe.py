@@ -16,7 +16,7 @@ from ..constants import KERNEL_CONSTANTS, QGEMM_TYPES
 from ..cuda_runtime import F32, I64, Device, DeviceArray
 from .args import act_code, need
 from .matmul import HALF_KINDS
-from .matvecs import MATVEC_WARPS
+from .matvecs import KQ8_ACTIVATIONS, KV2_MAX_RPB, MATVEC_WARPS, kq8_supported, kv2_rows_per_block, kv2_warps
 from .norm import gated_act
 from .quant_matrix import QuantMatrix
 
@@ -113,15 +113,18 @@ class MoeScratch:
     hs: DeviceArray  # [rows k, ffn] act(gate) * up
     gu: DeviceArray | None  # [rows k, 2 ffn] gate | up, where they are apart
     ys: DeviceArray  # [rows k, hidden] each pair's expert output
+    done: DeviceArray  # [1] uint32: blocks of the batch-1 router done (qmvs_route_b1; 0 between launches)
 
     @classmethod
     def alloc(cls, dev: Device, max_rows: int, experts: int, k: int, hidden: int, ffn: int,
               apart: bool = False) -> MoeScratch:
         e, pairs = dev.empty, max_rows * k
-        return cls(e((max_rows * experts,)), e((pairs,), np.int32), e((pairs,)), e((pairs,), np.int32),
-                   e((pairs,), np.int32), e((3 * max_tiles(pairs, experts, TILE_ROWS),), np.int32),
-                   e((pairs * hidden,)), e((pairs * ffn,)), e((pairs * 2 * ffn,)) if apart else None,
-                   e((pairs * hidden,)))
+        s = cls(e((max_rows * experts,)), e((pairs,), np.int32), e((pairs,)), e((pairs,), np.int32),
+                e((pairs,), np.int32), e((3 * max_tiles(pairs, experts, TILE_ROWS),), np.int32),
+                e((pairs * hidden,)), e((pairs * ffn,)), e((pairs * 2 * ffn,)) if apart else None,
+                e((pairs * hidden,)), e((1,), np.uint32))
+        s.done.zero()
+        return s
 
 
 def matvec_rows(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, stream=None) -> None:
@@ -140,10 +143,7 @@ def moe_route(dev: Device, logits: DeviceArray, ids: DeviceArray, wts: DeviceArr
               gating: str, norm_topk: bool, bias: DeviceArray | None = None, stream=None) -> None:
     """Each row's k experts, best first, and their weights from the router's logits [n, experts]
     (+ bias). Twin: reference.moe_route (given the logits)."""
-    if gating not in GATINGS:
-        raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
-    if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
-        raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
+    _check_routing(experts, k, gating)
     need(logits, np.float32, n * experts, "logits")
     need(ids, np.int32, n * k, "ids")
     need(wts, np.float32, n * k, "wts")
@@ -175,10 +175,7 @@ def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, 
         moe_route(dev, logits, s.ids, s.wts, n=n, experts=experts, k=k, gating=gating, norm_topk=norm_topk, bias=bias,
                   stream=stream)
         return moe_group(dev, s.ids, s.pos, s.order, s.tiles, pairs=n * k, experts=experts, tile=tile, stream=stream)
-    if gating not in GATINGS:
-        raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
-    if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
-        raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
+    _check_routing(experts, k, gating)
     pairs, nt = n * k, max_tiles(n * k, experts, tile)
     need(logits, np.float32, n * experts, "logits")
     need(s.ids, np.int32, pairs, "ids")
@@ -244,14 +241,23 @@ def moe_gemm(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x
 
 def moe_mlp(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeScratch, *, n: int, k: int, act: str,
             gating: str, norm_topk: bool, res: DeviceArray | None = None, half: str | None = None,
-            stream=None) -> None:
+            fused: bool = True, int8: bool = False, stream=None) -> None:
     """y[n, hidden] = res + each row through its k experts' gated MLPs, summed by the router's weights
-    (five to seven launches, one grid each, whatever the routing: a decode step stays one graph).
+    (one grid a launch whatever the routing: a decode step stays one graph). One token (fused): three
+    launches, or four with gate and up apart (_moe_mlp_b1); else five to seven, the pairs grouped by expert.
     half ("f16"/"bf16"): from QGEMM_MIN_ROWS rows the experts' products run on the tensor cores
-    (qgemm.cu, inputs in that type). Twin: reference.moe_mlp (+ res)."""
+    (qgemm.cu, inputs in that type). int8 (fused batch 1): Q4_K/Q5_K gate|up experts take x quantized to
+    int8 (kq8ge_b1_u4, dp4a), as the dense int8 matvecs do. Twin: reference.moe_mlp (+ res; int8:
+    q8_inputs); without int8 the fused and the grouped batch-1 paths choose the same experts and agree to
+    float32 rounding (their router matvecs sum in different orders)."""
     hidden, E = w.router.cols, w.experts
     need(x, np.float32, n * hidden, "x")
     need(y, np.float32, n * hidden, "y")
+    _check_routing(E, k, gating)
+    if n == 1 and fused and w.router.row_bytes % 16 == 0 and w.router.data.ptr % 16 == 0:
+        _moe_mlp_b1(dev, w, x, y, s, k=k, act=act, gating=gating, norm_topk=norm_topk, res=res, int8=int8,
+                    stream=stream)
+        return
     matvec_rows(dev, w.router, x, s.logits, n=n, stream=stream)
     mats = [e for e in (w.gate_up, w.gate, w.up, w.down) if e is not None]
     gemm = half is not None and n >= QGEMM_MIN_ROWS and all(qgemm_supported(e) for e in mats)
@@ -305,3 +311,62 @@ def _moe_mlp_matvec(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, n
                    stream=stream)
         gated_act(dev, gu, gu.view(pairs * ffn, pairs * ffn), s.hs, n=pairs, ffn=ffn, act=act, stream=stream)
     moe_matvec(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=stream)
+
+
+def _check_routing(experts: int, k: int, gating: str) -> None:
+    if gating not in GATINGS:
+        raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
+    if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
+        raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
+
+
+def moe_q8_supported(w: ExpertMatrices, act: str) -> bool:
+    """Whether kq8ge_b1_u4 takes these stacked gate|up experts: Q4_K/Q5_K rows (Q6_K experts keep GGUF's
+    210-byte blocks, which kq8 does not read), no biases, a dense MLP's activation."""
+    return w.m.type in ("q4_k", "q5_k") and kq8_supported(w.m) and w.bias is None and act in KQ8_ACTIVATIONS
+
+
+def moe_matvec_q8(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray,
+                  y: DeviceArray, *, act: str, stream=None) -> None:
+    """For every tile (expert e, pair r0, 1 pair) of one token: y[r0] = act(q8(x) W_gate_e^T) * (q8(x) W_up_e^T),
+    x quantized to int8 per 32 columns (matvec_k.cu kq8ge_b1_u4). Twin: reference.gated over linear_q8."""
+    if not moe_q8_supported(w, act):
+        raise ValueError(f"no int8 expert matvec for {w.m.type} experts with {act} and biases {w.bias is not None}")
+    m, half = w.m, w.rows // 2
+    need(x, np.float32, m.cols, "x")
+    need(y, np.float32, n_tiles * half, "y")
+    rpb = min(KV2_MAX_RPB, kv2_rows_per_block(dev, n_tiles * w.rows, m.cols, 4))
+    dev.kernel(f"matvec_k_{m.type}", "kq8ge_b1_u4").launch(
+        (-(-half // (rpb // 2)), n_tiles), (32 * kv2_warps(m),), m.data, I64(m.row_bytes), I64(w.expert_bytes),
+        w.rows, m.cols, tiles, x, act_code(act), y, rpb, stream=stream)
+
+
+def _moe_mlp_b1(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeScratch, *, k: int, act: str,
+                gating: str, norm_topk: bool, res: DeviceArray | None, int8: bool = False, stream=None) -> None:
+    """One token in three launches (matvec.cu): the router's logits and, in its last block, the routing and
+    the tiles (qmvs_route_b1); the chosen experts' gate|up with the activation (qmoeg_b1, tiles of one pair,
+    slots best first); every chosen expert's down rows summed by their weights into res (qmoed_b1). Gate and
+    up apart (their types differ): two matvecs and gated_act in place of qmoeg_b1."""
+    r, hidden, ffn, E = w.router, w.router.cols, w.ffn, w.experts
+    need(s.logits, np.float32, E, "logits")
+    need(s.hs, np.float32, k * ffn, "hs")
+    need(s.tiles, np.int32, 3 * k, "tiles")
+    dev.kernel(f"matvec_{r.type}", "qmvs_route_b1").launch(
+        (E,), (MATVEC_WARPS * 32,), r.data, I64(r.row_bytes), E, hidden, x, s.logits, w.router_bias, k,
+        GATINGS[gating], int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), s.ids, s.wts, s.tiles, s.done, stream=stream)
+    if w.gate_up is not None and int8 and moe_q8_supported(w.gate_up, act):
+        moe_matvec_q8(dev, w.gate_up, s.tiles, k, x, s.hs, act=act, stream=stream)
+    elif w.gate_up is not None:
+        moe_matvec(dev, w.gate_up, s.tiles, k, x, s.hs, tile=1, act=act, x_per_pair=False, stream=stream)
+    else:
+        gu = s.gu
+        if w.gate is None or w.up is None or gu is None:
+            raise ValueError("gate and up apart need both matrices and the scratch's gu")
+        up = gu.view(k * ffn, k * ffn)
+        moe_matvec(dev, w.gate, s.tiles, k, x, gu, tile=1, x_per_pair=False, stream=stream)
+        moe_matvec(dev, w.up, s.tiles, k, x, up, tile=1, x_per_pair=False, stream=stream)
+        gated_act(dev, gu, up, s.hs, n=k, ffn=ffn, act=act, stream=stream)
+    d = w.down
+    dev.kernel(f"matvec_{d.m.type}", "qmoed_b1").launch(
+        (-(-hidden // MATVEC_WARPS),), (MATVEC_WARPS * 32,), d.m.data, I64(d.m.row_bytes), I64(d.expert_bytes),
+        hidden, ffn, s.ids, s.wts, k, s.hs, res, y, d.bias, stream=stream)

@@ -188,7 +188,8 @@ class Forward:
                 assert moe is not None and act.moe_scratch is not None and not self.post_norms
                 ops.moe_mlp(dev, lw.moe, h_mlp, x, act.moe_scratch, n=n, k=cfg.n_experts_used, act=cfg.recipe.act,
                             gating=moe.gating.value, norm_topk=moe.norm_topk, res=x,
-                            half=self.half_kind if self.tensor_cores and tc else None, stream=st)
+                            half=self.half_kind if self.tensor_cores and tc else None,
+                            int8=mm.int8_activations, stream=st)
                 continue
             gated = mm.gate_up(lw, h_mlp, n, tc=tc)  # gate and up: one stacked matmul where their types agree
             if self.post_norms:

@@ -1,0 +1,82 @@
+// A router's choice for one token (moe.cu's routing kernels, and the batch-1 router matvec of matvec.cu
+// qmvs_route_b1, which routes in its last block): the k experts, best first, and their weights.
+#pragma once
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+static_assert(MOE_MAX_EXPERTS % 32 == 0 && MOE_MAX_EXPERTS <= 1024, "experts a router: whole warps");
+
+#define GATING_SOFTMAX 0  // softmax over every expert, then the k largest (qwen3moe)
+#define GATING_SOFTMAX_TOPK 1  // the k largest logits, then a softmax over those k (gpt-oss)
+
+// token t's k experts by one warp; ties go to the lower expert (numpy's stable argsort of the negated
+// values). CG: the logits were written by other blocks of this kernel, so they are read through L2 (__ldcg)
+// rather than a cache that may not have seen those writes.
+template <bool CG = false>
+EMBER_DEV void route_token(const float* __restrict__ logits, const float* __restrict__ bias, int t, int E, int k,
+                           int gating, int norm, float sum_min, int* __restrict__ ids, float* __restrict__ wts) {
+    constexpr int PER = MOE_MAX_EXPERTS / 32;
+    const int lane = threadIdx.x & 31;
+    float v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i;
+        const float* at = logits + (i64)t * E + e;
+        v[i] = e < E ? (CG ? __ldcg(at) : *at) + (bias ? bias[e] : 0.0f) : NEG_INF;
+    }
+    if (gating == GATING_SOFTMAX) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) mx = fmaxf(mx, v[i]);
+        mx = warp_max(mx);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.0f;
+            s += v[i];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[i] = lane + 32 * i < E ? v[i] / s : NEG_INF;
+    }
+    float best[MOE_MAX_K];
+    int who[MOE_MAX_K];
+    for (int j = 0; j < k; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int e = lane + 32 * i;
+            if (e < E && (v[i] > bv || (v[i] == bv && e < bi))) { bv = v[i]; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        best[j] = bv;
+        who[j] = bi;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (lane + 32 * i == bi) v[i] = NEG_INF;  // taken; E is below 2^31, so bi is a real expert
+    }
+    if (lane != 0) return;
+    float s = 0.0f;
+    if (gating == GATING_SOFTMAX_TOPK) {
+        const float mx = best[0];  // the largest
+        for (int j = 0; j < k; ++j) {
+            best[j] = expf(best[j] - mx);
+            s += best[j];
+        }
+        for (int j = 0; j < k; ++j) best[j] /= s;
+    }
+    s = 0.0f;
+    for (int j = 0; j < k; ++j) s += best[j];
+    const float scale = norm ? 1.0f / fmaxf(s, sum_min) : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        ids[(i64)t * k + j] = who[j];
+        wts[(i64)t * k + j] = best[j] * scale;
+    }
+}
