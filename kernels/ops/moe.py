@@ -228,13 +228,15 @@ def moe_gemm(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x
     if not qgemm_supported(w):
         raise ValueError(f"no tensor-core expert matmul for {w.m.type} rows of {w.m.cols} columns")
     m = w.m
+    # the biased kernels (qgemmb*) take the experts' biases and any activation; the others a dense MLP's two
+    b = "b" if w.bias is not None or (act is not None and act not in KQ8_ACTIVATIONS) else ""
     if act is None:
-        dev.kernel(f"qgemm_{m.type}", f"qgemm_{half}_t{tile}").launch(
+        dev.kernel(f"qgemm_{m.type}", f"qgemm{b}_{half}_t{tile}").launch(
             (-(-w.rows // QG_ROWS), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes), w.rows, m.cols,
             tiles, x, order, k, y, w.bias, stream=stream)
         return
     code = act_code(act)
-    dev.kernel(f"qgemm_{m.type}", f"qgemmg_{half}_t{tile}").launch(
+    dev.kernel(f"qgemm_{m.type}", f"qgemmg{b}_{half}_t{tile}").launch(
         (-(-(w.rows // 2) // (QG_ROWS // 2)), n_tiles), (256,), m.data, I64(m.row_bytes), I64(w.expert_bytes),
         w.rows, m.cols, tiles, x, order, k, y, code, w.bias, stream=stream)
 
