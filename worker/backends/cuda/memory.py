@@ -10,6 +10,9 @@ from constants, so one configuration works on a 24 GB card, a 141 GB H200 and a 
 4. the KV pool: `--kv-mem SIZE`, or with `auto` (the default on CUDA) what is free after all of the
    above, minus a margin for the captured graphs and the driver, and on an integrated GPU minus the
    host KV tier as well (`--kv-host-mem`): the pool and the tier come out of one budget, the same RAM.
+
+"What the device reports" is the card's memory, or with `--gpu-mem SIZE` that of a card of SIZE holding
+everything the real one holds (Device.memory_cap): every decision above is then made as on that card.
 """
 
 from __future__ import annotations
