@@ -17,6 +17,7 @@ from ember.worker.engine.loop import Engine
 from ember.worker.engine.requests import Delta, Finished, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import Sampler, SamplingParams
 from ember.worker.engine.spec.drafters import NgramDrafter, SuffixDrafter, TokenIndex
+from ember.worker.engine.spec.replay import ReplayDrafter, parse_replay
 from ember.worker.engine.spec.speculation import PAUSE_STEPS, Speculator, tokens_per_step
 from ember.worker.metrics import Metrics
 from ember.worker.runtime import Runtime
@@ -219,13 +220,15 @@ def test_stop_strings_and_grammars_act_on_drafted_tokens_as_on_others(runtime):
     assert (text1, toks1) == (text0, toks0) and text1.startswith("    total = width * height")
 
 
-def test_bench_spec_replays_sessions_against_real_workers(capsys):
-    """`ember bench spec` at CI scale: two real workers (spec off, then on), identical greedy output."""
+@pytest.mark.parametrize("spec", ["suffix", "replay:1.0"])
+def test_bench_spec_replays_sessions_against_real_workers(capsys, spec):
+    """`ember bench spec` at CI scale: two real workers (spec off, then on), identical greedy output; with the
+    replay drafter the measured run drafts its recorded first run, every draft standing."""
     import argparse
 
     from ember.worker.bench.spec import cmd_spec
 
-    args = argparse.Namespace(model=None, backend="numpy", spec="suffix", gen=16, lines=20,
+    args = argparse.Namespace(model=None, backend="numpy", spec=spec, gen=16, lines=20, spec_k=4,
                               sessions=["json_again"], json=True)
     assert cmd_spec(args) == 0
     import json
@@ -234,10 +237,14 @@ def test_bench_spec_replays_sessions_against_real_workers(capsys):
     s = report["sessions"]["json_again"]
     assert report["identical"] and s["identical"] and s["decode_tok_s_off"] and s["decode_tok_s_on"]
     assert s["drafted"] is not None and report["machine"]["cores"]
+    if spec.startswith("replay"):
+        assert s["drafted"] > 0 and s["acceptance"] == 1.0 and s["tokens_per_step"] > 1.5
 
 
 @pytest.mark.parametrize("spec, error", [("suffix", None), ("mtp", None), ("draft:{model}", None),
                                          ("mtp:{model}", None), ("mtp:/nowhere/mtp-x.gguf", "is not a file"),
+                                         ("replay:0.8", None), ("replay:1", None), ("replay:1.5", "between 0 and 1"),
+                                         ("replay:lots", "between 0 and 1"),
                                          ("off", "is not a drafter"), ("beam", "is not a drafter"),
                                          ("draft:", "is not a drafter")])
 def test_bench_spec_takes_every_drafter_the_worker_takes(spec, error, default_model_path, capsys):
@@ -362,3 +369,73 @@ def test_requests_that_end_while_queued_settle_once_and_never_run(start_worker, 
     assert stream_end["event"] == "canceled"
     # nothing was decoded but the stream's tokens
     assert w.metric_values()["ember_generated_tokens_total"] == stream_end["completion_tokens"]
+
+
+# -- the replay drafter (a benchmark's: engine/spec/replay.py) ---------------------------------------------------
+
+
+def test_replay_drafts_the_recorded_continuation_of_the_same_tokens():
+    d = ReplayDrafter(1.0, vocab_size=1000)
+    d.finished([1, 2, 3, 10, 11, 12, 13, 14], prompt_len=3)
+    idx = d.new_index()
+    idx.sync([1, 2, 3])
+    assert d.propose(idx, 4) == ([10, 11, 12, 13], 3)
+    idx.sync([1, 2, 3, 10, 11])
+    assert d.propose(idx, 8) == ([12, 13, 14], 5)  # as far as the recording goes
+    idx.sync([1, 2, 3, 10, 11, 12, 13, 14])
+    assert d.propose(idx, 4) == ([], 0)  # past its end
+    other = d.new_index()
+    other.sync([1, 2, 4])
+    assert d.propose(other, 4) == ([], 0)  # another prompt
+    off = d.new_index()
+    off.sync([1, 2, 3, 10, 99])  # left the recording (a sampled token): nothing more
+    assert d.propose(off, 4) == ([], 0)
+    d.finished([1, 2, 4, 20, 21], prompt_len=3)  # a recording made since: searched again
+    assert d.propose(other, 4) == ([20, 21], 3)
+
+
+def test_replay_keeps_each_drafted_token_with_the_acceptance_by_its_position():
+    rec = list(range(5, 4005))
+    for accept in (0.0, 0.5, 0.8, 1.0):
+        d = ReplayDrafter(accept, vocab_size=5000, seed=3)
+        d.finished(rec, prompt_len=1)
+        idx = d.new_index()
+        idx.sync(rec[:1])
+        draft, _ = d.propose(idx, 3999)
+        kept = np.mean([a == b for a, b in zip(draft, rec[1:], strict=True)])
+        assert abs(kept - accept) < 0.03, (accept, kept)
+        assert all(0 <= t < 5000 for t in draft)
+        later = d.new_index()  # the same positions decide the same way, wherever a draft starts
+        later.sync(rec[:100])
+        assert d.propose(later, 50)[0] == draft[99:149]
+    d = ReplayDrafter(0.8, vocab_size=50)
+    d.finished([1, 2, 3] * 40, prompt_len=3)
+    d.finished([1, 2, 3, 7, 7, 7], prompt_len=3)  # the same prompt again: replaces the first
+    idx = d.new_index()
+    idx.sync([1, 2, 3])
+    assert len(d.propose(idx, 10)[0]) == 3
+    for bad in ("replay:", "replay:-0.1", "replay:1.01", "replay:x"):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            parse_replay(bad)
+    assert parse_replay("replay:0.5") == 0.5
+    with pytest.raises(worker_config.ConfigError, match="between 0 and 1"):
+        worker_config.validate(worker_config.WorkerConfig(spec="replay:2"))
+
+
+def test_replayed_runs_draft_at_the_acceptance_and_never_change_the_output(runtime):
+    """A run recorded, then replayed through the engine: every draft stands at 1.0, about half of the drafted
+    tokens at 0.5, and the greedy output is the spec-off run's either way."""
+    prompt = "Write a short essay about the history of lighthouses.\n\n"
+    (text0, toks0, _), _ = _run(runtime, "off", prompt, 32)
+    for accept in (1.0, 0.5):
+        d = ReplayDrafter(accept, runtime.model.config.vocab_size)
+        (text1, toks1, _), m1 = _run(runtime, f"replay:{accept}", prompt, 32, drafter=d)  # records
+        assert m1["ember_spec_drafted_tokens_total"] == 0 and toks1 == toks0
+        (text2, toks2, _), m2 = _run(runtime, f"replay:{accept}", prompt, 32, drafter=d)  # replays
+        assert toks2 == toks0 and text2 == text0
+        drafted, accepted = m2["ember_spec_drafted_tokens_total"], m2["ember_spec_accepted_tokens_total"]
+        assert drafted > 0
+        if accept == 1.0:
+            assert accepted == drafted
+        else:
+            assert 0 < accepted < drafted

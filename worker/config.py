@@ -138,7 +138,8 @@ HELP = {
     "spec": "speculative decoding: off (default), ngram (prompt lookup), suffix (longest match in the sequence "
             "and recent outputs, adaptive length), draft:PATH (a small GGUF with the model's vocabulary), mtp "
             "(the model's own next-token layer, where the GGUF has one: DeepSeek V4's nextn) or mtp:PATH (that "
-            "layer from its own GGUF, as llama.cpp's converter writes it with --mtp)",
+            "layer from its own GGUF, as llama.cpp's converter writes it with --mtp); replay:P is a benchmark's "
+            "(what this worker generated before after the same tokens, each token kept with probability P)",
     "spec_k": "the longest draft, in tokens (default 8)",
     "spec_max_batch": "no drafts when more sequences than this decode together (default 8)",
     "spec_max_context": "no drafts past this many tokens of context (default 32768)",
@@ -262,8 +263,16 @@ def _spec_problem(c: WorkerConfig) -> str | None:
     elif c.spec.startswith("mtp:"):
         if not Path(c.spec[4:]).expanduser().is_file():
             return f"spec: the next-token layer file {c.spec[4:]!r} is not a file"
+    elif c.spec.startswith("replay:"):
+        from .engine.spec.replay import parse_replay
+
+        try:
+            parse_replay(c.spec)
+        except ValueError as e:
+            return str(e)
     elif c.spec not in ("off", "ngram", "suffix", "mtp"):
-        return f"spec: {c.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, mtp:PATH)"
+        return (f"spec: {c.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, mtp:PATH, "
+                "replay:P)")
     return None
 
 

@@ -114,6 +114,10 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     gpu_mem = None if cfg.gpu_mem == "auto" else worker_config.parse_size(cfg.gpu_mem, "gpu_mem")
     drafter: Drafter | None = None
     backend: Backend
+    if cfg.spec.startswith("replay:"):  # a benchmark's drafter (engine/spec/replay.py)
+        from .engine.spec.replay import ReplayDrafter, parse_replay
+
+        drafter = ReplayDrafter(parse_replay(cfg.spec), model.config.vocab_size)
     if cfg.spec.startswith("draft:"):  # before the model's backend: an automatic KV pool takes what is left
         from .engine.spec.draft_model import ModelDrafter, open_draft_model
 

@@ -4,7 +4,9 @@ of drafted tokens accepted for each session, and a check that greedy outputs are
 
 The sessions are the shapes agents produce: a file edit that re-emits a file with one change, a quote
 of a tool's output, a JSON object emitted again a turn later, and free prose (where drafts should
-find little and must not cost more than they save).
+find little and must not cost more than they save). With `--spec replay:P` each session's first run is
+recorded and the second replayed, each drafted token standing with probability P: the machinery's
+speed at that acceptance on a model whose own text no drafter guesses (the synthetic ones).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         prompts = {k: v for k, v in prompts.items() if k in args.sessions}
     common = ["--backend", args.backend, "--max-seqs", "1", "--kv-persist", "off"]
     common += ["--model", args.model] if args.model else []
+    common += ["--spec-k", str(args.spec_k)] if getattr(args, "spec_k", None) else []
     results: dict[str, dict] = {name: {} for name in prompts}
     with tempfile.TemporaryDirectory(prefix="ember-bench-spec-") as tmp:
         for mode in ("off", args.spec):
@@ -97,7 +100,9 @@ def run(args: argparse.Namespace) -> dict:
             with WorkerProcess(*common, "--spec", mode, "--kv-dir", str(Path(tmp) / kind),
                                log_path=Path(tmp) / f"{kind}.log") as w:
                 for name, prompt in prompts.items():
-                    _stream(w.url, prompt, 4)  # warm: the prompt's prefill is cached, so decode is what is timed
+                    # warm: the prompt's prefill is cached, so decode is what is timed; the replay drafter
+                    # records the whole greedy run here and replays it in the run measured
+                    _stream(w.url, prompt, args.gen if kind == "replay" else 4)
                     before = _counters(w.url)
                     out = _stream(w.url, prompt, args.gen)
                     after = _counters(w.url)
@@ -145,12 +150,21 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 def _drafter(text: str) -> str:
     """--spec as the worker takes it, less off (the bench compares against off itself); a PATH must be a file."""
+    from ..engine.spec.replay import parse_replay
+
     kind, _, path = text.partition(":")
     if text in ("ngram", "suffix", "mtp") or (kind in ("draft", "mtp") and path and Path(path).expanduser().is_file()):
         return text
     if kind in ("draft", "mtp") and path:
         raise argparse.ArgumentTypeError(f"{path!r} is not a file")
-    raise argparse.ArgumentTypeError(f"{text!r} is not a drafter (ngram, suffix, draft:PATH, mtp, mtp:PATH)")
+    if kind == "replay":
+        try:
+            parse_replay(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("spec: ")) from None
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a drafter (ngram, suffix, draft:PATH, mtp, mtp:PATH, "
+                                     "replay:P)")
 
 
 def add_spec_parser(bsub) -> None:
@@ -160,7 +174,10 @@ def add_spec_parser(bsub) -> None:
     p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     p.add_argument("--spec", type=_drafter, default="suffix",
                    help="the drafter: ngram, suffix (default), draft:PATH (a small GGUF of the model's vocabulary), "
-                        "mtp (the model's next-token layer, where it has one) or mtp:PATH (that layer's own GGUF)")
+                        "mtp (the model's next-token layer, where it has one), mtp:PATH (that layer's own GGUF) or "
+                        "replay:P (each session's first run replayed, each drafted token the recorded one with "
+                        "probability P: speculation's speed at that acceptance, on any model)")
+    p.add_argument("--spec-k", type=int, metavar="K", help="the longest draft (the worker's --spec-k; default its 8)")
     p.add_argument("--gen", type=int, default=128, help="greedy tokens a session (default 128)")
     p.add_argument("--lines", type=int, default=200, help="lines of the edited file (default 200)")
     p.add_argument("--sessions", nargs="+", choices=tuple(sessions(8)), help="only these sessions")
