@@ -348,6 +348,110 @@ def test_a_writer_that_is_behind_drops_blocks_and_never_waits(runtime, tmp_path)
     store.close()
 
 
+class _StubStore:
+    """The store as flush_offers sees it: `room` blocks a flush, every claim and offer recorded."""
+
+    persist = "all"
+
+    def __init__(self, room):
+        self.room, self.claims, self.offered, self.lost, self.known = room, [], [], [], set()
+
+    def write_room(self):
+        return self.room
+
+    def claim(self, blocks):
+        self.claims.append([h for h, _ in blocks])
+        out, taken = [], 0
+        for h, parent in blocks:
+            if h in self.known:
+                out.append("known")
+            elif taken < self.room and (parent == b"\0" * 16 or parent in self.known):
+                taken += 1
+                self.known.add(h)
+                out.append("take")
+            else:
+                out.append("later")
+        return out
+
+    def offer_batch(self, entries, copy):
+        self.offered.append([h for h, _, _ in entries])
+
+    def lose(self, hashes):
+        self.lost += hashes
+
+
+def test_a_writer_that_is_behind_gets_the_heads_of_live_chains_first_and_the_rest_later():
+    """flush_offers under a writer with room for few blocks: every live sequence's owed blocks are offered
+    again at each flush, nearer their chain's head first (older sequences first among equals), so each
+    chain is persisted from its root; a sequence that ends gives up what the writer did not take."""
+    from types import SimpleNamespace
+
+    from ember.worker.engine.kv_manager import KVManager
+    from ember.worker.engine.sequence import KVState
+
+    store = _StubStore(room=4)
+    backend = SimpleNamespace(block_size=2, save_blocks=lambda blocks: list(blocks))
+    kv = KVManager(pool=None, backend=backend, store=store, metrics=None, costs=None)
+
+    def seq(number, name, blocks):
+        hashes = [f"{name}{i}".encode().ljust(16, b".") for i in range(blocks)]
+        return SimpleNamespace(number=number, tokens=list(range(2 * blocks)),
+                               kv=KVState(blocks=list(range(blocks)), hashes=hashes, n_registered=blocks))
+
+    a, b = seq(1, "a", 6), seq(2, "b", 3)
+    kv._offer(a)
+    kv._offer(b)
+    kv.flush_offers()
+    assert [h.rstrip(b".") for h in store.offered[-1]] == [b"a0", b"b0", b"a1", b"b1"]
+    assert (a.kv.n_offered, b.kv.n_offered) == (2, 2)
+    kv.flush_offers()  # the writer has room again: the next heads, b's last before a's deeper ones
+    assert [h.rstrip(b".") for h in store.offered[-1]] == [b"a2", b"b2", b"a3", b"a4"]
+    assert (a.kv.n_offered, b.kv.n_offered) == (5, 3) and list(kv._owing) == [1]
+    store.room = 0
+    kv.flush_offers(last=a)  # a ends with its last block not taken: given up, counted
+    assert [h.rstrip(b".") for h in store.lost] == [b"a5"] and not kv._owing
+    kv.flush_offers()  # nothing owed: nothing asked
+    assert len(store.claims) == 3
+
+
+def test_a_writer_that_is_behind_catches_up_on_a_live_sequence(runtime, tmp_path):
+    """A prompt of 12 full blocks prefilled in one step with room for 2 at a time: the engine offers the
+    rest again at each step while the sequence decodes, so its whole prompt is persisted from the root
+    (before, the 10 blocks the writer had no room for were dropped, and the chain ended at block 2)."""
+    bs = runtime.backend.block_size
+    store = _store(runtime, tmp_path, host_budget=2 * _store_block_bytes(runtime))
+    be = NumpyBackend(runtime.config, runtime.backend.weights, n_blocks=64, block_size=bs)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=1024, prefill_chunk=256, max_step_tokens=256),
+                    metrics=Metrics(), store=store)
+    engine.start()
+    ids = runtime.model.tokenizer.encode(PROMPT * 5)[: 12 * bs + 1]
+    assert len(ids) == 12 * bs + 1
+    req = GenerationRequest("r", ids, SamplingParams(temperature=0), 16)
+
+    async def go():
+        h = RequestHandle(req, asyncio.get_running_loop())
+        engine.submit(h)
+        return [e async for e in h.events()]
+
+    try:
+        events = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert isinstance(events[-1], Finished)
+    assert store.flush()
+    hashes, parent = [], b"\0" * 16
+    for i in range(12):
+        parent = chain_hash(parent, ids[i * bs : (i + 1) * bs], store_salt(runtime))
+        hashes.append(parent)
+    assert store.available(hashes) == 12  # the whole prompt, from its root
+    assert store.stats.write_drops == 0
+    store.close()
+
+
+def store_salt(runtime):
+    return kv_salt(runtime.model.fingerprint, runtime.backend.kv_layout)
+
+
 def _store_block_bytes(runtime):
     return int(np.prod(runtime.backend.read_block(0).shape)) * 4
 

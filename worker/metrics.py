@@ -111,7 +111,8 @@ class _StoreCollector:
                                 value=1 if p.state == PersistState.DEGRADED else 0)
         for name, doc, value in [
             ("ember_kv_writes", "KV blocks written to disk", st.writes),
-            ("ember_kv_write_drops", "KV blocks not persisted because the writer was behind", st.write_drops),
+            ("ember_kv_write_drops", "KV blocks not persisted: their request ended before the writer had room",
+             st.write_drops),
             ("ember_kv_not_persisted", "KV blocks not persisted because writing to disk failed (degraded)",
              p.not_persisted_total),
             ("ember_kv_restore_hits", "KV blocks restored from the host tier or disk", st.restore_hits),

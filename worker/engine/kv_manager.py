@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..backends.base import Backend, ContextPoisoned
+from ..kvstore.store import LATER, TAKE
 from ..logs import log
 from ..metrics import Metrics
 from .kv_blocks import ROOT_HASH, BlockPool, OutOfBlocks, chain_hash
@@ -20,6 +21,7 @@ from .restore_policy import RestoreCosts
 from .sequence import Seq
 
 RESTORE_BYTES_PER_STEP = 32 << 20  # KV a step restores while other streams decode (a few ms of copies)
+OFFER_LOOKAHEAD = 8  # owed blocks a flush asks the store about past the writer's room (those it has cost a lookup)
 
 
 @dataclass
@@ -36,7 +38,9 @@ class KVManager:
     def __init__(self, pool: BlockPool, backend: Backend, store, metrics: Metrics, costs: RestoreCosts):
         self.pool, self.backend, self.store, self.metrics, self.costs = pool, backend, store, metrics, costs
         self.bs = backend.block_size
-        self._offers: list[tuple[bytes, bytes, list[int], int]] = []  # full blocks for the store, this step
+        # sequences with full blocks the store has not got yet (kv.n_offered < kv.n_registered), by number:
+        # offered at every flush, heads first, until the writer takes them or the sequence is gone
+        self._owing: dict[int, Seq] = {}
 
     # -- admission and growth ------------------------------------------------------------------------
 
@@ -56,7 +60,9 @@ class KVManager:
         kv = s.kv
         kv.blocks, kv.hashes = p.blocks, p.hashes
         kv.n_computed, kv.n_registered = len(p.blocks) * self.bs, len(p.blocks)
-        kv.n_offered = max(kv.n_offered, kv.n_registered)  # matched blocks are known to the store
+        # the matched blocks are offered like computed ones: the store answers KNOWN for those it has, and a
+        # block a writer that was behind never got is persisted now
+        kv.n_offered = min(kv.n_offered, kv.n_registered)
         if not s.begun and p.blocks:  # one more sequence took them (a preempted one comes back: not counted)
             self.pool.used_by_another(p.blocks)
             self._touch(p.hashes[: len(p.blocks)], new_use=True)
@@ -79,8 +85,10 @@ class KVManager:
         return True
 
     def free(self, s: Seq) -> None:
-        """Release every block the sequence holds (its registered ones stay cached)."""
+        """Release every block the sequence holds (its registered ones stay cached; those the store has not
+        got are given up)."""
         kv = s.kv
+        self._give_up(s)
         if kv.blocks:
             self.pool.release(kv.blocks)
             kv.blocks = []
@@ -93,7 +101,7 @@ class KVManager:
 
     def preempted(self, s: Seq) -> None:
         self.register_full_blocks(s)
-        self.flush_offers()  # copied off before the pool may hand its blocks out again
+        self.flush_offers(last=s)  # copied off before the pool may hand its blocks out again
         self.pool.release(s.kv.blocks)
         s.kv.blocks, s.kv.n_computed, s.kv.n_registered = [], 0, 0
 
@@ -104,7 +112,7 @@ class KVManager:
         self.register_full_blocks(s)
         if self.store is not None and self.store.persist == "finished":
             self._offer(s)
-        self.flush_offers()
+        self.flush_offers(last=s)
         self._touch(s.kv.hashes[: s.kv.n_registered], new_use=False)
 
     def _touch(self, hashes: list[bytes], new_use: bool) -> None:
@@ -133,37 +141,66 @@ class KVManager:
             self._offer(s)
 
     def _offer(self, s: Seq) -> None:
-        """Queue newly registered full blocks for the KV store; flush_offers copies them."""
-        bs, kv = self.bs, s.kv
-        for i in range(kv.n_offered, kv.n_registered):
-            parent = kv.hashes[i - 1] if i else ROOT_HASH
-            self._offers.append((kv.hashes[i], parent, s.tokens[i * bs : (i + 1) * bs], kv.blocks[i]))
+        """The sequence's registered full blocks are for the KV store: flush_offers offers them."""
+        if s.kv.n_offered < s.kv.n_registered:
+            self._owing[s.number] = s
+
+    def flush_offers(self, poisoned: bool = False, last: Seq | None = None) -> None:
+        """Offer the store every owing sequence's blocks it has not got, and copy those it takes off the
+        device in one batch (save_blocks never makes the engine wait), before any of them can be
+        released and written again. What a restart needs goes first: blocks nearer their chain's head
+        before those further down, older sequences first among equals, so that under churn each live
+        conversation's chain is persisted from its root rather than whichever blocks completed last.
+        Blocks the writer has no room for stay owed to the next flush. `last`: a sequence ending (or
+        preempted) now, whose blocks the writer does not take now are given up."""
+        if self.store is None or poisoned or not self._owing:
+            if last is not None:
+                self._owing.pop(last.number, None)
+            return
+        room = self.store.write_room()
+        candidates = []  # (chain index, sequence number, hash, parent, sequence)
+        for n, s in self._owing.items():
+            kv = s.kv
+            # a sequence's blocks up to the writer's room past the last it has (those it knows cost a lookup)
+            for i in range(kv.n_offered, min(kv.n_registered, kv.n_offered + room + OFFER_LOOKAHEAD)):
+                candidates.append((i, n, kv.hashes[i], kv.hashes[i - 1] if i else ROOT_HASH, s))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        status = dict(zip((c[2] for c in candidates),
+                          self.store.claim([(c[2], c[3]) for c in candidates]), strict=False))
+        batch: dict[bytes, tuple[bytes, list[int], int]] = {}
+        for i, _, h, parent, s in candidates:
+            if status[h] == TAKE and h not in batch:
+                batch[h] = (parent, s.tokens[i * self.bs : (i + 1) * self.bs], s.kv.blocks[i])
+        for n, s in list(self._owing.items()):  # each sequence's owed blocks start after those the store has now
+            kv = s.kv
+            while kv.n_offered < kv.n_registered and status.get(kv.hashes[kv.n_offered], LATER) != LATER:
+                kv.n_offered += 1
+            if kv.n_offered >= kv.n_registered:
+                del self._owing[n]
+        if last is not None:
+            self._give_up(last)
+        if batch:
+            self._copy_off(batch)
+
+    def _give_up(self, s: Seq) -> None:
+        """The sequence's blocks the store has not got are dropped: its blocks go back to the pool."""
+        if self._owing.pop(s.number, None) is None or self.store is None:
+            return
+        kv = s.kv
+        self.store.lose(kv.hashes[kv.n_offered : kv.n_registered])
         kv.n_offered = kv.n_registered
 
-    def flush_offers(self, poisoned: bool = False) -> None:
-        """The step's offered blocks off the device in one batch (save_blocks never makes the engine
-        wait), before any of them can be released and written again. Those the store does not want
-        (known already, or its writer is behind) are never copied."""
-        offers, self._offers = self._offers, []
-        if not offers or self.store is None or poisoned:
-            return
-        wanted = set(self.store.accept([(h, parent) for h, parent, _, _ in offers]))
-        batch = []
-        for h, parent, tokens, block in offers:
-            if h in wanted:
-                wanted.discard(h)
-                batch.append((h, parent, tokens, block))
-        if not batch:
-            return
+    def _copy_off(self, batch: dict[bytes, tuple[bytes, list[int], int]]) -> None:
+        entries = [(h, parent, tokens) for h, (parent, tokens, _) in batch.items()]
         try:
-            copy = self.backend.save_blocks([block for _, _, _, block in batch])
+            copy = self.backend.save_blocks([block for _, _, block in batch.values()])
         except ContextPoisoned:
-            self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], None)
+            self.store.offer_batch(entries, None)
             raise
         except Exception as e:  # persistence is best effort: the request goes on
             log("kv_offer_error", level="warning", error=f"{type(e).__name__}: {e}")
             copy = None
-        self.store.offer_batch([(h, p, t) for h, p, t, _ in batch], copy)
+        self.store.offer_batch(entries, copy)
 
     def _stored(self, hashes: list[bytes]) -> list[str]:
         """Where the KV store holds the leading `hashes` ("host" or "disk"). It never raises: a store
@@ -213,7 +250,7 @@ class KVManager:
                     break
                 ready.append(payload)
             if ready:  # into the pool in one batch: the backend queues their copies, no host copy or wait
-                first = kv.restore_used
+                first, start = kv.restore_used, kv.n_registered
                 self.backend.load_blocks(kv.restore_blocks[first:first + len(ready)], ready)
                 for k in range(first, first + len(ready)):
                     kv.blocks.append(self.pool.share(kv.restore_blocks[k], job.hashes[k]))
@@ -223,7 +260,8 @@ class KVManager:
                 kv.restore_used += len(ready)
                 kv.n_computed += len(ready) * self.bs
                 kv.n_registered += len(ready)
-                kv.n_offered = kv.n_registered
+                if kv.n_offered >= start:  # restored blocks are the store's (owed ones before them stay owed)
+                    kv.n_offered = kv.n_registered
             finished = job.done.is_set() and (kv.restore_used == len(job.results) or
                                               job.results[kv.restore_used] is None)
             if finished:

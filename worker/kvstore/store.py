@@ -6,8 +6,10 @@ the writer thread waits for it, writes the files of the batch together (temp fil
 renames and the ledger under one lock) and, for payloads it may keep (the numpy backend's), puts
 them in the host tier; the CUDA backend's payloads are written straight from its pinned slabs.
 Nothing here makes the engine wait: a writer that is behind (its backlog past the host budget)
-drops blocks, counted in `write_drops`, and never keeps a block whose parent it dropped. The files
-are not fsynced one by one: a file a power loss truncates or garbles fails its checksum and is
+takes no more for now (claim: LATER), and never a block whose parent it does not keep; the engine
+offers a live sequence's blocks again, heads first, until the writer has room, and what it gives up
+is counted in `write_drops`. The files are not fsynced one by one: a file a power loss truncates or
+garbles fails its checksum and is
 quarantined, and its block is computed again; a KV block is a cache. A restarted worker finds its
 blocks by name: the path is derived from the chain hash, so lookups need no index. The index, built
 by a background scan of headers only, orders this store's files for eviction; the scan then reads the
@@ -69,6 +71,7 @@ from .persistence import Persistence
 EVICT_SLACK = 256 << 20  # extra room an eviction makes (at most a fiftieth of the budget)
 PROBE_BYTES = 16 << 20  # the newest block files a scan reads whole, timed: this disk's restore rate
 ROOT = b"\0" * 16  # the parent of a chain's first block (engine.kv_blocks.ROOT_HASH)
+TAKE, KNOWN, LATER = "take", "known", "later"  # claim()'s answers for a completed block
 MAINTAIN_SECONDS = 1.0  # an idle writer looks after the directory this often (retries, a deleted dir)
 ROOM_WAIT_SECONDS = 0.05  # how long the reader waits for a free restore buffer before it looks up again
 HISTORY_SECONDS = 5.0  # the block history is written at most this often while it changes (and at close)
@@ -199,31 +202,58 @@ class KVStore:
             self.offer_batch([(h, parent, list(tokens))], Landed(payload[None]))
 
     def accept(self, blocks: list[tuple[bytes, bytes]]) -> list[bytes]:
-        """Which of a step's completed blocks (hash, parent) to copy off the device (engine thread,
-        never blocks): those neither stored nor on their way already, as far as the writer's backlog
-        has room; the rest of the new ones are dropped (counted). A block whose parent is neither
-        kept nor root is dropped too: a chain is only restored from its root, so its descendants
-        would be written for nothing. The accepted are reserved until offer_batch."""
+        """claim() for a caller that will not offer again: the blocks not taken now, and not known
+        already, are dropped (counted)."""
+        status = self.claim(blocks)
+        self.lose([h for (h, _), st in zip(blocks, status, strict=True) if st == LATER])
+        return [h for (h, _), st in zip(blocks, status, strict=True) if st == TAKE]
+
+    def claim(self, blocks: list[tuple[bytes, bytes]]) -> list[str]:
+        """What to do with each of these completed blocks (hash, parent), in the order given (engine
+        thread, never blocks): TAKE (copy it off the device and offer it: reserved until offer_batch),
+        KNOWN (stored or on its way already) or LATER (the writer's backlog has no room now, or the
+        block's parent is neither kept nor root: a chain is only restored from its root). A LATER block
+        may be offered again (the engine does, for its live sequences, heads first) or given up (lose)."""
         with self._lock:
             if self._writer_dead:
-                return []
+                return [LATER] * len(blocks)
             room = max(0, (self.host_budget - self._pending_write_bytes) // self.block_bytes)
-            take: list[bytes] = []
-            drops = 0
+            take: set[bytes] = set()
+            out = []
             for h, parent in blocks:
-                if h in self._busy or h in self._host or (h in self._index and self.writable) or h in take:
+                if h in self._busy or h in self._host or (h in self._index and self.writable):
+                    out.append(KNOWN)
+                    continue
+                if h in take:
+                    out.append(TAKE)
                     continue
                 linked = (parent == ROOT or parent in self._busy or parent in self._host or parent in self._index
                           or parent in take)
                 if len(take) < room and linked:
-                    take.append(h)
+                    take.add(h)
+                    out.append(TAKE)
                 else:
-                    drops += 1  # the writer is behind: skip rather than stall
-                    self.history.lose(h, NOT_PERSISTED)
-            self.stats.write_drops += drops
+                    out.append(LATER)
             self._busy.update(take)
             self._pending_write_bytes += len(take) * self.block_bytes
-            return take
+            return out
+
+    def write_room(self) -> int:
+        """Blocks the writer's backlog has room for now."""
+        with self._lock:
+            if self._writer_dead:
+                return 0
+            return max(0, (self.host_budget - self._pending_write_bytes) // self.block_bytes)
+
+    def lose(self, hashes: list[bytes]) -> None:
+        """Blocks that will not be persisted (their sequence is gone before the writer had room): counted
+        as dropped, and remembered as never persisted (history.py), which a later miss is explained by."""
+        if not hashes:
+            return
+        with self._lock:
+            self.stats.write_drops += len(hashes)
+            for h in hashes:
+                self.history.lose(h, NOT_PERSISTED)
 
     def offer_batch(self, entries: list[tuple[bytes, bytes, list[int]]], copy: Any) -> None:
         """Accepted blocks (hash, parent, token ids) whose payloads `copy` brings to the host, in
