@@ -122,10 +122,13 @@ def test_a_prompt_evicted_from_the_device_says_so(runtime, admits):
 def test_blocks_the_writer_dropped_are_never_persisted_after_a_restart(runtime, tmp_path, admits):
     block_bytes = runtime.backend.read_block(0).nbytes
     prompt = _ids(2, 150)
-    store = _store(runtime, tmp_path, host_budget=block_bytes)  # a writer one block behind: the rest is dropped
+    # a writer with room for one block, and a request that ends at its first step: the writer takes the chain's
+    # head, and the rest, owed when the sequence ends, is given up (with more steps it would have been offered
+    # again until the writer had room)
+    store = _store(runtime, tmp_path, host_budget=block_bytes)
     engine = _engine(runtime, store)
     try:
-        _run(engine, prompt, "first")
+        _run(engine, prompt, "first", n=1)
     finally:
         engine.shutdown()
         store.close()
