@@ -227,6 +227,14 @@ class BuildResult:
     resources: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
+def _out_buffer(size: int) -> bytes:
+    """A new bytes object of `size` for NVRTC to write into. Never `b" " * size`: for a size of 1 that is
+    CPython's cached one-byte b" " itself, and a PTX build's log (no ptxas, so one NUL byte) written into it
+    made every b" " of the process b"\\0" (in the compat modes, print()'s separators came out as NUL).
+    bytes(n) allocates anew for every n > 0."""
+    return bytes(size)
+
+
 def compile_source(name: str, source: bytes, arch: str, options: list[str]) -> tuple[bytes, str]:
     """NVRTC: source -> (cubin, or PTX for a compute_XX target; log). Raises CompileError with the log."""
     nvrtc = _nvrtc()
@@ -243,18 +251,18 @@ def compile_source(name: str, source: bytes, arch: str, options: list[str]) -> t
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err = res[0] if isinstance(res, tuple) else res
         (size,) = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        buf = _out_buffer(size)
         _nvrtc_check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         log = buf.rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, log, options)
         if is_ptx(arch):  # PTX text, NUL-terminated as cuModuleLoadData wants it
             (size,) = _nvrtc_check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            ptx = b" " * size
+            ptx = _out_buffer(size)
             _nvrtc_check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
             return ptx, log
         (size,) = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = _out_buffer(size)
         _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         return cubin, log
     finally:

@@ -98,6 +98,7 @@ class Event(enum.StrEnum):
     CONFIG_ERROR = "config_error"  # a bad setting; the worker exits with ExitCode.CONFIG next
     LAUNCH_ERROR = "launch_error"  # the daemon's launcher could not run the engine (also ExitCode.CONFIG)
     READY = "ready"  # the model is loaded and the worker serves
+    LOAD_FAILED = "load_failed"  # loading or starting failed unforeseen (a bug, the device): ExitCode.FAILURE next
     HEALTH_STATE = "health_state"  # the worker's HealthState changed (`state`, and the `previous` one)
     ADMIT = "admit"  # a request got a slot
     COMPLETED = "completed"  # a request's one outcome is one of these four
@@ -118,6 +119,7 @@ REQUIRED_FIELDS: dict[Event, tuple[str, ...]] = {
     Event.CONFIG: ("version", "pid", "config"),
     Event.CONFIG_ERROR: ("error",),
     Event.LAUNCH_ERROR: ("error",),
+    Event.LOAD_FAILED: ("error", "where"),
     Event.READY: ("model", "fingerprint", "backend"),
     Event.HEALTH_STATE: ("state", "previous"),
     Event.ADMIT: ("request_id", "seq", "cached_tokens", "new_tokens"),

@@ -124,6 +124,39 @@ def hardened_worker(start_worker) -> WorkerProcess:
                         "--allowed-origins", "https://ok.example")
 
 
+KERNEL_BUILD_WAIT = 45 * 60  # seconds: .ci/run's background kernel build, at the lowest priority beside the suite
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory) -> Path:
+    """The session's cubin cache, shared by the tests that compile the kernels without a GPU. .ci/run
+    builds what they check in the background (tests/kernel_builds.py, into build/kernel-cache, a
+    `kernel-cache.building` file with its pid beside it until done); a test reading it waits for that build and then
+    finds its cubins cached (a module the build did not make, it compiles itself, reporting the compiler's
+    error where there is one). Without that build: a fresh folder of this session."""
+    import time
+
+    from kernel_builds import PREBUILT, building_pid
+
+    if not PREBUILT.is_dir():
+        return tmp_path_factory.getbasetemp() / "kernel-cache"
+    deadline = time.monotonic() + KERNEL_BUILD_WAIT
+    while building_pid() is not None and time.monotonic() < deadline:
+        time.sleep(2)
+    if building_pid() is not None:
+        pytest.fail(f"the background kernel build was still running after {KERNEL_BUILD_WAIT} s")
+    return PREBUILT
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read the background kernel build run last: the build then has the whole suite's idle
+    core before anything waits for it."""
+    late = [item for item in items if "kernel_cache" in getattr(item, "fixturenames", ())]
+    if late:
+        first = [item for item in items if "kernel_cache" not in getattr(item, "fixturenames", ())]
+        items[:] = first + late
+
+
 LLAMA_CPP_BUILD = Path(__file__).resolve().parents[1] / "build" / "llama.cpp"
 LLAMA_SERVER_WAIT = 40 * 60  # seconds: .ci/run's background build takes about 10 minutes beside the tests
 

@@ -5,12 +5,12 @@ modes' PTX builds are here."""
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
+from kernel_builds import COMPAT_TARGETS, ptx_modules_for
 
-from ember.kernels import build, constants, ops
+from ember.kernels import build, ops
 from ember.kernels.device_caps import COMPAT_SMEM_OPTIN, DeviceCaps, build_target, compat_from_env
 from ember.kernels.errors import CudaUnavailable
 
@@ -98,20 +98,6 @@ def test_flash_tiles_fit_ninety_nine_kib():
     assert max(ops.flash_smem_bytes(d) for d in ops.FLASH_HEAD_DIMS) <= 99 << 10
 
 
-COMPAT_TARGETS = [f"compute_{a[3:]}" for a in COMPAT_SMEM_OPTIN]
-LOW_BIT_MODULES = {f"{kind}_{t}": t for t in constants.LOW_BIT_TYPES for kind in ("matvec", "qgemm")}
-
-
-def ptx_modules_for(target: str) -> list[str]:
-    """The modules CI builds as PTX for a compat target: every one but the low-bit types' own, which are
-    spread over the targets (a third each; they share their kernels' code with matvec_q4_k and qgemm_q4_k,
-    which every target builds), as test_kernels_archs.py spreads them. EMBER_ARCH_BUILDS=all: every module."""
-    if os.environ.get("EMBER_ARCH_BUILDS") == "all":
-        return list(build.MODULES)
-    mine = constants.LOW_BIT_TYPES[COMPAT_TARGETS.index(target)::len(COMPAT_TARGETS)]
-    return [m for m in build.MODULES if m not in LOW_BIT_MODULES or LOW_BIT_MODULES[m] in mine]
-
-
 def test_every_low_bit_module_builds_as_ptx_for_some_compat_mode(monkeypatch):
     monkeypatch.delenv("EMBER_ARCH_BUILDS", raising=False)
     built = [set(ptx_modules_for(t)) for t in COMPAT_TARGETS]
@@ -120,14 +106,13 @@ def test_every_low_bit_module_builds_as_ptx_for_some_compat_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("target", COMPAT_TARGETS)
-def test_every_module_builds_as_ptx_for_the_compat_modes(target, tmp_path_factory):
+def test_every_module_builds_as_ptx_for_the_compat_modes(target, kernel_cache):
     try:
         build.nvrtc_version()
     except CudaUnavailable as e:
         pytest.skip(f"NVRTC is not available here ({e})")
-    cache = tmp_path_factory.getbasetemp() / "kernels-ptx"
     modules = ptx_modules_for(target)
-    results = build.build_all(target, cache=cache, jobs=2, modules=modules)
+    results = build.build_all(target, cache=kernel_cache, jobs=2, modules=modules)
     assert len(results) == len(modules)
     for r in results:
         text = r.path.read_bytes()

@@ -1,41 +1,27 @@
 """Every kernel module builds for each GPU architecture ember's users run: the RTX 3090/4090/5090
 cards, A100, L40S, H100/H200, B200 and DGX Spark's sm_121, on a machine without a GPU (CI). Each
 build's ptxas report is checked for register spills as test_kernels_build.py checks sm_90's. The
-cubins of one run go to the session's shared kernel cache (test_kernels_build.py and
-test_kernels_constants.py build sm_90 into it too): each architecture is compiled once per run
-(about 50 s on two cores), so the list is the users' architectures, not every one NVRTC knows.
+cubins go to the session's shared kernel cache (the `kernel_cache` fixture; .ci/run builds them in the
+background, tests/kernel_builds.py, and these tests run last and wait for it): each architecture is
+compiled once per run (about 50 s on two cores), so the list is the users' architectures, not every one
+NVRTC knows.
 
 The low-bit types' own modules (constants.LOW_BIT_TYPES: a staged matvec and a qgemm module each,
 two dozen compiles, about two thirds as long again as the rest) are spread over the six architectures
-besides sm_90, two types each (`modules_for`): every type's kernels then build for sm_90
+besides sm_90, two types each (kernel_builds.modules_for): every type's kernels then build for sm_90
 (test_kernels_build.py builds every module) and one more architecture, and every type's decoder for
 all seven through dequant.cu, which holds them all. EMBER_ARCH_BUILDS=all builds every module for
 every architecture."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from kernel_builds import LOW_BIT_MODULES, USER_ARCHS, modules_for
 
-from ember.kernels import build, constants
+from ember.kernels import build
 from ember.kernels.errors import CudaUnavailable
 
-# A100, RTX 3090, RTX 4090 / L40S, H100 / H200, B200, RTX 5090, DGX Spark; sm_80 (Ampere) is the oldest
-# ember's kernels are written for (mma.sync, cp.async)
-USER_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "sm_121")
 SPILL_BAR = 64  # bytes of spill stores a kernel may have (test_kernels_build.py's bar)
-LOW_BIT_MODULES = {f"{kind}_{t}": t for t in constants.LOW_BIT_TYPES for kind in ("matvec", "qgemm")}
-
-
-def modules_for(arch: str) -> list[str]:
-    """The modules CI builds for `arch`: all of them for sm_90 (or with EMBER_ARCH_BUILDS=all), else all but
-    the low-bit types' own, of which the architecture takes every sixth type (two of twelve)."""
-    if arch == "sm_90" or os.environ.get("EMBER_ARCH_BUILDS") == "all":
-        return list(build.MODULES)
-    others = [a for a in USER_ARCHS if a != "sm_90"]
-    mine = constants.LOW_BIT_TYPES[others.index(arch)::len(others)]
-    return [m for m in build.MODULES if m not in LOW_BIT_MODULES or LOW_BIT_MODULES[m] in mine]
 
 
 def _archs() -> list[str]:
@@ -46,11 +32,6 @@ def _archs() -> list[str]:
 
 
 ARCHS = _archs()
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "kernel-cache"
 
 
 def test_every_low_bit_module_builds_beyond_sm90_somewhere(monkeypatch):
@@ -69,11 +50,11 @@ def test_nvrtc_targets_the_architectures_users_run():
 
 
 @pytest.mark.parametrize("arch", USER_ARCHS)
-def test_every_module_builds_without_spills(arch, cache):
+def test_every_module_builds_without_spills(arch, kernel_cache):
     if not ARCHS:
         pytest.skip("NVRTC is not available here; CI installs it with pip install -e '.[cuda]'")
     modules = modules_for(arch)
-    results = build.build_all(arch, cache=cache, jobs=2, modules=modules)
+    results = build.build_all(arch, cache=kernel_cache, jobs=2, modules=modules)
     assert [r.module for r in results] == modules
     spills = {f"{r.module}.{fn}": res for r in results for fn, res in r.resources.items()
               if res.get("spill_stores", 0) > SPILL_BAR}

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -25,14 +28,15 @@ def _nvrtc_or_skip() -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(kernel_cache):
     """Every module compiled once for sm_90 through the CLI entry point (exit code 0), into the session's
-    shared kernel cache (tests/test_kernels_constants.py builds into the same one: a run of both compiles
-    once; the cache-served rebuild below is timed against whichever compiled)."""
+    shared kernel cache (tests/test_kernels_constants.py builds into the same one, and .ci/run's background
+    build fills it first: a run compiles once; the cache-served rebuild below is timed against whichever
+    compiled)."""
     _nvrtc_or_skip()
     from ember.kernels.cli import main
 
-    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
+    cache = kernel_cache
     t = time.perf_counter()
     rc = main(["build", "--arch", "sm_90", "--cache-dir", str(cache)])
     return cache, rc, time.perf_counter() - t
@@ -116,6 +120,25 @@ def test_changed_header_compiles_anew(tmp_path, monkeypatch):
     (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// changed\n")
     again = build.build_module("act", "sm_90", cache=cache)
     assert not again.cached and again.path != first.path
+
+
+def test_an_empty_compiler_log_leaves_the_interpreter_intact():
+    """A PTX build (the compat modes) runs no ptxas, so NVRTC's log is one NUL byte. Read into `b" " * 1`,
+    CPython's cached one-byte object, it turned every b" " of the process into b"\\0": in the compat modes
+    print()'s separators came out as NUL, and the sticky-error test read none of its child's words. In a
+    child process, so that a regression cannot corrupt this one."""
+    _nvrtc_or_skip()
+    code = textwrap.dedent("""
+        from ember.kernels import build
+        src = b'extern "C" __global__ void k(int *p) { *p = 1; }'
+        for arch in ("compute_80", "sm_90"):
+            out, log = build.compile_source("probe", src, arch, [f"--gpu-architecture={arch}"])
+            assert len(out) > 100, arch
+        print("POISONED", 700, " ".encode() == bytes([32]), b" " == bytes([32]))
+        """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "POISONED 700 True True", repr(p.stdout)
 
 
 def test_compile_error_carries_the_log(tmp_path):

@@ -33,12 +33,11 @@ def _code(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled(kernel_cache):
     """Every module compiled for sm_90 through build.py (the table among its options), into the session's
     shared kernel cache (tests/test_kernels_build.py builds into the same one, so a run of both compiles once)."""
     _nvrtc_or_skip()
-    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
-    return {r.module: r for r in build.build_all("sm_90", cache=cache)}
+    return {r.module: r for r in build.build_all("sm_90", cache=kernel_cache)}
 
 
 def test_every_kernel_source_compiles_with_the_table(compiled):

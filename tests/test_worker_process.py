@@ -122,6 +122,26 @@ def test_configuration_errors_exit_78(worker_env, args, needle):
     assert err and needle in err[0]["error"] and "Traceback" not in p.stderr
 
 
+def test_an_unforeseen_failure_while_starting_exits_1_saying_where(worker_env):
+    """A bug (or the device) failing the engine's start is logged as load_failed, with what and where, and
+    the worker exits 1 (a crash: the daemon restarts it with backoff), instead of answering `loading`
+    forever from a task whose exception nobody read. The failure is planted in the child's calibration."""
+    code = ("import sys\n"
+            "from ember.worker.engine import prefill_sizing\n"
+            "def broken(self, *a): raise RuntimeError('the calibration broke')\n"
+            "prefill_sizing.PrefillSizing.calibrate = broken\n"
+            "from ember.worker.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    p = subprocess.run([sys.executable, "-c", code, "worker", "--port", str(free_port()), "--kv-persist", "off"],
+                       env=worker_env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    failed = [e for e in lines if e["event"] == "load_failed"]
+    assert failed and failed[0]["error"] == "RuntimeError: the calibration broke", p.stderr[-2000:]
+    assert failed[0]["where"].endswith("in broken") and "Traceback" not in p.stderr
+    assert [e for e in lines if e["event"] == "exit"][-1]["code"] == 1
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine can run the cuda backend")
 def test_cuda_backend_without_a_gpu_is_a_configuration_error(worker_env):
     p = subprocess.run([sys.executable, "-m", "ember.worker", "worker", "--port", str(free_port()),

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -163,8 +164,9 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
 
     formats = resolve_formats(model.template, model.tokenizer, cfg.reasoning_format,  # once per model
                               model.config.family.formats)
+    sized = not cfg.prefill_chunk and cfg.itl_target_ms > 0  # auto chunks, sized at each step to the target
     limits = EngineLimits.configured(cfg, max_seqs=cfg.max_seqs, max_queue=cfg.max_queue, prefill_chunk=chunk,
-                                     prefill_step_s=None if cfg.prefill_chunk else cfg.prefill_step_ms / 1000,
+                                     itl_target_s=cfg.itl_target_ms / 1000 if sized else None,
                                      max_step_tokens=max(chunk, cfg.max_seqs), context=ctx)
     store = None
     if cfg.kv_persist != "off":
@@ -332,16 +334,24 @@ class _Serving:
             await asyncio.sleep(0.01)
         try:
             result = await asyncio.to_thread(_load, self.cfg, self.metrics, self.faults, self._on_poisoned)
+            self.loaded = result
+            if self.state.state == HealthState.DRAINING:  # SIGTERM while loading: nothing to drain
+                server.should_exit = True
+                return
+            result.engine.start()
         except (ModelFileError, ChatTemplateError, worker_config.ConfigError, FaultSpecError) as e:
             log(Event.CONFIG_ERROR, level="error", error=str(e))
             self.exit_code = EX_CONFIG
             server.should_exit = True
             return
-        self.loaded = result
-        if self.state.state == HealthState.DRAINING:  # SIGTERM while loading: nothing to drain
+        except Exception as e:  # unforeseen: say what and where, and exit (a crash the daemon restarts), never
+            # serve `loading` forever from a task whose exception nobody reads
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            log(Event.LOAD_FAILED, level="error", error=f"{type(e).__name__}: {e}",
+                where=f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}")
+            self.exit_code = ExitCode.FAILURE
             server.should_exit = True
             return
-        result.engine.start()
         self.state.store = result.store  # (before the engine: the bodies read "off" from a store-less engine)
         self.state.attach(result.engine, result.model, result.formats)
         self.state.set(HealthState.READY)

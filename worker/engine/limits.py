@@ -10,8 +10,8 @@ class EngineLimits(EngineSettings, kw_only=True):
     max_seqs: int = 8
     max_queue: int = 64
     max_step_tokens: int = 512  # tokens per backend step (decode tokens + prefill chunks)
-    prefill_chunk: int = 256  # fixed, or the most when sized by measurement (prefill_step_s)
-    prefill_step_s: float | None = None  # size prefill chunks so a step takes about this long
+    prefill_chunk: int = 256  # fixed, or the most when sized to the decode-latency target (itl_target_s)
+    itl_target_s: float | None = None  # size each step's prefill so that decoding streams wait about this long
     context: int = 8192
     # the loop guard's longest block: a block of up to this many tokens repeated back to back
     # max(loop_guard_repeats, loop_guard_min_span / length) times is a loop (see WorkerConfig.loop_guard)

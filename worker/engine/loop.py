@@ -74,7 +74,7 @@ from .scheduler import Scheduler
 from .sequence import OutputState, Seq
 from .spec.speculation import Speculator
 from .stats import EngineStats, Poison
-from .step_costs import PrefillCost
+from .step_costs import UNITS, PrefillCost, StepCost
 from .textstream import StopMatcher
 
 KEEPALIVE_SECONDS = 5.0
@@ -128,16 +128,16 @@ class Engine:
         self._arrivals = 0
         self._stop = False
         self.restore_costs = RestoreCosts()  # measured rates: restore or recompute, and the prefill chunk
-        self._sizing = PrefillSizing(limits.prefill_chunk, limits.prefill_step_s)
-        self._chunk = limits.prefill_chunk  # until start() calibrates
+        self._sizing = PrefillSizing(limits.prefill_chunk, limits.itl_target_s)
+        self.step_cost: StepCost | None = None  # what a step takes at its depth: sizes prefills (start() times it)
         self.speculator = (Speculator(drafter or limits.spec, limits.spec_k, limits.spec_max_batch,
                                       limits.spec_max_context) if limits.spec != "off" else None)
         self.costs = CostSampler(self.restore_costs, self.speculator, store)  # reads the last process's rates
         self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
         self.misses = MissExplainer(self.pool, store, model.tokenizer)  # the admit line's account of a miss
         self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
-        self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, limits.max_seqs,
-                                   sized=limits.prefill_step_s is not None, speculator=self.speculator)
+        self.scheduler = Scheduler(self.kv, self.output, limits.max_step_tokens, self._sizing,
+                                   speculator=self.speculator)
         self.run_ahead = RunAhead(backend, self.kv, self.output, limits.context)
         self.constraints = Constraints(model.tokenizer, model.config.vocab_size, watch=self.watch)
         self._stats = EngineStats(last_progress=self.last_progress, kv_blocks=self.pool.n_blocks)
@@ -151,19 +151,19 @@ class Engine:
         self._thread.start()
 
     def _calibrate(self) -> None:
-        """Auto prefill chunks: time prefills of the floor's and the ceiling's size once, before
-        serving, and keep the chunk they give for this worker's life (a chunk that followed the load
-        would change how the same prompt is split, and with it the last bits of its numerics). The
-        restore decisions start from the same figures."""
-        cost = self._sizing.calibrate(self.backend.unhooked(), self.pool)
-        self._chunk = self._sizing.chunk(cost or PrefillCost())
-        if cost is None or self.limits.prefill_step_s is None:
+        """Auto prefill chunks: time a few steps before serving (prefill_sizing.calibrate), the start of
+        the step cost model that sizes each step's prefill to the decode-latency target; every planned
+        step refines it (cost_sampling.py). The restore decisions start from the same figures."""
+        cost = self._sizing.calibrate(self.backend.unhooked(), self.pool, self.limits.context)
+        if cost is None or cost.coefficients is None:
             return
+        self.step_cost = self.costs.step_cost = cost
+        fixed, per_token, per_key, per_pair = (cost.coefficients / UNITS).tolist()
         if self.restore_costs.prefill.model is None:
-            self.restore_costs.prefill = cost
-        fixed, per = cost.model or (0.0, 0.0)
-        log("prefill_chunk", tokens=self._chunk, step_ms=round(self.limits.prefill_step_s * 1000, 1),
-            fixed_ms=round(fixed * 1000, 2), per_token_us=round(per * 1e6, 3))
+            self.restore_costs.prefill = PrefillCost(fixed, per_token)
+        log("prefill_sizing", itl_target_ms=round((self.limits.itl_target_s or 0) * 1000, 1),
+            most_tokens=self._sizing.most, fixed_ms=round(fixed * 1000, 3), per_token_us=round(per_token * 1e6, 3),
+            per_key_ns=round(per_key * 1e9, 3), per_pair_ps=round(per_pair * 1e12, 3))
 
     def submit(self, handle: RequestHandle) -> None:
         """Queue a request (called on the HTTP thread). Raises NotAccepting, QueueFull, PromptTooLong."""
@@ -233,7 +233,8 @@ class Engine:
         self._stop = True
         self.queues.wake()
         self.faults.stop_hang.set()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # (start() may have failed before the thread began)
+            self._thread.join(timeout)
         self.constraints.shutdown()
 
     @property
@@ -243,10 +244,6 @@ class Engine:
     @property
     def ahead_rows_dropped(self) -> int:  # rows of run-ahead steps recomputed
         return self.run_ahead.rows_dropped
-
-    def prefill_chunk(self) -> int:
-        """Prompt tokens a sequence may prefill in a step (see prefill_sizing and _calibrate)."""
-        return self._chunk
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -331,7 +328,7 @@ class Engine:
             return StepWork(chunks, members, rows, pending)
         if not self.running:
             return None
-        plan = self.scheduler.plan(self.running, self.prefill_chunk())
+        plan = self.scheduler.plan(self.running, self.step_cost)
         for s in plan.preempted:  # its blocks are back in the pool; its full ones stay in the prefix cache
             self.queues.requeue(s)
             log(Event.PREEMPT, request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))

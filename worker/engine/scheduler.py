@@ -16,8 +16,10 @@ import numpy as np
 from ..backends.base import SeqChunk
 from .kv_manager import KVManager
 from .output import OutputProcessor
+from .prefill_sizing import PrefillSizing, StepRoom
 from .sequence import Seq
 from .spec.speculation import Speculator
+from .step_costs import StepCost
 
 
 @dataclass
@@ -29,28 +31,31 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, output: OutputProcessor, max_step_tokens: int, max_seqs: int,
-                 sized: bool, speculator: Speculator | None = None):
+    def __init__(self, kv: KVManager, output: OutputProcessor, max_step_tokens: int, sizing: PrefillSizing,
+                 speculator: Speculator | None = None):
         self.kv, self.output, self.speculator = kv, output, speculator
-        self.max_step_tokens, self.max_seqs, self.sized = max_step_tokens, max_seqs, sized
+        self.max_step_tokens, self.sizing = max_step_tokens, sizing
 
-    def plan(self, running: list[Seq], chunk: int) -> StepPlan:
-        """chunk: the prompt tokens a sequence may prefill in this step (Engine.prefill_chunk)."""
-        budget = max(chunk, self.max_seqs) if self.sized else self.max_step_tokens
+    def plan(self, running: list[Seq], cost: StepCost | None = None) -> StepPlan:
+        """cost: what a step takes at its depth (None: not known), which sizes prefill chunks while
+        streams decode (prefill_sizing.py)."""
         plan = StepPlan()
         live = list(running)  # running, less what this plan preempts or fails
         order = sorted(running, key=lambda s: (s.kv.n_computed < len(s.tokens) - 1, s.number))
         decoding = sum(1 for s in running if s.kv.n_computed == len(s.tokens) - 1 and s.out.generated)
+        room = self.sizing.room(cost, self.max_step_tokens, decoding > 0)
         for s in order:
-            if budget <= 0:
+            if room.tokens_left <= 0:
                 break
             if s not in live or s.kv.restoring is not None:  # preempted, or still restoring
                 continue
             todo = len(s.tokens) - s.kv.n_computed
             if todo <= 0:
                 continue
-            n = min(todo, budget, chunk) if todo > 1 else 1
-            draft = self._draft(s, decoding, budget) if todo == 1 and s.out.generated else []
+            n = room.prefill(s.kv.n_computed, todo) if todo > 1 else 1
+            if n <= 0:
+                continue  # the step's time is spent: this prompt waits for the next
+            draft = self._draft(s, decoding, room.tokens_left) if todo == 1 and s.out.generated else []
             if draft and not self.kv.grow(s, s.kv.n_computed + 1 + len(draft)):
                 draft = []  # a draft never preempts anyone: without free blocks for it, no draft
             if not self._ensure_blocks(s, s.kv.n_computed + n, plan, live):
@@ -58,18 +63,20 @@ class Scheduler:
             at = s.kv.n_computed
             if draft:  # the last token and the guesses after it, every position's logits to check them
                 s.spec.pending = draft  # type: ignore[union-attr]  # _draft drafts only with a SpecState
-                plan.chunks.append(SeqChunk(np.asarray([s.tokens[at], *draft], np.int32), at, s.kv.blocks, "all"))
-                plan.members.append(s)
-                budget -= 1 + len(draft)
+                self._add(plan, room, s, SeqChunk(np.asarray([s.tokens[at], *draft], np.int32), at, s.kv.blocks, "all"))
                 continue
             want = "all" if s.req.prompt_logprobs and s.out.generated == 0 else (
                 "last" if at + n == len(s.tokens) else "none")
-            plan.chunks.append(SeqChunk(np.asarray(s.tokens[at : at + n], np.int32), at, s.kv.blocks, want,
-                                        sample=self.output.device_sample(s) if want == "last" else None,
-                                        prefill=n > 1 or s.out.generated == 0))
-            plan.members.append(s)
-            budget -= n
+            self._add(plan, room, s, SeqChunk(np.asarray(s.tokens[at : at + n], np.int32), at, s.kv.blocks, want,
+                                              sample=self.output.device_sample(s) if want == "last" else None,
+                                              prefill=n > 1 or s.out.generated == 0))
         return plan
+
+    @staticmethod
+    def _add(plan: StepPlan, room: StepRoom, s: Seq, chunk: SeqChunk) -> None:
+        plan.chunks.append(chunk)
+        plan.members.append(s)
+        room.add(chunk)
 
     def _draft(self, s: Seq, decoding: int, budget: int) -> list[int]:
         """A decoding sequence's draft for this step, within the step's token budget ([]: none)."""
