@@ -14,7 +14,7 @@ from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.engine.limits import EngineLimits
 from ember.worker.engine.loop import Engine
-from ember.worker.engine.prefill_sizing import MIN_CHUNK, PrefillSizing
+from ember.worker.engine.prefill_sizing import HEADROOM, MIN_CHUNK, PrefillSizing
 from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
 from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.step_costs import UNITS, PrefillCost, StepCost, step_features
@@ -103,10 +103,10 @@ def test_a_step_carries_what_the_target_leaves_at_its_depth():
         n = room.prefill(depth, 100_000)
         assert n % MIN_CHUNK == 0 and n >= MIN_CHUNK
         room.add(SeqChunk(np.zeros(n, np.int32), depth, [], "none", prefill=True))
-        assert cost.seconds(room.features) <= 0.05  # within the target...
+        assert cost.seconds(room.features) <= 0.05 * HEADROOM  # within the target, planned with headroom...
         more = cost.seconds(tuple(a + b for a, b in zip(room.features, (MIN_CHUNK, 0, MIN_CHUNK * (depth + n)),
                                                           strict=True)))
-        assert more > 0.05  # ...and as much as it allows
+        assert more > 0.05 * HEADROOM  # ...and as much as it allows
         if depth == 0:
             shallow = n
     assert n < shallow / 1.3  # deep in a conversation the same target carries less
@@ -241,3 +241,37 @@ def test_the_itl_target_setting(tmp_path):
         wc.load(p.parse_args(["--config", str(toml)]), env={})
     with pytest.raises(wc.ConfigError, match="EMBER_PREFILL_STEP_MS was replaced by itl_target_ms"):
         wc.load(p.parse_args([]), env={"EMBER_PREFILL_STEP_MS": "25"})
+
+
+def test_a_warm_turn_goes_before_a_long_prefill(runtime):
+    """A short prompt (an agent's next turn on a cached conversation) that arrives while a long one
+    prefills is taken whole in the next step, ahead of the long one, which goes on in the same step's
+    remaining tokens (scheduler.QUICK_PREFILL)."""
+    rt = runtime.backend
+    be = _Recording(runtime.config, rt.weights, n_blocks=rt.n_blocks, block_size=rt.block_size)
+    engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=2048, max_step_tokens=256, prefill_chunk=256),
+                    metrics=Metrics())
+    be.steps = []
+    engine.start()
+    tok = runtime.model.tokenizer
+    long = tok.encode("A long prompt about printing presses and their history. " * 160)[:1500]
+    short = tok.encode("And a short question about type. " * 20)[:100]
+    assert len(long) == 1500 and len(short) == 100
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        a = RequestHandle(GenerationRequest("long", long, SamplingParams(temperature=0.0), 1), loop)
+        engine.submit(a)
+        while len(be.steps) < 1:  # the long prompt's first chunk is in
+            await asyncio.sleep(0.01)
+        b = RequestHandle(GenerationRequest("short", short, SamplingParams(temperature=0.0), 1), loop)
+        engine.submit(b)
+        return [e async for e in a.events()], [e async for e in b.events()]
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.shutdown()
+    with_short = next(i for i, step in enumerate(be.steps) if 100 in step)
+    assert be.steps[with_short] == [100, 156], be.steps  # the short one first, the long one in what is left
+    assert sum(n for step in be.steps[with_short + 1:] for n in step) > 0, be.steps  # the long one still going

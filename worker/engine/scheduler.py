@@ -1,8 +1,10 @@
 """The scheduler: which running sequences a backend step computes, in which chunks.
 
 `Scheduler.plan` returns a `StepPlan` and changes no queue: decode tokens first (one per running
-sequence, so streams never wait behind a prefill), then prefill chunks up to the step's token
-budget. Where the pool is short it preempts the youngest sequence not yet planned (its blocks go
+sequence, so streams never wait behind a prefill), then prefill chunks within the step's room
+(prefill_sizing.py), the short ones first: a warm admit's new turn (QUICK_PREFILL tokens or fewer)
+is one step's work and its agent is waiting on it, while a long prefill loses a step at most. Where
+the pool is short it preempts the youngest sequence not yet planned (its blocks go
 back through the KV manager at once, so the plan can use them) and names it in the plan; the loop
 requeues it. Admission, sampling and settling are the loop's.
 """
@@ -30,6 +32,9 @@ class StepPlan:
     failed: list[Seq] = field(default_factory=list)  # the KV cache cannot hold them even alone
 
 
+QUICK_PREFILL = 512  # prompt tokens left at which a prefill goes before the longer ones
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, output: OutputProcessor, max_step_tokens: int, sizing: PrefillSizing,
                  speculator: Speculator | None = None):
@@ -41,7 +46,11 @@ class Scheduler:
         streams decode (prefill_sizing.py)."""
         plan = StepPlan()
         live = list(running)  # running, less what this plan preempts or fails
-        order = sorted(running, key=lambda s: (s.kv.n_computed < len(s.tokens) - 1, s.number))
+        def rank(s: Seq) -> tuple[bool, bool, int]:  # decode rows, then quick prefills, then the rest; oldest first
+            todo = len(s.tokens) - s.kv.n_computed
+            return todo > 1, todo > QUICK_PREFILL, s.number
+
+        order = sorted(running, key=rank)
         decoding = sum(1 for s in running if s.kv.n_computed == len(s.tokens) - 1 and s.out.generated)
         room = self.sizing.room(cost, self.max_step_tokens, decoding > 0)
         for s in order:
