@@ -151,10 +151,7 @@ def kernel_cache(tmp_path_factory) -> Path:
 def pytest_collection_modifyitems(config, items):
     """The tests that read the background kernel build run last: the build then has the whole suite's idle
     core before anything waits for it."""
-    late = [item for item in items if "kernel_cache" in getattr(item, "fixturenames", ())]
-    if late:
-        first = [item for item in items if "kernel_cache" not in getattr(item, "fixturenames", ())]
-        items[:] = first + late
+    items.sort(key=lambda item: "kernel_cache" in getattr(item, "fixturenames", ()))  # stable: order kept within
 
 
 LLAMA_CPP_BUILD = Path(__file__).resolve().parents[1] / "build" / "llama.cpp"

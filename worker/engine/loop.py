@@ -74,7 +74,7 @@ from .scheduler import Scheduler
 from .sequence import OutputState, Seq
 from .spec.speculation import Speculator
 from .stats import EngineStats, Poison
-from .step_costs import UNITS, PrefillCost, StepCost
+from .step_costs import UNITS, PrefillCost
 from .textstream import StopMatcher
 
 KEEPALIVE_SECONDS = 5.0
@@ -127,9 +127,8 @@ class Engine:
         self.last_progress = time.monotonic()  # heartbeat for hang detection
         self._arrivals = 0
         self._stop = False
-        self.restore_costs = RestoreCosts()  # measured rates: restore or recompute, and the prefill chunk
+        self.restore_costs = RestoreCosts()  # measured rates: restore or recompute
         self._sizing = PrefillSizing(limits.prefill_chunk, limits.itl_target_s)
-        self.step_cost: StepCost | None = None  # what a step takes at its depth: sizes prefills (start() times it)
         self.speculator = (Speculator(drafter or limits.spec, limits.spec_k, limits.spec_max_batch,
                                       limits.spec_max_context) if limits.spec != "off" else None)
         self.costs = CostSampler(self.restore_costs, self.speculator, store)  # reads the last process's rates
@@ -157,7 +156,7 @@ class Engine:
         cost = self._sizing.calibrate(self.backend.unhooked(), self.pool, self.limits.context)
         if cost is None or cost.coefficients is None:
             return
-        self.step_cost = self.costs.step_cost = cost
+        self.costs.step_cost = cost  # every planned step refines it, and the scheduler sizes prefills by it
         fixed, per_token, per_key, per_pair = (cost.coefficients / UNITS).tolist()
         if self.restore_costs.prefill.model is None:
             self.restore_costs.prefill = PrefillCost(fixed, per_token)
@@ -328,7 +327,7 @@ class Engine:
             return StepWork(chunks, members, rows, pending)
         if not self.running:
             return None
-        plan = self.scheduler.plan(self.running, self.step_cost)
+        plan = self.scheduler.plan(self.running, self.costs.step_cost)
         for s in plan.preempted:  # its blocks are back in the pool; its full ones stay in the prefix cache
             self.queues.requeue(s)
             log(Event.PREEMPT, request_id=s.req.request_id, seq=s.number, tokens=len(s.tokens))

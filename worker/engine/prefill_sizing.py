@@ -88,9 +88,10 @@ class StepRoom:
         """A chunk the step carries (decode rows first: the prefills are sized by what they leave)."""
         n = len(chunk.tokens)
         self.tokens_left -= n
-        self.features = tuple(a + b for a, b in zip(self.features, step_features([chunk]), strict=True))  # type: ignore[assignment]
         if chunk.prefill and n > 1:
             self.prefilled += n
+        if self.cost is not None:  # only a timed step reads them
+            self.features = tuple(a + b for a, b in zip(self.features, step_features([chunk]), strict=True))  # type: ignore[assignment]
 
     def prefill(self, at: int, todo: int) -> int:
         """Prompt tokens the next chunk of a sequence at position `at` with `todo` left may carry (0: none

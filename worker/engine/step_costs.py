@@ -52,23 +52,9 @@ class PrefillCost:
         # noise hid the fixed part: a rate through zero, fitted so the large steps count most
         return 0.0, self._xy / self._xx
 
-    @classmethod
-    def measured(cls, samples: list[tuple[int, float]]) -> PrefillCost:
-        """The cost as `samples` (tokens, seconds) of prefills timed on purpose show it."""
-        cost = cls()
-        for tokens, seconds in samples:
-            cost.observe(tokens, seconds)
-        m = cost.model
-        return cls(*m) if m is not None else cls()
-
     def seconds(self, tokens: int) -> float | None:
         m = self.model
         return None if m is None else m[0] + m[1] * tokens
-
-    def tokens_within(self, seconds: float) -> int | None:
-        """Prompt tokens one step can prefill in `seconds` (0 when its fixed part alone is longer)."""
-        m = self.model
-        return None if m is None else max(0, int((seconds - m[0]) / m[1]))
 
     def to_json(self) -> dict | None:
         m = self.model
