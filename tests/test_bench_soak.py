@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ember.worker.bench.greedy_drift import Answer
 from ember.worker.bench.soak_load import ABANDONED, COMPLETED, LOST, Record
 from ember.worker.bench.soak_report import (
     Phase,
@@ -81,7 +82,7 @@ def test_every_phase_reports_the_issue_figures(soak):
             for f in CLASS_FIELDS:
                 assert f in c, (name, cls, f)
         # greedy outputs: real text, identical before and after the churn and across phases
-        assert phase["greedy_identical"] and phase["greedy_outputs"]
+        assert phase["greedy_identical"] and phase["greedy_outputs"] and phase["greedy_logprobs"]
         assert phase["greedy_outputs"] == soak["phases"]["baseline"]["greedy_outputs"]
     assert soak["phases"]["persist_off"]["persistence"]["writes"] == 0
     assert soak["phases"]["persist_on"]["persistence"]["writes"] > 0
@@ -164,10 +165,12 @@ def test_check_outcomes_finds_each_kind_of_problem():
 
 
 def test_greedy_mismatches_fail_thefind_problems():
-    a = Phase("baseline", [], greedy_before=["x", "y"], greedy_after=["x", "y"])
-    b = Phase("persist_on", [], greedy_before=["x", "y"], greedy_after=["x", "z"])
-    c = Phase("persist_off", [], greedy_before=["x", "q"], greedy_after=["x", "q"])
+    x, y, z, q = (Answer((t,)) for t in "xyzq")  # answers without logprobs: any parting is drift
+    a = Phase("baseline", [], greedy_before=[x, y], greedy_after=[x, y])
+    b = Phase("persist_on", [], greedy_before=[x, y], greedy_after=[x, z])
+    c = Phase("persist_off", [], greedy_before=[x, q], greedy_after=[x, q])
     checks = find_problems([a, b, c])
-    assert checks["greedy_identical"] == ["persist_on: prompt 1: 'y' vs 'z'"]
-    assert checks["greedy_identical_across_phases"] == ["persist_off vs baseline: prompt 1: 'y' vs 'q'"]
+    assert checks["greedy_identical"] == ["persist_on: prompt 1: token 0: 'y' vs 'z' (no logprobs)"]
+    assert checks["greedy_identical_across_phases"] == ["persist_off vs baseline: prompt 1: token 0: 'y' vs 'q' "
+                                                        "(no logprobs)"]
     assert not find_problems([a, a])["greedy_identical"]

@@ -27,7 +27,8 @@ from ember.worker.bench.workerproc import WorkerProcess, free_port
 
 PHASES = ("baseline", "churn", "kill_restart")
 CLIENT_FIELDS = ("wall_s", "requests_completed", "requests_per_s", "classes", "decode_tok_s_per_stream",
-                 "cached_token_share", "abandoned", "abandoned_in", "errors", "greedy_identical", "greedy_outputs")
+                 "cached_token_share", "abandoned", "abandoned_in", "errors", "greedy_identical", "greedy_outputs",
+                 "greedy_logprobs")
 CLASS_FIELDS = ("started", "completed", "abandoned", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
                 "itl_p99_s", "latency_p50_s", "latency_p99_s", "cached_token_share")
 LOG_CHECKS = {"one_outcome_per_request", "abandons_canceled", "no_failures", "restart_restores"}
@@ -81,6 +82,7 @@ def test_the_soak_drives_a_running_ember_worker_by_url(ember_url_report):
     for name, p in r["phases"].items():
         for f in CLIENT_FIELDS:
             assert f in p, (name, f)
+        assert p["greedy_logprobs"], name  # the legacy logprobs object read: a parting can be judged a tie
         assert p["requests_completed"] > 0 and p["requests_per_s"] > 0, name
         assert p["errors"]["http_5xx"] == 0 and p["errors"]["http_4xx"] == 0 and p["errors"]["stream_errors"] == 0
         assert list(p["decode_tok_s_per_stream"]) == ["decode-0"] and p["decode_tok_s_per_stream"]["decode-0"] > 0
@@ -192,6 +194,7 @@ def test_the_soak_drives_llama_server_by_url(llama_server, tiny_llama, tmp_path)
     assert {"greedy_identical", "greedy_identical_across_phases", "long_identical_warm_and_cold"} <= set(r["checks"])
     assert r["checks"]["no_client_errors"] and r["checks"]["kill_ends_only_in_flight"], r["problems"]
     for name, p in r["phases"].items():
+        assert p["greedy_logprobs"], name  # its chat-shaped logprobs read: a parting can be judged a tie
         assert p["requests_completed"] > 0, name
         assert p["errors"]["http_5xx"] == 0 and p["errors"]["stream_errors"] == 0, name
         assert p["decode_tok_s_per_stream"]["decode-0"] > 0 and p["classes"]["decode"]["itl_p99_s"] is not None

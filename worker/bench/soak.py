@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from .greedy_drift import TOP, Answer, part
 from .soak_load import (
     COMPLETED,
     EMBER,
@@ -144,11 +145,12 @@ class _Run:
             s.notes.append(f"long conversation {s.long} -> {len(self.long_prompt)} tokens: the server's context "
                            f"is {ctx}")
 
-    def one(self, phase: Phase, url: str, prompt: list[int], max_tokens: int, cls: str) -> tuple[Record, str]:
+    def one(self, phase: Phase, url: str, prompt: list[int], max_tokens: int, cls: str,
+            top: int = 0) -> tuple[Record, str]:
         async def go():
             async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=10)) as http:
                 rec = Record(cls, "setup", time.monotonic(), prompt)
-                return rec, await stream(http, url, rec, max_tokens)
+                return rec, await stream(http, url, rec, max_tokens, top=top)
 
         rec, text = asyncio.run(go())
         phase.setup[-1].append(rec)
@@ -156,8 +158,13 @@ class _Run:
             raise RuntimeError(f"{phase.name}: a {cls} request ended {rec.outcome}: {rec.error}")
         return rec, text
 
-    def greedy(self, phase: Phase, url: str) -> list[str]:
-        return [self.one(phase, url, p, self.soak.greedy_tokens, "greedy")[1] for p in self.greedy_prompts]
+    def answer(self, phase: Phase, url: str, prompt: list[int], max_tokens: int, cls: str) -> tuple[Record, Answer]:
+        """A greedy answer for an identity check, its tokens' runner-ups with it (greedy_drift)."""
+        rec, _ = self.one(phase, url, prompt, max_tokens, cls, top=TOP)
+        return rec, Answer(tuple(t for t, _ in rec.answer), tuple(a for _, a in rec.answer))
+
+    def greedy(self, phase: Phase, url: str) -> list[Answer]:
+        return [self.answer(phase, url, p, self.soak.greedy_tokens, "greedy")[1] for p in self.greedy_prompts]
 
     def window(self, url: str, clients: list[Churner | Decoder], duration: float, rate: RateEstimate,
                kill=None) -> Window:
@@ -215,7 +222,7 @@ class _Run:
         url = self.start(ph)
         try:
             ph.greedy_before = self.greedy(ph, url)
-            cold, cold_text = self.one(ph, url, self.long_prompt, s.shape.answer, "long")
+            cold, cold_answer = self.answer(ph, url, self.long_prompt, s.shape.answer, "long")
             clients, rate = self.ready(ph, url, True)
             self._said(ph, clients, f"for {s.duration / 2:g} s, then kill -9")
             rc: list[int | None] = []
@@ -226,7 +233,7 @@ class _Run:
             url = self.start(ph)
             # the process's own first-request costs apart, as the cold server had them behind it too
             self.one(ph, url, self.first_prompt, 2, "setup")
-            warm, warm_text = self.one(ph, url, self.long_prompt, s.shape.answer, "long")
+            warm, warm_answer = self.answer(ph, url, self.long_prompt, s.shape.answer, "long")
             for c in clients:
                 if isinstance(c, Churner):
                     c.resume = True
@@ -249,7 +256,8 @@ class _Run:
             "long_speedup": rnd(cold.ttft / warm.ttft if cold.ttft and warm.ttft else None, 2),
             "long_warm_cached_tokens": warm.cached,
             "long_restore_choice": choice.get(warm.rid),
-            "long_identical": warm_text == cold_text,
+            "long_identical": warm_answer.tokens == cold_answer.tokens,
+            "long_parting": (p.as_dict() if (p := part(cold_answer, warm_answer)) else None),
             # each live conversation's next turn after the restart: what the restarted server found of it
             "resumed": [{"client": r.client, "prompt_tokens": r.prompt_tokens, "cached": r.cached,
                          "expected_cached": r.expect_cached, "restore_choice": choice.get(r.rid),

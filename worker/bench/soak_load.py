@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .greedy_drift import Alternatives, chunk_alternatives
 from .serve_load import SYSTEM, TOPICS
 
 WARM, TRUNCATE, ABANDON, DECODE = "warm", "truncate", "abandon", "decode"
@@ -118,6 +119,8 @@ class Record:
     resume: bool = False  # a churner's first request after a worker restart
     expect_cached: int = 0  # for a resume: the full blocks of the last prompt completed before it
     error: str | None = None
+    # with logprobs asked for (the greedy identity's requests): each token's text and alternatives
+    answer: list[tuple[str, Alternatives]] = field(repr=False, default_factory=list)
 
     @property
     def decode_s(self) -> float:
@@ -136,7 +139,7 @@ class RateEstimate:
             self.tok_s = 0.7 * self.tok_s + 0.3 * (rec.prompt_tokens - rec.cached) / rec.ttft
 
 
-async def _read(resp: httpx.Response, rec: Record, text: list[str], stop_at_first: bool) -> None:
+async def _read(resp: httpx.Response, rec: Record, text: list[str], stop_at_first: bool, top: int) -> None:
     async for line in resp.aiter_lines():
         if not line.startswith("data: "):
             continue
@@ -155,6 +158,8 @@ async def _read(resp: httpx.Response, rec: Record, text: list[str], stop_at_firs
         if not rec.cached and isinstance(chunk.get("timings"), dict):  # llama-server's own count
             rec.cached = chunk["timings"].get("cache_n") or 0
         for choice in chunk.get("choices", []):
+            if top:  # every token's alternatives, those of a token whose text is held back too
+                rec.answer.extend(chunk_alternatives(choice) or ([(choice["text"], ())] if choice.get("text") else []))
             if not choice.get("text"):
                 if choice.get("finish_reason") and rec.ttft is None:  # the first token ended it (an end of text)
                     rec.ttft = time.monotonic() - rec.t0
@@ -172,12 +177,13 @@ async def _read(resp: httpx.Response, rec: Record, text: list[str], stop_at_firs
 
 
 async def stream(http: httpx.AsyncClient, url: str, rec: Record, max_tokens: int,
-                 abandon: Callable[[], Awaitable] | None = None) -> str:
+                 abandon: Callable[[], Awaitable] | None = None, top: int = 0) -> str:
     """Send `rec.prompt` greedily, streaming; fill `rec` and return the answer's text. With
-    `abandon`, the client closes the socket once it is done, or at the first token if sooner."""
-    # no logprobs: they would keep sampling off the device on the GPU
+    `abandon`, the client closes the socket once it is done, or at the first token if sooner. With
+    `top`, each token's `top` logprobs go to `rec.answer` (only for the few identity checks: logprobs
+    keep sampling off the device on the GPU, so the measured traffic asks for none)."""
     body = {"model": "ember", "prompt": rec.prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"logprobs": top} if top else {})}
     text: list[str] = []
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -187,9 +193,9 @@ async def stream(http: httpx.AsyncClient, url: str, rec: Record, max_tokens: int
                 rec.outcome, rec.error = ERROR, f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return ""
             if abandon is None:
-                await _read(resp, rec, text, stop_at_first=False)
+                await _read(resp, rec, text, stop_at_first=False, top=top)
             else:
-                reading = asyncio.ensure_future(_read(resp, rec, text, stop_at_first=True))
+                reading = asyncio.ensure_future(_read(resp, rec, text, stop_at_first=True, top=top))
                 trigger = asyncio.ensure_future(abandon())
                 await asyncio.wait({reading, trigger}, return_when=asyncio.FIRST_COMPLETED)
                 for t in (reading, trigger):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..metrics import OUTCOMES
+from .greedy_drift import Answer
+from .greedy_drift import compare as compare_answers
 from .machine import gpu_names, machine_facts
 from .serve_load import _pct
 from .soak_load import (
@@ -41,8 +43,8 @@ class Phase:
     windows: list[Window] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     setup: list[list[Record]] = field(default_factory=list)  # per server: greedy, priming, long requests
-    greedy_before: list[str] = field(default_factory=list)
-    greedy_after: list[str] = field(default_factory=list)
+    greedy_before: list[Answer] = field(default_factory=list)
+    greedy_after: list[Answer] = field(default_factory=list)
     kill: dict = field(default_factory=dict)
 
 
@@ -154,8 +156,12 @@ def client_figures(ph: Phase) -> dict:
         # where the client closed it: before its first token (mid-prefill, as meant) or after
         "abandoned_in": {w: sum(r.abandon_phase == w for r in abandoned) for w in ("prefill", "decode")},
         "errors": client_errors(recs),
-        "greedy_identical": ph.greedy_before == ph.greedy_after,
-        "greedy_outputs": ph.greedy_before,
+        # equal, or parted only at near-ties (greedy_drift); the ties themselves are in the checks' evidence
+        "greedy_identical": not compare_answers(ph.greedy_before, ph.greedy_after, ph.name).drifts,
+        "greedy_outputs": [a.text for a in ph.greedy_before],
+        # whether the server sent each greedy token's runner-up, so that a parting can be judged a tie
+        "greedy_logprobs": bool(ph.greedy_before) and all(
+            len(a.top) == len(a.tokens) and all(len(t) >= 2 for t in a.top) for a in ph.greedy_before),
     }
 
 
@@ -199,11 +205,10 @@ def find_problems(phases: list[Phase], logs: bool = True) -> dict[str, list[str]
                                     **{c: [] for c in (OUTCOME_CHECKS if logs else ("no_client_errors",))}}
     first = phases[0]
     for ph in phases:
-        if ph.greedy_before != ph.greedy_after:
-            checks["greedy_identical"].append(f"{ph.name}: {_diff(ph.greedy_before, ph.greedy_after)}")
-        if ph.greedy_before != first.greedy_before:
-            checks["greedy_identical_across_phases"].append(
-                f"{ph.name} vs {first.name}: {_diff(first.greedy_before, ph.greedy_before)}")
+        checks["greedy_identical"] += compare_answers(ph.greedy_before, ph.greedy_after, ph.name).drifts
+        if ph is not first:
+            checks["greedy_identical_across_phases"] += compare_answers(
+                first.greedy_before, ph.greedy_before, f"{ph.name} vs {first.name}").drifts
         if not logs:
             checks["no_client_errors"] += _client_problems(ph)
             continue
@@ -231,15 +236,30 @@ def find_problems(phases: list[Phase], logs: bool = True) -> dict[str, list[str]
                 for r in k["resumed"] if r["cached"] == 0 and r["restore_choice"] != "recompute"]
             if not k["resumed"]:
                 checks["restart_restores"].append("no conversation was resumed after the restart")
-        checks["long_identical_warm_and_cold"] = [] if k["long_identical"] else [
-            "the long conversation's warm answer after the restart differs from its cold answer"]
+        parting = k.get("long_parting")
+        checks["long_identical_warm_and_cold"] = [] if parting is None or parting["tie"] else [
+            "the long conversation's warm answer after the restart differs from its cold answer at token "
+            f"{parting['at']} ({parting['a']!r} vs {parting['b']!r}, gaps {parting['gap_a']}/{parting['gap_b']} nats)"]
     return checks
 
 
-def _diff(a: list[str], b: list[str]) -> str:
-    if len(a) != len(b):
-        return f"{len(a)} outputs vs {len(b)}"
-    return "; ".join(f"prompt {i}: {x!r} vs {y!r}" for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+def greedy_ties(phases: list[Phase]) -> list[dict]:
+    """Where the greedy answers parted at a near-tie (not a failure; greedy_drift says why), with the gaps
+    and the rounding noise of the tokens before: the evidence the report carries."""
+    first = phases[0] if phases else None
+    ties = []
+    for ph in phases:
+        ties += compare_answers(ph.greedy_before, ph.greedy_after, ph.name).ties
+        if first is not None and ph is not first:
+            ties += compare_answers(first.greedy_before, ph.greedy_before, f"{ph.name} vs {first.name}").ties
+    return ties
+
+
+def _long_answer(k: dict) -> str:
+    p = k.get("long_parting")
+    if p is None:
+        return "identical"
+    return f"{'near-tie' if p['tie'] else 'DIFFERENT'} (token {p['at']}, gaps {p['gap_a']}/{p['gap_b']} nats)"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -283,6 +303,7 @@ def build_report(phases: list[Phase], settings: dict, notes: list[str]) -> dict:
         "ok": not any(checks.values()),
         "checks": {k: not v for k, v in checks.items()},
         "problems": {k: v for k, v in checks.items() if v},
+        "greedy_ties": greedy_ties(phases),
         "settings": settings,
         "notes": notes,
         "phases": report_phases,
@@ -374,7 +395,7 @@ def _kill_rows(k: dict) -> list[str]:
     chose = f", worker chose {k['long_restore_choice']}" if k.get("long_restore_choice") else ""
     out.append(f"long conversation ({k['long_tokens']} tokens): cold {_ms(k['long_cold_ttft_s'])}, warm after the "
                f"restart {_ms(k['long_warm_ttft_s'])} ({k['long_speedup']}x, {k['long_warm_cached_tokens']} "
-               f"cached{chose}), {'identical' if k['long_identical'] else 'DIFFERENT'} answer")
+               f"cached{chose}), {_long_answer(k)} answer")
     return out
 
 
@@ -405,6 +426,10 @@ def render(report: dict) -> str:
     out.append("checks    " + ", ".join(f"{k} {'ok' if v else 'FAIL'}" for k, v in report["checks"].items()))
     for check, problems in report["problems"].items():
         out += [f"  {check}: {p}" for p in problems[:10]]
+    for t in report.get("greedy_ties", []):
+        noise = "" if t["noise"] is None else f"; the tokens before moved up to {t['noise']} nats"
+        out.append(f"  near-tie, not drift: {t['where']}: prompt {t['prompt']} parted at token {t['at']} "
+                   f"({t['a']!r} vs {t['b']!r}, top-2 gaps {t['gap_a']}/{t['gap_b']} nats{noise})")
     if "not_applied" in report:
         out.append("not applied (a server the soak did not start): " + ", ".join(report["not_applied"]))
     m = report["machine"]
