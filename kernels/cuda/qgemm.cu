@@ -190,6 +190,43 @@ struct QgW<GT_Q6_KP> : QgHalfRow {
     }
 };
 
+// MXFP4 (17-byte blocks: e, then qs[16] as Q4_0: qs[j]'s low nibble is value j, its high nibble value
+// j + 16): a 32-deep slice is one block a row, and thread h of a row takes the nibbles h of all 16 qs
+// bytes. The block is read with five aligned 32-bit loads and realigned with funnel shifts, where the
+// generic way read it a byte at a time (9 byte loads for every 8 values: the load/store unit was the
+// tiles' limit). Rows are padded to 16 bytes (ops.QuantMatrix.upload), so the words around a block stay
+// within its row. The values are the unit's (QT<GT_MXFP4>), operation for operation.
+template <>
+struct QgW<GT_MXFP4> : QgHalfRow {
+    template <bool BF>
+    static EMBER_DEV void fetch(const u8* const rp[1], int k0, uint4 v[2]) {
+        v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (!rp[0]) return;
+        const u8* p = rp[0] + (i64)(k0 / BLOCK_ELEMS_MXFP4) * BLOCK_BYTES_MXFP4;
+        const int at = (int)(reinterpret_cast<unsigned long long>(p) & 3ull);
+        const u32* w = reinterpret_cast<const u32*>(p - at);
+        const u32 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4];  // bytes at .. at + 16 of them
+        const u32 e = (w0 >> (8 * at)) & 0xFFu;
+        const bool next = at == 3;  // qs starts in the second word
+        const u32 sh = 8u * ((u32)(at + 1) & 3u);
+        const u32 qs[4] = {__funnelshift_r(next ? w1 : w0, next ? w2 : w1, sh),
+                           __funnelshift_r(next ? w2 : w1, next ? w3 : w2, sh),
+                           __funnelshift_r(next ? w3 : w2, next ? w4 : w3, sh),
+                           __funnelshift_r(next ? w4 : w3, next ? 0u : w4, sh)};
+        const float s = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23), o = 0.0f;
+        const int nib = 4 * (threadIdx.x & 1);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float q[8], x[8];
+            table_floats<EMBER_MXFP4_W0, EMBER_MXFP4_W1, EMBER_MXFP4_W2, EMBER_MXFP4_W3>(
+                make_uint2(qs[2 * half], qs[2 * half + 1]), nib, q);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] = fmaf(s, q[i], -o);
+            v[half] = pack8<BF>(x);
+        }
+    }
+};
+
 // A thread's piece of each TN x 32 activation slice (TN * 4 <= QG_THREADS pieces of 8): row r = piece / 4
 // of the tile; nullptr: a row past nb (zeros), or no piece
 template <int TN>

@@ -13,7 +13,8 @@
 //
 // Alignment: blocks of 20, 24, 84 and 136 bytes are read with 32-bit loads (a row's blocks are then
 // 4-byte aligned wherever the kernels read them); those of 66-110 bytes (2 mod 4) with 16-bit loads;
-// MXFP4's 17-byte blocks byte by byte. Included by quant.cuh, after its helpers.
+// MXFP4's 17-byte blocks (any alignment) with aligned 32-bit loads shifted into place. Included by
+// quant.cuh, after its helpers.
 #pragma once
 #include "quant_tables.cuh"
 
@@ -23,7 +24,15 @@ EMBER_DEV uint2 load8a4(const u8* p) {
     return make_uint2(w[0], w[1]);
 }
 EMBER_DEV u32 ld32a2(const u8* p) { return (u32)ld16(p) | ((u32)ld16(p + 2) << 16); }
-EMBER_DEV u32 ld32b1(const u8* p) { return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24); }
+// 8 bytes at any p: the aligned words that hold them, funnel-shifted (three loads, or two when p is
+// aligned, where eight byte loads were the unit's limit). Each word read holds at least one of the 8
+// bytes, so no read leaves the aligned extent of the tensor (a row's last block may end its allocation).
+EMBER_DEV uint2 ld64_any(const u8* p) {
+    const int at = (int)(reinterpret_cast<unsigned long long>(p) & 3ull);
+    const u32* w = reinterpret_cast<const u32*>(p - at);
+    const u32 w0 = w[0], w1 = w[1], w2 = at ? w[2] : 0u, sh = 8u * (u32)at;
+    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
+}
 
 // the bytes of a 16-entry table (four words w0..w3) at four indices, one in the low nibble of each byte
 // of idx (high nibbles zero): two PRMTs pick from entries 0-7 and 8-15, a third chooses per byte
@@ -257,7 +266,7 @@ template <> struct QT<GT_MXFP4> {
     static EMBER_DEV void unit(const u8* p, int u, float q[8], float& s, float& o) {
         const u8* qs = p + 1 + 8 * (u & 1);
         table_floats<EMBER_MXFP4_W0, EMBER_MXFP4_W1, EMBER_MXFP4_W2, EMBER_MXFP4_W3>(
-            make_uint2(ld32b1(qs), ld32b1(qs + 4)), 4 * (u >> 1), q);
+            ld64_any(qs), 4 * (u >> 1), q);
         const u32 e = p[0];
         s = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
         o = 0.0f;
