@@ -1,6 +1,6 @@
-"""The soak's greedy identity, tie-aware: two answers that part where the model holds its top two within
-TIE_NATS, each run's token the other's runner-up, are a tie (recorded with its evidence); any other
-parting, or one without logprobs to judge it, is drift and fails the check."""
+"""The soak's greedy identity, tie-aware: two answers that part where each run's token is among the other's
+leading alternatives and both runs hold the two within TIE_NATS are a tie (recorded with its evidence);
+any other parting, or one without logprobs to judge it, is drift and fails the check."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_a_swap_of_a_near_tie_is_a_tie_and_anything_else_is_drift():
     # the same swap where run a holds its token well ahead: drift
     far = _answer(same, ("p", -0.2, "q", -0.2 - TIE_NATS - 0.01), ("r", -1.0, "s", -2.0))
     assert not part(far, b).tie
-    # run b's token is not run a's runner-up: the runs disagree on more than an order
+    # run b's token is not among run a's alternatives: the runs disagree on more than an order
     other = _answer(same, ("p", -0.70, "w", -0.71), ("r", -1.0, "s", -2.0))
     assert not part(other, b).tie
     # no logprobs: nothing to judge a parting by
@@ -53,7 +53,7 @@ def test_ties_pass_the_soak_checks_and_are_reported_and_drifts_fail():
     baseline = Phase("baseline", [], greedy_before=[x, tie_a], greedy_after=[x, tie_b])
     churn = Phase("churn", [], greedy_before=[x, tie_a], greedy_after=[x, drift])
     checks = find_problems([baseline, churn], logs=False)
-    assert checks["greedy_identical"] == ["churn: prompt 1: token 0: 'p' vs 'r' (not each other's runner-up)"]
+    assert checks["greedy_identical"] == ["churn: prompt 1: token 0: 'p' vs 'r' (not in each other's top 5)"]
     assert not checks["greedy_identical_across_phases"]
     ties = greedy_ties([baseline, churn])
     assert [(t["where"], t["prompt"], t["at"], t["tie"]) for t in ties] == [("baseline", 1, 0, True)]

@@ -159,7 +159,7 @@ class _Run:
         return rec, text
 
     def answer(self, phase: Phase, url: str, prompt: list[int], max_tokens: int, cls: str) -> tuple[Record, Answer]:
-        """A greedy answer for an identity check, its tokens' runner-ups with it (greedy_drift)."""
+        """A greedy answer for an identity check, each token's leading alternatives with it (greedy_drift)."""
         rec, _ = self.one(phase, url, prompt, max_tokens, cls, top=TOP)
         return rec, Answer(tuple(t for t, _ in rec.answer), tuple(a for _, a in rec.answer))
 

@@ -159,7 +159,7 @@ def client_figures(ph: Phase) -> dict:
         # equal, or parted only at near-ties (greedy_drift); the ties themselves are in the checks' evidence
         "greedy_identical": not compare_answers(ph.greedy_before, ph.greedy_after, ph.name).drifts,
         "greedy_outputs": [a.text for a in ph.greedy_before],
-        # whether the server sent each greedy token's runner-up, so that a parting can be judged a tie
+        # whether the server sent each greedy token's alternatives, so that a parting can be judged a tie
         "greedy_logprobs": bool(ph.greedy_before) and all(
             len(a.top) == len(a.tokens) and all(len(t) >= 2 for t in a.top) for a in ph.greedy_before),
     }
