@@ -179,14 +179,16 @@ def test_the_engine_sizes_chunks_by_steps_it_times_at_start(runtime, capfd):
     assert said[0]["per_token_us"] > 0
 
 
-def test_a_prefill_beside_a_decoding_stream_is_cut_to_the_target(runtime):
+def test_a_prefill_beside_a_decoding_stream_is_cut_to_the_target(runtime, capfd):
     """A stream decodes while another request's prompt arrives: under a target no CPU step meets, the
     prompt goes in MIN_CHUNK pieces while the stream decodes (each step with its decode row), whole
-    steps again once it is done."""
+    steps again once it is done. Every step the stream waited on missed the target, and says so: in
+    the metrics, and in one log line (they are rate-limited)."""
     rt = runtime.backend
     be = _Recording(runtime.config, rt.weights, n_blocks=rt.n_blocks, block_size=rt.block_size)
+    metrics = Metrics()
     engine = Engine(runtime.model, be, EngineLimits(max_seqs=2, context=2048, max_step_tokens=512, prefill_chunk=512,
-                                                    itl_target_s=1e-4), metrics=Metrics())
+                                                    itl_target_s=1e-4), metrics=metrics)
     be.steps = []
     engine.start()
     assert 2048 - 2 * 256 < be.reach <= 2048  # the start timed steps deep in the context, none beyond it
@@ -216,6 +218,17 @@ def test_a_prefill_beside_a_decoding_stream_is_cut_to_the_target(runtime):
     assert set(pieces_beside[:-1]) == {MIN_CHUNK} and pieces_beside[-1] <= MIN_CHUNK, beside  # the last: the rest
     pieces = [n for step in be.steps for n in step if n > 1 and step != [2]]
     assert sum(pieces) >= 800 - 16 and max(pieces) <= 512, be.steps
+    sample = metrics.registry.get_sample_value
+    with_prefill = sample("ember_step_seconds_count", {"kind": "decode+prefill"})
+    decode_only = sample("ember_step_seconds_count", {"kind": "decode"})
+    assert with_prefill >= len(beside) and decode_only >= 1
+    assert sample("ember_steps_over_itl_target_total") == with_prefill + decode_only  # none met 0.1 ms
+    lines = [json.loads(x) for x in capfd.readouterr().err.splitlines() if '"step_over_target"' in x]
+    # rate-limited: a line per OVER_LOG_SECONDS at most, together counting what they stand for
+    assert lines and sum(e["over_since_last"] for e in lines) <= with_prefill + decode_only, lines
+    e = lines[0]
+    assert e["level"] == "warning" and e["target_ms"] == 0.1 and e["took_ms"] > 0.1 and e["decode_rows"] == 1
+    assert e["predicted_ms"] > 0 and e["over_since_last"] == 1
 
 
 def test_the_itl_target_setting(tmp_path):
@@ -273,3 +286,35 @@ def test_a_warm_turn_goes_before_a_long_prefill(runtime):
     with_short = next(i for i, step in enumerate(be.steps) if 100 in step)
     assert be.steps[with_short] == [100, 156], be.steps  # the short one first, the long one in what is left
     assert sum(n for step in be.steps[with_short + 1:] for n in step) > 0, be.steps  # the long one still going
+
+
+def test_steps_over_the_target_are_counted_and_logged_at_most_every_few_seconds(capfd):
+    """CostSampler: a step with a decoding stream that takes longer than the target counts, and is logged
+    with what it carried and what the model predicted; within OVER_LOG_SECONDS the next ones only count
+    (the next line says how many); a step nobody decoded in, or one within the target, neither."""
+    from ember.worker.engine.cost_sampling import OVER_LOG_SECONDS, CostSampler
+    from ember.worker.engine.restore_policy import RestoreCosts
+
+    metrics = Metrics()
+    sampler = CostSampler(RestoreCosts(), None, None, itl_target_s=0.05, metrics=metrics)
+    sampler.step_cost = StepCost((0.01, 1e-5, 0.0, 0.0))
+    decode = SeqChunk(np.zeros(1, np.int32), 900, [], "last", prefill=False)
+    prefill = SeqChunk(np.zeros(256, np.int32), 0, [], "last", prefill=True)
+    sampler.observe([decode, prefill], 0.08, now=100.0)  # over: logged
+    sampler.observe([decode, prefill], 0.07, now=101.0)  # over: counted
+    sampler.observe([decode], 0.02, now=102.0)  # within
+    sampler.observe([prefill], 0.5, now=103.0)  # nobody waited on it
+    sampler.observe([decode, prefill], 0.09, now=100.0 + OVER_LOG_SECONDS + 1)  # over: logged, with the one before
+    sample = metrics.registry.get_sample_value
+    assert sample("ember_steps_over_itl_target_total") == 3
+    assert sample("ember_step_seconds_count", {"kind": "decode+prefill"}) == 3
+    assert sample("ember_step_seconds_count", {"kind": "decode"}) == 1
+    lines = [json.loads(x) for x in capfd.readouterr().err.splitlines() if '"step_over_target"' in x]
+    assert [(e["took_ms"], e["over_since_last"]) for e in lines] == [(80.0, 1), (90.0, 2)]
+    assert lines[0]["predicted_ms"] == pytest.approx(10 + 257 * 0.01, abs=0.01)  # fixed + tokens, before it learned
+    assert (lines[0]["decode_rows"], lines[0]["prefill_tokens"], lines[0]["keys"], lines[0]["pairs"]) == \
+        (1, 256, 901, 256 * 257 // 2)
+    # no target sized (numpy's fixed chunks: nothing calibrated): timed, never called over
+    idle = CostSampler(RestoreCosts(), None, None, itl_target_s=0.05, metrics=Metrics())
+    idle.observe([decode, prefill], 0.5, now=1.0)
+    assert idle.metrics.registry.get_sample_value("ember_steps_over_itl_target_total") == 0

@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ember.ops.contract import OUTCOMES, PersistState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
@@ -26,6 +27,14 @@ class Metrics:
         self.itl = Histogram("ember_inter_token_latency_seconds", "Time between tokens of one stream",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("ember_engine_steps", "Engine steps run", registry=r)
+        # the steps decoding streams waited on, against the decode-latency target (engine/cost_sampling.py)
+        self.step_seconds = Histogram("ember_step_seconds", "Time of the engine's steps with decoding streams, "
+                                      "by what they carried (decode, or decode+prefill)", ["kind"],
+                                      buckets=_STEP_BUCKETS, registry=r)
+        for kind in ("decode", "decode+prefill"):
+            self.step_seconds.labels(kind)
+        self.steps_over_target = Counter("ember_steps_over_itl_target", "Steps with decoding streams that took "
+                                         "longer than --itl-target-ms", registry=r)
         self.spec_drafted = Counter("ember_spec_drafted_tokens", "Draft tokens checked by speculative decoding",
                                     registry=r)
         self.spec_accepted = Counter("ember_spec_accepted_tokens", "Draft tokens that stood", registry=r)

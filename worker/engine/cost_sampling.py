@@ -7,38 +7,77 @@ restore policy's RestoreCosts: restore or recompute), and a step without prefill
 speculative decoding's fit of what a wider decode step costs (spec/speculation.StepCosts). The
 measured rates are written beside the KV blocks (`rates.json`) now and then and at shutdown, so a
 restarted worker decides its first warm admits by them. Deciding anything from them is not here.
+
+The same timings say how the decode-latency target is held: every step with a decoding stream in it
+counts in `ember_step_seconds{kind}` (decode, or decode+prefill), one that took longer than
+`--itl-target-ms` in `ember_steps_over_itl_target`, and such a step is logged (`step_over_target`: what it
+carried, what the model predicted, what it took; at most one line every OVER_LOG_SECONDS, with the
+count since the last), which is where a model that under-predicts some step shape shows.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ..backends.base import SeqChunk
+from ..logs import log
+from ..metrics import Metrics
 from .restore_policy import RestoreCosts
 from .spec.speculation import Speculator
 from .step_costs import StepCost, step_features
 
 RATES_SAVE_SECONDS = 30.0  # how often the measured prefill and restore rates are written for the next process
+OVER_LOG_SECONDS = 10.0  # at most one step_over_target line this often: a target missed every step is one line
 
 
 class CostSampler:
-    def __init__(self, costs: RestoreCosts, speculator: Speculator | None, store=None):
-        """store: the KVStore (None: no rates are kept); its directory holds rates.json."""
+    def __init__(self, costs: RestoreCosts, speculator: Speculator | None, store=None,
+                 itl_target_s: float | None = None, metrics: Metrics | None = None):
+        """store: the KVStore (None: no rates are kept); its directory holds rates.json. itl_target_s: the
+        decode-latency target the steps with decoding streams are held to (None: none)."""
         self.costs, self.speculator, self.store = costs, speculator, store
+        self.itl_target_s, self.metrics = itl_target_s, metrics
         self.path: Path | None = store.dir / "rates.json" if store is not None else None
         if self.path is not None:
             costs.load(self.path)
         self._saved: float | None = None  # the first rate measured is written at once
         self.step_cost: StepCost | None = None  # the engine's, once calibrated
+        self._over_logged: float | None = None  # when the last step_over_target line was written
+        self._over_since = 0  # steps over the target since that line
 
-    def observe(self, chunks: list[SeqChunk], seconds: float) -> None:
-        """A planned step took `seconds`."""
+    def observe(self, chunks: list[SeqChunk], seconds: float, now: float | None = None) -> None:
+        """A planned step took `seconds` (and ended at `now`, monotonic)."""
+        features = step_features(chunks)
+        predicted = self.step_cost.seconds(features) if self.step_cost is not None else None
+        self._held_to_target(chunks, features, predicted, seconds, time.monotonic() if now is None else now)
         if self.step_cost is not None:
-            self.step_cost.observe(step_features(chunks), seconds)
+            self.step_cost.observe(features, seconds)
         # a draft's positions are not prefill: only chunks of more than one prompt token count
         self.costs.observe_prefill(sum(len(c.tokens) for c in chunks if c.prefill and len(c.tokens) > 1), seconds)
         if self.speculator is not None and not any(c.prefill for c in chunks):  # what a wider step costs
             self.speculator.costs.observe(sum(len(c.tokens) for c in chunks), len(chunks), seconds)
+
+    def _held_to_target(self, chunks: list[SeqChunk], features: tuple[int, int, int], predicted: float | None,
+                        seconds: float, now: float) -> None:
+        decode_rows = sum(1 for c in chunks if not (c.prefill and len(c.tokens) > 1))
+        if not decode_rows:  # nobody waited on this step's tokens
+            return
+        prefill_tokens = features[0] - sum(len(c.tokens) for c in chunks if not (c.prefill and len(c.tokens) > 1))
+        if self.metrics is not None:
+            self.metrics.step_seconds.labels("decode+prefill" if prefill_tokens else "decode").observe(seconds)
+        if self.itl_target_s is None or self.step_cost is None or seconds <= self.itl_target_s:
+            return  # no target, or steps not sized to it (nothing calibrated: numpy's fixed chunks)
+        if self.metrics is not None:
+            self.metrics.steps_over_target.inc()
+        self._over_since += 1
+        if self._over_logged is not None and now - self._over_logged < OVER_LOG_SECONDS:
+            return
+        log("step_over_target", level="warning", took_ms=round(seconds * 1000, 2),
+            predicted_ms=None if predicted is None else round(predicted * 1000, 2),
+            target_ms=round(self.itl_target_s * 1000, 1), decode_rows=decode_rows, prefill_tokens=prefill_tokens,
+            keys=features[1], pairs=features[2], over_since_last=self._over_since)
+        self._over_logged, self._over_since = now, 0
 
     def save_due(self, now: float) -> None:
         """Write the rates if something was measured and the last write is RATES_SAVE_SECONDS old."""

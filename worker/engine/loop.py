@@ -131,7 +131,8 @@ class Engine:
         self._sizing = PrefillSizing(limits.prefill_chunk, limits.itl_target_s)
         self.speculator = (Speculator(drafter or limits.spec, limits.spec_k, limits.spec_max_batch,
                                       limits.spec_max_context) if limits.spec != "off" else None)
-        self.costs = CostSampler(self.restore_costs, self.speculator, store)  # reads the last process's rates
+        # reads the last process's rates; counts the steps decoding streams wait on against the target
+        self.costs = CostSampler(self.restore_costs, self.speculator, store, limits.itl_target_s, self.metrics)
         self.kv = KVManager(self.pool, backend, store, self.metrics, self.restore_costs)
         self.misses = MissExplainer(self.pool, store, model.tokenizer)  # the admit line's account of a miss
         self.output = OutputProcessor(model.tokenizer, backend, limits.context, self.metrics)
@@ -446,7 +447,7 @@ class Engine:
     def _settle_step(self, work: StepWork, outputs: list) -> None:
         now = time.monotonic()
         if work.started is not None:
-            self.costs.observe(work.chunks, now - work.started)
+            self.costs.observe(work.chunks, now - work.started, now)
         for chunk, seq, out in zip(work.chunks, work.members, outputs, strict=True):
             if out is not FAILED:
                 alone(seq, self._fail, self._after_forward, seq, chunk, out, now)
