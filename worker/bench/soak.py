@@ -8,10 +8,12 @@ on the first worker, and the churn again. A phase's KV dir is removed when it en
 The traffic itself is soak_load.py; the figures, the checks and the tables are soak_report.py.
 
 Checked (the exit status): greedy outputs equal before and after the churn on the same worker,
-and across phases; exactly one outcome per request in the worker's log, `completed` for what the
-client saw complete and `canceled` for what it abandoned; nothing failed; a kill -9 loses only the
-requests in flight, the restarted worker restores conversations from disk and answers the long
-one as the cold worker did. Reported, never asserted: requests/s, TTFT and inter-token latency by
+and across phases, or parted only at a near-tie (greedy_drift.py: the paths' rounding on a model
+whose leading tokens are that close, reported with its evidence); exactly one outcome per request in
+the worker's log, `completed` for what the client saw complete and `canceled` for what it abandoned;
+nothing failed; a kill -9 loses only the requests in flight, the restarted worker restores
+conversations from disk and answers the long one as the cold worker did (or parts from it only at a
+near-tie). Reported, never asserted: requests/s, TTFT and inter-token latency by
 request class, decode tok/s per stream, cached-token share, persistence backlog, writes and drops,
 and the ratios the issue's targets name.
 
