@@ -107,6 +107,11 @@ def test_abandons_are_canceled_and_kill_loses_only_in_flight(soak):
     assert k["killed_exit"] == -9 and k["in_flight_lost"] >= 1
     assert k["resumed"] and all(r["cached"] > 0 for r in k["resumed"])
     assert k["long_identical"] and k["long_warm_cached_tokens"] > 0 and k["long_warm_ttft_s"] > 0
+    # what a restart would find, asked of the worker just before the kill (/v1/kv/lookup)
+    found = k["on_disk_at_kill"]
+    assert found and all(f["client"].startswith("churn-") and 0 <= f["on_disk_tokens"] <= f["tokens"] for f in found)
+    assert any(f["on_disk_tokens"] > 0 for f in found), found
+    assert all("on_disk_at_kill" in r for r in k["resumed"])
 
 
 def test_the_worker_logs_show_one_outcome_per_request(soak):

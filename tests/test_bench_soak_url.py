@@ -110,6 +110,8 @@ def test_the_kill_phase_kills_restarts_and_resumes_by_url(ember_url_report):
     assert k["resumed"] and all(x["ttft_s"] > 0 and x["cached"] > 0 and x["expected_cached"] > 0
                                 for x in k["resumed"])
     assert k["long_identical"] and k["long_warm_cached_tokens"] > 0 and k["long_cold_ttft_s"] > 0
+    # ember by URL answers /v1/kv/lookup: what a restart would find of each conversation, before the kill
+    assert k["on_disk_at_kill"] and any(f["on_disk_tokens"] > 0 for f in k["on_disk_at_kill"])
 
 
 def test_compare_renders_a_report_against_itself(ember_url_report, tmp_path):
@@ -204,6 +206,7 @@ def test_the_soak_drives_llama_server_by_url(llama_server, tiny_llama, tmp_path)
     assert k["killed_exit"] == -9 and k["killed_pid"] == first.pid and k["restart"]["pid"] == left
     assert k["restart"]["kill_to_ready_s"] > 0 and k["resumed"] and all(x["ttft_s"] > 0 for x in k["resumed"])
     assert k["long_cold_ttft_s"] > 0 and k["long_warm_ttft_s"] > 0
+    assert k["on_disk_at_kill"] == []  # llama-server keeps no KV on disk to ask about
 
 
 # -- the pure parts: the stream as llama-server and ember shape it, the client's errors, the targets --------------

@@ -38,7 +38,7 @@ from litestar.types import HTTPReceiveMessage
 
 from ..logs import log
 from ..text.formats import resolve as resolve_formats
-from . import anthropic_messages, common, openapi, tokenize
+from . import anthropic_messages, common, kv_lookup, openapi, tokenize
 from .adapter import ProtocolAdapter, Submitted
 from .common import ApiContext
 from .errors import ApiError, anthropic_error, openai_error
@@ -303,11 +303,17 @@ def _helper_routes(ctx: ApiContext, version: str) -> list[HTTPRouteHandler]:
         _need_model(ctx)
         return _json(await tokenize.detokenize(ctx, body))
 
+    @post("/v1/kv/lookup", status_code=200)
+    async def kv_lookup_tokens(request: Request) -> Response:
+        body = await _body_of(ctx, request, kv_lookup.LookupRequest)
+        _need_model(ctx)
+        return _json(await kv_lookup.lookup(ctx, body))
+
     @get("/openapi.json")
     async def openapi_document() -> Response:
         return _json(openapi.document(version))
 
-    return [tokenize_text, detokenize_ids, openapi_document]
+    return [tokenize_text, detokenize_ids, kv_lookup_tokens, openapi_document]
 
 
 # -- health, metrics, stats (public; never the engine lock) ------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from . import anthropic_messages, tokenize
+from . import anthropic_messages, kv_lookup, tokenize
 from .routes import ROUTES
 
 # path -> (request type, summary)
@@ -21,6 +21,7 @@ POSTS: dict[str, tuple[type, str]] = {
     "/v1/messages/count_tokens": (anthropic_messages.MessagesRequest, "Anthropic token count"),
     "/tokenize": (tokenize.TokenizeRequest, "text or chat messages to token ids"),
     "/detokenize": (tokenize.DetokenizeRequest, "token ids to text"),
+    "/v1/kv/lookup": (kv_lookup.LookupRequest, "how much of a token sequence's KV is stored (what a restart finds)"),
 }
 GETS = {
     "/v1/models": "the served model",

@@ -165,6 +165,26 @@ class _Run:
         rec, _ = self.one(phase, url, prompt, max_tokens, cls, top=TOP)
         return rec, Answer(tuple(t for t, _ in rec.answer), tuple(a for _, a in rec.answer))
 
+    def on_disk(self, url: str, clients: list[Churner | Decoder]) -> list[dict]:
+        """Each churner's conversation as it stands: its tokens, and how many of them the worker's KV store
+        holds on disk, from the first (ember's /v1/kv/lookup); nothing from a server without it."""
+        assert self.engine is not None
+        if self.engine.server != EMBER:
+            return []
+        out = []
+        for c in clients:
+            if not isinstance(c, Churner):
+                continue
+            try:
+                r = httpx.post(f"{url}/v1/kv/lookup", json={"tokens": c.convo}, timeout=10)
+                r.raise_for_status()
+                got = r.json()
+            except (httpx.HTTPError, ValueError):
+                continue  # an older worker, or one already going down
+            out.append({"client": c.name, "tokens": len(c.convo), "full_blocks": got["full_blocks"],
+                        "on_disk_tokens": got["on_disk"] * got["block_size"]})
+        return out
+
     def greedy(self, phase: Phase, url: str) -> list[Answer]:
         return [self.answer(phase, url, p, self.soak.greedy_tokens, "greedy")[1] for p in self.greedy_prompts]
 
@@ -228,8 +248,13 @@ class _Run:
             clients, rate = self.ready(ph, url, True)
             self._said(ph, clients, f"for {s.duration / 2:g} s, then kill -9")
             rc: list[int | None] = []
-            ph.windows.append(self.window(url, clients, s.duration / 2, rate,
-                                          kill=lambda: rc.append(self.target.kill())))
+            found: list[dict] = []  # what a restart would find of each conversation, asked just before the kill
+
+            def kill() -> None:
+                found.extend(self.on_disk(url, clients))
+                rc.append(self.target.kill())
+
+            ph.windows.append(self.window(url, clients, s.duration / 2, rate, kill=kill))
             self.say(f"{ph.name}: " + ("running the restart command" if self.target.foreign
                                        else "restarting on the same KV dir") + "; the long conversation warm")
             url = self.start(ph)
@@ -260,9 +285,13 @@ class _Run:
             "long_restore_choice": choice.get(warm.rid),
             "long_identical": warm_answer.tokens == cold_answer.tokens,
             "long_parting": (p.as_dict() if (p := part(cold_answer, warm_answer)) else None),
+            # each live conversation's blocks on disk at the kill (ember: /v1/kv/lookup; [] elsewhere)
+            "on_disk_at_kill": found,
             # each live conversation's next turn after the restart: what the restarted server found of it
             "resumed": [{"client": r.client, "prompt_tokens": r.prompt_tokens, "cached": r.cached,
                          "expected_cached": r.expect_cached, "restore_choice": choice.get(r.rid),
+                         "on_disk_at_kill": next((f["on_disk_tokens"] for f in found if f["client"] == r.client),
+                                                 None),
                          "ttft_s": rnd(r.ttft)}
                         for r in ph.windows[1].records if r.resume and r.outcome == COMPLETED],
         }

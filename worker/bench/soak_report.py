@@ -389,6 +389,9 @@ def _kill_rows(k: dict) -> list[str]:
            "completed before it"
            + (f", backlog {k['backlog_at_kill']}" if k.get("backlog_at_kill") is not None else "")
            + (f"; ready again {restart['kill_to_ready_s']} s after the kill" if restart else "")]
+    if k.get("on_disk_at_kill"):
+        out.append("on disk at the kill (tokens of the conversation): " + ", ".join(
+            f"{f['client']} {f['on_disk_tokens']}/{f['tokens']}" for f in k["on_disk_at_kill"]))
     out.append("resumed (cached/tokens, TTFT): " + ", ".join(
         f"{r['cached']}/{r['prompt_tokens']} (expected {r['expected_cached']}), {_ms(r.get('ttft_s'))}"
         for r in k["resumed"]))

@@ -299,6 +299,22 @@ class KVStore:
             out.append(tier)
         return out
 
+    def persisted(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, are in this store's files: what a restart would find
+        (a block still in RAM or on its way to disk is not, yet)."""
+        n = 0
+        for h in hashes:
+            with self._lock:
+                known = h in self._index
+            if not known:
+                try:
+                    if not self.path_for(h).exists():
+                        break
+                except OSError:
+                    break
+            n += 1
+        return n
+
     def restore(self, hashes: list[bytes]) -> RestoreJob:
         job = RestoreJob(list(hashes))
         with self._lock:
