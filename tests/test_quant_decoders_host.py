@@ -51,6 +51,7 @@ inline u32 __byte_perm(u32 x, u32 y, u32 s) {  // CUDA's: 3 bits of each of the 
     return r;
 }
 inline int __popc(u32 x) { return __builtin_popcount(x); }
+inline u32 __funnelshift_r(u32 lo, u32 hi, u32 shift) { return (u32)((((u64)hi << 32) | lo) >> (shift & 31)); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float h2f(u16 h) {
