@@ -428,7 +428,8 @@ def _print_processes(st: dict[str, Any], d: dict[str, Any], w: dict[str, Any]) -
           f"  model {w.get('model') or '-'}" + (f"  ({w.get('engine')})" if w.get("engine") != "ember" else ""))
     for r in [*st.get("replicas", []), *([st["router"]] if st.get("router") else [])]:
         gpu = f"  gpu {r['gpu']}" if r.get("gpu") else ""
-        print(f"  {r['name']:<10} {r['state']}  port {r['port']}{gpu}  pid {r.get('pid') or '-'}"
+        routes = f"  routes to {r['healthy_replicas']} of {r['replicas']}" if "healthy_replicas" in r else ""
+        print(f"  {r['name']:<10} {r['state']}  port {r['port']}{gpu}{routes}  pid {r.get('pid') or '-'}"
               f"  restarts {r.get('restarts', 0)}  ({r['state_dir']})")
     if st.get("router"):
         print("  routes   /v1/chat/completions, /v1/completions, /v1/responses through the router; "

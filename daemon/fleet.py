@@ -12,13 +12,17 @@ The router is a foreign engine to its daemon (a command with a health URL and no
 
 The fleet daemon spawns the member daemons (each in its own session, re-attached when a fleet daemon
 restarts and finds them answering), respawns one whose daemon process dies, answers the control
-socket for all of them (status, start, stop, restart) and publishes one status: ready when the router
-and every replica are. `ember stop` drains them all.
+socket for all of them (status, start, stop, restart) and publishes one status: ready when every
+replica is and the router routes to all of them. The router's own /health answers 200 as soon as it
+listens, before its first health check of a replica has passed (a request then gets 503, "no available
+workers"), so the fleet asks its worker list (GET /workers, each one's is_healthy) before calling it ready.
+`ember stop` drains them all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import shlex
@@ -37,6 +41,7 @@ from ember.ops import contract
 from . import control
 from .paths import Layout, write_json
 from .phases import Status
+from .probes import ProbeTimeout, http_call
 from .procs import alive
 from .settings import Settings, SettingsError
 from .shell import DaemonShell
@@ -153,6 +158,17 @@ def member_status(m: Member) -> dict[str, Any] | None:
     return resp.get("status") if resp and resp.get("ok") else None
 
 
+def router_view(s: Settings) -> dict[str, Any]:
+    """How many replicas the router routes to now, from its worker list (GET /workers: each worker's
+    `is_healthy`, which its own health checks set); {"error": ...} when it does not say."""
+    try:
+        _, body = http_call("GET", f"http://{s.probe_host}:{s.port}/workers", timeout=2.0)
+        workers = json.loads(body)["workers"]
+        return {"healthy_replicas": sum(1 for w in workers if w.get("is_healthy") is True), "replicas": len(workers)}
+    except (OSError, ProbeTimeout, ValueError, KeyError, TypeError, AttributeError) as e:
+        return {"error": str(e) or type(e).__name__}
+
+
 class Fleet:
     """The fleet daemon's process (see the module docstring)."""
 
@@ -167,6 +183,7 @@ class Fleet:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.gone_since: dict[str, float] = {}
         self.seen: dict[str, dict[str, Any] | None] = {}
+        self.routing: dict[str, Any] = {}  # router_view() of the last look while the router was ready
         self._lock = threading.Lock()
         self._stopping = False
         self._ready_told = False
@@ -203,6 +220,10 @@ class Fleet:
             if now - since >= RESPAWN_AFTER:
                 self.gone_since.pop(m.name, None)
                 self.spawn(m)
+        router = self.seen.get(ROUTER) or {}
+        routing = router_view(self.s) if router.get("state") == Status.READY else {}
+        with self._lock:
+            self.routing = routing
 
     def tell(self, cmd: str) -> None:
         for m in self.members:
@@ -231,7 +252,7 @@ class Fleet:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            seen = dict(self.seen)
+            seen, routing = dict(self.seen), dict(self.routing)
         rows = []
         for m in self.members:
             st = seen.get(m.name) or {}
@@ -240,6 +261,13 @@ class Fleet:
                          "daemon_pid": (st.get("daemon") or {}).get("pid"), "pid": w.get("pid"),
                          "model": w.get("model"), "restarts": st.get("restarts", 0), "last_crash": st.get("last_crash"),
                          "not_ready_reason": st.get("not_ready_reason"), "state_dir": str(m.layout.state)})
+        router = rows[-1]
+        router.update(routing)
+        if router["state"] == Status.READY and routing.get("healthy_replicas") != len(rows) - 1:
+            # listening, but not (yet) sending requests to every replica
+            router["state"] = Status.STARTING if not self._ready_told else Status.NOT_READY
+            router["not_ready_reason"] = routing.get("error") or (
+                f"routes to {routing['healthy_replicas']} of {len(rows) - 1} replicas")
         states = [r["state"] for r in rows]
         if self._stopping:
             state = Status.STOPPING
@@ -251,7 +279,8 @@ class Fleet:
             state = Status.STARTING
         else:
             state = Status.NOT_READY
-        waiting = [f"{r['name']} {r['state']}" for r in rows if r["state"] != Status.READY]
+        waiting = [f"{r['name']} {r['state']}" + (f" ({r['not_ready_reason']})" if r["not_ready_reason"] else "")
+                   for r in rows if r["state"] != Status.READY]
         crashes = [r["last_crash"] for r in rows if r["last_crash"]]
         model = next((r["model"] for r in rows if r["model"]), None)
         return {

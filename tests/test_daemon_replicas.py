@@ -33,12 +33,14 @@ def test_two_replicas_behind_the_router(ember):
     assert ports == {ember.port + 1, ember.port + 2}
     for m in st["replicas"]:  # each its own state dir, its own worker
         assert m["state"] == "ready" and m["pid"] and m["state_dir"].endswith(f"replicas/{m['name']}")
+    # ready means routed: the router's own health checks have passed for both (its /health says 200 before)
+    assert st["router"]["healthy_replicas"] == st["router"]["replicas"] == 2, st["router"]
     with httpx.Client(base_url=ember.url, timeout=60) as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert c.get(f"http://127.0.0.1:{ember.port + 1}/health/ready").status_code == 200
 
     text = ember.run("status").stdout
-    assert "replica-0" in text and "replica-1" in text and "router" in text, text
+    assert "replica-0" in text and "replica-1" in text and "routes to 2 of 2" in text, text
 
     victim = st["replicas"][0]
     kill(victim["pid"])  # SIGKILL replica-0's worker
@@ -92,3 +94,65 @@ def test_the_fleet_plan_ports_gpus_and_environments(tmp_path):
         with pytest.raises(SettingsError, match=why):
             s = load(env={"EMBER_CONFIG": str(cfg)})
             fleet.plan(s, Layout(tmp_path / "state"))
+
+
+def test_the_fleet_is_ready_only_once_the_router_routes_to_every_replica(tmp_path):
+    """sglang-router's /health answers 200 as soon as it listens; a request then gets 503 until its own
+    health check of a replica passes (seen in CI). The fleet counts the router ready from its /workers."""
+    from ember.daemon import fleet
+    from ember.daemon.paths import Layout
+    from ember.daemon.settings import load
+
+    cfg = tmp_path / "ember.toml"
+    cfg.write_text("[daemon]\nreplicas = 2\n")
+    f = fleet.Fleet(load(env={"EMBER_CONFIG": str(cfg)}), Layout(tmp_path / "state"))
+    f.seen = {m.name: {"state": "ready", "worker": {"pid": 1}} for m in f.members}
+    f.routing = {"healthy_replicas": 1, "replicas": 2}
+    st = f.status()
+    assert st["state"] == "starting" and "router starting (routes to 1 of 2 replicas)" in st["not_ready_reason"]
+    f.routing = {"error": "connection refused"}
+    assert f.status()["router"]["not_ready_reason"] == "connection refused"
+    f.routing = {"healthy_replicas": 2, "replicas": 2}
+    st = f.status()
+    assert st["state"] == "ready" and st["not_ready_reason"] is None and st["router"]["healthy_replicas"] == 2
+    f._ready_told = True  # once ready, a replica the router dropped makes the fleet not ready
+    f.routing = {"healthy_replicas": 1, "replicas": 2}
+    assert f.status()["state"] == "not-ready"
+
+
+def test_router_view_reads_the_real_routers_worker_list(tmp_path):
+    """A real sglang-router whose replica's port is closed lists no worker (it registers one after its
+    first health check passes); once something there answers /health, it lists it healthy."""
+    import subprocess
+    import sys
+
+    from ember.daemon import fleet
+    from ember.daemon.settings import load
+    from test_daemon_support import free_port
+
+    port, replica = free_port(), free_port()
+    cfg = tmp_path / "ember.toml"
+    cfg.write_text(f"[worker]\nport = {port}\n")
+    s = load(env={"EMBER_CONFIG": str(cfg)})
+    assert "error" in fleet.router_view(s)  # nothing listens yet
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")  # GET /health -> 200 from a plain file server
+    procs = [subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                               str(port), "--worker-urls", f"http://127.0.0.1:{replica}", "--log-level", "warn"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        def wait_for(want: dict) -> dict:
+            deadline = time.monotonic() + 60
+            while (view := fleet.router_view(s)) != want and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return view
+
+        assert wait_for({"healthy_replicas": 0, "replicas": 0}) == {"healthy_replicas": 0, "replicas": 0}
+        procs.append(subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", "-d",
+                                       str(tmp_path / "www"), str(replica)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        assert wait_for({"healthy_replicas": 1, "replicas": 1}) == {"healthy_replicas": 1, "replicas": 1}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
