@@ -126,9 +126,10 @@ def test_router_view_reads_the_real_routers_worker_list(tmp_path):
     import subprocess
     import sys
 
+    from test_daemon_support import free_port
+
     from ember.daemon import fleet
     from ember.daemon.settings import load
-    from test_daemon_support import free_port
 
     port, replica = free_port(), free_port()
     cfg = tmp_path / "ember.toml"

@@ -16,7 +16,7 @@ import asyncio
 
 import msgspec
 
-from ..engine.kv_blocks import ROOT_HASH, chain_hash
+from ..engine.kv_blocks import chain_hashes
 from .common import ApiContext, bad_request
 
 
@@ -45,10 +45,7 @@ async def lookup(ctx: ApiContext, body: LookupRequest) -> LookupResponse:
         return LookupResponse(len(body.tokens), bs, full, 0, 0, False)
 
     def count() -> tuple[int, int]:
-        hashes, parent = [], ROOT_HASH
-        for i in range(full):
-            parent = chain_hash(parent, body.tokens[i * bs : (i + 1) * bs], engine.pool.salt)
-            hashes.append(parent)
+        hashes = chain_hashes(body.tokens, bs, engine.pool.salt)
         return store.persisted(hashes), len(store.where(hashes))
 
     on_disk, stored = await asyncio.to_thread(count)

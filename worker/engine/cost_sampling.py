@@ -25,7 +25,7 @@ from ..logs import log
 from ..metrics import Metrics
 from .restore_policy import RestoreCosts
 from .spec.speculation import Speculator
-from .step_costs import StepCost, step_features
+from .step_costs import StepCost, is_prompt_chunk, step_features
 
 RATES_SAVE_SECONDS = 30.0  # how often the measured prefill and restore rates are written for the next process
 OVER_LOG_SECONDS = 10.0  # at most one step_over_target line this often: a target missed every step is one line
@@ -53,17 +53,17 @@ class CostSampler:
         self._held_to_target(chunks, features, predicted, seconds, time.monotonic() if now is None else now)
         if self.step_cost is not None:
             self.step_cost.observe(features, seconds)
-        # a draft's positions are not prefill: only chunks of more than one prompt token count
-        self.costs.observe_prefill(sum(len(c.tokens) for c in chunks if c.prefill and len(c.tokens) > 1), seconds)
+        self.costs.observe_prefill(sum(len(c.tokens) for c in chunks if is_prompt_chunk(c)), seconds)
         if self.speculator is not None and not any(c.prefill for c in chunks):  # what a wider step costs
             self.speculator.costs.observe(sum(len(c.tokens) for c in chunks), len(chunks), seconds)
 
     def _held_to_target(self, chunks: list[SeqChunk], features: tuple[int, int, int], predicted: float | None,
                         seconds: float, now: float) -> None:
-        decode_rows = sum(1 for c in chunks if not (c.prefill and len(c.tokens) > 1))
-        if not decode_rows:  # nobody waited on this step's tokens
+        rows = [c for c in chunks if not is_prompt_chunk(c)]
+        if not rows:  # nobody waited on this step's tokens
             return
-        prefill_tokens = features[0] - sum(len(c.tokens) for c in chunks if not (c.prefill and len(c.tokens) > 1))
+        decode_rows = len(rows)
+        prefill_tokens = features[0] - sum(len(c.tokens) for c in rows)
         if self.metrics is not None:
             self.metrics.step_seconds.labels("decode+prefill" if prefill_tokens else "decode").observe(seconds)
         if self.itl_target_s is None or self.step_cost is None or seconds <= self.itl_target_s:

@@ -38,6 +38,17 @@ def chain_hash(parent: bytes, tokens: Sequence[int], salt: bytes) -> bytes:
 
 
 ROOT_HASH = b"\0" * 16
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, salt: bytes) -> list[bytes]:
+    """The chain hash of every full block of `tokens`, first block first (a partial tail has none)."""
+    hashes, parent = [], ROOT_HASH
+    for i in range(len(tokens) // block_size):
+        parent = chain_hash(parent, tokens[i * block_size : (i + 1) * block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
 KV_LAYOUT_VERSION = 1
 EVICTED_MEMO = 16384  # hashes of blocks evicted lately, for explaining misses (a few MB at most)
 
@@ -144,11 +155,7 @@ class BlockPool:
         """The longest chain of cached full blocks that prefixes `tokens` (at most max_blocks).
         Returns the blocks (each retained for the caller) and the chain hashes of all full blocks
         of `tokens`, so the caller can register the rest as it computes them."""
-        bs = self.block_size
-        hashes, parent = [], ROOT_HASH
-        for i in range(len(tokens) // bs):
-            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs], self.salt)
-            hashes.append(parent)
+        hashes = chain_hashes(tokens, self.block_size, self.salt)
         blocks = []
         for h in hashes[:max_blocks]:
             b = self.by_hash.get(h)

@@ -75,6 +75,12 @@ UNITS = (1.0, 1e3, 1e6, 1e7)
 PRIOR_WEIGHT = 0.1  # what the calibration's figures weigh in the fit, in steps of unit features
 
 
+def is_prompt_chunk(c) -> bool:
+    """A chunk of more than one prompt token: compute-bound prefill. A decode row, a draft's positions
+    and a cached prompt's last token (computed alone) are one row that reads its sequence's KV."""
+    return c.prefill and len(c.tokens) > 1
+
+
 def step_features(chunks) -> tuple[int, int, int]:
     """(tokens, keys, pairs) of a step's chunks (backends.base.SeqChunk). A decode row or a draft (a chunk
     that is not a prompt's, or one token) reads its sequence's whole KV once: its keys grow with depth,
@@ -84,7 +90,7 @@ def step_features(chunks) -> tuple[int, int, int]:
     for c in chunks:
         n, at = len(c.tokens), c.start
         tokens += n
-        if c.prefill and n > 1:
+        if is_prompt_chunk(c):
             pairs += n * at + n * (n + 1) // 2
         else:
             keys += at + n
