@@ -79,6 +79,7 @@ def _modules() -> dict[str, ModuleSpec]:
         fault=ModuleSpec("fault.cu", (), "fault injection: an illegal-address write"),
         kv_copy=ModuleSpec("kv_copy.cu", (), "whole KV blocks between the pools and a packed staging area"),
         moe=ModuleSpec("moe.cu", (), "mixture of experts: routing, grouping by expert, gather, weighted sum"),
+        hyper=ModuleSpec("hyper.cu", (), "DeepSeek V4: hyper-connection mixes and merges, compressed KV rows"),
     )
     return mods
 

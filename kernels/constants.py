@@ -102,6 +102,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "FLASH_TILE_KEYS": 64,  # keys a K/V tile up to head_dim 128
     "FLASH_TILE_KEYS_D256": 32,  # keys a K/V tile at head_dim 256 (registers and shared memory)
     "FLASH_PAD": 8,  # halves of padding a shared-memory row (ldmatrix's rows in different banks)
+    # hyper.cu (DeepSeek V4's hyper-connections and compressed rows)
+    "HC_MAX": 8,  # residual streams a hyper-connection at most (DeepSeek V4: 4)
+    "HC_THREADS": 256,  # threads of an hc_pre block (a token) and of an hc_merge or compress_rows block
     # moe.cu (routing around the grouped expert matvecs)
     "MOE_MAX_EXPERTS": 256,  # experts a router at most (eight a lane of moe_route's warp)
     "MOE_MAX_K": 16,  # experts a token goes through at most

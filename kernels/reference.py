@@ -268,10 +268,19 @@ MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the chosen weights' sum 
 
 def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softmax", norm_topk: bool = True,
               bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k experts (best first) and their weights. gating "softmax": a softmax over all
-    the router's logits, then the k largest (qwen3moe); "softmax-topk": the k largest logits, then a
-    softmax over those (gpt-oss). norm_topk scales the k weights to sum to 1."""
-    logits = linear(x, router, bias)
+    """Each row's k experts (best first) and their weights, from the router's logits x @ router.T + bias
+    (see route)."""
+    return route(linear(x, router, bias), k=k, gating=gating, norm_topk=norm_topk)
+
+
+def route(logits: np.ndarray, *, k: int, gating: str = "softmax", norm_topk: bool = True,
+          select_bias: np.ndarray | None = None, scale: float = 1.0,
+          chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k experts (best first) and their weights, from the router's logits [n, experts].
+    gating "softmax": a softmax over all the logits, then the k largest (qwen3moe); "softmax-topk": the
+    k largest logits, then a softmax over those (gpt-oss); "sqrt-softplus": sqrt(softplus(logit)), the k
+    largest of it plus select_bias, the weights unbiased (deepseek4), or the experts `chosen` [n, k] (its
+    hash routing: a table's row for the token). norm_topk scales the k weights to sum to 1; then x scale."""
     if gating == "softmax":
         probs = softmax(logits)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
@@ -279,11 +288,19 @@ def moe_route(x: np.ndarray, router: np.ndarray, *, k: int, gating: str = "softm
     elif gating == "softmax-topk":
         top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
         weights = softmax(np.take_along_axis(logits, top, axis=-1))
+    elif gating == "sqrt-softplus":
+        probs = np.sqrt(np.logaddexp(np.float32(0), logits))
+        if chosen is not None:
+            top = np.asarray(chosen, np.int64)
+        else:
+            ranked = probs if select_bias is None else probs + select_bias
+            top = np.argsort(-ranked, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(probs, top, axis=-1)
     else:
         raise ValueError(f"unknown expert gating {gating!r}")
     if norm_topk:
         weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), MOE_WEIGHT_SUM_MIN)
-    return top, weights.astype(np.float32)
+    return top, (weights * np.float32(scale)).astype(np.float32)
 
 
 def moe_mlp(x: np.ndarray, router: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,

@@ -220,24 +220,22 @@ class RouterMargins:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.calls: list[np.ndarray] = []
-        route = reference.moe_route
+        route = reference.route
 
-        def recording(x, router, *, k, **kw):
-            p = np.sort(reference.softmax(reference.linear(x, router, kw.get("bias"))), axis=-1)[:, ::-1]
-            self.calls.append(p[:, k - 1] - p[:, k])
-            return route(x, router, k=k, **kw)
+        def recording(logits, *, k, gating="softmax", select_bias=None, chosen=None, **kw):
+            if chosen is None:  # (a hash-routed layer chooses nothing)
+                if gating == "sqrt-softplus":  # deepseek4's learned layers: the biased sqrt-softplus scores
+                    p = np.sqrt(np.logaddexp(np.float32(0), logits))
+                    p = p if select_bias is None else p + select_bias
+                else:
+                    p = reference.softmax(logits)
+                p = np.sort(p, axis=-1)[:, ::-1]
+                self.calls.append(p[:, k - 1] - p[:, k])
+            return route(logits, k=k, gating=gating, select_bias=select_bias, chosen=chosen, **kw)
 
-        monkeypatch.setattr(reference, "moe_route", recording)
+        monkeypatch.setattr(reference, "route", recording)
         from ember.worker.backends.numpy import hyper as numpy_hyper
 
-        top_k = numpy_hyper.route_top_k
-
-        def recording_hyper(scores, k):  # deepseek4's learned layers: the biased sqrt-softplus scores
-            s = np.sort(scores, axis=-1)[:, ::-1]
-            self.calls.append(s[:, k - 1] - s[:, k])
-            return top_k(scores, k)
-
-        monkeypatch.setattr(numpy_hyper, "route_top_k", recording_hyper)
         indexer_top_k = numpy_hyper.indexer_top_k
 
         def recording_indexer(scores, k):  # -inf: rows the query cannot see

@@ -12,12 +12,15 @@
 #include "moe.cuh"
 
 // one warp a token
+// (scale: the weights' factor after normalising; table, tokens: hash routing, table[tokens[t]] the token's
+// k experts; null otherwise)
 extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int n, int E,
                                      int k, int gating, int norm, float sum_min, int* __restrict__ ids,
-                                     float* __restrict__ wts) {
+                                     float* __restrict__ wts, float scale, const int* __restrict__ table,
+                                     const int* __restrict__ tokens) {
     grid_dependency_sync();
     const int t = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    if (t < n) route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts);
+    if (t < n) route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts, scale, table, tokens);
 }
 
 // one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles
@@ -61,10 +64,11 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int pairs, int
 extern "C" __global__ void moe_route_group(const float* __restrict__ logits, const float* __restrict__ bias, int n,
                                            int E, int k, int gating, int norm, float sum_min, int* __restrict__ ids,
                                            float* __restrict__ wts, int T, int max_tiles, int* __restrict__ pos,
-                                           int* __restrict__ order, int* __restrict__ tiles) {
+                                           int* __restrict__ order, int* __restrict__ tiles, float scale,
+                                           const int* __restrict__ table, const int* __restrict__ tokens) {
     grid_dependency_sync();
     for (int t = threadIdx.x >> 5; t < n; t += blockDim.x >> 5)
-        route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts);
+        route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts, scale, table, tokens);
     __syncthreads();  // the block's global writes of ids are visible to it after the barrier
     group_pairs(ids, n * k, E, T, max_tiles, pos, order, tiles);
 }

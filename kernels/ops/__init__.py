@@ -13,8 +13,10 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
     sampling.py         sampling.cu                               numpy.argmax, reference.softmax, sample_rows
     matmul.py           gemm.cu                                   reference.linear on 16-bit values
     kv_copy.py          kv_copy.cu                                reference.kv_gather, reference.kv_scatter
-    moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn,        reference.moe_route, reference.moe_mlp
+    moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn,        reference.route, reference.moe_mlp
                         qgemm.cu
+    hyper.py            hyper.cu                                  worker/backends/numpy/hyper.py: hc_mix,
+                                                                  hc_merge, compress
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 from ..constants import ACTIVATIONS, BLOCK_SIZES, GGML_TYPE_IDS, GGML_TYPE_NAMES
 from .dequant import dequant_half, dequant_rows, embed
 from .fault import fault_illegal_address
+from .hyper import HC_MAX, compress_rows, hc_merge, hc_pre
 from .kv_copy import kv_gather, kv_scatter
 from .matmul import HALF_KINDS, gemm, gemm_splitk_bytes, gemm_splits, linear_tc, to_half
 from .matvecs import (
@@ -144,6 +147,8 @@ __all__ = [
     "stream_q8_0_supported",
     # dequant
     "dequant_half", "dequant_rows", "embed",
+    # hyper (DeepSeek V4)
+    "HC_MAX", "compress_rows", "hc_merge", "hc_pre",
     # norm, rope, act
     "NORM_MAX_COLS", "add", "add_bias", "gated_act", "gather_rows", "norm_shape", "rms_norm", "rms_norm_add",
     "rms_norm_add_norm", "rope",

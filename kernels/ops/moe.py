@@ -22,7 +22,7 @@ from .quant_matrix import QuantMatrix
 
 MOE_MAX_EXPERTS = KERNEL_CONSTANTS["MOE_MAX_EXPERTS"]
 MOE_MAX_K = KERNEL_CONSTANTS["MOE_MAX_K"]
-GATINGS = {"softmax": 0, "softmax-topk": 1}  # moe.cu GATING_*
+GATINGS = {"softmax": 0, "softmax-topk": 1, "sqrt-softplus": 2}  # moe.cuh GATING_*
 MOE_WEIGHT_SUM_MIN = 6.103515625e-5  # as reference.MOE_WEIGHT_SUM_MIN (llama.cpp's clamp, 2^-14)
 TILE_ROWS = 8  # pairs of one expert a grouped matvec block takes at most (qmoe_b8); one row: qmoe_b1
 QG_ROWS = KERNEL_CONSTANTS["QG_ROWS"]  # weight rows a qgemm CTA computes
@@ -140,15 +140,20 @@ def matvec_rows(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, 
 
 
 def moe_route(dev: Device, logits: DeviceArray, ids: DeviceArray, wts: DeviceArray, *, n: int, experts: int, k: int,
-              gating: str, norm_topk: bool, bias: DeviceArray | None = None, stream=None) -> None:
+              gating: str, norm_topk: bool, bias: DeviceArray | None = None, scale: float = 1.0,
+              hashed: tuple[DeviceArray, DeviceArray] | None = None, stream=None) -> None:
     """Each row's k experts, best first, and their weights from the router's logits [n, experts]
-    (+ bias). Twin: reference.moe_route (given the logits)."""
-    _check_routing(experts, k, gating)
+    (+ bias: the logits' for softmax gatings, a selection bias for sqrt-softplus), the weights times
+    scale. hashed: (table [vocab, k], tokens [n]), int32: row t's experts are table[tokens[t]] (deepseek4's
+    first layers; sqrt-softplus only). Twin: reference.route (given the logits)."""
+    _check_routing(experts, k, gating, hashed)
     need(logits, np.float32, n * experts, "logits")
     need(ids, np.int32, n * k, "ids")
     need(wts, np.float32, n * k, "wts")
+    table, tokens = hashed or (None, None)
     dev.kernel("moe", "moe_route").launch((-(-n // 4),), (128,), logits, bias, n, experts, k, GATINGS[gating],
-                                          int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), ids, wts, stream=stream)
+                                          int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), ids, wts, F32(scale), table,
+                                          tokens, stream=stream)
 
 
 def moe_group(dev: Device, ids: DeviceArray, pos: DeviceArray, order: DeviceArray, tiles: DeviceArray, *, pairs: int,
@@ -168,14 +173,16 @@ ROUTE_GROUP_MAX_ROWS = 32  # tokens moe_route_group routes in its one block (a w
 
 
 def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, experts: int, k: int, gating: str,
-                    norm_topk: bool, tile: int, bias: DeviceArray | None = None, stream=None) -> int:
+                    norm_topk: bool, tile: int, bias: DeviceArray | None = None, scale: float = 1.0,
+                    hashed: tuple[DeviceArray, DeviceArray] | None = None, stream=None) -> int:
     """moe_route then moe_group into the scratch's ids, wts, pos, order and tiles: one launch for up to
     ROUTE_GROUP_MAX_ROWS tokens (a decode step), else two. Returns the number of tile slots."""
     if n > ROUTE_GROUP_MAX_ROWS:
         moe_route(dev, logits, s.ids, s.wts, n=n, experts=experts, k=k, gating=gating, norm_topk=norm_topk, bias=bias,
-                  stream=stream)
+                  scale=scale, hashed=hashed, stream=stream)
         return moe_group(dev, s.ids, s.pos, s.order, s.tiles, pairs=n * k, experts=experts, tile=tile, stream=stream)
-    _check_routing(experts, k, gating)
+    _check_routing(experts, k, gating, hashed)
+    table, tokens = hashed or (None, None)
     pairs, nt = n * k, max_tiles(n * k, experts, tile)
     need(logits, np.float32, n * experts, "logits")
     need(s.ids, np.int32, pairs, "ids")
@@ -183,7 +190,7 @@ def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, 
     need(s.tiles, np.int32, 3 * nt, "tiles")
     dev.kernel("moe", "moe_route_group").launch(
         (1,), (1024,), logits, bias, n, experts, k, GATINGS[gating], int(norm_topk), F32(MOE_WEIGHT_SUM_MIN), s.ids,
-        s.wts, tile, nt, s.pos, s.order, s.tiles, stream=stream)
+        s.wts, tile, nt, s.pos, s.order, s.tiles, F32(scale), table, tokens, stream=stream)
     return nt
 
 
@@ -315,9 +322,11 @@ def _moe_mlp_matvec(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, n
     moe_matvec(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=stream)
 
 
-def _check_routing(experts: int, k: int, gating: str) -> None:
+def _check_routing(experts: int, k: int, gating: str, hashed=None) -> None:
     if gating not in GATINGS:
         raise ValueError(f"unknown expert gating {gating!r} (have: {', '.join(GATINGS)})")
+    if hashed is not None and gating != "sqrt-softplus":
+        raise ValueError(f"hash routing takes its weights from sqrt-softplus gating, not {gating!r}")
     if not 0 < k <= min(experts, MOE_MAX_K) or experts > MOE_MAX_EXPERTS:
         raise ValueError(f"{k} of {experts} experts: the kernels take at most {MOE_MAX_K} of {MOE_MAX_EXPERTS}")
 

@@ -112,11 +112,6 @@ def indexer_top_k(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(-scores, k - 1, axis=1)[:, :k]
 
 
-def route_top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """The k experts of highest score per row (learned routing), best first."""
-    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
-
-
 def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     if limit > 1e-6:
         gate, up = np.minimum(gate, np.float32(limit)), np.clip(up, -limit, limit)
@@ -320,15 +315,13 @@ class HyperStack:
 
     def mlp(self, li: int, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         cfg, h, t = self.config, self.h, self._t
-        probs = np.sqrt(np.logaddexp(0, x @ t(li, "router").T))  # sqrt(softplus(logit))
-        if li < h.hash_layers:  # routed by the token id
-            chosen = t(li, "token_to_experts")[tokens].astype(np.int64)
-        else:  # the top k of the scores plus a selection bias (the weights stay unbiased)
-            chosen = route_top_k(probs + t(li, "router_select_bias"), cfg.n_experts_used)
-        weights = np.take_along_axis(probs, chosen, axis=1)
-        if h.expert_weights_norm:
-            weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
-        weights = weights * np.float32(h.expert_weights_scale)
+        # sqrt(softplus(logit)) per expert: the first layers routed by the token id, the others by the top k
+        # of it plus a selection bias (the weights stay unbiased)
+        hashed = li < h.hash_layers
+        chosen, weights = ops.route(x @ t(li, "router").T, k=cfg.n_experts_used, gating="sqrt-softplus",
+                                    norm_topk=h.expert_weights_norm, scale=h.expert_weights_scale,
+                                    select_bias=None if hashed else t(li, "router_select_bias"),
+                                    chosen=t(li, "token_to_experts")[tokens] if hashed else None)
         gate, up, down = t(li, "gate_exps"), t(li, "up_exps"), t(li, "down_exps")
         out = np.zeros_like(x)
         for e in np.unique(chosen):

@@ -1,0 +1,149 @@
+"""DeepSeek V4's kernels (hyper.cu, and moe.cu's sqrt-softplus and hash routing) against the numpy
+reference's own functions (worker/backends/numpy/hyper.py, kernels/reference.route) on random inputs
+with the real model's shapes where they are small (4 streams, 4 Sinkhorn rounds, ratios 4 and 128).
+Outputs are poisoned before each launch, so an element a kernel fails to write shows. Marked gpu."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ember.kernels import ops, reference
+from ember.worker.backends.numpy import hyper
+
+pytestmark = pytest.mark.gpu
+
+HC, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")  # shown on failure: reproduce with the same draw
+    return np.random.default_rng(seed)
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def poisoned(dev, shape, dtype=np.float32):
+    a = dev.empty(shape, dtype)
+    if dtype == np.float32:
+        a.poison()
+    return a
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_hc_pre_and_merge_match_the_reference(dev, rng, n):
+    hidden = 512
+    h = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
+    m = (2 + HC) * HC
+    x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
+    fn = rng.normal(0, 0.02, (m, HC * hidden)).astype(np.float32)
+    scale = rng.uniform(0.5, 2, 3).astype(np.float32)
+    base = rng.normal(0, 1, m).astype(np.float32)
+    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, h, EPS)
+
+    raw = x.reshape(n, -1) @ fn.T  # the matmul the forward pass runs before hc_pre (the norm is hc_pre's)
+    d_x = dev.to_device(x)
+    y, post, comb = poisoned(dev, (n, hidden)), poisoned(dev, (n, HC)), poisoned(dev, (n, HC, HC))
+    ops.hc_pre(dev, d_x, dev.to_device(raw), dev.to_device(scale), dev.to_device(base), y, post, comb, n=n, hc=HC,
+               hidden=hidden, eps=EPS, hc_eps=HC_EPS, iters=ITERS)
+    assert rel(y.to_host(), want_y) < 1e-5
+    assert rel(post.to_host(), want_post) < 1e-5
+    assert rel(comb.to_host(), want_comb) < 1e-5
+    np.testing.assert_allclose(comb.to_host().sum(axis=1), 1.0, atol=1e-3)  # Sinkhorn: columns sum to one
+
+    sub = rng.normal(0, 1, (n, hidden)).astype(np.float32)  # a sublayer's output
+    ops.hc_merge(dev, d_x, dev.to_device(sub), post, comb, n=n, hc=HC, hidden=hidden)
+    assert rel(d_x.to_host(), hyper.hc_merge(sub, x, want_post, want_comb)) < 1e-5
+
+
+def test_hc_pre_head_mix(dev, rng):
+    """The output head's mix: pre alone, from hc logits (HyperStack.head)."""
+    n, hidden = 5, 256
+    x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
+    fn = rng.normal(0, 0.05, (HC, HC * hidden)).astype(np.float32)
+    scale, base = np.float32([1.3]), rng.normal(0, 1, HC).astype(np.float32)
+    mixes = reference.rms_norm(x.reshape(n, -1), np.ones(HC * hidden, np.float32), EPS) @ fn.T
+    pre = 1 / (1 + np.exp(-(mixes * scale[0] + base))) + HC_EPS
+    want = np.einsum("nse,ns->ne", x, pre)
+    y = poisoned(dev, (n, hidden))
+    ops.hc_pre(dev, dev.to_device(x), dev.to_device(x.reshape(n, -1) @ fn.T), dev.to_device(scale),
+               dev.to_device(base), y, None, None, n=n, hc=HC, hidden=hidden, eps=EPS, hc_eps=HC_EPS, iters=ITERS)
+    assert rel(y.to_host(), want) < 1e-5
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (128, False)])
+def test_compress_rows_match_the_reference(dev, rng, ratio, overlap):
+    """CSA (ratio 4, overlapping) and HCA (128) rows from a pool whose positions sit in shuffled blocks
+    of 16 rows (a block table), the value and score columns views of one pool row."""
+    d, bs, n_pos = 64, 16, 512
+    width = 2 * d if overlap else d
+    row = 3 * width + 5  # other columns around them, as in the pool
+    n_blocks = n_pos // bs
+    table = rng.permutation(n_blocks)
+    slots = (table[np.arange(n_pos) // bs] * bs + np.arange(n_pos) % bs).astype(np.int32)
+    pool = rng.normal(0, 1, (n_blocks * bs, row)).astype(np.float32)
+    kv_at, score_at = 5, 5 + 2 * width
+    kv, score = pool[slots, kv_at : kv_at + width], pool[slots, score_at : score_at + width] * 3
+    pool[slots, score_at : score_at + width] = score
+    blocks = n_pos // ratio
+    want = hyper.compress(kv, score, ratio, blocks, overlap)
+
+    d_pool = dev.to_device(pool)
+    first = blocks // 2  # the rows from a later block on (what a step adds), then all of them
+    for lo in (first, 0):
+        out = poisoned(dev, (blocks - lo, d))
+        ops.compress_rows(dev, d_pool.view(kv_at, pool.size - kv_at), d_pool.view(score_at, pool.size - score_at),
+                          dev.to_device(slots), out, ld=row, first=lo, blocks=blocks - lo, ratio=ratio, width=d,
+                          overlap=overlap)
+        assert rel(out.to_host(), want[lo:]) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_sqrt_softplus_routing_matches_the_reference(dev, rng, n, hashed):
+    """deepseek4's routing: sqrt(softplus(logit)), the top k of it plus a selection bias (the weights
+    unbiased), or a hash table's row for the token; normalised, times the model's scale."""
+    E, k, vocab, scale = 256, 6, 1000, 1.5
+    logits = rng.normal(0, 2, (n, E)).astype(np.float32)
+    bias = rng.normal(0, 0.5, E).astype(np.float32)
+    tokens = rng.integers(0, vocab, n).astype(np.int32)
+    table = np.stack([rng.choice(E, k, replace=False) for _ in range(vocab)]).astype(np.int32)
+    top, weights = reference.route(logits, k=k, gating="sqrt-softplus", norm_topk=True, scale=scale,
+                                   select_bias=None if hashed else bias, chosen=table[tokens] if hashed else None)
+    hashed_args = (dev.to_device(table), dev.to_device(tokens)) if hashed else None
+    d_logits, d_bias = dev.to_device(logits), None if hashed else dev.to_device(bias)
+    ranked = np.sort(np.sqrt(np.logaddexp(0, logits)) + bias, axis=-1)[:, ::-1]
+    clear = np.ones(n, bool) if hashed else (ranked[:, k - 1] - ranked[:, k]) > 1e-5
+    assert clear.mean() > 0.8
+
+    def check(ids, wts):
+        np.testing.assert_array_equal(ids.to_host()[: n * k].reshape(n, k)[clear], top[clear])
+        np.testing.assert_allclose(wts.to_host()[: n * k].reshape(n, k)[clear], weights[clear], rtol=1e-5,
+                                   atol=1e-7)
+
+    ids, wts = dev.empty((n * k,), np.int32), poisoned(dev, (n * k,))
+    ops.moe_route(dev, d_logits, ids, wts, n=n, experts=E, k=k, gating="sqrt-softplus", norm_topk=True,
+                  bias=d_bias, scale=scale, hashed=hashed_args)
+    check(ids, wts)
+    # routing and grouping in one block (a decode step's few tokens), or two launches past its rows
+    s = ops.MoeScratch.alloc(dev, n, E, k, hidden=64, ffn=64)
+    s.wts.poison()
+    nt = ops.moe_route_group(dev, d_logits, s, n=n, experts=E, k=k, gating="sqrt-softplus", norm_topk=True,
+                             tile=8, bias=d_bias, scale=scale, hashed=hashed_args)
+    check(s.ids, s.wts)
+    tiles = s.tiles.to_host().reshape(-1, 3)[:nt]
+    assert tiles[:, 2].sum() == n * k  # every pair in one tile
+
+
+def test_hash_routing_needs_sqrt_softplus(dev):
+    d = dev.empty((4,), np.int32)
+    with pytest.raises(ValueError, match="sqrt-softplus"):
+        ops.moe_route(dev, dev.empty((8,)), d, dev.empty((4,)), n=1, experts=8, k=4, gating="softmax",
+                      norm_topk=True, hashed=(d, d))
