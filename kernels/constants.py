@@ -104,7 +104,11 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "FLASH_PAD": 8,  # halves of padding a shared-memory row (ldmatrix's rows in different banks)
     # hyper.cu (DeepSeek V4's hyper-connections and compressed rows)
     "HC_MAX": 8,  # residual streams a hyper-connection at most (DeepSeek V4: 4)
-    "HC_THREADS": 256,  # threads of an hc_pre block (a token) and of an hc_merge or compress_rows block
+    "HC_THREADS": 256,  # threads of an hc_pre block (a token) and of an hc_merge, compress_rows, attend_rows block
+    "ATTS_MAX_KEYS": 4096,  # keys a query row of attend_rows at most (a window, 512 picked CSA rows or a 512k
+    # context's HCA rows)
+    "IDX_MAX_Q": 8192,  # floats of an indexer query (heads x dim; DeepSeek V4: 64 x 128) in shared memory
+    "IDX_MAX_DIM": 128,  # an indexer head's dimensions at most (a lane holds IDX_MAX_DIM / 32)
     # moe.cu (routing around the grouped expert matvecs)
     "MOE_MAX_EXPERTS": 256,  # experts a router at most (eight a lane of moe_route's warp)
     "MOE_MAX_K": 16,  # experts a token goes through at most

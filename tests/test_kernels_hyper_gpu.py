@@ -147,3 +147,85 @@ def test_hash_routing_needs_sqrt_softplus(dev):
     with pytest.raises(ValueError, match="sqrt-softplus"):
         ops.moe_route(dev, dev.empty((8,)), d, dev.empty((4,)), n=1, experts=8, k=4, gating="softmax",
                       norm_topk=True, hashed=(d, d))
+
+
+@pytest.mark.parametrize("key_type", [np.float32, np.float16])
+@pytest.mark.parametrize("n", [1, 6])
+def test_attend_rows_matches_the_reference(dev, rng, key_type, n):
+    """Each query over its own list of pool rows (a window of 128 and picked compressed rows, some slots
+    empty), with sinks, at DeepSeek V4's head size (one KV head of 512, 64 query heads)."""
+    heads, d, rows, ldi = 64, 512, 3000, 700
+    pool = rng.normal(0, 1, (rows, d + 16)).astype(key_type)  # rows wider than d: the pool's stride
+    q = rng.normal(0, 1, (n, heads, d)).astype(np.float32)
+    sinks = rng.normal(0, 1, heads).astype(np.float32)
+    cnt = rng.integers(1, ldi + 1, n).astype(np.int32)
+    cnt[0] = ldi
+    idx = np.full((n, ldi), -7, np.int32)  # past cnt: never read
+    for t in range(n):
+        idx[t, : cnt[t]] = rng.choice(rows, cnt[t], replace=False)
+        idx[t, rng.random(cnt[t]) < 0.1] = -1  # an empty slot
+    out = poisoned(dev, (n, heads, d))
+    ops.attend_rows(dev, dev.to_device(q), dev.to_device(pool), dev.to_device(idx), dev.to_device(cnt),
+                    dev.to_device(sinks), out, n=n, heads=heads, head_dim=d, ld=d + 16, ldi=ldi)
+    got = out.to_host()
+    for t in range(n):
+        chosen = idx[t, : cnt[t]]
+        keys = pool[np.maximum(chosen, 0), :d].astype(np.float32)
+        want = hyper.attend(q[t : t + 1], keys, (chosen >= 0)[None, :], sinks)
+        assert rel(got[t : t + 1], want) < 1e-5
+
+
+@pytest.mark.parametrize("key_type", [np.float32, np.float16])
+def test_indexer_scores_and_top_k_match_the_reference(dev, rng, key_type):
+    """The lightning indexer at DeepSeek V4's sizes (64 heads of 128, the top 512): each query's scores of
+    the compressed rows it sees, then its best 512 appended after its window's rows. Queries that see no
+    more than 512 take all of theirs."""
+    n, heads, di, k, rows, ldc, window = 4, 64, 128, 512, 5000, 2000, 100
+    pool = rng.normal(0, 1, (rows, di + 8)).astype(key_type)
+    q = rng.normal(0, 1, (n, heads, di)).astype(np.float32)
+    w = rng.normal(0, 0.1, (n, heads)).astype(np.float32)
+    ccnt = np.array([ldc, 1500, 512, 37], np.int32)
+    crow = np.stack([rng.choice(rows, ldc, replace=False) for _ in range(n)]).astype(np.int32)
+    d_crow, d_ccnt = dev.to_device(crow), dev.to_device(ccnt)
+    score = poisoned(dev, (n, ldc))
+    ops.indexer_scores(dev, dev.to_device(q), dev.to_device(w), dev.to_device(pool), d_crow, d_ccnt, score, n=n,
+                       heads=heads, dim=di, ld=di + 8, ldc=ldc)
+    got = score.to_host()
+    want = [hyper.indexer_scores(q[t : t + 1], w[t : t + 1], pool[crow[t, : ccnt[t]], :di].astype(np.float32))[0]
+            for t in range(n)]
+    for t in range(n):
+        assert rel(got[t, : ccnt[t]], want[t]) < 1e-5
+
+    ldi = window + k
+    idx = np.full((n, ldi), -5, np.int32)
+    idx[:, :window] = 7  # the window's rows, placed before
+    cnt = np.full(n, window, np.int32)
+    d_idx, d_cnt = dev.to_device(idx), dev.to_device(cnt)
+    ops.top_k_rows(dev, score, d_crow, d_ccnt, d_idx, d_cnt, n=n, k=k, ldc=ldc, ldi=ldi)
+    idx, cnt = d_idx.to_host().reshape(n, ldi), d_cnt.to_host()
+    for t in range(n):
+        take = min(k, ccnt[t])
+        assert cnt[t] == window + take and (idx[t, :window] == 7).all()
+        picked = idx[t, window : window + take]
+        if take == ccnt[t]:
+            assert sorted(picked) == sorted(crow[t, : ccnt[t]])
+            continue
+        s = got[t, : ccnt[t]]
+        order = np.sort(s)[::-1]
+        assert order[k - 1] > order[k]  # clear at the k-th (random floats)
+        assert set(picked) == set(crow[t, hyper.indexer_top_k(s[None, :], k)[0]])
+
+
+def test_top_k_rows_breaks_ties_by_position(dev):
+    """relu'd scores tie at exactly 0 (rows every head scores negative): the first ones by position fill
+    the k, after every row above the tie."""
+    n, k, ldc = 1, 8, 300
+    s = np.zeros((n, ldc), np.float32)
+    s[0, [250, 20, 99]] = [3.0, 2.0, 1.0]
+    crow = np.arange(ldc, dtype=np.int32)[None, :] + 1000
+    idx, cnt = dev.to_device(np.full((n, k), -1, np.int32)), dev.to_device(np.zeros(n, np.int32))
+    ops.top_k_rows(dev, dev.to_device(s), dev.to_device(crow), dev.to_device(np.int32([ldc])), idx, cnt, n=n, k=k,
+                   ldc=ldc, ldi=k)
+    picked = idx.to_host()
+    assert cnt.to_host()[0] == k
+    assert set(picked[:3]) == {1250, 1020, 1099} and list(picked[3:]) == [1000, 1001, 1002, 1003, 1004]

@@ -7,6 +7,9 @@
 //   compress_rows the compressed KV rows of whole blocks of `ratio` positions: each dimension a softmax
 //                over its positions' scores weighing their values (CSA: a block also weighs the first
 //                halves of the block before it)
+//   attend_rows  attention with sinks over each query's own list of key rows (window and compressed)
+//   indexer_scores, top_k_rows  the lightning indexer: each query's score of the compressed rows it
+//                sees, and the k best appended to its list of key rows
 #include "common.cuh"
 
 #define NEG_INF_F __int_as_float(0xff800000u)
@@ -123,4 +126,190 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     out[(i64)blockIdx.y * ldo + j] = acc / sum;
+}
+
+// Attention of query rows over chosen key rows, the single KV head being key and value at once, a learned
+// sink logit per head joining each softmax's denominator (hyper.attend). Query t's keys are the pool rows
+// idx[t * ldi + j] for j < cnt[t] (-1: none, skipped): its window's rows and the compressed rows it sees
+// (or the indexer picked), gathered by the caller. q [n, heads, d]; out likewise; keys [rows, ld] of KT.
+// A block a (token, head): its warps score a key each (a warp's lanes split the row), the logits kept in
+// shared memory (at most ATTS_MAX_KEYS), then each thread sums its columns over the keys.
+template <typename KT>
+EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld,
+                           const int* __restrict__ idx, int ldi, const int* __restrict__ cnt,
+                           const float* __restrict__ sinks, int n, int heads, int d, float scale,
+                           float* __restrict__ out) {
+    grid_dependency_sync();
+    __shared__ float logit[ATTS_MAX_KEYS];
+    __shared__ float scratch[33];
+    const int t = blockIdx.y, h = blockIdx.x;
+    if (t >= n) return;
+    const int m = min(cnt[t], ATTS_MAX_KEYS), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const float* qt = q + ((i64)t * heads + h) * d;
+    const int* it = idx + (i64)t * ldi;
+    for (int j = warp; j < m; j += warps) {
+        const int r = it[j];
+        float s = 0.0f;
+        if (r >= 0) {
+            const KT* kr = keys + (i64)r * ld;
+            for (int c = lane; c < d; c += 32) s = fmaf(qt[c], to_f32(kr[c]), s);
+        }
+        s = warp_sum(s);
+        if (lane == 0) logit[j] = r >= 0 ? s * scale : NEG_INF_F;
+    }
+    __syncthreads();
+    float mx = sinks[h];
+    for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmaxf(mx, logit[j]);
+    mx = block_max(mx, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < m; j += blockDim.x) {
+        const float p = logit[j] == NEG_INF_F ? 0.0f : expf(logit[j] - mx);
+        logit[j] = p;
+        sum += p;
+    }
+    const float inv = 1.0f / (block_sum(sum, scratch) + expf(sinks[h] - mx));  // (its barriers order logit[])
+    float* ot = out + ((i64)t * heads + h) * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < m; ++j) {
+            const int r = it[j];
+            if (r >= 0) acc = fmaf(logit[j], to_f32(keys[(i64)r * ld + c]), acc);
+        }
+        ot[c] = acc * inv;
+    }
+}
+
+#define ATTEND_ROWS(NAME, KT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(HC_THREADS)                                               \
+        NAME(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld, const int* __restrict__ idx, \
+             int ldi, const int* __restrict__ cnt, const float* __restrict__ sinks, int n, int heads, int d,  \
+             float scale, float* __restrict__ out) {                                                        \
+        attend_rows<KT>(q, keys, ld, idx, ldi, cnt, sinks, n, heads, d, scale, out);                        \
+    }
+ATTEND_ROWS(attend_rows_f32, float)
+ATTEND_ROWS(attend_rows_f16, f16_t)
+
+// The lightning indexer's score of query t for each compressed indexer row it sees (hyper._indexer_pick):
+// sum over the indexer's heads h of w[t, h] * relu(q[t, h] . key). The rows are keys + crow[t, j] * ld for
+// j < ccnt[t]; score [n, ldc]. q [n, heads, di] is read from shared memory (heads * di <= IDX_MAX_Q). A warp
+// a row: each lane holds di / 32 of its dimensions. grid (ceil(ldc / warps), n).
+template <typename KT>
+EMBER_DEV void indexer_scores_rows(const float* __restrict__ q, const float* __restrict__ w,
+                                   const KT* __restrict__ keys, i64 ld, const int* __restrict__ crow, int ldc,
+                                   const int* __restrict__ ccnt, int n, int heads, int di,
+                                   float* __restrict__ score) {
+    grid_dependency_sync();
+    __shared__ float qs[IDX_MAX_Q];
+    const int t = blockIdx.y;
+    if (t >= n) return;
+    for (int i = threadIdx.x; i < heads * di; i += blockDim.x) qs[i] = q[(i64)t * heads * di + i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int j = blockIdx.x * warps + (threadIdx.x >> 5);
+    if (j >= ccnt[t] || j >= ldc) return;
+    const KT* kr = keys + (i64)crow[(i64)t * ldc + j] * ld;
+    float kv[IDX_MAX_DIM / 32];
+#pragma unroll
+    for (int i = 0; i < IDX_MAX_DIM / 32; ++i) kv[i] = lane + 32 * i < di ? to_f32(kr[lane + 32 * i]) : 0.0f;
+    float s = 0.0f;
+    for (int h = 0; h < heads; ++h) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < IDX_MAX_DIM / 32; ++i)
+            if (lane + 32 * i < di) dot = fmaf(qs[h * di + lane + 32 * i], kv[i], dot);
+        dot = warp_sum(dot);
+        s = fmaf(w[(i64)t * heads + h], fmaxf(dot, 0.0f), s);
+    }
+    if (lane == 0) score[(i64)t * ldc + j] = s;
+}
+
+#define INDEXER_SCORES(NAME, KT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(HC_THREADS)                                               \
+        NAME(const float* __restrict__ q, const float* __restrict__ w, const KT* __restrict__ keys, i64 ld,    \
+             const int* __restrict__ crow, int ldc, const int* __restrict__ ccnt, int n, int heads, int di,     \
+             float* __restrict__ score) {                                                                   \
+        indexer_scores_rows<KT>(q, w, keys, ld, crow, ldc, ccnt, n, heads, di, score);                      \
+    }
+INDEXER_SCORES(indexer_scores_f32, float)
+INDEXER_SCORES(indexer_scores_f16, f16_t)
+
+// A float's order as an unsigned key: larger float, larger key
+EMBER_DEV u32 order_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The k best of query t's scores score[t, j < ccnt[t]] appended to its attention list: their rows
+// crow[t, j] go to idx[t, cnt[t] ..] and cnt[t] grows by min(k, ccnt[t]). Those above the k-th value in
+// any order; of those equal to it, the first by j. The k-th value by a radix select over the scores'
+// order keys (four passes of 8 bits). A block a query; grid (n).
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    top_k_rows(const float* __restrict__ score, const int* __restrict__ crow, int ldc, const int* __restrict__ ccnt,
+               int k, int* __restrict__ idx, int ldi, int* __restrict__ cnt, int n) {
+    grid_dependency_sync();
+    __shared__ u32 hist[256];
+    __shared__ u32 prefix_s, want_s, above_s, ties_s;
+    __shared__ u32 warp_ties[HC_THREADS / 32];
+    const int t = blockIdx.x;
+    if (t >= n) return;
+    const int m = min(ccnt[t], ldc), base = cnt[t];
+    const float* st = score + (i64)t * ldc;
+    const int* rt = crow + (i64)t * ldc;
+    int* out = idx + (i64)t * ldi + base;
+    const int take = min(k, m);
+    __syncthreads();  // every thread has read cnt[t] before thread 0 moves it
+    if (take == m) {  // all of them
+        for (int j = threadIdx.x; j < m; j += blockDim.x) out[j] = rt[j];
+        if (threadIdx.x == 0) cnt[t] = base + m;
+        return;
+    }
+    u32 prefix = 0, mask = 0, want = (u32)k;  // want: how many of those matching prefix are still to take
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int j = threadIdx.x; j < m; j += blockDim.x) {
+            const u32 key = order_key(st[j]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 above = 0;
+            int b = 255;
+            for (; b > 0 && above + hist[b] < want; --b) above += hist[b];
+            prefix_s = prefix | ((u32)b << shift);
+            want_s = want - above;
+        }
+        __syncthreads();
+        prefix = prefix_s;
+        want = want_s;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    // prefix: the k-th largest key; k - want keys lie above it, and `want` of those equal to it are taken
+    if (threadIdx.x == 0) above_s = ties_s = 0;
+    __syncthreads();
+    const u32 kth = prefix, above_n = (u32)k - want;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int j0 = 0; j0 < m; j0 += blockDim.x) {
+        const int j = j0 + threadIdx.x;
+        const u32 key = j < m ? order_key(st[j]) : 0u;
+        if (j < m && key > kth) out[atomicAdd(&above_s, 1u)] = rt[j];
+        const bool tie = j < m && key == kth;
+        const u32 ballot = __ballot_sync(0xffffffffu, tie);
+        if (lane == 0) warp_ties[warp] = __popc(ballot);
+        __syncthreads();
+        u32 before = ties_s;
+        for (int w2 = 0; w2 < warp; ++w2) before += warp_ties[w2];
+        before += __popc(ballot & ((1u << lane) - 1u));
+        if (tie && before < want) out[above_n + before] = rt[j];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 all = 0;
+            for (int w2 = 0; w2 < (int)(blockDim.x >> 5); ++w2) all += warp_ties[w2];
+            ties_s += all;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) cnt[t] = base + k;
 }

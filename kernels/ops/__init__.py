@@ -16,7 +16,8 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
     moe.py              moe.cu, matvec.cu qmoe/qmoeg/qmvn,        reference.route, reference.moe_mlp
                         qgemm.cu
     hyper.py            hyper.cu                                  worker/backends/numpy/hyper.py: hc_mix,
-                                                                  hc_merge, compress
+                                                                  hc_merge, compress, attend, indexer_scores,
+                                                                  indexer_top_k
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 from ..constants import ACTIVATIONS, BLOCK_SIZES, GGML_TYPE_IDS, GGML_TYPE_NAMES
 from .dequant import dequant_half, dequant_rows, embed
 from .fault import fault_illegal_address
-from .hyper import HC_MAX, compress_rows, hc_merge, hc_pre
+from .hyper import ATTS_MAX_KEYS, HC_MAX, attend_rows, compress_rows, hc_merge, hc_pre, indexer_scores, top_k_rows
 from .kv_copy import kv_gather, kv_scatter
 from .matmul import HALF_KINDS, gemm, gemm_splitk_bytes, gemm_splits, linear_tc, to_half
 from .matvecs import (
@@ -148,7 +149,7 @@ __all__ = [
     # dequant
     "dequant_half", "dequant_rows", "embed",
     # hyper (DeepSeek V4)
-    "HC_MAX", "compress_rows", "hc_merge", "hc_pre",
+    "ATTS_MAX_KEYS", "HC_MAX", "attend_rows", "compress_rows", "hc_merge", "hc_pre", "indexer_scores", "top_k_rows",
     # norm, rope, act
     "NORM_MAX_COLS", "add", "add_bias", "gated_act", "gather_rows", "norm_shape", "rms_norm", "rms_norm_add",
     "rms_norm_add_norm", "rope",

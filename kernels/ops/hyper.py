@@ -1,5 +1,6 @@
 """Launchers of hyper.cu, DeepSeek V4's own pieces. Twins: worker/backends/numpy/hyper.py's hc_mix (with
-the mix logits a matmul made before: see hc_pre), head's mix, hc_merge and compress."""
+the mix logits a matmul made before: see hc_pre), head's mix, hc_merge, compress, attend,
+indexer_scores and indexer_top_k."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, ba
     need(raw, np.float32, (n - 1) * ldr + m, "raw")
     need(base, np.float32, m, "base")
     need(y, np.float32, n * hidden, "y")
-    if not head:
+    if post is not None and comb is not None:
         need(post, np.float32, n * hc, "post")
         need(comb, np.float32, n * hc * hc, "comb")
+    elif post is not None or comb is not None:
+        raise ValueError("post and comb go together (neither: the head's mix)")
     dev.kernel("hyper", "hc_pre").launch((n,), (HC_THREADS,), x, raw, ldr, scale, base, n, hc, hidden, F32(eps),
                                          F32(hc_eps), iters, int(head), y, post, comb, stream=stream)
 
@@ -66,3 +69,69 @@ def compress_rows(dev: Device, kv: DeviceArray, score: DeviceArray, rows: Device
         dev.kernel("hyper", "compress_rows").launch(
             (-(-width // HC_THREADS), blocks), (HC_THREADS,), kv, score, I64(ld), rows, first, ratio, width,
             int(overlap), out, I64(ldo), stream=stream)
+
+
+ATTS_MAX_KEYS = KERNEL_CONSTANTS["ATTS_MAX_KEYS"]
+
+
+def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray, cnt: DeviceArray,
+                sinks: DeviceArray, out: DeviceArray, *, n: int, heads: int, head_dim: int, ld: int, ldi: int,
+                stream=None) -> None:
+    """Attention of q [n, heads, head_dim] over each row's own key rows, keys [rows, ld] (float32 or
+    float16; each row the key and the value), with a sink logit per head: row t's keys are the rows
+    idx[t, j] (int32 [n, ldi]; -1: none) for j < cnt[t]. out [n, heads, head_dim]. Twin: hyper.attend
+    (with keys[idx[t]] and allowed = idx[t] >= 0)."""
+    if not 0 < ldi <= ATTS_MAX_KEYS:
+        raise ValueError(f"{ldi} keys a row: attend_rows takes 1 to {ATTS_MAX_KEYS}")
+    need(q, np.float32, n * heads * head_dim, "q")
+    need(idx, np.int32, n * ldi, "idx")
+    need(cnt, np.int32, n, "cnt")
+    need(sinks, np.float32, heads, "sinks")
+    need(out, np.float32, n * heads * head_dim, "out")
+    dev.kernel("hyper", f"attend_rows_{_key_kind(keys)}").launch(
+        (heads, n), (HC_THREADS,), q, keys, I64(ld), idx, ldi, cnt, sinks, n, heads, head_dim,
+        F32(1.0 / np.sqrt(head_dim)), out, stream=stream)
+
+
+IDX_MAX_Q = KERNEL_CONSTANTS["IDX_MAX_Q"]
+IDX_MAX_DIM = KERNEL_CONSTANTS["IDX_MAX_DIM"]
+
+
+def indexer_scores(dev: Device, q: DeviceArray, w: DeviceArray, keys: DeviceArray, crow: DeviceArray,
+                   ccnt: DeviceArray, score: DeviceArray, *, n: int, heads: int, dim: int, ld: int, ldc: int,
+                   stream=None) -> None:
+    """The lightning indexer's score [n, ldc] of each query q [n, heads, dim] (weights w [n, heads]) for the
+    compressed indexer rows it sees: keys [rows, ld] (float32 or float16) at crow[t, j] (int32 [n, ldc]) for
+    j < ccnt[t]. Twin: hyper.indexer_scores."""
+    if heads * dim > IDX_MAX_Q or dim > IDX_MAX_DIM:
+        raise ValueError(f"an indexer of {heads} heads of {dim}: indexer_scores takes {IDX_MAX_Q} floats a query, "
+                         f"{IDX_MAX_DIM} a head")
+    need(q, np.float32, n * heads * dim, "q")
+    need(w, np.float32, n * heads, "w")
+    need(crow, np.int32, n * ldc, "crow")
+    need(ccnt, np.int32, n, "ccnt")
+    need(score, np.float32, n * ldc, "score")
+    warps = HC_THREADS // 32
+    dev.kernel("hyper", f"indexer_scores_{_key_kind(keys)}").launch(
+        (-(-ldc // warps), n), (HC_THREADS,), q, w, keys, I64(ld), crow, ldc, ccnt, n, heads, dim, score,
+        stream=stream)
+
+
+def top_k_rows(dev: Device, score: DeviceArray, crow: DeviceArray, ccnt: DeviceArray, idx: DeviceArray,
+               cnt: DeviceArray, *, n: int, k: int, ldc: int, ldi: int, stream=None) -> None:
+    """Appends to each query's key rows idx [n, ldi] (cnt[t] of them so far; cnt grows) the rows crow[t, j]
+    of its k best scores score[t, j < ccnt[t]] (all of them where it has no more than k); ties at the k-th
+    value go to the first j. Twin: hyper.indexer_top_k (which breaks ties its own way)."""
+    need(score, np.float32, n * ldc, "score")
+    need(crow, np.int32, n * ldc, "crow")
+    need(idx, np.int32, n * ldi, "idx")
+    need(cnt, np.int32, n, "cnt")
+    dev.kernel("hyper", "top_k_rows").launch((n,), (HC_THREADS,), score, crow, ldc, ccnt, k, idx, ldi, cnt, n,
+                                             stream=stream)
+
+
+def _key_kind(keys: DeviceArray) -> str:
+    kind = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(keys.dtype)
+    if kind is None:
+        raise TypeError(f"keys must be float32 or float16, not {keys.dtype.name}")
+    return kind

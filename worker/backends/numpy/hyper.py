@@ -107,6 +107,12 @@ def compress(kv: np.ndarray, score: np.ndarray, ratio: int, n_blocks: int, overl
     return (kv * ops.softmax(score, axis=1)).sum(axis=1)
 
 
+def indexer_scores(iq: np.ndarray, iw: np.ndarray, ik: np.ndarray) -> np.ndarray:
+    """The lightning indexer's score [n, rows] of each query for each compressed indexer row ik [rows, dim]:
+    the sum over its heads of weight iw [n, heads] times relu(iq [n, heads, dim] . row)."""
+    return np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
+
+
 def indexer_top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """The k compressed rows of highest indexer score per query (in no particular order)."""
     return np.argpartition(-scores, k - 1, axis=1)[:, :k]
@@ -306,7 +312,7 @@ class HyperStack:
         ik = compress(past[:, cols["i_kv"]], past[:, cols["i_score"]], CSA, n_comp, True)
         ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm")),
                        np.arange(n_comp) * CSA, self.rope_compressed)
-        score = np.einsum("nhk,nh->nk", np.maximum(np.einsum("nhd,kd->nhk", iq, ik), 0), iw)
+        score = indexer_scores(iq, iw, ik)
         picked = np.zeros_like(visible)
         k = min(h.indexer_top_k, n_comp)
         if k:
