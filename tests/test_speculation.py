@@ -241,6 +241,54 @@ def test_bench_spec_replays_sessions_against_real_workers(capsys, spec):
         assert s["drafted"] > 0 and s["acceptance"] == 1.0 and s["tokens_per_step"] > 1.5
 
 
+def test_bench_spec_beside_llama_server(capsys, llama_server):
+    """`ember bench spec --llama-server`: the same session against a real llama-server on the same (embedded)
+    model, its speculation off and with ngram-mod, each run's decode speed and drafts from its stream, and
+    ember's speed over llama-server's fastest speculative configuration."""
+    import argparse
+    import json
+
+    from ember.worker.bench.spec import cmd_spec
+
+    args = argparse.Namespace(model=None, backend="numpy", spec="suffix", gen=16, lines=20, spec_k=4,
+                              sessions=["json_again"], json=True, llama_server=str(llama_server),
+                              llama_spec=["ngram-mod"], llama_args="")
+    assert cmd_spec(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    llama = report["llama_server"]
+    assert list(llama["configs"]) == ["none", "ngram-mod"] and llama["path"] == str(llama_server)
+    off, on = llama["configs"]["none"]["json_again"], llama["configs"]["ngram-mod"]["json_again"]
+    assert off["tokens"] == on["tokens"] == 16 and off["decode_tok_s"] and on["decode_tok_s"]
+    assert off["drafted"] is None and 0 <= on["accepted"] <= on["drafted"]
+    assert isinstance(on["identical"], bool) and off["identical"] and on["speedup"]
+    s = report["sessions"]["json_again"]
+    assert s["llama_best"] == "ngram-mod" and s["vs_llama_best"] == round(s["decode_tok_s_on"] / on["decode_tok_s"], 3)
+
+
+@pytest.mark.parametrize("spec, error", [("ngram-mod", None), ("draft-simple:{model}", None), ("draft-mtp", None),
+                                         ("draft-simple", "needs its draft GGUF"), ("ngram-mod:{model}", "takes no"),
+                                         ("draft-simple:/nowhere.gguf", "is not a file"),
+                                         ("lookahead", "is not a llama-server --spec-type")])
+def test_bench_spec_llama_spec_flags(spec, error, default_model_path, capsys):
+    import argparse
+
+    from ember.worker.bench.spec import add_spec_parser, llama_spec_args
+
+    parser = argparse.ArgumentParser(prog="ember bench")
+    add_spec_parser(parser.add_subparsers())
+    spec = spec.format(model=default_model_path)
+    if error is None:
+        assert parser.parse_args(["spec", "--llama-spec", spec]).llama_spec == [spec]
+        kind, _, path = spec.partition(":")
+        assert llama_spec_args(spec) == ["--spec-type", kind, *(["-md", path] if path else [])]
+        return
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["spec", "--llama-spec", spec])
+    assert e.value.code == 2 and error in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["spec", "--llama-server", "/nowhere/llama-server"])
+
+
 @pytest.mark.parametrize("spec, error", [("suffix", None), ("mtp", None), ("draft:{model}", None),
                                          ("mtp:{model}", None), ("mtp:/nowhere/mtp-x.gguf", "is not a file"),
                                          ("replay:0.8", None), ("replay:1", None), ("replay:1.5", "between 0 and 1"),

@@ -1,6 +1,8 @@
 """A real worker process on a free loopback port, read only from outside: its health endpoint, its
 Prometheus metrics and its JSON log file. The one launcher of `ember bench` and of the tests
-(tests/conftest.py adds a hermetic environment and the fixtures); it knows nothing of the engine."""
+(tests/conftest.py adds a hermetic environment and the fixtures); it knows nothing of the engine.
+`LlamaServerProcess` starts llama.cpp's llama-server the same way, for the benches that set the two
+side by side."""
 
 from __future__ import annotations
 
@@ -26,50 +28,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class WorkerProcess:
-    """`python -m ember.worker worker` on a free loopback port, with its log in a file.
+class ServerProcess:
+    """A server process (`argv(port)`) on a free loopback port, with its log in a file, ready when
+    `ready_path` answers 200.
 
-    `env` is the worker's whole environment (default: this process's); `api_key` is passed as
-    `--api-key` and sent by `headers()`. With `own_session` (the bench) the worker runs in a session
-    of its own and a stop reaches anything it spawned; without it (the tests) it stays in the
-    caller's process group, so whatever ends a test run (Ctrl-C, a timeout) ends its workers too."""
+    `env` is the process's whole environment (default: this process's). With `own_session` (the bench)
+    it runs in a session of its own and a stop reaches anything it spawned; without it (the tests) it
+    stays in the caller's process group, so whatever ends a test run (Ctrl-C, a timeout) ends it too."""
 
-    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None,
-                 cwd: Path | None = None, api_key: str | None = None, own_session: bool = True):
+    what = "server"
+    ready_path = "/health"
+
+    def __init__(self, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None, port: int | None = None,
+                 cwd: Path | None = None, own_session: bool = True):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        self.api_key = api_key
-        auth = ["--api-key", api_key] if api_key else []
-        self.args = [sys.executable, "-m", "ember.worker", "worker", "--host", "127.0.0.1", "--port", str(self.port),
-                     *args, *auth]
+        self.args = argv
         self.env = dict(os.environ) if env is None else env
         self.cwd = cwd
         self.own_session = own_session
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 300.0) -> WorkerProcess:
-        """Spawn the worker and wait until /health/ready answers 200."""
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Spawn the process and wait until its ready path answers 200."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the worker writes to it until `kill` closes it
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=self.cwd, start_new_session=self.own_session)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}\n"
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}; see {self.log_path}\n"
                                    f"{self.log_text()[-LOG_TAIL:]}")
             try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         self.kill()
-        raise TimeoutError(f"worker not ready after {timeout:.0f} s; see {self.log_path}\n"
+        raise TimeoutError(f"{self.what} not ready after {timeout:.0f} s; see {self.log_path}\n"
                            f"{self.log_text()[-LOG_TAIL:]}")
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 30.0) -> int | None:
-        """Send `sig` to the worker (its session, with `own_session`), SIGKILL it if it has not
+        """Send `sig` to the process (its session, with `own_session`), SIGKILL it if it has not
         exited after `timeout`; returns the exit code. Safe to call again, or before `start`."""
         if self.proc and self.proc.poll() is None:
             self._signal(sig)
@@ -91,22 +93,57 @@ class WorkerProcess:
                 self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """A clean stop: SIGTERM (the worker drains), SIGKILL after `timeout`."""
+        """A clean stop: SIGTERM (a worker drains), SIGKILL after `timeout`."""
         return self.kill(signal.SIGTERM, timeout)
 
-    def __enter__(self) -> WorkerProcess:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class LlamaServerProcess(ServerProcess):
+    """llama.cpp's `llama-server` (the binary at `binary`) with `args` (the model, its flags) on a free
+    loopback port."""
+
+    what = "llama-server"
+
+    def __init__(self, binary: str | Path, *args: str, log_path: Path, port: int | None = None):
+        port = port or free_port()
+        super().__init__([str(binary), "--host", "127.0.0.1", "--port", str(port), *args], log_path=log_path,
+                         port=port)
+
+
+class WorkerProcess(ServerProcess):
+    """`python -m ember.worker worker` on a free loopback port, with its log in a file. `api_key` is
+    passed as `--api-key` and sent by `headers()`; the rest as ServerProcess."""
+
+    what = "worker"
+    ready_path = "/health/ready"
+
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, port: int | None = None,
+                 cwd: Path | None = None, api_key: str | None = None, own_session: bool = True):
+        port = port or free_port()
+        self.api_key = api_key
+        auth = ["--api-key", api_key] if api_key else []
+        super().__init__([sys.executable, "-m", "ember.worker", "worker", "--host", "127.0.0.1", "--port", str(port),
+                          *args, *auth], log_path=log_path, env=env, port=port, cwd=cwd, own_session=own_session)
+
+    def start(self, timeout: float = 300.0) -> WorkerProcess:
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
     # -- reading it from outside -------------------------------------------------------------------------------
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def events(self, event: str | None = None, **match) -> list[dict]:
         """The log's JSON records, optionally only one event's, whose fields equal `match`."""
