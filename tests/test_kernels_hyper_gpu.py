@@ -229,3 +229,32 @@ def test_top_k_rows_breaks_ties_by_position(dev):
     picked = idx.to_host()
     assert cnt.to_host()[0] == k
     assert set(picked[:3]) == {1250, 1020, 1099} and list(picked[3:]) == [1000, 1001, 1002, 1003, 1004]
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+def test_rope_on_the_heads_last_dims_and_back(dev, rng, yarn):
+    """DeepSeek V4's RoPE: adjacent pairs of each head's last n_rot dimensions turn (q's 64 heads and the
+    KV row's one), and the attention output turns back (hyper.rope_tail, inverse too): rope.cu on views at
+    that offset, with the head stride."""
+    from ember.worker.model.config import Yarn
+
+    n, heads, d, n_rot = 9, 64, 512, 64
+    freqs = hyper.rope_frequencies(160000.0, n_rot, Yarn(16.0, 65536, False) if yarn else None)
+    freqs = freqs.astype(np.float32).astype(np.float64)  # the kernel's inverse frequencies are float32
+    pos = rng.integers(0, 60000, n).astype(np.int32)
+    q = rng.normal(0, 1, (n, heads, d)).astype(np.float32)
+    k = rng.normal(0, 1, (n, d)).astype(np.float32)
+    d_q, d_k = dev.to_device(q), dev.to_device(k)
+    off = d - n_rot
+    args = dict(n=n, hq=heads, hk=1, head_dim=n_rot, neox=False, ldq=heads * d, ldk=d, head_stride=d)
+    inv = dev.to_device(freqs.astype(np.float32))
+    ops.rope(dev, d_q.view(off, q.size - off), d_k.view(off, k.size - off), dev.to_device(pos), inv, **args)
+    got_q, got_k = d_q.to_host().reshape(q.shape), d_k.to_host().reshape(k.shape)
+    close = dict(rtol=1e-6, atol=1e-6)  # cos and sin in double on both sides, each library's own last bit
+    np.testing.assert_allclose(got_q, hyper.rope_tail(q, pos, freqs), **close)
+    np.testing.assert_allclose(got_k, hyper.rope_tail(k, pos, freqs), **close)
+    assert (got_q[..., :off] == q[..., :off]).all()  # the other dimensions untouched
+    ops.rope(dev, d_q.view(off, q.size - off), None, dev.to_device(pos), inv, **args, inverse=True)
+    back = d_q.to_host().reshape(q.shape)
+    np.testing.assert_allclose(back, hyper.rope_tail(got_q, pos, freqs, inverse=True), **close)
+    np.testing.assert_allclose(back, q, rtol=1e-5, atol=1e-5)  # there and back

@@ -74,21 +74,25 @@ def add(dev: Device, a: DeviceArray, b: DeviceArray, out: DeviceArray, n: int | 
 
 def rope(dev: Device, q: DeviceArray, k: DeviceArray | None, pos: DeviceArray, inv_freq: DeviceArray, *,
          n: int, hq: int, hk: int, head_dim: int, neox: bool, ldq: int | None = None,
-         ldk: int | None = None, mscale: float = 1.0, stream=None) -> None:
+         ldk: int | None = None, mscale: float = 1.0, head_stride: int | None = None, inverse: bool = False,
+         stream=None) -> None:
     """In place: q [n, hq, D] and k [n, hk, D] (token strides ldq/ldk) rotated at positions pos (int32)
     with inv_freq [D/2], every cos and sin times mscale (YaRN's); twin reference.rope with
-    reference.rope_tables(positions, inv_freq, mscale)."""
+    reference.rope_tables(positions, inv_freq, mscale). head_stride: elements from one head to the next
+    where only D of each turns (DeepSeek V4's last n_rot: q and k views at that offset; twin
+    hyper.rope_tail); inverse: rotated back (the sin negated)."""
     need(pos, np.int32, n, "pos")
     need(inv_freq, np.float32, head_dim // 2, "inv_freq")
-    ldq = hq * head_dim if ldq is None else ldq
-    ldk = hk * head_dim if ldk is None else ldk
+    hs = head_dim if head_stride is None else head_stride
+    ldq = hq * hs if ldq is None else ldq
+    ldk = hk * hs if ldk is None else ldk
     hk = hk if k is not None else 0
     if head_dim // 2 > ROPE_MAX_HALF:
         raise ValueError(f"head_dim above {2 * ROPE_MAX_HALF} is not supported by the rope kernel")
     threads = min(256, max(32, -(-((hq + hk) * head_dim // 2) // 32) * 32))
     dev.kernel("rope", "rope_f32").launch(
         (n,), (threads,), q, I64(ldq), hq, k, I64(ldk), hk, pos, inv_freq, n, head_dim,
-        1 if neox else 0, F32(mscale), stream=stream
+        1 if neox else 0, F32(mscale), I64(hs), int(inverse), stream=stream
     )
 
 
