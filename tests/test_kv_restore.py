@@ -486,3 +486,19 @@ def test_gpu_restores_through_the_pinned_arena(dev, tmp_path, reads, monkeypatch
     sources = [u.src + k * bb for u in from_arena for k in range(u.nbytes // bb)]
     assert len(sources) == 20 and set(sources) <= filled
     assert all(u.nbytes <= 4 * cud._kv_transfer().per_slab for u in uploads if u.host is not arena.host)
+
+
+def test_a_bad_file_two_threads_find_is_quarantined_once(host_cuda, tmp_path, capsys):
+    """The reader and the scan's timed reads can both find one damaged file (seen in CI): it is moved,
+    counted and logged once."""
+    salt = kv_salt("m", "cuda-f16")
+    hashes, _ = _written(tmp_path, salt, host_cuda._block_shape, 2)
+    store = _store(tmp_path, salt, host_cuda._block_shape, np.float16, buffers=host_cuda.restore_buffers())
+    path = store.path_for(hashes[1])
+    store.scan_done.wait(30)
+    store._quarantine(path, "payload checksum mismatch")
+    store._quarantine(path, "payload checksum mismatch")
+    store.close()
+    assert store.stats.quarantined == 1 and not path.exists()
+    assert len(list((tmp_path / "quarantine").iterdir())) == 1
+    assert capsys.readouterr().err.count('"kv_quarantined"') == 1

@@ -830,12 +830,16 @@ class KVStore:
         with contextlib.suppress(ValueError):
             h = bytes.fromhex(path.stem)
         with self._lock:
-            self.stats.quarantined += 1
+            # the reader and the scan's timed reads can both find one bad file: it is counted and said once
+            again = h is not None and h in self._quarantined
+            if not again:
+                self.stats.quarantined += 1
             if h is not None:
                 self._index.pop(h, None)
                 self._quarantined.add(h)
                 self.history.lose(h, UNREADABLE)
-        log("kv_quarantined", level="warning", file=path.name, reason=why)
+        if not again:
+            log("kv_quarantined", level="warning", file=path.name, reason=why)
         if not self.writable:  # a store that does not persist changes nothing on disk
             return
         in_dir = path.parent.parent == self.dir and path.suffix == ".kv"
