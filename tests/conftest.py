@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ember.worker.bench.workerproc import WorkerProcess
@@ -31,6 +32,15 @@ def dev():
     if d is None:
         pytest.skip(f"no CUDA device: {why}")
     return d
+
+
+@pytest.fixture
+def rng():
+    """A generator seeded at random for each test (the GPU kernels' tests draw their inputs from it); the seed
+    is printed, so a failure's draw can be repeated."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
 
 
 # -- a real worker process over HTTP (ember.worker.bench.workerproc, the bench's own launcher) ------------------

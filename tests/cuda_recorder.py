@@ -11,6 +11,7 @@ and a file's types make. The numbers are the gpu tests' (tests/test_cuda_backend
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from types import SimpleNamespace
 
@@ -54,6 +55,9 @@ class FakeArray:
         pass
 
     def upload(self, arr) -> None:
+        pass
+
+    def copy_from(self, src, nbytes: int, stream) -> None:
         pass
 
     def to_host(self) -> np.ndarray:
@@ -105,8 +109,8 @@ def fmt(v, drop: dict | None = None) -> str:
 
 
 class Recorder:
-    """Stands in for the `ops` module: launchers log (name, formatted args) to `calls`; constants,
-    classes and the deciding helpers are the real ones."""
+    """Stands in for the `ops` module: launchers log (name, formatted args) to `calls`, their arguments bound to
+    the real launcher's signature; constants, classes and the deciding helpers are the real ones."""
 
     def __init__(self, drop_defaults: dict[str, object] | None = None):
         """drop_defaults: keyword arguments left out of the log when they have this value (so a log
@@ -119,7 +123,10 @@ class Recorder:
         if not callable(real) or isinstance(real, type) or name in PASS_THROUGH or not name[0].islower():
             return real
 
+        signature = inspect.signature(real)
+
         def launcher(*args, **kwargs):
+            signature.bind(*args, **kwargs)  # a call the real launcher would refuse fails here too
             shown = [fmt(a, self.drop) for a in args] + [f"{k}={fmt(v, self.drop)}" for k, v in kwargs.items()
                                                          if not (k in self.drop and self.drop[k] == v)]
             self.calls.append(f"{name}({', '.join(shown)})")

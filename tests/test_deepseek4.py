@@ -1,6 +1,7 @@
 """DeepSeek V4 (`deepseek4`): the synthetic tiny file holds what llama.cpp's loader reads (names, shapes,
 keys; the oracle fixtures prove llama.cpp loads and runs it), the loader reads its settings or refuses
-in one line, the CUDA backend refuses it in one line, and the numpy forward pass keeps its per-position
+in one line, the CUDA backend's batched forward refuses it in one line (the worker's CUDA backend for it is
+backends/cuda/hyper.py: tests/test_cuda_deepseek4_*.py), and the numpy forward pass keeps its per-position
 pool consistent: any chunking, scattered blocks, and blocks restored into a fresh backend give the same
 logits; a worker serves it, from its prefix cache and, after a restart, from its block files.
 Agreement with llama.cpp itself is test_forward_oracle.py's (synth-deepseek4-*)."""
@@ -122,9 +123,9 @@ def test_unsupported_settings_are_one_line(tiny, key, value, message):
     assert "\n" not in str(e.value)
 
 
-def test_cuda_backend_refuses_in_one_line(tiny):
+def test_the_batched_cuda_forward_refuses_in_one_line(tiny):
     g = GGUFFile(tiny)
-    with pytest.raises(ModelFileError, match="the cuda backend does not run deepseek4") as e:
+    with pytest.raises(ModelFileError, match="the cuda backend's batched forward does not run deepseek4") as e:
         check_runs(g, read_config(g))
     assert "\n" not in str(e.value) and "--backend numpy" in str(e.value)
 
@@ -196,7 +197,12 @@ def test_chat_through_the_worker_reuses_its_prefix_and_restarts_warm(start_worke
     """The worker serves the tiny model through the OpenAI API; a prompt past the window and an HCA block
     comes back the same when its prefix is served from the prefix cache (the pool's per-position rows are
     reused, the compressed rows recomputed from them), and again from block files after a restart."""
-    flags = ("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "32MiB", "--kv-dir", str(tmp_path / "kv"))
+    chat_reuses_prefix_and_restarts_warm(start_worker, openai_factory, tiny, tmp_path)
+
+
+def chat_reuses_prefix_and_restarts_warm(start_worker, openai_factory, tiny, tmp_path, *extra: str):
+    """The test above with the worker's `extra` flags (test_cuda_deepseek4_gpu.py: --backend cuda)."""
+    flags = ("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "32MiB", "--kv-dir", str(tmp_path / "kv"), *extra)
     w = start_worker(*flags, model=tiny)
     oa = openai_factory(w)
     words = " ".join(f"w{i}" for i in range(150))

@@ -8,7 +8,6 @@ All tests are marked gpu and skip where no CUDA device (or no cuda-python) exist
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -31,13 +30,6 @@ FP32_BAR = 1e-5
 FP16_BAR = 1e-2
 
 
-
-
-@pytest.fixture
-def rng(request):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")  # shown on failure: reproduce with the same draw
-    return np.random.default_rng(seed)
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:

@@ -5,7 +5,6 @@ Outputs are poisoned before each launch, so an element a kernel fails to write s
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,13 +16,6 @@ from ember.worker.backends.numpy import hyper
 pytestmark = pytest.mark.gpu
 
 HC, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")  # shown on failure: reproduce with the same draw
-    return np.random.default_rng(seed)
 
 
 def rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -258,3 +250,42 @@ def test_rope_on_the_heads_last_dims_and_back(dev, rng, yarn):
     back = d_q.to_host().reshape(q.shape)
     np.testing.assert_allclose(back, hyper.rope_tail(got_q, pos, freqs, inverse=True), **close)
     np.testing.assert_allclose(back, q, rtol=1e-5, atol=1e-5)  # there and back
+
+
+@pytest.mark.parametrize("with_ape", [False, True])
+def test_store_rows_into_pool_columns(dev, rng, with_ape):
+    """A step's rows into a column range of the per-position pool at their slots (the twin's
+    rows[slots, cols] = ...), a compressor's score rows with their position's bias."""
+    n, width, ld, col, ratio = 37, 96, 300, 40, 4
+    src = rng.normal(0, 1, (n, width)).astype(np.float32)
+    slots = rng.permutation(200)[:n].astype(np.int32)
+    pos = rng.integers(0, 1000, n).astype(np.int32)
+    ape = rng.normal(0, 1, (ratio, width)).astype(np.float32)
+    pool = rng.normal(0, 1, (200, ld)).astype(np.float32)
+    want = pool.copy()
+    want[slots, col : col + width] = src + (ape[pos % ratio] if with_ape else 0)
+    d_pool = dev.to_device(pool)
+    ops.store_rows(dev, dev.to_device(src), dev.to_device(slots), d_pool.view(col, d_pool.size - col), n=n,
+                   width=width, lds=width, ldd=ld,
+                   ape=(dev.to_device(ape), dev.to_device(pos), ratio) if with_ape else None)
+    np.testing.assert_array_equal(d_pool.to_host(), want)  # untouched elsewhere, exact where written
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_clamped_swiglu_matches_the_twin(dev, rng, limit):
+    n, ffn = 19, 160
+    gu = rng.normal(0, 3, (n, 2 * ffn)).astype(np.float32)  # gate | up, as the stacked experts write them
+    want = hyper.clamped_swiglu(gu[:, :ffn], gu[:, ffn:], limit)
+    d = dev.to_device(gu)
+    out = poisoned(dev, (n, ffn))
+    ops.clamped_swiglu(dev, d, d.view(ffn, d.size - ffn), out, n=n, ffn=ffn, limit=limit, ldg=2 * ffn, ldu=2 * ffn)
+    np.testing.assert_allclose(out.to_host(), want, rtol=1e-5, atol=1e-6)
+    if limit:
+        assert np.abs(gu).max() > 2 * limit  # the clamp was exercised
+
+
+def test_swap_rows_is_a_transpose(dev, rng):
+    x = rng.normal(0, 1, (5, 3, 70)).astype(np.float32)
+    out = poisoned(dev, (3, 5, 70))
+    ops.swap_rows(dev, dev.to_device(x), out, a=5, b=3, width=70)
+    np.testing.assert_array_equal(out.to_host(), x.swapaxes(0, 1))

@@ -12,8 +12,6 @@ The decoders' bit layouts are also held to gguf-py on the CPU, without a GPU
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from gguf import quants as peer
@@ -30,13 +28,6 @@ TYPES = {name: T(constants.GGML_TYPE_IDS[name]) for name in constants.LOW_BIT_TY
 FP32_BAR = 1e-5
 
 
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")  # shown on failure: reproduce with the same draw
-    return np.random.default_rng(seed)
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:

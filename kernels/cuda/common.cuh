@@ -10,6 +10,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define EMBER_DEV __device__ __forceinline__
+#define NEG_INF __int_as_float(0xff800000u)  // -infinity as a constant expression (no <math> in NVRTC)
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute (Kernel.launch
 // inside cuda_runtime.pdl_launches(): the backend's captured decode steps) may start while the

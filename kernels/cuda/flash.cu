@@ -40,7 +40,6 @@ EMBER_DEV void flash_prefill(const float* __restrict__ q, i64 ldq, const f16_t* 
                              const int* __restrict__ tiles, int Hq, int Hk, int BS, int window, float scale_log2,
                              const float* __restrict__ sinks, float* __restrict__ out, i64 ldo) {
     constexpr int KT = FaShape<D>::KT, LD = FaShape<D>::LD, DO = FaShape<D>::DO;
-    const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) u16 smem[];
     u16* sq = smem;                  // [FLASH_ROWS][LD]
     u16* sk = sq + FLASH_ROWS * LD;  // [2][KT][LD]

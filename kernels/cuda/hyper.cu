@@ -10,9 +10,11 @@
 //   attend_rows  attention with sinks over each query's own list of key rows (window and compressed)
 //   indexer_scores, top_k_rows  the lightning indexer: each query's score of the compressed rows it
 //                sees, and the k best appended to its list of key rows
+//   store_rows   rows into the per-position pool at their slots (a compressor's score rows with the
+//                position's bias added on the way)
+//   clamped_swiglu  the experts' and the shared expert's activation, gate and up clamped at a limit
+//   swap_rows    [a, b, w] -> [b, a, w]: the heads' outputs by group for the grouped output projection
 #include "common.cuh"
-
-#define NEG_INF_F __int_as_float(0xff800000u)
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -41,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
                 post[(i64)t * hc + d] = 2.0f * sigmoidf_(m[hc + d] * inv * scale[1] + base[hc + d]);
             float cm[HC_MAX][HC_MAX];  // [source][destination]
             for (int s = 0; s < hc; ++s) {  // a softmax over each source's destinations, + eps
-                float mx = NEG_INF_F;
+                float mx = NEG_INF;
                 for (int d = 0; d < hc; ++d) {
                     const int i = 2 * hc + s * hc + d;
                     cm[s][d] = m[i] * inv * scale[2] + base[i];
@@ -108,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     if (j >= d) return;
     // the parts: (the block before, first halves) when overlapping and b > 0; (this block, second halves)
     const int parts = overlap ? 2 : 1;
-    float mx = NEG_INF_F;
+    float mx = NEG_INF;
     for (int part = 0; part < parts; ++part) {
         const int blk = overlap && part == 0 ? b - 1 : b, col = overlap && part == 1 ? d + j : j;
         if (blk < 0) continue;
@@ -156,7 +158,7 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
             for (int c = lane; c < d; c += 32) s = fmaf(qt[c], to_f32(kr[c]), s);
         }
         s = warp_sum(s);
-        if (lane == 0) logit[j] = r >= 0 ? s * scale : NEG_INF_F;
+        if (lane == 0) logit[j] = r >= 0 ? s * scale : NEG_INF;
     }
     __syncthreads();
     float mx = sinks[h];
@@ -164,7 +166,7 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     mx = block_max(mx, scratch);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < m; j += blockDim.x) {
-        const float p = logit[j] == NEG_INF_F ? 0.0f : expf(logit[j] - mx);
+        const float p = logit[j] == NEG_INF ? 0.0f : expf(logit[j] - mx);
         logit[j] = p;
         sum += p;
     }
@@ -312,4 +314,46 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
         __syncthreads();
     }
     if (threadIdx.x == 0) cnt[t] = base + k;
+}
+
+// dst[idx[t] * ldd + c] = src[t * lds + c] (+ ape[(pos[t] % ratio) * w + c] where ape is given), c < w:
+// a step's per-position rows into the pool at their slots (hyper.HyperStack._attention's `rows[slots, ...] =`),
+// a compressor's score rows with their position-in-block bias. grid (ceil(w / blockDim.x), n).
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    store_rows(const float* __restrict__ src, i64 lds, const int* __restrict__ idx, float* __restrict__ dst, i64 ldd,
+               int n, int w, const float* __restrict__ ape, const int* __restrict__ pos, int ratio) {
+    grid_dependency_sync();
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n || c >= w) return;
+    float v = src[(i64)t * lds + c];
+    if (ape != nullptr) v += ape[(i64)(pos[t] % ratio) * w + c];
+    dst[(i64)idx[t] * ldd + c] = v;
+}
+
+// out = silu(min(g, limit)) * clamp(u, -limit, limit) over [n, F] (limit <= 1e-6: no clamp), row strides
+// ldg, ldu, ldo: DeepSeek V4's experts and shared expert (hyper.clamped_swiglu).
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    clamped_swiglu(const float* __restrict__ g, i64 ldg, const float* __restrict__ u, i64 ldu, float* __restrict__ out,
+                   i64 ldo, int n, int F, float limit) {
+    grid_dependency_sync();
+    const i64 total = (i64)n * F;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / F, c = i % F;
+        float gv = g[r * ldg + c], uv = u[r * ldu + c];
+        if (limit > 1e-6f) {
+            gv = fminf(gv, limit);
+            uv = fminf(fmaxf(uv, -limit), limit);
+        }
+        out[r * ldo + c] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// dst [b, a, w] = src [a, b, w] transposed in its first two dimensions. grid (ceil(w / blockDim.x), a * b).
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    swap_rows(const float* __restrict__ src, float* __restrict__ dst, int a, int b, int w) {
+    grid_dependency_sync();
+    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= a * b || c >= w) return;
+    const int i = r / b, j = r % b;
+    dst[((i64)j * a + i) * w + c] = src[(i64)r * w + c];
 }

@@ -3,8 +3,6 @@
 #pragma once
 #include "common.cuh"
 
-#define NEG_INF __int_as_float(0xff800000u)
-
 static_assert(MOE_MAX_EXPERTS % 32 == 0 && MOE_MAX_EXPERTS <= 1024, "experts a router: whole warps");
 
 #define GATING_SOFTMAX 0  // softmax over every expert, then the k largest (qwen3moe)

@@ -17,7 +17,7 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
                         qgemm.cu
     hyper.py            hyper.cu                                  worker/backends/numpy/hyper.py: hc_mix,
                                                                   hc_merge, compress, attend, indexer_scores,
-                                                                  indexer_top_k
+                                                                  indexer_top_k, clamped_swiglu
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
@@ -33,7 +33,19 @@ from __future__ import annotations
 from ..constants import ACTIVATIONS, BLOCK_SIZES, GGML_TYPE_IDS, GGML_TYPE_NAMES
 from .dequant import dequant_half, dequant_rows, embed
 from .fault import fault_illegal_address
-from .hyper import ATTS_MAX_KEYS, HC_MAX, attend_rows, compress_rows, hc_merge, hc_pre, indexer_scores, top_k_rows
+from .hyper import (
+    ATTS_MAX_KEYS,
+    HC_MAX,
+    attend_rows,
+    clamped_swiglu,
+    compress_rows,
+    hc_merge,
+    hc_pre,
+    indexer_scores,
+    store_rows,
+    swap_rows,
+    top_k_rows,
+)
 from .kv_copy import kv_gather, kv_scatter
 from .matmul import HALF_KINDS, gemm, gemm_splitk_bytes, gemm_splits, linear_tc, to_half
 from .matvecs import (
@@ -72,6 +84,8 @@ from .moe import (
     MoeScratch,
     MoeWeights,
     matvec_rows,
+    moe_combine,
+    moe_gather,
     moe_gemm,
     moe_group,
     moe_matvec,
@@ -149,7 +163,8 @@ __all__ = [
     # dequant
     "dequant_half", "dequant_rows", "embed",
     # hyper (DeepSeek V4)
-    "ATTS_MAX_KEYS", "HC_MAX", "attend_rows", "compress_rows", "hc_merge", "hc_pre", "indexer_scores", "top_k_rows",
+    "ATTS_MAX_KEYS", "HC_MAX", "attend_rows", "clamped_swiglu", "compress_rows", "hc_merge", "hc_pre", "indexer_scores",
+    "store_rows", "swap_rows", "top_k_rows",
     # norm, rope, act
     "NORM_MAX_COLS", "add", "add_bias", "gated_act", "gather_rows", "norm_shape", "rms_norm", "rms_norm_add",
     "rms_norm_add_norm", "rope",
@@ -164,9 +179,9 @@ __all__ = [
     # gemm
     "gemm", "gemm_splitk_bytes", "gemm_splits", "linear_tc", "to_half",
     # mixture of experts
-    "MOE_MAX_EXPERTS", "MOE_MAX_K", "QGEMM_MIN_ROWS", "ExpertMatrices", "MoeScratch", "MoeWeights", "matvec_rows",
-    "moe_gemm", "moe_group", "moe_matvec", "moe_matvec_q8", "moe_mlp", "moe_q8_supported", "moe_route",
-    "moe_route_group", "qgemm_supported",
+    "MOE_MAX_EXPERTS", "MOE_MAX_K", "QGEMM_MIN_ROWS", "ExpertMatrices", "MoeScratch", "MoeWeights",
+    "matvec_rows", "moe_combine", "moe_gather", "moe_gemm", "moe_group", "moe_matvec", "moe_matvec_q8", "moe_mlp",
+    "moe_q8_supported", "moe_route", "moe_route_group", "qgemm_supported",
     # kv copy, fault injection
     "fault_illegal_address", "kv_gather", "kv_scatter",
 ]

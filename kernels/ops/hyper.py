@@ -1,6 +1,6 @@
 """Launchers of hyper.cu, DeepSeek V4's own pieces. Twins: worker/backends/numpy/hyper.py's hc_mix (with
 the mix logits a matmul made before: see hc_pre), head's mix, hc_merge, compress, attend,
-indexer_scores and indexer_top_k."""
+indexer_scores, indexer_top_k and clamped_swiglu; store_rows and swap_rows are numpy indexing."""
 
 from __future__ import annotations
 
@@ -128,6 +128,42 @@ def top_k_rows(dev: Device, score: DeviceArray, crow: DeviceArray, ccnt: DeviceA
     need(cnt, np.int32, n, "cnt")
     dev.kernel("hyper", "top_k_rows").launch((n,), (HC_THREADS,), score, crow, ldc, ccnt, k, idx, ldi, cnt, n,
                                              stream=stream)
+
+
+def store_rows(dev: Device, src: DeviceArray, idx: DeviceArray, dst: DeviceArray, *, n: int, width: int,
+               lds: int, ldd: int, ape: tuple[DeviceArray, DeviceArray, int] | None = None, stream=None) -> None:
+    """dst[idx[t] * ldd : + width] = src[t * lds : + width] for t < n (the pool's rows at a step's slots; dst may
+    be a column view of it), with ape = (table [ratio, width], pos [n] int32, ratio): + table[pos[t] % ratio]
+    (a compressor's score rows). Twin: numpy's dst[idx] = src (+ table[pos % ratio])."""
+    need(idx, np.int32, n, "idx")
+    need(src, np.float32, (n - 1) * lds + width if n else 0, "src")
+    table, pos, ratio = ape or (None, None, 1)
+    if table is not None and pos is not None:
+        need(table, np.float32, ratio * width, "ape")
+        need(pos, np.int32, n, "pos")
+    if n:
+        dev.kernel("hyper", "store_rows").launch((-(-width // HC_THREADS), n), (HC_THREADS,), src, I64(lds), idx, dst,
+                                                 I64(ldd), n, width, table, pos, ratio, stream=stream)
+
+
+def clamped_swiglu(dev: Device, g: DeviceArray, u: DeviceArray, out: DeviceArray, *, n: int, ffn: int, limit: float,
+                   ldg: int | None = None, ldu: int | None = None, ldo: int | None = None, stream=None) -> None:
+    """out = silu(min(g, limit)) * clamp(u, -limit, limit) over [n, ffn] (limit 0: unclamped), row strides ldg,
+    ldu, ldo (ffn where not given). Twin: worker/backends/numpy/hyper.py's clamped_swiglu."""
+    ldg, ldu, ldo = (ffn if v is None else v for v in (ldg, ldu, ldo))
+    need(out, np.float32, (n - 1) * ldo + ffn if n else 0, "out")
+    blocks = max(1, min(-(-n * ffn // HC_THREADS), dev.sm_count * 16))
+    dev.kernel("hyper", "clamped_swiglu").launch((blocks,), (HC_THREADS,), g, I64(ldg), u, I64(ldu), out, I64(ldo),
+                                                 n, ffn, F32(limit), stream=stream)
+
+
+def swap_rows(dev: Device, src: DeviceArray, dst: DeviceArray, *, a: int, b: int, width: int, stream=None) -> None:
+    """dst [b, a, width] = src [a, b, width] with its first two axes swapped. Twin: numpy's swapaxes(0, 1)."""
+    need(src, np.float32, a * b * width, "src")
+    need(dst, np.float32, a * b * width, "dst")
+    if a * b:
+        dev.kernel("hyper", "swap_rows").launch((-(-width // HC_THREADS), a * b), (HC_THREADS,), src, dst, a, b, width,
+                                                stream=stream)
 
 
 def _key_kind(keys: DeviceArray) -> str:

@@ -280,8 +280,7 @@ def moe_mlp(dev: Device, w: MoeWeights, x: DeviceArray, y: DeviceArray, s: MoeSc
         _moe_mlp_gemm(dev, w, x, s, nt, n=n, k=k, act=act, tile=tile, half=half, stream=stream)
     else:
         _moe_mlp_matvec(dev, w, x, s, nt, n=n, k=k, act=act, tile=tile, stream=stream)
-    dev.kernel("moe", "moe_combine").launch((-(-hidden // 256), n), (256,), s.ys, s.pos, s.wts, k, hidden, res, y,
-                                            stream=stream)
+    moe_combine(dev, s, y, n=n, k=k, hidden=hidden, res=res, stream=stream)
 
 
 def _moe_mlp_gemm(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, nt: int, *, n: int, k: int, act: str,
@@ -308,7 +307,7 @@ def _moe_mlp_matvec(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, n
     pairs, ffn, hidden = n * k, w.ffn, w.router.cols
     xs, per_pair = (x, False) if n == 1 else (s.xs, True)
     if per_pair:
-        dev.kernel("moe", "moe_gather").launch((pairs,), (256,), x, s.order, k, hidden, s.xs, stream=stream)
+        moe_gather(dev, x, s, n=n, k=k, hidden=hidden, stream=stream)
     if w.gate_up is not None:
         moe_matvec(dev, w.gate_up, s.tiles, nt, xs, s.hs, tile=tile, act=act, x_per_pair=per_pair, stream=stream)
     else:
@@ -320,6 +319,22 @@ def _moe_mlp_matvec(dev: Device, w: MoeWeights, x: DeviceArray, s: MoeScratch, n
                    stream=stream)
         gated_act(dev, gu, gu.view(pairs * ffn, pairs * ffn), s.hs, n=pairs, ffn=ffn, act=act, stream=stream)
     moe_matvec(dev, w.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=stream)
+
+
+def moe_gather(dev: Device, x: DeviceArray, s: MoeScratch, *, n: int, k: int, hidden: int, stream=None) -> None:
+    """The pairs' inputs in grouped order: s.xs[q] = x[the token of the pair at place q] (s.order, moe_group's).
+    Twin: x[order // k]."""
+    need(x, np.float32, n * hidden, "x")
+    dev.kernel("moe", "moe_gather").launch((n * k,), (256,), x, s.order, k, hidden, s.xs, stream=stream)
+
+
+def moe_combine(dev: Device, s: MoeScratch, y: DeviceArray, *, n: int, k: int, hidden: int,
+                res: DeviceArray | None = None, stream=None) -> None:
+    """y[t] = res[t] + the sum over t's k pairs of their weight (s.wts) times their expert's output (s.ys at
+    their place, s.pos); y may be res. Twin: reference.moe_mlp's weighted sum."""
+    need(y, np.float32, n * hidden, "y")
+    dev.kernel("moe", "moe_combine").launch((-(-hidden // 256), n), (256,), s.ys, s.pos, s.wts, k, hidden, res, y,
+                                            stream=stream)
 
 
 def _check_routing(experts: int, k: int, gating: str, hashed=None) -> None:

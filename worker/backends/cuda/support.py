@@ -39,7 +39,8 @@ class CudaRuns:
 
 
 RUNS = CudaRuns(
-    # HYPER (DeepSeek V4: hyper-connections, compressed CSA/HCA attention, hash-routed experts): numpy only
+    # HYPER (DeepSeek V4: hyper-connections, compressed CSA/HCA attention, hash-routed experts): not in this
+    # forward; the worker runs it through hyper.py's own step (cuda/__init__.py open_backend picks it)
     stacks=frozenset({Stack.RESIDUAL}),
     norms=frozenset(Norms),
     qk_norm=True,
@@ -69,7 +70,8 @@ def refusal(config: ModelConfig, runs: CudaRuns | None = None) -> str | None:
     r, arch = config.recipe, config.arch
     numpy = "--backend numpy runs"
     if r.stack not in runs.stacks:
-        return f"the cuda backend does not run {arch} ({STACK_WORDS.get(r.stack, r.stack.value)}) yet; {numpy} it"
+        return (f"the cuda backend's batched forward does not run {arch} ({STACK_WORDS.get(r.stack, r.stack.value)}) "
+                f"yet (the worker serves it on cuda through its own eager step, backends/cuda/hyper.py); {numpy} it")
     moe = r.moe
     if moe is not None and (moe.gating not in runs.gatings or r.act not in runs.acts
                             or (moe.biases and not runs.moe_biases) or (r.post_norms and not runs.moe_post_norms)

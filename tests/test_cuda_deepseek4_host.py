@@ -1,0 +1,120 @@
+"""DeepSeek V4's CUDA step (worker/backends/cuda/hyper_step.py), checked on the CPU through the recording
+stand-in for ember.kernels.ops (tests/cuda_recorder.py): the weights uploaded by the real
+upload_hyper_weights into fake device arrays, every launcher call bound to its real signature, and the
+kernels each kind of layer issues counted: the window-only layer attends without compressed rows, an HCA
+layer makes its compressed rows only once a block of 128 is whole, a CSA layer makes its indexer's rows
+and picks from them, the first layers route by token id. The numbers are the GPU tests'
+(tests/test_cuda_deepseek4_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from cuda_recorder import FakeDevice, FakeStream, Recorder
+
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.numpy.hyper import HyperStack
+from ember.worker.bench.synth import make_model
+from ember.worker.model.loader import open_model
+
+BS, N_BLOCKS = 16, 64
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return open_model(make_model("deepseek4", "tiny", tmp_path_factory.mktemp("ds4") / "tiny.gguf", seed=1))
+
+
+@pytest.fixture
+def step(model, monkeypatch):
+    from ember.worker.backends.cuda import hyper_step
+    from ember.worker.backends.cuda import matmul as mm_mod
+    from ember.worker.backends.cuda.hyper_weights import upload_hyper_weights
+
+    rec = Recorder()
+    for mod in (hyper_step, mm_mod):
+        monkeypatch.setattr(mod, "ops", rec)
+    cfg, dev = model.config, FakeDevice()
+    w = upload_hyper_weights(dev, model.gguf, cfg)
+    pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg),))
+    return hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=64), rec
+
+
+def _layer_logs(calls: list[str], n_layers: int) -> list[list[str]]:
+    """The step's log cut into layers: each layer begins with its attention's mix (its matmul, then the
+    first hc_pre after the embeddings, then every second one); the output rows' gather, the head's mix
+    matmul and its hc_pre end the last."""
+    starts = [i for i, c in enumerate(calls) if c.startswith("hc_pre(")]
+    assert len(starts) == 2 * n_layers + 1
+    assert calls[starts[-1] - 2].startswith("gather_rows(")
+    bounds = [starts[2 * li] - 1 for li in range(n_layers)] + [starts[-1] - 2]
+    return [calls[bounds[li] : bounds[li + 1]] for li in range(n_layers)]
+
+
+def count(log: list[str], kernel: str) -> int:
+    return sum(1 for c in log if c.startswith(kernel + "("))
+
+
+def test_each_kind_of_layer_issues_its_kernels(step, model):
+    f, rec = step
+    cfg, h = model.config, model.config.hyper
+    chunks = [SeqChunk(np.arange(40, dtype=np.int32), 260, list(range(19)), "last"),  # 300 positions: 2 HCA rows
+              SeqChunk(np.array([3], np.int32), 100, list(range(19, 26)), "all")]  # 101: 25 CSA rows, no HCA row
+    out = f.run(chunks)
+    assert [o.shape for o in out] == [(1, cfg.vocab_size), (1, cfg.vocab_size)]
+    layers = _layer_logs(rec.calls, cfg.n_layers)
+    for li, log in enumerate(layers):
+        ratio = h.compress_ratios[li]
+        assert count(log, "attend_rows") == len(chunks)
+        assert count(log, "gather_rows") == len(chunks)  # each chunk's window rows from the pool
+        stored = 1 + (2 if ratio else 0) + (2 if ratio == 4 else 0)  # key row; compressor's; indexer's
+        assert count(log, "store_rows") == stored
+        assert sum("ape=" in c and "ape=None" not in c for c in log if c.startswith("store_rows(")) == stored // 2
+        if ratio == 4:  # both chunks see CSA rows: the compressor's and the indexer's, then the indexer's pick
+            assert count(log, "compress_rows") == 2 * len(chunks)
+            assert count(log, "indexer_scores") == count(log, "top_k_rows") == len(chunks)
+        elif ratio == 128:  # only the first chunk has a whole block of 128
+            assert count(log, "compress_rows") == 1
+            assert count(log, "indexer_scores") == 0
+        else:
+            assert count(log, "compress_rows") == count(log, "indexer_scores") == 0
+        routes = [c for c in log if c.startswith("moe_route_group(")]
+        assert len(routes) == 1 and ("hashed=None" in routes[0]) == (li >= h.hash_layers)
+        assert "gating='sqrt-softplus'" in routes[0]
+        assert count(log, "clamped_swiglu") == 2  # the shared expert's and the routed experts'
+        assert count(log, "hc_merge") == 2
+        # RoPE: q's heads, the key row, the compressed rows of each chunk that has them, the output turned back
+        ropes = [c for c in log if c.startswith("rope(")]
+        assert sum("inverse=True" in c for c in ropes) == 1
+        assert len(ropes) >= 3
+        o_a = [c for c in log if c.startswith("matvec(") and f":{h.o_lora_rank}x" in c.split(",")[1]]
+        assert len(o_a) == h.o_groups  # the grouped low-rank output: one matmul a group
+    head = rec.calls[rec.calls.index(next(c for c in reversed(rec.calls) if c.startswith("hc_pre("))):]
+    assert "None, None" in head[0]  # the head's mix: no post, no comb
+
+
+def test_a_step_beyond_its_rows_is_refused(step):
+    f, _ = step
+    with pytest.raises(ValueError, match="exceeds"):
+        f.run([SeqChunk(np.zeros(65, np.int32), 0, list(range(5)), "last")])
+
+
+def test_the_indexer_weights_are_scaled_as_the_twin_divides(model):
+    """The twin divides the indexer's head weights by sqrt(heads * dim) after the product; the device folds
+    that into the matrix, uploaded as float32."""
+    from ember.kernels import quants
+    from ember.worker.backends.cuda.hyper_weights import upload_hyper_weights
+
+    h = model.config.hyper
+    w = upload_hyper_weights(FakeDevice(), model.gguf, model.config)
+    li = h.compress_ratios.index(4)
+    name = f"blk.{li}.indexer.proj.weight"
+    info = model.gguf.tensors[name]
+    want = quants.dequantize(model.gguf.raw(name), info.ggml_type, tuple(reversed(info.shape)))
+    proj = w.layers[li].indexer_proj
+    assert proj is not None and proj.type == "f32"
+    got = proj.data.data.view(np.float32).reshape(want.shape)
+    np.testing.assert_allclose(got, want / np.sqrt(h.indexer_dim * h.indexer_heads), rtol=1e-6)
+    assert re.fullmatch(r"q8_0", w.layers[li].q_b.type)

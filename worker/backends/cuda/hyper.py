@@ -1,0 +1,128 @@
+"""DeepSeek V4 (recipe.Stack.HYPER) on the GPU: the device, the weights (hyper_weights.py), the pool and its
+blocks; the step itself is hyper_step.py's.
+
+The pool keeps, per position, what the numpy twin (backends/numpy/hyper.py) keeps: each layer's key row (the
+single KV head, key and value at once) and, by the layer's compress ratio, its compressor's value and score
+rows (and the indexer's), float32, in the twin's column layout (HyperStack.layout). A block is one
+contiguous run of block_size rows, so a block file holds the twin's block; the prefix cache, block files
+and restores work as for the other families (kv_layout names the layout). A compressed row is a pure
+function of the positions of its block, so each step makes the rows a chunk sees from the pool.
+
+This first form runs every step eagerly and samples on the host from the logits: correctness on the device
+before speed. Not yet (docs/models.md): captured steps, device sampling and run-ahead, the tensor cores, the
+compact device layout of the compressed rows, --spec mtp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ember.kernels.cuda_runtime import Device, DeviceArray
+from ember.kernels.errors import StickyCudaError
+
+from ...model.config import ModelConfig
+from ...model.gguf_file import GGUFFile, ModelFileError
+from ..base import Backend, ContextPoisoned, HostBuffers, Landed, SeqChunk
+from ..numpy.hyper import HyperStack
+from .hyper_step import HyperStep
+from .hyper_weights import HyperWeights, upload_hyper_weights
+from .layers import check_fits
+from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes
+from .step import poison_guard
+
+
+class CudaHyperBackend(Backend):
+    name = "cuda"
+    kv_layout = "cuda-hyper-v1"
+    block_dtype = np.dtype(np.float32)
+    # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
+    f16_weights = int8_activations = pdl = False
+    graph_replays = 0
+    _graphs: dict = {}
+
+    def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
+                 device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None):
+        from ember.kernels.cuda_runtime import Stream
+
+        assert config.hyper is not None
+        self.config, self.gguf, self.h = config, gguf_file, config.hyper
+        self.block_size = block_size
+        self.max_rows = max(8, max_rows, max_seqs)
+        self.columns, self.width = HyperStack.layout(config), HyperStack.width(config)
+        try:
+            self.dev = device if device is not None else Device()
+            if gpu_mem is not None:
+                self.dev.memory_cap = gpu_mem
+            self.dev.make_current()
+            check_fits(gguf_file, self.dev.memory_info())
+            self.stream = Stream()
+            free0 = self.dev.memory_info()[0]
+            self.w: HyperWeights = upload_hyper_weights(self.dev, gguf_file, config)
+            weights = free0 - self.dev.memory_info()[0]
+            self.n_blocks = n_blocks if n_blocks is not None else self._auto_blocks()
+            rows = (self.n_blocks + 1) * block_size  # one block past the pool, as the other backends keep
+            self.pool = self.dev.empty((rows * self.width,))
+            self.pool.zero()
+            self.step = HyperStep(self.dev, self.stream, config, self.w, self.pool, n_blocks=self.n_blocks,
+                                  block_size=block_size, max_rows=self.max_rows)
+            total = self.dev.memory_info()[1]
+            self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
+        except StickyCudaError as e:
+            raise ContextPoisoned(e.code, e.name, e.message) from e
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+        return block_size * HyperStack.width(config) * 4
+
+    def _auto_blocks(self) -> int:
+        free, total = self.dev.memory_info()
+        per_block = self.kv_bytes_per_block(self.config, self.block_size)
+        # the step's buffers come after the pool: leave them a share of what is free
+        budget = auto_kv_bytes(free, total, integrated=self.dev.caps.integrated, host_tier=0) * 3 // 4
+        blocks = budget // per_block - 1
+        need = -(-min(MIN_KV_TOKENS, self.config.context_length) // self.block_size)
+        if blocks < need:
+            raise ModelFileError(self.gguf.path, f"too little GPU memory left for the KV cache: {max(budget, 0) >> 20} "
+                                                 f"MiB after the weights, {need * per_block >> 20} MiB needed for one "
+                                                 f"{need * self.block_size}-token sequence")
+        return int(blocks)
+
+    def device_memory(self) -> tuple[int, int]:
+        free, total = self.dev.memory_info()
+        return total - free, total
+
+    @poison_guard
+    def forward(self, chunks: list[SeqChunk]) -> list:
+        self.dev.make_current()
+        return self.step.run(chunks)
+
+    # -- KV blocks: block_size contiguous rows of the pool, the twin's block ------------------------
+
+    def _block(self, block: int) -> DeviceArray:
+        if not 0 <= block < self.n_blocks:
+            raise IndexError(f"block {block} outside the pool of {self.n_blocks}")
+        n = self.block_size * self.width
+        return self.pool.view(block * n, n)
+
+    @poison_guard
+    def read_block(self, block: int) -> np.ndarray:
+        self.dev.make_current()
+        self.stream.synchronize()  # the step that wrote it is done
+        return self._block(block).to_host().reshape(self.block_size, self.width)
+
+    @poison_guard
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        self.dev.make_current()
+        self.stream.synchronize()  # no step still reads the block being replaced
+        self._block(block).upload(np.asarray(data, np.float32).reshape(-1))
+
+    def save_blocks(self, blocks: list[int]) -> Landed:
+        rows = [self.read_block(b) for b in blocks]
+        return Landed(np.stack(rows) if rows else np.zeros((0, self.block_size, self.width), np.float32))
+
+    def load_blocks(self, blocks: list[int], payloads) -> None:
+        for b, p in zip(blocks, payloads, strict=True):
+            self.write_block(b, p)
+
+    def restore_buffers(self) -> HostBuffers:
+        return HostBuffers((self.block_size, self.width), self.block_dtype)

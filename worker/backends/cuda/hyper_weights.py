@@ -1,0 +1,186 @@
+"""DeepSeek V4's weights on the device, for hyper.py's step: every matrix in its GGUF block format (the
+experts too: IQ2_XXS/Q2_K in the users' files), the float tables (mixers, position biases, norms) as
+float32, the hash-routing table as int32. Read by the roles the family names (arch/deepseek4.py), as
+the numpy twin (backends/numpy/hyper.py) reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from ember.kernels import ops, quants
+from ember.kernels.cuda_runtime import Device, DeviceArray
+
+from ...model.config import ModelConfig
+from ...model.gguf_file import GGUFFile, ModelFileError
+from ..numpy.hyper import rope_frequencies
+
+
+@dataclass
+class HyperLayer:
+    ratio: int  # 0 window only, 4 CSA, 128 HCA
+    attn_mix: tuple[ops.QuantMatrix, DeviceArray, DeviceArray]  # (fn, scale [3], base) of the mix around attention
+    ffn_mix: tuple[ops.QuantMatrix, DeviceArray, DeviceArray]
+    attn_norm: DeviceArray
+    ffn_norm: DeviceArray
+    sinks: DeviceArray
+    q_a: ops.QuantMatrix
+    q_a_norm: DeviceArray
+    q_b: ops.QuantMatrix
+    kv: ops.QuantMatrix
+    kv_norm: DeviceArray
+    o_a: list[ops.QuantMatrix]  # one [rank, heads * head_dim / groups] a group of heads
+    o_b: ops.QuantMatrix
+    router: ops.QuantMatrix
+    experts: ops.MoeWeights
+    shared_gate: ops.QuantMatrix
+    shared_up: ops.QuantMatrix
+    shared_down: ops.QuantMatrix
+    clamp: float  # the routed experts' SwiGLU limit (0: none)
+    clamp_shared: float
+    select_bias: DeviceArray | None = None  # learned routing's selection bias (None: hash-routed)
+    token_experts: DeviceArray | None = None  # hash routing: int32 [vocab, k]
+    # compressed layers: the compressor's value and score matrices, its position bias [ratio, width], its norm
+    compressor: tuple[ops.QuantMatrix, ops.QuantMatrix, DeviceArray, DeviceArray] | None = None
+    # CSA: the indexer's compressor (as above), its query matrix and its head weights (scaled as the twin does)
+    indexer: tuple[ops.QuantMatrix, ops.QuantMatrix, DeviceArray, DeviceArray] | None = None
+    indexer_q_b: ops.QuantMatrix | None = None
+    indexer_proj: ops.QuantMatrix | None = None
+
+
+@dataclass
+class HyperWeights:
+    token_embd: ops.QuantMatrix
+    output: ops.QuantMatrix
+    output_norm: DeviceArray
+    output_mix: tuple[ops.QuantMatrix, DeviceArray, DeviceArray]  # the head's (fn, scale [1], base [hc])
+    layers: list[HyperLayer]
+    rope_window: DeviceArray  # inverse frequencies (float32) of the window-only layers' RoPE
+    rope_compressed: DeviceArray  # ... and of the compressed layers', their rows' and the indexer's (YaRN)
+    ones: DeviceArray  # a weight of ones (q's per-head norm has none), head_dim long
+
+    def matrices(self) -> list[ops.QuantMatrix]:
+        out = [self.token_embd, self.output, self.output_mix[0]]
+        for lw in self.layers:
+            out += [lw.attn_mix[0], lw.ffn_mix[0], lw.q_a, lw.q_b, lw.kv, *lw.o_a, lw.o_b, lw.router, lw.shared_gate,
+                    lw.shared_up, lw.shared_down]
+            out += [m for m in (lw.indexer_q_b, lw.indexer_proj) if m is not None]
+            for part in (lw.compressor, lw.indexer):
+                out += [part[0], part[1]] if part is not None else []
+        return out
+
+
+class _Reader:
+    def __init__(self, dev: Device, g: GGUFFile):
+        self.dev, self.g = dev, g
+
+    def info(self, name: str):
+        if name not in self.g.tensors:
+            raise ModelFileError(self.g.path, f"missing tensor {name}")
+        return self.g.tensors[name]
+
+    def host(self, name: str) -> np.ndarray:
+        """A tensor as float32 on the host, numpy order."""
+        info = self.info(name)
+        shape = tuple(reversed(info.shape))
+        return np.asarray(quants.dequantize(self.g.raw(name), info.ggml_type, shape), np.float32).reshape(shape)
+
+    def vector(self, name: str) -> DeviceArray:
+        return self.dev.to_device(self.host(name).reshape(-1))
+
+    def matrix(self, name: str, scale: float | None = None) -> ops.QuantMatrix:
+        """A 2-D tensor in its block format; scale: multiplied in, as float32 (the indexer's head weights)."""
+        info = self.info(name)
+        if len(info.shape) != 2:
+            raise ModelFileError(self.g.path, f"tensor {name} is not 2-D")
+        cols, rows = int(info.shape[0]), int(info.shape[1])
+        if scale is not None:
+            data = self.host(name) * np.float32(scale)
+            return ops.QuantMatrix.upload(self.dev, data, GGMLQuantizationType.F32, rows, cols)
+        return ops.QuantMatrix.upload(self.dev, self.g.raw(name), info.ggml_type, rows, cols)
+
+    def groups(self, name: str, groups: int) -> list[ops.QuantMatrix]:
+        """A grouped projection [groups * rank, width] as one matrix a group (views of one upload)."""
+        whole = self.matrix(name)
+        rank = whole.rows // groups
+        nbytes = rank * whole.row_bytes
+        return [ops.QuantMatrix(whole.data.view(g * nbytes, nbytes), whole.type, rank, whole.cols, stride=whole.stride)
+                for g in range(groups)]
+
+    def experts(self, names: dict[str, str]) -> ops.MoeWeights:
+        """The routed experts: gate and up stacked [gate_e; up_e] where their types agree (the grouped
+        products then read one matrix), down apart; the router is read by hyper.py's routing."""
+        gate, up, down = (self.info(names[r]) for r in ("gate_exps", "up_exps", "down_exps"))
+        hidden, ffn, n = (int(v) for v in gate.shape)
+
+        def upload(infos, rows: int, cols: int) -> ops.ExpertMatrices:
+            return ops.ExpertMatrices.upload(self.dev, [self.g.raw(t.name) for t in infos], infos[0].ggml_type, n,
+                                             [rows] * len(infos), cols)
+
+        router = self.matrix(names["router"])
+        stacked = gate.ggml_type == up.ggml_type
+        return ops.MoeWeights(router=router, down=upload([down], hidden, ffn),
+                              gate_up=upload([gate, up], ffn, hidden) if stacked else None,
+                              gate=None if stacked else upload([gate], ffn, hidden),
+                              up=None if stacked else upload([up], ffn, hidden))
+
+
+def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> HyperWeights:
+    h, family = config.hyper, config.family
+    assert h is not None and family.hyper is not None
+    rd, t = _Reader(dev, g), family.tensors
+    roles = {**t.layer, **family.hyper.layer}
+    model = family.hyper.model
+
+    def mix(fn: str, scale: str, base: str):
+        return rd.matrix(fn), rd.vector(scale), rd.vector(base)
+
+    layers = []
+    for li in range(config.n_layers):
+        ratio = h.compress_ratios[li]
+
+        def name(role: str, li: int = li) -> str:
+            return f"blk.{li}.{roles[role]}"
+
+        def has(role: str, li: int = li) -> bool:
+            return f"blk.{li}.{roles[role]}" in g.tensors
+
+        hashed = li < h.hash_layers
+        lw = HyperLayer(
+            ratio=ratio,
+            attn_mix=mix(name("attn_mix_fn"), name("attn_mix_scale"), name("attn_mix_base")),
+            ffn_mix=mix(name("ffn_mix_fn"), name("ffn_mix_scale"), name("ffn_mix_base")),
+            attn_norm=rd.vector(name("attn_norm")), ffn_norm=rd.vector(name("ffn_norm")),
+            sinks=rd.vector(name("sinks")),
+            q_a=rd.matrix(name("q_a")), q_a_norm=rd.vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
+            kv=rd.matrix(name("kv")), kv_norm=rd.vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
+            o_b=rd.matrix(name("o_b")), router=rd.matrix(name("router")),
+            experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),
+            shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
+            shared_down=rd.matrix(name("shared_down")),
+            clamp=float(h.swiglu_clamp_exp[li]), clamp_shared=float(h.swiglu_clamp_shexp[li]),
+            select_bias=None if hashed else rd.vector(name("router_select_bias")),
+            token_experts=(dev.to_device(np.ascontiguousarray(g.raw(name("token_to_experts")).view("<i4")))
+                           if hashed else None))
+        if ratio:
+            lw.compressor = (rd.matrix(name("compressor_kv")), rd.matrix(name("compressor_gate")),
+                             rd.vector(name("compressor_ape")), rd.vector(name("compressor_norm")))
+        if ratio == 4 and has("indexer_q_b"):
+            lw.indexer = (rd.matrix(name("indexer_compressor_kv")), rd.matrix(name("indexer_compressor_gate")),
+                          rd.vector(name("indexer_compressor_ape")), rd.vector(name("indexer_compressor_norm")))
+            lw.indexer_q_b = rd.matrix(name("indexer_q_b"))
+            # the twin divides the head weights by sqrt(heads * dim) after the product: folded into the matrix
+            lw.indexer_proj = rd.matrix(name("indexer_proj"), scale=1.0 / np.sqrt(h.indexer_dim * h.indexer_heads))
+        layers.append(lw)
+
+    rope_window = rope_frequencies(config.rope_base, h.n_rot)
+    rope_compressed = rope_frequencies(h.compress_rope_base, h.n_rot, config.rope_yarn)
+    return HyperWeights(
+        token_embd=rd.matrix(t.token_embd), output=rd.matrix(t.output), output_norm=rd.vector(t.output_norm),
+        output_mix=mix(model["output_mix_fn"], model["output_mix_scale"], model["output_mix_base"]), layers=layers,
+        rope_window=dev.to_device(rope_window.astype(np.float32)),
+        rope_compressed=dev.to_device(rope_compressed.astype(np.float32)),
+        ones=dev.to_device(np.ones(config.head_dim, np.float32)))
