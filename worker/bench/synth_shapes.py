@@ -5,6 +5,7 @@ synth_tensors, the file itself synth."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,6 +47,22 @@ class Dsv4Shape:
     # next-token (MTP) layers after the trunk (DeepSeek V4 ships one): blocks n_layer.., each a window-only
     # layer with a learned router plus the nextn tensors
     nextn_layers: int = 1
+    dspark: DSparkShape | None = None  # the DSpark block drafter written beside it (make-model --dspark-out)
+
+
+@dataclass(frozen=True)
+class DSparkShape:
+    """DeepSeek V4's DSpark block drafter, as llama.cpp's converter writes it (conversion/deepseek.py,
+    DeepseekV4DSparkModel: architecture `dflash`): `stages` window-only DeepSeek V4 blocks with learned
+    routing over the trunk's token embeddings and output projection, fed the trunk's layer inputs at
+    `target_layers` (the mean of the hyper-connection streams entering each, GGUF ids: HF's + 1) through
+    `fc`; a Markov head of rank `markov_rank` biasing each slot's logits by the previous slot's token, and a
+    confidence head. A draft is `block_size` slots at most."""
+
+    stages: int
+    block_size: int
+    markov_rank: int
+    target_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -152,7 +169,8 @@ SHAPES: dict[str, ShapeSpec] = {
                   rope_yarn=(16.0, 256),  # V4-Flash's factor, its original context scaled down: prompts pass it
                   dsv4=Dsv4Shape(q_lora_rank=64, n_rot=16, o_groups=2, o_lora_rank=32,
                                  compress_ratios=(0, 4, 128, 4), compress_rope_base=160000.0, indexer_heads=8,
-                                 indexer_dim=64, indexer_top_k=8, hash_layers=2),
+                                 indexer_dim=64, indexer_top_k=8, hash_layers=2,
+                                 dspark=DSparkShape(stages=2, block_size=4, markov_rank=16, target_layers=(2, 3, 4))),
                   description="tiny deepseek4 test model: window 16, a sliding-window, two CSA (indexer: 8 heads, "
                   "top 8) and an HCA layer, two hash-routed layers, 8 experts (2 per token) and a shared one, "
                   "4 hyper-connection streams, YaRN on the compressed layers"),
@@ -165,7 +183,11 @@ SHAPES: dict[str, ShapeSpec] = {
                   n_ff_exp=2048, mix="ds4-flash", rope_yarn=(16.0, 65536),
                   dsv4=Dsv4Shape(q_lora_rank=1024, n_rot=64, o_groups=8, o_lora_rank=1024,
                                  compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), compress_rope_base=160000.0,
-                                 indexer_heads=64, indexer_dim=128, indexer_top_k=512, hash_layers=3),
+                                 indexer_heads=64, indexer_dim=128, indexer_top_k=512, hash_layers=3,
+                                 # V4-Flash-DSpark's as reported (3 stages, blocks of 5, rank 256, the last
+                                 # three layers' inputs; not checked against its config), over the L8's last three
+                                 dspark=DSparkShape(stages=3, block_size=5, markov_rank=256,
+                                                    target_layers=(6, 7, 8))),
                   size_label="284B-A13B", real=True,
                   description="DeepSeek-V4-Flash's first 8 of 43 layers and its MTP layer: IQ2_XXS gate/up and "
                   "Q2_K down experts (256, 6 per token, and a shared one), Q8_0 elsewhere"),
@@ -365,6 +387,33 @@ _F32_TABLES = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight", "
 # the routed experts of the users' DeepSeek-V4-Flash files (about 81 GiB whole): 2-bit i-quant gate/up, Q2_K down
 _DS4_FLASH_EXPERTS = {"ffn_gate_exps.weight": T.IQ2_XXS, "ffn_up_exps.weight": T.IQ2_XXS,
                       "ffn_down_exps.weight": T.Q2_K}
+
+
+def plan_dspark(s: ShapeSpec) -> list[PlannedTensor]:
+    """The tensor table of a deepseek4 shape's DSpark drafter (DSparkShape), in file order, as llama.cpp's
+    dflash loader creates it: no embeddings and no output projection (the trunk's serve), `fc` from the
+    target layers' features, its norm, the head's hyper-connection mix and norm, the Markov head's two
+    [vocab, rank] tables and the confidence head; each stage a window-only layer with learned routing."""
+    d = s.dsv4
+    if d is None or d.dspark is None:
+        raise SynthError(f"{s.name} has no DSpark drafter shape")
+    ds, e, hc = d.dspark, s.n_embd, d.hc_mult
+    glob = [("fc.weight", (len(ds.target_layers) * e, e)), ("enc.output_norm.weight", (e,)),
+            ("output_norm.weight", (e,)), ("output_hc_fn.weight", (hc * e, hc)), ("output_hc_base.weight", (hc,)),
+            ("output_hc_scale.weight", (1,)), ("markov_w1.weight", (ds.markov_rank, s.n_vocab)),
+            ("markov_w2.weight", (ds.markov_rank, s.n_vocab)), ("conf_proj.weight", (e + ds.markov_rank, 1))]
+    stage = [(n, sh) for n, sh in _dsv4_tensor_shapes(dataclasses.replace(
+        s, dsv4=dataclasses.replace(d, compress_ratios=(0,), hash_layers=0, nextn_layers=0)))[1][0]]
+    experts = _DS4_FLASH_EXPERTS if s.mix == "ds4-flash" else {}
+
+    def kind(name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
+        small = name in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight")
+        return T.F32 if len(shape) == 1 or small or name in _F32_TABLES else experts.get(name, T.Q8_0)
+
+    out = [PlannedTensor(n, sh, kind(n, sh)) for n, sh in sorted(glob)]
+    for il in range(ds.stages):
+        out += [PlannedTensor(f"blk.{il}.{n}", sh, kind(n, sh)) for n, sh in sorted(stage)]
+    return out
 
 
 def plan_spec(s: ShapeSpec) -> list[PlannedTensor]:
