@@ -118,3 +118,17 @@ def test_the_indexer_weights_are_scaled_as_the_twin_divides(model):
     got = proj.data.data.view(np.float32).reshape(want.shape)
     np.testing.assert_allclose(got, want / np.sqrt(h.indexer_dim * h.indexer_heads), rtol=1e-6)
     assert re.fullmatch(r"q8_0", w.layers[li].q_b.type)
+
+
+def test_a_one_token_step_reads_the_token_row_itself(step, model):
+    """Batch-1 decode: the experts' grouped matvec takes tiles of one pair and every pair reads the token's
+    own row (no gather), as moe_mlp's batch-1 path does."""
+    f, rec = step
+    (out,) = f.run([SeqChunk(np.array([5], np.int32), 200, list(range(13)), "last")])
+    assert out.shape == (1, model.config.vocab_size)
+    assert not any(c.startswith("moe_gather(") for c in rec.calls)
+    mv = [c for c in rec.calls if c.startswith("moe_matvec(")]
+    assert len(mv) == 2 * model.config.n_layers and all("tile=1" in c for c in mv)
+    # gate|up read the token's row; down reads each pair's activations
+    assert all("x_per_pair=False" in c for c in mv[0::2]) and not any("x_per_pair=False" in c for c in mv[1::2])
+    assert all("n=1" in c for c in rec.calls if c.startswith("attend_rows("))
