@@ -3,8 +3,9 @@ stand-in for ember.kernels.ops (tests/cuda_recorder.py): the weights uploaded by
 upload_hyper_weights into fake device arrays, every launcher call bound to its real signature, and the
 kernels each kind of layer issues counted: the window-only layer attends without compressed rows, an HCA
 layer makes its compressed rows only once a block of 128 is whole, a CSA layer makes its indexer's rows
-and picks from them, the first layers route by token id. The numbers are the GPU tests'
-(tests/test_cuda_deepseek4_gpu.py)."""
+and picks from them, the first layers route by token id. Then the whole step with each launcher computed
+as its kernel computes, in numpy (tests/cuda_emulator.py): its composition gives the numpy twin's logits.
+The kernels' own numbers are the GPU tests' (tests/test_kernels_hyper_gpu.py)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,62 @@ def test_a_one_token_step_reads_the_token_row_itself(step, model):
     # gate|up read the token's row; down reads each pair's activations
     assert all("x_per_pair=False" in c for c in mv[0::2]) and not any("x_per_pair=False" in c for c in mv[1::2])
     assert all("n=1" in c for c in rec.calls if c.startswith("attend_rows("))
+
+
+# -- the whole step on the CPU: its launchers computed in numpy (tests/cuda_emulator.py) -------------------
+
+
+@pytest.fixture(scope="module")
+def reference_backend(model, tmp_path_factory):
+    from ember.worker.backends.numpy.backend import NumpyBackend
+    from ember.worker.model.weights import load_weights
+
+    with pytest.MonkeyPatch.context() as mp:  # the dequantized weights' cache: the test's own
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        weights = load_weights(model.gguf, model.config)
+    return lambda: NumpyBackend(model.config, weights, n_blocks=N_BLOCKS, block_size=BS)
+
+
+@pytest.fixture
+def emulated(model, monkeypatch):
+    from cuda_emulator import EmuDevice, EmuOps
+
+    from ember.worker.backends.cuda import hyper_step
+    from ember.worker.backends.cuda import matmul as mm_mod
+    from ember.worker.backends.cuda.hyper_weights import upload_hyper_weights
+
+    emu = EmuOps()
+    for mod in (hyper_step, mm_mod):
+        monkeypatch.setattr(mod, "ops", emu)
+    cfg, dev = model.config, EmuDevice()
+    w = upload_hyper_weights(dev, model.gguf, cfg)
+    pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg),))
+    pool.zero()
+    return hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=160)
+
+
+def test_the_step_computes_the_twins_logits(emulated, reference_backend):
+    """300 positions in chunks of 64 (the window, 75 CSA rows of which the indexer picks 8, two HCA rows),
+    then two sequences decoding together over scattered blocks: the step's composition of its kernels gives
+    the numpy twin's logits."""
+    ref = reference_backend()
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, 700, 300)]
+    table = list(range(19))
+    for at in range(0, 300, 64):
+        part = np.asarray(tokens[at : at + 64], np.int32)
+        (want,) = ref.forward([SeqChunk(part, at, table, "all")])
+        (got,) = emulated.run([SeqChunk(part, at, table, "all")])
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    other = [int(t) for t in np.random.default_rng(8).integers(0, 700, 140)]
+    table2 = list(range(40, 31, -1))  # scattered, descending
+    (want,) = ref.forward([SeqChunk(np.asarray(other, np.int32), 0, table2, "last")])
+    (got,) = emulated.run([SeqChunk(np.asarray(other, np.int32), 0, table2, "last")])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    last, lengths = [int(want[-1].argmax()), int(np.random.default_rng(9).integers(0, 700))], [140, 300]
+    for _ in range(3):
+        step = [SeqChunk(np.array([t], np.int32), n, tab, "last")
+                for t, n, tab in zip(last, lengths, (table2, table), strict=True)]
+        want, got = ref.forward(step), emulated.run(step)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+        last, lengths = [int(w[-1].argmax()) for w in want], [n + 1 for n in lengths]
