@@ -9,7 +9,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-
 from gguf.constants import GGMLQuantizationType
 
 from ember.kernels import ops as real_ops
