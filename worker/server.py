@@ -52,8 +52,10 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str =
         if cfg_kv_mem == "auto":
             return None
         from .backends.cuda.backend import CudaBackend
+        from .backends.cuda.hyper import CudaHyperBackend
 
-        per_block = CudaBackend.kv_bytes_per_block(model_config, block_size)
+        per_block = (CudaHyperBackend.kv_bytes_per_block(model_config, block_size) if model_config.hyper is not None
+                     else CudaBackend.kv_bytes_per_block(model_config, block_size))
     else:
         from .backends.numpy.backend import NumpyBackend
 
@@ -73,9 +75,9 @@ def _version() -> str:
 def _draft_backend(kind: str, model, n_blocks: int, block_size: int, gpu_mem: int | None = None):
     """The backend a draft model (--spec draft:PATH) runs on: the target's kind, a KV pool of its own."""
     if kind == "cuda":
-        from .backends.cuda.backend import CudaBackend
+        from .backends.cuda import open_backend
 
-        return CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size, gpu_mem=gpu_mem)
+        return open_backend(model.config, model.gguf, n_blocks=n_blocks, block_size=block_size, gpu_mem=gpu_mem)
     from .backends.numpy.backend import NumpyBackend
     from .model.weights import load_weights
 
@@ -131,14 +133,17 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         # sticky CUDA errors surface from the backend as ContextPoisoned (engine_poisoned, exit 75)
         from ember.kernels.errors import CudaUnavailable
 
-        from .backends.cuda.backend import CudaBackend
+        from .backends.cuda import open_backend
 
+        if mtp:
+            raise worker_config.ConfigError("spec: mtp runs on --backend numpy only for now (the cuda backend's "
+                                            "DeepSeek V4 step has no next-token layer yet)")
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
-            backend = cuda = CudaBackend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
-                                         max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
-                                         f16_weights=cfg.f16_weights, host_tier_bytes=host_tier, gpu_mem=gpu_mem)
-            cuda.runs_ahead = cfg.run_ahead
+            backend = cuda = open_backend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
+                                          max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
+                                          f16_weights=cfg.f16_weights, host_tier_bytes=host_tier, gpu_mem=gpu_mem)
+            cuda.runs_ahead = cfg.run_ahead and cuda.runs_ahead  # (DeepSeek V4's step does not run ahead)
             memory = cuda.memory.as_dict()
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None

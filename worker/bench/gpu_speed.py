@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..backends.base import DeviceSample, SeqChunk
+from ..backends.base import DeviceSample, SampledToken, SeqChunk
 from ..config import parse_size
 
 COPY_BYTES = 1 << 30  # the device-to-device copy that measures the card's bandwidth (at most a tenth of what is free)
@@ -97,7 +97,7 @@ def run(args) -> dict:
         table = seqs.table(per_seq)
         result: dict = {}
         secs = timed(lambda: result.setdefault("tok", prefill(prompt, table)))  # noqa: B023  (called right here)
-        tok = int(result["tok"])
+        tok = _token(result["tok"])
         if r:
             pp.append(args.prompt_tokens / secs)
 
@@ -116,7 +116,7 @@ def run(args) -> dict:
     if streams > 1:
         for r in range(args.repeat + 1):
             tables = [seqs.table(stream_ctx) for _ in range(streams)]
-            toks = [int(prefill(rng.integers(1, vocab, args.stream_prompt).astype(np.int32), t)) for t in tables]
+            toks = [_token(prefill(rng.integers(1, vocab, args.stream_prompt).astype(np.int32), t)) for t in tables]
 
             def decode_many():
                 nonlocal toks
@@ -155,17 +155,17 @@ def _backend(args, model, bs: int, chunk: int, streams: int, per_seq: int, strea
     """The run's CUDA backend: a KV pool sized to the run (two sequences of per_seq tokens and the streams'),
     or with --gpu-mem the worker's automatic pool within it, which must hold the run's sequences at once
     (the prompt's, the decode from position 0, the streams'; later runs reuse the pool from its start)."""
-    from ..backends.cuda.backend import CudaBackend
+    from ..backends.cuda import open_backend
 
     def blocks(tokens: int) -> int:
         return -(-tokens // bs)
 
     streams_blocks = streams * blocks(stream_ctx) if streams > 1 else 0
-    backend = CudaBackend(model.config, model.gguf,
-                          n_blocks=None if gpu_mem else 2 * blocks(per_seq) + streams * blocks(stream_ctx) + 2,
-                          block_size=bs, max_rows=max(chunk, streams), max_seqs=max(streams, 1),
-                          kv_dtype=args.kv_dtype, f16_weights=args.f16_weights, int8_activations=args.int8,
-                          pdl=args.pdl, gpu_mem=gpu_mem)
+    backend = open_backend(model.config, model.gguf,
+                           n_blocks=None if gpu_mem else 2 * blocks(per_seq) + streams * blocks(stream_ctx) + 2,
+                           block_size=bs, max_rows=max(chunk, streams), max_seqs=max(streams, 1),
+                           kv_dtype=args.kv_dtype, f16_weights=args.f16_weights, int8_activations=args.int8,
+                           pdl=args.pdl, gpu_mem=gpu_mem)
     need = blocks(per_seq) + blocks(args.gen_tokens + 1) + streams_blocks
     if backend.n_blocks < need:
         raise TooLittleMemory(f"the KV pool within --gpu-mem {args.gpu_mem} holds {backend.n_blocks * bs} tokens "
@@ -210,9 +210,9 @@ def decode(backend, tokens: list[int], start: int, tables: list[list[int]], step
         return [SeqChunk(np.array([t], np.int32), start + i, tab, "last", sample=GREEDY)
                 for t, tab in zip(toks, tables, strict=True)]
 
-    if not run_ahead or steps < 1:
+    if not (run_ahead and backend.runs_ahead) or steps < 1:
         for i in range(steps):
-            tokens = [int(t) for t in backend.forward(step(i, tokens))]
+            tokens = [_token(t) for t in backend.forward(step(i, tokens))]
             out.append(tokens)
         return out
     pending = backend.submit(step(0, tokens))
@@ -222,6 +222,12 @@ def decode(backend, tokens: list[int], start: int, tables: list[list[int]], step
         pending = nxt
     out.append([int(t) for t in pending.result()])
     return out
+
+
+def _token(out) -> int:
+    """A greedy step's token: drawn on the device, or the argmax of the logits a backend returned instead
+    (DeepSeek V4's eager step samples on the host)."""
+    return int(out) if isinstance(out, SampledToken) else int(np.argmax(out[-1]))
 
 
 def _graph_step_ms(backend, timer, replays: int = 50) -> dict:
