@@ -28,19 +28,26 @@ def model(tmp_path_factory):
     return open_model(make_model("deepseek4", "tiny", tmp_path_factory.mktemp("ds4") / "tiny.gguf", seed=1))
 
 
-@pytest.fixture
-def step(model, monkeypatch):
+def _step(model, monkeypatch, ops, dev, max_rows: int):
+    """A HyperStep over `model`'s weights as upload_hyper_weights puts them on `dev`, with `ops` standing in for
+    the launchers in hyper_step.py and matmul.py."""
     from ember.worker.backends.cuda import hyper_step
     from ember.worker.backends.cuda import matmul as mm_mod
     from ember.worker.backends.cuda.hyper_weights import upload_hyper_weights
 
-    rec = Recorder()
     for mod in (hyper_step, mm_mod):
-        monkeypatch.setattr(mod, "ops", rec)
-    cfg, dev = model.config, FakeDevice()
-    w = upload_hyper_weights(dev, model.gguf, cfg)
+        monkeypatch.setattr(mod, "ops", ops)
+    cfg = model.config
     pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg),))
-    return hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=64), rec
+    pool.zero()
+    return hyper_step.HyperStep(dev, FakeStream(), cfg, upload_hyper_weights(dev, model.gguf, cfg), pool,
+                                n_blocks=N_BLOCKS, block_size=BS, max_rows=max_rows)
+
+
+@pytest.fixture
+def step(model, monkeypatch):
+    rec = Recorder()
+    return _step(model, monkeypatch, rec, FakeDevice(), 64), rec
 
 
 def _layer_logs(calls: list[str], n_layers: int) -> list[list[str]]:
@@ -153,18 +160,7 @@ def reference_backend(model, tmp_path_factory):
 def emulated(model, monkeypatch):
     from cuda_emulator import EmuDevice, EmuOps
 
-    from ember.worker.backends.cuda import hyper_step
-    from ember.worker.backends.cuda import matmul as mm_mod
-    from ember.worker.backends.cuda.hyper_weights import upload_hyper_weights
-
-    emu = EmuOps()
-    for mod in (hyper_step, mm_mod):
-        monkeypatch.setattr(mod, "ops", emu)
-    cfg, dev = model.config, EmuDevice()
-    w = upload_hyper_weights(dev, model.gguf, cfg)
-    pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg),))
-    pool.zero()
-    return hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=160)
+    return _step(model, monkeypatch, EmuOps(), EmuDevice(), 160)
 
 
 def test_the_step_computes_the_twins_logits(emulated, reference_backend):

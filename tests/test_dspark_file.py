@@ -6,15 +6,13 @@ with it, and answers greedy exactly as it does without it."""
 from __future__ import annotations
 
 import re
-import subprocess
-import time
 
 import httpx
 import pytest
 from gguf import GGUFReader
-from test_daemon_support import free_port
 
 from ember.worker.bench.synth import make_model, plan_dspark, resolve_shape
+from ember.worker.bench.workerproc import LlamaServerProcess
 
 SPEC = resolve_shape("deepseek4", "tiny")
 assert SPEC.dsv4 is not None and SPEC.dsv4.dspark is not None
@@ -61,26 +59,11 @@ def test_the_drafter_holds_what_llama_cpps_dflash_loader_reads(pair):
 
 def _complete(server, trunk, tmp_path, prompt: str, n: int, *draft: str) -> tuple[str, str]:
     """(llama-server's greedy completion of `prompt`, its log) with the extra flags `draft`."""
-    port, log = free_port(), tmp_path / f"server-{len(draft)}.log"
-    with open(log, "wb") as out:
-        p = subprocess.Popen([str(server), "-m", str(trunk), *draft, "--port", str(port), "-c", "512", "-t", "2",
-                              "--no-warmup"], stdout=out, stderr=out)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-        while time.monotonic() < deadline and p.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0}, timeout=300)
+    with LlamaServerProcess(server, "-m", str(trunk), *draft, "-c", "512", "-t", "2", "--no-warmup",
+                            log_path=tmp_path / f"server-{len(draft)}.log") as p:
+        r = httpx.post(p.url + "/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0}, timeout=300)
         assert r.status_code == 200 and r.json()["tokens_predicted"] == n
-        content = r.json()["content"]
-    finally:
-        p.terminate()
-        p.wait(timeout=30)
-    return content, log.read_text(errors="replace")
+    return r.json()["content"], p.log_text()  # read once the server has stopped: its timings are in
 
 
 def test_llama_server_drafts_blocks_with_it_and_answers_as_without(pair, tmp_path, llama_server):

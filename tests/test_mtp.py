@@ -486,34 +486,20 @@ def test_llama_server_drafts_with_the_pair(tmp_path, llama_server):
     (-md FILE --spec-type draft-mtp) and drafts with it. The shape's indexer keys are 128 wide: llama.cpp's
     MTP context cannot start on the tiny shape's 64 (see test_the_head_is_llama_cpps_mtp_graph)."""
     import re
-    import time
 
     import httpx
-    from test_daemon_support import free_port
+
+    from ember.worker.bench.workerproc import LlamaServerProcess
 
     spec = dataclasses.replace(SPEC, dsv4=dataclasses.replace(D4, indexer_dim=128))
     trunk = write_model(spec, tmp_path / "trunk.gguf", part=TRUNK_PART)
     layer = write_model(spec, tmp_path / "mtp-trunk.gguf", part=MTP_PART)
-    port, log = free_port(), tmp_path / "server.log"
-    with open(log, "wb") as out:
-        p = subprocess.Popen([str(llama_server), "-m", str(trunk), "-md", str(layer), "--spec-type", "draft-mtp",
-                              "--port", str(port), "-c", "512", "-t", "1", "--no-warmup"], stdout=out, stderr=out)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-        while time.monotonic() < deadline and p.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        r = httpx.post(url + "/completion", json={"prompt": "Repeat after me: a b c d", "n_predict": 16,
-                                                  "temperature": 0}, timeout=300)
+    with LlamaServerProcess(llama_server, "-m", str(trunk), "-md", str(layer), "--spec-type", "draft-mtp", "-c", "512",
+                            "-t", "1", "--no-warmup", log_path=tmp_path / "server.log") as p:
+        r = httpx.post(p.url + "/completion", json={"prompt": "Repeat after me: a b c d", "n_predict": 16,
+                                                    "temperature": 0}, timeout=300)
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 16
-    finally:
-        p.terminate()
-        p.wait(timeout=30)
-    text = log.read_text(errors="replace")
+    text = p.log_text()  # the timings line is written as the slot ends: read once the server has stopped
     assert f"loading draft model '{layer}'" in text
     (generated,) = [int(m) for m in re.findall(r"accepted /\s*(\d+) generated", text)]
     assert generated > 0

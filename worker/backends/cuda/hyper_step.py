@@ -257,7 +257,7 @@ class HyperStep:
 
         ex = lw.experts
         E, ffn, pairs = ex.experts, ex.ffn, n * k
-        ops.matvec_rows(dev, lw.router, self.hn, s.logits, n=n, stream=st)
+        ops.matvec_rows(dev, ex.router, self.hn, s.logits, n=n, stream=st)
         tile = 1 if n == 1 else TILE_ROWS
         hashed = (lw.token_experts, tok) if lw.token_experts is not None else None
         nt = ops.moe_route_group(dev, s.logits, s, n=n, experts=E, k=k, gating="sqrt-softplus",

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from ember.kernels import ops, quants
+from ember.kernels import ops
 from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ...model.config import ModelConfig
 from ...model.gguf_file import GGUFFile, ModelFileError
 from ..numpy.hyper import rope_frequencies
+from .layers import _Uploader
 
 
 @dataclass
@@ -34,8 +35,7 @@ class HyperLayer:
     kv_norm: DeviceArray
     o_a: list[ops.QuantMatrix]  # one [rank, heads * head_dim / groups] a group of heads
     o_b: ops.QuantMatrix
-    router: ops.QuantMatrix
-    experts: ops.MoeWeights
+    experts: ops.MoeWeights  # its router too
     shared_gate: ops.QuantMatrix
     shared_up: ops.QuantMatrix
     shared_down: ops.QuantMatrix
@@ -65,42 +65,38 @@ class HyperWeights:
     def matrices(self) -> list[ops.QuantMatrix]:
         out = [self.token_embd, self.output, self.output_mix[0]]
         for lw in self.layers:
-            out += [lw.attn_mix[0], lw.ffn_mix[0], lw.q_a, lw.q_b, lw.kv, *lw.o_a, lw.o_b, lw.router, lw.shared_gate,
-                    lw.shared_up, lw.shared_down]
+            out += [lw.attn_mix[0], lw.ffn_mix[0], lw.q_a, lw.q_b, lw.kv, *lw.o_a, lw.o_b, lw.experts.router,
+                    lw.shared_gate, lw.shared_up, lw.shared_down]
             out += [m for m in (lw.indexer_q_b, lw.indexer_proj) if m is not None]
             for part in (lw.compressor, lw.indexer):
                 out += [part[0], part[1]] if part is not None else []
         return out
 
 
-class _Reader:
-    def __init__(self, dev: Device, g: GGUFFile):
-        self.dev, self.g = dev, g
+class _Reader(_Uploader):
+    """layers.py's uploader (its host vectors and its experts: gate and up stacked where their types agree,
+    no biases here), with a missing tensor named in one line, a scale folded into a matrix and a grouped
+    projection's matrices."""
 
     def info(self, name: str):
         if name not in self.g.tensors:
             raise ModelFileError(self.g.path, f"missing tensor {name}")
         return self.g.tensors[name]
 
-    def host(self, name: str) -> np.ndarray:
-        """A tensor as float32 on the host, numpy order."""
-        info = self.info(name)
-        shape = tuple(reversed(info.shape))
-        return np.asarray(quants.dequantize(self.g.raw(name), info.ggml_type, shape), np.float32).reshape(shape)
-
-    def vector(self, name: str) -> DeviceArray:
-        return self.dev.to_device(self.host(name).reshape(-1))
+    def device_vector(self, name: str) -> DeviceArray:
+        self.info(name)
+        return self.dev.to_device(self.host_vector(name))
 
     def matrix(self, name: str, scale: float | None = None) -> ops.QuantMatrix:
         """A 2-D tensor in its block format; scale: multiplied in, as float32 (the indexer's head weights)."""
         info = self.info(name)
+        if scale is None:
+            return super().matrix(name)
         if len(info.shape) != 2:
             raise ModelFileError(self.g.path, f"tensor {name} is not 2-D")
         cols, rows = int(info.shape[0]), int(info.shape[1])
-        if scale is not None:
-            data = self.host(name) * np.float32(scale)
-            return ops.QuantMatrix.upload(self.dev, data, GGMLQuantizationType.F32, rows, cols)
-        return ops.QuantMatrix.upload(self.dev, self.g.raw(name), info.ggml_type, rows, cols)
+        data = self.host_vector(name) * np.float32(scale)
+        return ops.QuantMatrix.upload(self.dev, data, GGMLQuantizationType.F32, rows, cols)
 
     def groups(self, name: str, groups: int) -> list[ops.QuantMatrix]:
         """A grouped projection [groups * rank, width] as one matrix a group (views of one upload)."""
@@ -109,23 +105,6 @@ class _Reader:
         nbytes = rank * whole.row_bytes
         return [ops.QuantMatrix(whole.data.view(g * nbytes, nbytes), whole.type, rank, whole.cols, stride=whole.stride)
                 for g in range(groups)]
-
-    def experts(self, names: dict[str, str]) -> ops.MoeWeights:
-        """The routed experts: gate and up stacked [gate_e; up_e] where their types agree (the grouped
-        products then read one matrix), down apart; the router is read by hyper.py's routing."""
-        gate, up, down = (self.info(names[r]) for r in ("gate_exps", "up_exps", "down_exps"))
-        hidden, ffn, n = (int(v) for v in gate.shape)
-
-        def upload(infos, rows: int, cols: int) -> ops.ExpertMatrices:
-            return ops.ExpertMatrices.upload(self.dev, [self.g.raw(t.name) for t in infos], infos[0].ggml_type, n,
-                                             [rows] * len(infos), cols)
-
-        router = self.matrix(names["router"])
-        stacked = gate.ggml_type == up.ggml_type
-        return ops.MoeWeights(router=router, down=upload([down], hidden, ffn),
-                              gate_up=upload([gate, up], ffn, hidden) if stacked else None,
-                              gate=None if stacked else upload([gate], ffn, hidden),
-                              up=None if stacked else upload([up], ffn, hidden))
 
 
 def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> HyperWeights:
@@ -136,7 +115,7 @@ def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> Hyper
     model = family.hyper.model
 
     def mix(fn: str, scale: str, base: str):
-        return rd.matrix(fn), rd.vector(scale), rd.vector(base)
+        return rd.matrix(fn), rd.device_vector(scale), rd.device_vector(base)
 
     layers = []
     for li in range(config.n_layers):
@@ -153,24 +132,25 @@ def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> Hyper
             ratio=ratio,
             attn_mix=mix(name("attn_mix_fn"), name("attn_mix_scale"), name("attn_mix_base")),
             ffn_mix=mix(name("ffn_mix_fn"), name("ffn_mix_scale"), name("ffn_mix_base")),
-            attn_norm=rd.vector(name("attn_norm")), ffn_norm=rd.vector(name("ffn_norm")),
-            sinks=rd.vector(name("sinks")),
-            q_a=rd.matrix(name("q_a")), q_a_norm=rd.vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
-            kv=rd.matrix(name("kv")), kv_norm=rd.vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
-            o_b=rd.matrix(name("o_b")), router=rd.matrix(name("router")),
-            experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),
+            attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
+            sinks=rd.device_vector(name("sinks")),
+            q_a=rd.matrix(name("q_a")), q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
+            kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
+            o_b=rd.matrix(name("o_b")),
+            experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
             shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
             shared_down=rd.matrix(name("shared_down")),
             clamp=float(h.swiglu_clamp_exp[li]), clamp_shared=float(h.swiglu_clamp_shexp[li]),
-            select_bias=None if hashed else rd.vector(name("router_select_bias")),
+            select_bias=None if hashed else rd.device_vector(name("router_select_bias")),
             token_experts=(dev.to_device(np.ascontiguousarray(g.raw(name("token_to_experts")).view("<i4")))
                            if hashed else None))
         if ratio:
             lw.compressor = (rd.matrix(name("compressor_kv")), rd.matrix(name("compressor_gate")),
-                             rd.vector(name("compressor_ape")), rd.vector(name("compressor_norm")))
+                             rd.device_vector(name("compressor_ape")), rd.device_vector(name("compressor_norm")))
         if ratio == 4 and has("indexer_q_b"):
             lw.indexer = (rd.matrix(name("indexer_compressor_kv")), rd.matrix(name("indexer_compressor_gate")),
-                          rd.vector(name("indexer_compressor_ape")), rd.vector(name("indexer_compressor_norm")))
+                          rd.device_vector(name("indexer_compressor_ape")),
+                          rd.device_vector(name("indexer_compressor_norm")))
             lw.indexer_q_b = rd.matrix(name("indexer_q_b"))
             # the twin divides the head weights by sqrt(heads * dim) after the product: folded into the matrix
             lw.indexer_proj = rd.matrix(name("indexer_proj"), scale=1.0 / np.sqrt(h.indexer_dim * h.indexer_heads))
@@ -179,7 +159,7 @@ def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> Hyper
     rope_window = rope_frequencies(config.rope_base, h.n_rot)
     rope_compressed = rope_frequencies(h.compress_rope_base, h.n_rot, config.rope_yarn)
     return HyperWeights(
-        token_embd=rd.matrix(t.token_embd), output=rd.matrix(t.output), output_norm=rd.vector(t.output_norm),
+        token_embd=rd.matrix(t.token_embd), output=rd.matrix(t.output), output_norm=rd.device_vector(t.output_norm),
         output_mix=mix(model["output_mix_fn"], model["output_mix_scale"], model["output_mix_base"]), layers=layers,
         rope_window=dev.to_device(rope_window.astype(np.float32)),
         rope_compressed=dev.to_device(rope_compressed.astype(np.float32)),
