@@ -76,6 +76,21 @@ class EmuDevice:
         arr = np.ascontiguousarray(arr)
         return EmuArray(arr.reshape(-1).copy(), 0, arr.shape)
 
+    def scratch(self, key: str, nbytes: int) -> EmuArray:
+        return self.empty((nbytes,), np.uint8)
+
+
+class EmuGraph:
+    """A captured step: what a CUDA graph replays, the same launches with the same arguments over the same
+    buffers, is here the same call of the step's forward pass (HyperStep._capture's stand-in: it runs
+    nothing at capture, as a capture computes nothing)."""
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def launch(self) -> None:
+        self.forward()
+
 
 def dense(m: real_ops.QuantMatrix) -> np.ndarray:
     """A matrix as the kernels decode it: its rows at their stride, each row's blocks (no Q6_K here: its
@@ -99,6 +114,11 @@ def _put(y: EmuArray, n: int, cols: int, ld: int | None, v: np.ndarray) -> None:
         y.rest()[np.arange(n)[:, None] * ld + np.arange(cols)[None, :]] = v
 
 
+def _half(x: np.ndarray) -> np.ndarray:
+    """The tensor cores' inputs: rounded to float16, summed in float32."""
+    return x.astype(np.float16).astype(np.float32)
+
+
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -115,6 +135,14 @@ class EmuOps:
     @staticmethod
     def matvec(dev, w, x, y, *, n=None, res=None, variant="auto", split=False, stream=None, **_):
         out = _rows(x, n, w.cols) @ dense(w).T
+        if res is not None:
+            out = out + _rows(res, n, w.rows)
+        _put(y, n, w.rows, None, out)
+
+    @staticmethod
+    def linear_tc(dev, w, x, y, *, n, res=None, kind="f16", scratch="gemm", stream=None):
+        assert kind == "f16"
+        out = _half(_rows(x, n, w.cols)) @ _half(dense(w)).T
         if res is not None:
             out = out + _rows(res, n, w.rows)
         _put(y, n, w.rows, None, out)
@@ -209,16 +237,22 @@ class EmuOps:
     # -- attention over key lists -----------------------------------------------------------------
 
     @staticmethod
-    def compress_rows(dev, kv, score, rows, out, *, ld, first, blocks, ratio, width, overlap, ldo=None, stream=None):
+    def compress_rows(dev, kv, score, rows, starts, out, *, ld, blocks, ratio, width, overlap, ldo=None,
+                      stream=None):
         from ember.worker.backends.numpy.hyper import compress
 
         ldo = width if ldo is None else ldo
-        end = (first + blocks) * ratio
-        prow = rows.a[:end].astype(np.int64)
         cw = 2 * width if overlap else width
-        v = kv.rest()[prow[:, None] * ld + np.arange(cw)[None, :]]
-        s = score.rest()[prow[:, None] * ld + np.arange(cw)[None, :]]
-        _put(out, blocks, width, ldo, compress(v, s, ratio, first + blocks, overlap)[first:])
+        got = []
+        for own, prev in starts.a[: 2 * blocks].reshape(-1, 2):
+            # the twin over this block alone, or over the block before and this one (its second row)
+            parts = [prev, own] if overlap and prev >= 0 else [own]
+            prow = np.concatenate([rows.a[p : p + ratio] for p in parts]).astype(np.int64)
+            v = kv.rest()[prow[:, None] * ld + np.arange(cw)[None, :]]
+            s = score.rest()[prow[:, None] * ld + np.arange(cw)[None, :]]
+            got.append(compress(v, s, ratio, len(parts), overlap)[-1])
+        if blocks:
+            _put(out, blocks, width, ldo, np.stack(got))
 
     @staticmethod
     def indexer_scores(dev, q, w, keys, crow, ccnt, score, *, n, heads, dim, ld, ldc, stream=None):
@@ -289,6 +323,17 @@ class EmuOps:
         for e, r0, nb in tiles.a[: 3 * n_tiles].reshape(-1, 3):
             xs = _rows(x.view(r0 * cols if x_per_pair else 0, nb * cols), nb, cols) if x_per_pair else \
                 np.repeat(_rows(x, 1, cols), nb, axis=0)
+            _put(y.view(r0 * rows, nb * rows), nb, rows, None, xs @ whole[e].T)
+
+    @staticmethod
+    def moe_gemm(dev, w, tiles, n_tiles, x, y, *, tile, half="f16", order=None, k=1, act=None, stream=None):
+        assert act is None and half == "f16" and w.bias is None
+        rows, cols = w.rows, w.m.cols
+        whole = _half(dense(w.m)).reshape(w.experts, rows, cols)
+        for e, r0, nb in tiles.a[: 3 * n_tiles].reshape(-1, 3):
+            assert nb <= tile
+            src = order.a[r0 : r0 + nb] // k if order is not None else np.arange(r0, r0 + nb)
+            xs = _half(x.a[: x.size].reshape(-1, cols)[src])
             _put(y.view(r0 * rows, nb * rows), nb, rows, None, xs @ whole[e].T)
 
     @staticmethod

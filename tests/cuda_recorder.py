@@ -78,6 +78,9 @@ class FakeDevice:
     def empty(self, shape, dtype=np.float32) -> FakeArray:
         return FakeArray(f"buf{next(self._n)}", shape, dtype)
 
+    def scratch(self, key: str, nbytes: int) -> FakeArray:
+        return FakeArray(f"scratch_{key}", (nbytes,), np.uint8)
+
     def to_device(self, arr) -> FakeArray:
         arr = np.asarray(arr)
         a = FakeArray(f"w{next(self._n)}", arr.shape, arr.dtype)

@@ -1,7 +1,8 @@
 """The CUDA DeepSeek V4 step's key lists (worker/backends/cuda/hyper_keys.py), planned on the host: each query
 row attends to exactly the keys the numpy twin's masks allow (hyper.HyperStack._attention: the window's
 positions p - window < p' <= p, every compressed row of a whole block up to p in an HCA layer, the indexer's
-candidates in a CSA layer), through scratch rows that name the right pool rows. No GPU needed."""
+candidates in a CSA layer), through the step's one scratch, whose rows name the right pool rows (a window
+row) or the right block of positions (a compressed row). No GPU needed."""
 
 from __future__ import annotations
 
@@ -40,11 +41,22 @@ def _chunks(rng) -> list[SeqChunk]:
     return out
 
 
+def _compressed_row(keys: hyper_keys.StepKeys, ci: int, s: int, ratio: int) -> int:
+    """Chunk ci's compressed row that scratch row s holds, checked to be made from the right positions."""
+    ch, comp, M = keys.chunks[ci], keys.comp[ratio], keys.window_rows
+    j = s - M - comp.at[ci]
+    assert 0 <= j < ch.end // ratio
+    prev = ch.prow_at + (j - 1) * ratio if j else -1
+    assert comp.starts[s - M].tolist() == [ch.prow_at + j * ratio, prev]
+    assert comp.positions[s - M] == j * ratio
+    return j
+
+
 @pytest.mark.parametrize("ratios", [{0}, {0, 4, 128}, {4}, {128}])
 def test_each_query_attends_to_the_twins_keys(ratios):
     chunks = _chunks(np.random.default_rng(3))
     keys = hyper_keys.plan(chunks, block_size=BS, window=WINDOW, ratios=ratios, top_k=TOP_K)
-    row = 0
+    M, row = keys.window_rows, 0
     for ci, c in enumerate(chunks):
         ch = keys.chunks[ci]
         end = c.start + len(c.tokens)
@@ -53,28 +65,33 @@ def test_each_query_attends_to_the_twins_keys(ratios):
         p = np.arange(end)
         want = np.asarray(c.block_table)[p // BS] * BS + p % BS
         np.testing.assert_array_equal(keys.prow[ch.prow_at : ch.prow_at + end], want)
+        # its window rows in the scratch: positions first .. end - 1, from their pool rows
+        np.testing.assert_array_equal(keys.wrows[ch.win_at : ch.win_at + ch.m], want[ch.first :])
+
         for ratio in ratios:
             twin = _twin_masks(c, ratio)
             lists = keys.lists[ratio]
             for t, (window, visible) in enumerate(twin):
                 got = lists.idx[row + t, : lists.cnt[row + t]].tolist()
                 assert -1 not in got and len(got) == len(set(got))
-                win = {ch.first + r for r in got if r < ch.m}  # scratch row r: position first + r
-                comp = {r - ch.m for r in got if r >= ch.m}  # scratch row m + j: compressed row j
+                assert all(ch.win_at <= r < ch.win_at + ch.m for r in got if r < M)  # its own chunk's
+                win = {ch.first + r - ch.win_at for r in got if r < M}
+                comp = {_compressed_row(keys, ci, r, ratio) for r in got if r >= M}
                 assert win == window
                 if ratio == 4:  # the window only: the indexer appends its picks on the device
                     assert not comp
                     assert keys.crow is not None and keys.ccnt is not None
-                    cand = keys.crow[row + t, : keys.ccnt[row + t]] - ch.m
-                    assert set(cand.tolist()) == visible and len(cand) == len(visible)
+                    cand = keys.crow[row + t, : keys.ccnt[row + t]]
+                    assert {_compressed_row(keys, ci, r, ratio) for r in cand} == visible and len(cand) == len(visible)
                     assert lists.idx.shape[1] >= len(window) + min(TOP_K, len(visible))
                 else:
                     assert comp == visible
         row += len(c.tokens)
     assert row == sum(len(c.tokens) for c in chunks)
-    # the scratch holds any chunk's window rows and its compressed rows at once
-    for ci, ch in enumerate(keys.chunks):
-        assert keys.scratch_rows >= ch.m + max((keys.comp_rows[r][ci] for r in keys.comp_rows), default=0)
+    # the scratch holds the window rows and any layer kind's compressed rows at once
+    assert keys.scratch_rows == M + max((comp.rows for comp in keys.comp.values()), default=0)
+    for ratio, comp in keys.comp.items():
+        assert comp.rows == sum((c.start + len(c.tokens)) // ratio for c in chunks)
 
 
 def test_a_step_of_single_tokens_at_position_zero():
@@ -82,6 +99,69 @@ def test_a_step_of_single_tokens_at_position_zero():
     keys = hyper_keys.plan(chunks, block_size=BS, window=WINDOW, ratios={0, 4, 128}, top_k=TOP_K)
     for r in (0, 4, 128):
         np.testing.assert_array_equal(keys.lists[r].cnt, [1, 1, 1])
-        np.testing.assert_array_equal(keys.lists[r].idx[:, 0], [0, 0, 0])
+        np.testing.assert_array_equal(keys.lists[r].idx[:, 0], [0, 1, 2])  # each its own window row
+    assert keys.comp[4].rows == keys.comp[128].rows == 0
     assert keys.ccnt is not None and not keys.ccnt.any()
     np.testing.assert_array_equal(keys.prow, [0, BS, 2 * BS])
+
+
+def _shapes(keys: hyper_keys.StepKeys) -> tuple:
+    return (keys.prow.shape, keys.wrows.shape, keys.crow.shape if keys.crow is not None else None,
+            {r: (kl.idx.shape, kl.cnt.shape) for r, kl in keys.lists.items()},
+            {r: (c.starts.shape, c.positions.shape) for r, c in keys.comp.items()})
+
+
+def test_a_padded_decode_step_keeps_its_shape_and_its_keys():
+    """A captured step's plan: every array's shape a function of (rows, context) alone, so one graph
+    replays for steps at different depths; the real rows see exactly the keys of the unpadded plan; the
+    padded rows attend to scratch row 0, see no compressed row, and their blocks read the trash row."""
+    rng = np.random.default_rng(5)
+    ratios, trash = {0, 4, 128}, 10_000
+    pad = hyper_keys.Pad(rows=4, context=512, trash=trash)
+
+    def decode(depths):
+        perm = rng.permutation(200).tolist()
+        out = []
+        for d in depths:
+            blocks = -(-(d + 1) // BS)
+            table, perm = perm[:blocks], perm[blocks:]
+            out.append(SeqChunk(np.array([7], np.int32), d, table, "last"))
+        return out
+
+    shapes = set()
+    for depths in ([3, 300], [130, 511, 17], [0]):
+        chunks = decode(depths)
+        plain = hyper_keys.plan(chunks, block_size=BS, window=WINDOW, ratios=ratios, top_k=TOP_K)
+        padded = hyper_keys.plan(chunks, block_size=BS, window=WINDOW, ratios=ratios, top_k=TOP_K, pad=pad)
+        shapes.add(str(_shapes(padded)))
+        n = len(chunks)
+        for r in ratios:
+            a, b = plain.lists[r], padded.lists[r]
+            for t in range(n):  # the same pool rows and compressed blocks, through each plan's scratch
+                assert _keys_of(plain, r, a.idx[t, : a.cnt[t]]) == _keys_of(padded, r, b.idx[t, : b.cnt[t]])
+            np.testing.assert_array_equal(b.cnt[n:], 1)
+            np.testing.assert_array_equal(b.idx[n:, 0], 0)
+        assert padded.ccnt is not None and plain.ccnt is not None and plain.crow is not None
+        np.testing.assert_array_equal(padded.ccnt[:n], plain.ccnt)
+        assert not padded.ccnt[n:].any()
+        for t in range(n):
+            assert (_keys_of(plain, 4, plain.crow[t, : plain.ccnt[t]])
+                    == _keys_of(padded, 4, padded.crow[t, : padded.ccnt[t]]))
+        assert (padded.wrows[plain.window_rows :] == trash).all()
+        for r, comp in padded.comp.items():
+            extra = comp.starts[plain.comp[r].rows :]
+            assert (padded.prow[extra[:, 0, None] + np.arange(r)] == trash).all() and (extra[:, 1] == -1).all()
+    assert len(shapes) == 1
+
+
+def _keys_of(keys: hyper_keys.StepKeys, ratio: int, rows) -> set:
+    """What scratch rows hold: ("pool", pool row) for a window row, ("block", its positions' pool rows) for
+    a compressed row."""
+    out = set()
+    for s in rows:
+        if s < keys.window_rows:
+            out.add(("pool", int(keys.wrows[s])))
+        else:
+            start = int(keys.comp[ratio].starts[s - keys.window_rows, 0])
+            out.add(("block", tuple(keys.prow[start : start + ratio].tolist())))
+    return out

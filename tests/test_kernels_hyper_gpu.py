@@ -70,31 +70,41 @@ def test_hc_pre_head_mix(dev, rng):
     assert rel(y.to_host(), want) < 1e-5
 
 
+def block_starts(blocks: range, at: int, ratio: int) -> np.ndarray:
+    """compress_rows' starts for a sequence's blocks whose position 0 is rows[at]: each block's first
+    position, and the block before's (-1 for block 0)."""
+    b = np.asarray(blocks, np.int64)
+    return np.stack([at + b * ratio, np.where(b > 0, at + (b - 1) * ratio, -1)], axis=1).astype(np.int32)
+
+
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (128, False)])
 def test_compress_rows_match_the_reference(dev, rng, ratio, overlap):
     """CSA (ratio 4, overlapping) and HCA (128) rows from a pool whose positions sit in shuffled blocks
-    of 16 rows (a block table), the value and score columns views of one pool row."""
+    of 16 rows (a block table), the value and score columns views of one pool row: two sequences in one
+    launch, the first from a later block on (what a step adds), the second whole."""
     d, bs, n_pos = 64, 16, 512
     width = 2 * d if overlap else d
     row = 3 * width + 5  # other columns around them, as in the pool
-    n_blocks = n_pos // bs
+    n_blocks = 2 * n_pos // bs
     table = rng.permutation(n_blocks)
-    slots = (table[np.arange(n_pos) // bs] * bs + np.arange(n_pos) % bs).astype(np.int32)
-    pool = rng.normal(0, 1, (n_blocks * bs, row)).astype(np.float32)
     kv_at, score_at = 5, 5 + 2 * width
-    kv, score = pool[slots, kv_at : kv_at + width], pool[slots, score_at : score_at + width] * 3
-    pool[slots, score_at : score_at + width] = score
+    pool = rng.normal(0, 1, (n_blocks * bs, row)).astype(np.float32)
+    pool[:, score_at : score_at + width] *= 3
+    seqs = []
+    for s_ in range(2):
+        p = np.arange(n_pos)
+        seqs.append((table[s_ * n_pos // bs + p // bs] * bs + p % bs).astype(np.int32))
     blocks = n_pos // ratio
-    want = hyper.compress(kv, score, ratio, blocks, overlap)
-
+    want = [hyper.compress(pool[sl, kv_at : kv_at + width], pool[sl, score_at : score_at + width], ratio, blocks,
+                           overlap) for sl in seqs]
+    first = blocks // 2
+    starts = np.concatenate([block_starts(range(first, blocks), 0, ratio), block_starts(range(blocks), n_pos, ratio)])
     d_pool = dev.to_device(pool)
-    first = blocks // 2  # the rows from a later block on (what a step adds), then all of them
-    for lo in (first, 0):
-        out = poisoned(dev, (blocks - lo, d))
-        ops.compress_rows(dev, d_pool.view(kv_at, pool.size - kv_at), d_pool.view(score_at, pool.size - score_at),
-                          dev.to_device(slots), out, ld=row, first=lo, blocks=blocks - lo, ratio=ratio, width=d,
-                          overlap=overlap)
-        assert rel(out.to_host(), want[lo:]) < 1e-5
+    out = poisoned(dev, (len(starts), d))
+    ops.compress_rows(dev, d_pool.view(kv_at, pool.size - kv_at), d_pool.view(score_at, pool.size - score_at),
+                      dev.to_device(np.concatenate(seqs)), dev.to_device(starts), out, ld=row, blocks=len(starts),
+                      ratio=ratio, width=d, overlap=overlap)
+    assert rel(out.to_host(), np.concatenate([want[0][first:], want[1]])) < 1e-5
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])

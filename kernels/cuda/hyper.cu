@@ -98,36 +98,38 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-// Blocks b0 .. b0 + nb of `ratio` positions each: position p's value and score rows at kv + rows[p] * ld
-// and score + rows[p] * ld (rows: the positions' pool rows, a block's positions consecutive in it). Width
-// d of the output row; overlap (CSA): the value and score rows are 2 d wide, the block before contributing
-// its first halves and this block its second. out[(b - b0) * ldo + j]; grid (ceil(d / blockDim.x), nb).
+// nb compressed rows, each of a block of `ratio` positions: position p's value and score rows at
+// kv + rows[p] * ld and score + rows[p] * ld (rows: pool rows, a block's positions consecutive in it).
+// Output row b's block starts at rows[starts[2 b]]; overlap (CSA): the value and score rows are 2 d wide,
+// this block contributing their second halves and the block before it (starting at rows[starts[2 b + 1]],
+// -1: none) their first. So one launch serves the blocks of several sequences, each its own rows.
+// out[b * ldo + j], j < d; grid (ceil(d / blockDim.x), nb).
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
     compress_rows(const float* __restrict__ kv, const float* __restrict__ score, i64 ld, const int* __restrict__ rows,
-                  int b0, int ratio, int d, int overlap, float* __restrict__ out, i64 ldo) {
+                  const int* __restrict__ starts, int ratio, int d, int overlap, float* __restrict__ out, i64 ldo) {
     grid_dependency_sync();
-    const int b = b0 + blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= d) return;
-    // the parts: (the block before, first halves) when overlapping and b > 0; (this block, second halves)
+    // the parts: (the block before, first halves) when overlapping and it exists; (this block, second halves)
     const int parts = overlap ? 2 : 1;
     float mx = NEG_INF;
     for (int part = 0; part < parts; ++part) {
-        const int blk = overlap && part == 0 ? b - 1 : b, col = overlap && part == 1 ? d + j : j;
-        if (blk < 0) continue;
-        for (int i = 0; i < ratio; ++i) mx = fmaxf(mx, score[(i64)rows[blk * ratio + i] * ld + col]);
+        const int at = starts[2 * b + (overlap && part == 0)], col = overlap && part == 1 ? d + j : j;
+        if (at < 0) continue;
+        for (int i = 0; i < ratio; ++i) mx = fmaxf(mx, score[(i64)rows[at + i] * ld + col]);
     }
     float sum = 0.0f, acc = 0.0f;
     for (int part = 0; part < parts; ++part) {
-        const int blk = overlap && part == 0 ? b - 1 : b, col = overlap && part == 1 ? d + j : j;
-        if (blk < 0) continue;
+        const int at = starts[2 * b + (overlap && part == 0)], col = overlap && part == 1 ? d + j : j;
+        if (at < 0) continue;
         for (int i = 0; i < ratio; ++i) {
-            const i64 r = (i64)rows[blk * ratio + i] * ld + col;
+            const i64 r = (i64)rows[at + i] * ld + col;
             const float w = expf(score[r] - mx);
             sum += w;
             acc = fmaf(w, kv[r], acc);
         }
     }
-    out[(i64)blockIdx.y * ldo + j] = acc / sum;
+    out[(i64)b * ldo + j] = acc / sum;
 }
 
 // Attention of query rows over chosen key rows, the single KV head being key and value at once, a learned

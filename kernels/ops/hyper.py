@@ -55,19 +55,21 @@ def hc_merge(dev: Device, x: DeviceArray, y: DeviceArray, post: DeviceArray, com
                                            hidden, stream=stream)
 
 
-def compress_rows(dev: Device, kv: DeviceArray, score: DeviceArray, rows: DeviceArray, out: DeviceArray, *,
-                  ld: int, first: int, blocks: int, ratio: int, width: int, overlap: bool, ldo: int | None = None,
-                  stream=None) -> None:
-    """The compressed rows of blocks first .. first + blocks of `ratio` positions into out [blocks, ldo]:
-    position p's value and score rows are kv and score at rows[p] * ld (float offsets; kv and score may be
-    column views of one pool). overlap (CSA): those rows are 2 * width wide and a block weighs the first
-    halves of the block before it too. Twin: hyper.compress (its rows from `first` on)."""
+def compress_rows(dev: Device, kv: DeviceArray, score: DeviceArray, rows: DeviceArray, starts: DeviceArray,
+                  out: DeviceArray, *, ld: int, blocks: int, ratio: int, width: int, overlap: bool,
+                  ldo: int | None = None, stream=None) -> None:
+    """`blocks` compressed rows of `ratio` positions each into out [blocks, ldo]: position p's value and score
+    rows are kv and score at rows[p] * ld (float offsets; kv and score may be column views of one pool);
+    row b's block is the positions rows[starts[b, 0] ..][:ratio] (starts int32 [blocks, 2]). overlap (CSA):
+    those rows are 2 * width wide and a block weighs the first halves of the block before it too, the
+    positions rows[starts[b, 1] ..][:ratio] (-1: none, a sequence's first block). Rows of several sequences
+    go in one launch, each block pointing into its own sequence's rows. Twin: hyper.compress (per sequence)."""
     ldo = width if ldo is None else ldo
-    need(rows, np.int32, (first + blocks) * ratio, "rows")
+    need(starts, np.int32, 2 * blocks, "starts")
     need(out, np.float32, (blocks - 1) * ldo + width, "out")
     if blocks:
         dev.kernel("hyper", "compress_rows").launch(
-            (-(-width // HC_THREADS), blocks), (HC_THREADS,), kv, score, I64(ld), rows, first, ratio, width,
+            (-(-width // HC_THREADS), blocks), (HC_THREADS,), kv, score, I64(ld), rows, starts, ratio, width,
             int(overlap), out, I64(ldo), stream=stream)
 
 

@@ -133,7 +133,8 @@ def run(args) -> dict:
     limit = bandwidth / wbytes
     tg_med = float(np.median(tg))
     out = {
-        "model": model.path.name, "backend": "cuda", "device": backend.dev.name, "kv_dtype": args.kv_dtype,
+        "model": model.path.name, "backend": "cuda", "device": backend.dev.name,
+        "kv_dtype": "f16" if backend.block_dtype == np.float16 else "f32",  # the pool's, as the backend keeps it
         "f16_weights": backend.f16_weights, "int8": backend.int8_activations, "pdl": backend.pdl,
         "run_ahead": args.run_ahead,
         f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1), "prefill_chunk": chunk,

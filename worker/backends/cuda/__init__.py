@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from .hyper import CudaHyperBackend
 
 # what the HYPER step takes of CudaBackend's settings (the others tune paths it does not have yet)
-_HYPER_SETTINGS = ("n_blocks", "block_size", "device", "max_rows", "max_seqs", "gpu_mem")
+_HYPER_SETTINGS = ("n_blocks", "block_size", "device", "max_rows", "max_seqs", "gpu_mem", "tensor_cores",
+                   "graphs")
 
 
 def open_backend(config: ModelConfig, gguf_file: GGUFFile, **settings) -> CudaBackend | CudaHyperBackend:

@@ -8,9 +8,10 @@ contiguous run of block_size rows, so a block file holds the twin's block; the p
 and restores work as for the other families (kv_layout names the layout). A compressed row is a pure
 function of the positions of its block, so each step makes the rows a chunk sees from the pool.
 
-This first form runs every step eagerly and samples on the host from the logits: correctness on the device
-before speed. Not yet (docs/models.md): captured steps, device sampling and run-ahead, the tensor cores, the
-compact device layout of the compressed rows, --spec mtp.
+Tokens are sampled on the host from the logits. Decode steps replay as captured graphs of their padded
+shape, other steps run eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores
+(hyper_step.py). Not yet (docs/models.md): device sampling and run-ahead, the compact device layout of the
+compressed rows, --spec mtp.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ class CudaHyperBackend(Backend):
     block_dtype = np.dtype(np.float32)
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
     f16_weights = int8_activations = pdl = False
-    graph_replays = 0
-    _graphs: dict = {}
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
-                 device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None):
+                 device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None,
+                 tensor_cores: bool = True, graphs: bool = True):
         from ember.kernels.cuda_runtime import Stream
 
         assert config.hyper is not None
@@ -64,11 +64,23 @@ class CudaHyperBackend(Backend):
             self.pool = self.dev.empty((rows * self.width,))
             self.pool.zero()
             self.step = HyperStep(self.dev, self.stream, config, self.w, self.pool, n_blocks=self.n_blocks,
-                                  block_size=block_size, max_rows=self.max_rows)
+                                  block_size=block_size, max_rows=self.max_rows, tensor_cores=tensor_cores,
+                                  graphs=graphs)
+            self.tensor_cores = self.step.tensor_cores
             total = self.dev.memory_info()[1]
             self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
+
+    @property
+    def graph_replays(self) -> int:
+        return self.step.graph_replays
+
+    @property
+    def _graphs(self) -> dict:
+        """The captured decode steps as `ember bench speed` reads CudaBackend's: (rows, context in blocks, slot)
+        -> (graph, its buffers)."""
+        return {(r, c // self.block_size, 0): (g, None) for (r, c), g in self.step._graphs.items()}
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:

@@ -15,11 +15,15 @@ the weights' own blocks (matmul.py, no tensor cores, float activations: closest 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from ember.kernels import ops
 from ember.kernels.cuda_runtime import Device, DeviceArray
-from ember.kernels.ops.moe import TILE_ROWS
+from ember.kernels.ops.matmul import GEMM_TILE_K
+from ember.kernels.ops.moe import QGEMM_MIN_ROWS, QGEMM_TILES, TILE_ROWS
 
 from ...model.config import ModelConfig
 from ..base import SeqChunk, kv_slots
@@ -27,6 +31,13 @@ from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
 from .hyper_weights import HyperLayer, HyperWeights
 from .matmul import Matmuls
+
+# A decode step (one token a sequence) runs as a captured graph of its padded shape (hyper_keys.Pad): the
+# sequences to a power of two, the context to a power of two of at least GRAPH_MIN_CONTEXT, at most
+# GRAPH_MAX_POSITIONS rows times context (its key scratch holds every compressed row of that context,
+# remade each step: about 2.5 KB a position and layer kind at the real model's sizes); past that, eagerly.
+GRAPH_MIN_CONTEXT = 256
+GRAPH_MAX_POSITIONS = 1 << 18
 
 
 class _Buffers:
@@ -50,15 +61,36 @@ class _Buffers:
         return a
 
 
+@dataclass
+class _Inputs:
+    """A step's host plan on the device (hyper_keys.plan's, and the tokens')."""
+
+    tok: DeviceArray  # int32 [n]
+    pos: DeviceArray  # int32 [n] each row's position
+    slots: DeviceArray  # int32 [n] each row's pool row
+    prow: DeviceArray  # int32: every chunk's positions' pool rows (StepKeys.prow)
+    wrows: DeviceArray  # int32: the window rows' pool rows (StepKeys.wrows)
+    rep: DeviceArray  # int32 [n * hc]: each stream's token row (the embeddings' copies)
+    lists: dict[int, tuple[DeviceArray, DeviceArray, int]]  # by ratio: (idx, cnt, ldi)
+    cand: tuple[DeviceArray, DeviceArray, int] | None  # CSA: (crow, ccnt, ldc)
+    comp: dict[int, tuple[DeviceArray, DeviceArray, int]]  # by ratio: (starts, positions, rows)
+    out_rows: DeviceArray | None  # int32 [n_out]: the rows whose logits the head computes
+    n_out: int
+
+
 class HyperStep:
     """The step's buffers (allocated once for max_rows rows; the key lists' grow with the contexts) and its
     kernels, over `pool`: (n_blocks + 1) * block_size rows of HyperStack.width(config) floats."""
 
     def __init__(self, dev: Device, stream, config: ModelConfig, weights: HyperWeights, pool: DeviceArray, *,
-                 n_blocks: int, block_size: int, max_rows: int):
+                 n_blocks: int, block_size: int, max_rows: int, tensor_cores: bool = True, graphs: bool = True):
         assert config.hyper is not None
         self.dev, self.stream, self.config, self.h, self.w, self.pool = dev, stream, config, config.hyper, weights, pool
         self.n_blocks, self.block_size, self.max_rows = n_blocks, block_size, max_rows
+        self.tensor_cores, self.graphs = tensor_cores, graphs
+        self.expert_tiles = tensor_cores and all(
+            ops.qgemm_supported(e) for lw in weights.layers for e in (lw.experts.gate_up, lw.experts.gate,
+                                                                      lw.experts.up, lw.experts.down) if e is not None)
         self.columns, self.width = HyperStack.layout(config), HyperStack.width(config)
         self._alloc(max_rows)
 
@@ -81,17 +113,22 @@ class HyperStep:
         self.moe = ops.MoeScratch.alloc(self.dev, R, self.w.layers[0].experts.experts, cfg.n_experts_used, hid, ffn,
                                         apart=True)
         self.logits = e((R * cfg.vocab_size,))
-        self.mm = Matmuls(self.dev, self.stream, cfg, self.w.output, int8_activations=False, tensor_cores=False,
+        self.mm = Matmuls(self.dev, self.stream, cfg, self.w.output, int8_activations=False,
+                          tensor_cores=self.tensor_cores,
                           half_kind=cfg.recipe.half_type, g=self.sg, u=self.su, gu=None)
-        self.bufs = _Buffers(self.dev)
-        # the compressed rows' positions (row j of a ratio starts at position j * ratio), for their RoPE
-        most = (self.n_blocks * self.block_size) // min((r for r in h.compress_ratios if r), default=1) + 1
-        self.comp_pos = {r: self.dev.to_device((np.arange(most) * r).astype(np.int32))
-                         for r in set(h.compress_ratios) if r}
+        self.bufs = self._eager_bufs = _Buffers(self.dev)  # the buffers of the step being run
+        self._graph_bufs: dict[tuple[int, int], _Buffers] = {}  # a captured shape's own, never moved
+        self._graphs: dict[tuple[int, int], Any] = {}  # cuda_runtime.Graph
+        self._seen: set[tuple[int, int]] = set()
+        self.graph_replays = 0
+        if self.tensor_cores:  # the tensor-core matmuls' 16-bit scratch, at its largest, once: graphs use it
+            tc = [m for m in self.w.matrices() if m.cols % GEMM_TILE_K == 0 and m is not self.w.output]
+            self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m in tc))
+            self.dev.scratch("gemm_x", 2 * R * max(m.cols for m in tc))
 
     def run(self, chunks: list[SeqChunk]) -> list:
         """Each chunk's logits as it asks for them (None for "none"), float32 on the host."""
-        cfg, h, dev, st = self.config, self.h, self.dev, self.stream
+        cfg, h, st = self.config, self.h, self.stream
         n = sum(len(c.tokens) for c in chunks)
         if n > self.max_rows:
             raise ValueError(f"a step of {n} tokens exceeds this backend's {self.max_rows} rows")
@@ -99,39 +136,96 @@ class HyperStep:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
             raise ValueError("token id out of range")
         st.synchronize()  # the step before is done with every buffer this one fills
+        pad = self._graph_shape(chunks)
         keys = hyper_keys.plan(chunks, block_size=self.block_size, window=h.window,
-                               ratios=set(h.compress_ratios), top_k=h.indexer_top_k)
-        b = self.bufs
-        tok = b.put("tok", tokens)
-        pos = b.put("pos", np.concatenate([np.arange(c.start, c.start + len(c.tokens), dtype=np.int32)
-                                           for c in chunks]))
-        slots = b.put("slots", kv_slots(chunks, self.block_size, self.n_blocks).astype(np.int32))
-        prow = b.put("prow", keys.prow)
+                               ratios=set(h.compress_ratios), top_k=h.indexer_top_k, pad=pad)
+        want, out_rows = _wanted(chunks, pad)
+        if pad is None:
+            self.bufs = self._eager_bufs
+            self._forward(n, self._inputs(chunks, tokens, keys, out_rows), keys)
+        else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
+            shape = (pad.rows, pad.context)
+            self.bufs = self._graph_bufs.setdefault(shape, _Buffers(self.dev))
+            inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows)
+            graph = self._graphs.get(shape)
+            if graph is None and shape in self._seen:
+                graph = self._graphs[shape] = self._capture(lambda: self._forward(pad.rows, inp, keys))
+            if graph is None:
+                self._seen.add(shape)
+                self._forward(pad.rows, inp, keys)
+            else:
+                graph.launch()
+                self.graph_replays += 1
+        st.synchronize()
+        n_out = len(out_rows)
+        host = self.logits.view(0, max(n_out, 1) * cfg.vocab_size).to_host().reshape(-1, cfg.vocab_size)
+        return [host[w].copy() if len(w) else None for w in want]
+
+    def _graph_shape(self, chunks: list[SeqChunk]) -> hyper_keys.Pad | None:
+        """The padded shape a decode step (one token a sequence, each asking its logits) is captured at:
+        the sequences to a power of two, the context to one of at least GRAPH_MIN_CONTEXT; None (run
+        eagerly) for any other step, or one past the largest graphs."""
+        if not self.graphs or any(len(c.tokens) != 1 or c.logits != "last" for c in chunks):
+            return None
+        rows = 1 << (len(chunks) - 1).bit_length()
+        context = max(GRAPH_MIN_CONTEXT, 1 << (max(c.start for c in chunks)).bit_length())
+        if rows > self.max_rows or rows * context > GRAPH_MAX_POSITIONS:
+            return None
+        return hyper_keys.Pad(rows, context, trash=self.n_blocks * self.block_size)
+
+    def _capture(self, forward):
+        """One step's launches as a CUDA graph (their buffers and sizes fixed; its inputs uploaded before
+        each replay)."""
+        from ember.kernels.cuda_runtime import Graph
+
+        self.stream.synchronize()
+        with Graph.capture(self.stream) as g:
+            forward()
+        return g
+
+    def _forward(self, n: int, inp: _Inputs, keys: hyper_keys.StepKeys) -> None:
+        """The step's kernels, from the token ids to the logits of the rows inp.out_rows names."""
+        cfg, h, dev, st = self.config, self.h, self.dev, self.stream
+        # the embeddings, one copy a stream
+        ops.embed(dev, self.w.token_embd, self.a, inp.tok, n=n, stream=st)
+        ops.gather_rows(dev, self.a, inp.rep, self.x, n=n * h.hc_mult, cols=cfg.hidden, stream=st)
+        for li, lw in enumerate(self.w.layers):
+            self._attention(li, lw, n, inp, keys)
+            self._mlp(lw, n, inp.tok)
+        self._head(inp)
+
+    def _inputs(self, chunks: list[SeqChunk], tokens: np.ndarray, keys: hyper_keys.StepKeys,
+                out_rows: np.ndarray) -> _Inputs:
+        """The step's host plan on the device (padded rows: position 0, the trash block's row)."""
+        b, n, real = self.bufs, len(tokens), sum(len(c.tokens) for c in chunks)
         lists = {r: (b.put(f"idx{r}", kl.idx), b.put(f"cnt{r}", kl.cnt), kl.idx.shape[1])
                  for r, kl in keys.lists.items()}
         cand = None
         if keys.crow is not None and keys.ccnt is not None:
             cand = (b.put("crow", keys.crow), b.put("ccnt", keys.ccnt), keys.crow.shape[1])
             b.get("cnt_csa", n, np.int32)
-        spans, at = [], 0
-        for c in chunks:
-            spans.append((at, at + len(c.tokens)))
-            at += len(c.tokens)
-        rep = b.put("rep", np.repeat(np.arange(n, dtype=np.int32), h.hc_mult))
+        comp = {r: (b.put(f"starts{r}", c.starts), b.put(f"cpos{r}", c.positions), c.rows)
+                for r, c in keys.comp.items()}
+        pos = np.zeros(n, np.int32)
+        pos[:real] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
+        slots = np.full(n, self.n_blocks * self.block_size, np.int32)
+        slots[:real] = kv_slots(chunks, self.block_size, self.n_blocks)
+        return _Inputs(
+            tok=b.put("tok", tokens), pos=b.put("pos", pos), slots=b.put("slots", slots),
+            prow=b.put("prow", keys.prow), wrows=b.put("wrows", keys.wrows),
+            rep=b.put("rep", np.repeat(np.arange(n, dtype=np.int32), self.h.hc_mult)),
+            lists=lists, cand=cand, comp=comp,
+            out_rows=b.put("out_rows", out_rows) if len(out_rows) else None, n_out=len(out_rows))
 
-        # the embeddings, one copy a stream
-        ops.embed(dev, self.w.token_embd, self.a, tok, n=n, stream=st)
-        ops.gather_rows(dev, self.a, rep, self.x, n=n * h.hc_mult, cols=cfg.hidden, stream=st)
-        for li, lw in enumerate(self.w.layers):
-            self._attention(li, lw, n, pos, slots, prow, keys, lists, cand, spans)
-            self._mlp(lw, n, tok)
-        return self._logits(chunks, spans)
+    def _linear(self, w: ops.QuantMatrix, x: DeviceArray, y: DeviceArray, n: int) -> None:
+        """y = x @ W^T over n rows: on the tensor cores from TC_MIN_ROWS rows (Matmuls.linear decides)."""
+        self.mm.linear(w, x, y, n, tc=self.tensor_cores and w.cols % GEMM_TILE_K == 0)
 
     def _mix(self, mix, n: int) -> None:
         """A hyper-connection's input mix of the streams: self.a the sublayer's input; self.post, self.comb."""
         h, cfg = self.h, self.config
         fn, scale, base = mix
-        self.mm.linear(fn, self.x, self.raw, n, tc=False)
+        self.mm.linear(fn, self.x, self.raw, n, tc=False)  # see the module docstring
         ops.hc_pre(self.dev, self.x, self.raw, scale, base, self.a, self.post, self.comb, n=n, hc=h.hc_mult,
                    hidden=cfg.hidden, eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=self.stream)
 
@@ -148,94 +242,88 @@ class HyperStep:
         ops.store_rows(self.dev, src, slots, self.pool.view(col.start, self.pool.size - col.start), n=n, width=width,
                        lds=width, ldd=self.width, ape=ape, stream=self.stream)
 
-    def _attention(self, li: int, lw: HyperLayer, n: int, pos, slots, prow, keys: hyper_keys.StepKeys, lists, cand,
-                   spans) -> None:
-        cfg, h, dev, st, mm = self.config, self.h, self.dev, self.stream, self.mm
+    def _attention(self, li: int, lw: HyperLayer, n: int, inp: _Inputs, keys: hyper_keys.StepKeys) -> None:
+        cfg, h, dev, st = self.config, self.h, self.dev, self.stream
         eps, H, D, W = cfg.norm_eps, cfg.n_heads, cfg.head_dim, self.width
         ratio, cols = lw.ratio, self.columns[li]
         freqs = self.w.rope_compressed if ratio else self.w.rope_window
         self._mix(lw.attn_mix, n)
         ops.rms_norm(dev, self.a, lw.attn_norm, self.hn, eps=eps, rows=n, cols=cfg.hidden, stream=st)
         # the low-rank query (its normed rank rows the indexer reads too), its heads normed, RoPE on their tails
-        mm.linear(lw.q_a, self.hn, self.qa, n, tc=False)
+        self._linear(lw.q_a, self.hn, self.qa, n)
         ops.rms_norm(dev, self.qa, lw.q_a_norm, self.qa, eps=eps, rows=n, cols=h.q_lora_rank, stream=st)
-        mm.linear(lw.q_b, self.qa, self.q, n, tc=False)
+        self._linear(lw.q_b, self.qa, self.q, n)
         ops.rms_norm(dev, self.q, self.w.ones, self.q, eps=eps, rows=n * H, cols=D, heads=H, stream=st)
-        self._rope_tail(self.q, pos, freqs, n=n, heads=H, dim=D)
+        self._rope_tail(self.q, inp.pos, freqs, n=n, heads=H, dim=D)
         # the one KV head's row, and the compressors' rows, into the pool
-        mm.linear(lw.kv, self.hn, self.kvr, n, tc=False)
+        self._linear(lw.kv, self.hn, self.kvr, n)
         ops.rms_norm(dev, self.kvr, lw.kv_norm, self.kvr, eps=eps, rows=n, cols=D, stream=st)
-        self._rope_tail(self.kvr, pos, freqs, n=n, heads=1, dim=D)
-        self._store(self.kvr, cols["kv"], slots, n)
+        self._rope_tail(self.kvr, inp.pos, freqs, n=n, heads=1, dim=D)
+        self._store(self.kvr, cols["kv"], inp.slots, n)
         if lw.compressor is not None:
             ckv, cgate, ape, _ = lw.compressor
-            mm.linear(ckv, self.hn, self.ckv, n, tc=False)
-            self._store(self.ckv, cols["c_kv"], slots, n)
-            mm.linear(cgate, self.hn, self.csc, n, tc=False)
-            self._store(self.csc, cols["c_score"], slots, n, ape=(ape, pos, ratio))
+            self._linear(ckv, self.hn, self.ckv, n)
+            self._store(self.ckv, cols["c_kv"], inp.slots, n)
+            self._linear(cgate, self.hn, self.csc, n)
+            self._store(self.csc, cols["c_score"], inp.slots, n, ape=(ape, inp.pos, ratio))
         if lw.indexer is not None:
             ikv, igate, iape, _ = lw.indexer
-            mm.linear(ikv, self.hn, self.ikv, n, tc=False)
-            self._store(self.ikv, cols["i_kv"], slots, n)
-            mm.linear(igate, self.hn, self.isc, n, tc=False)
-            self._store(self.isc, cols["i_score"], slots, n, ape=(iape, pos, ratio))
+            self._linear(ikv, self.hn, self.ikv, n)
+            self._store(self.ikv, cols["i_kv"], inp.slots, n)
+            self._linear(igate, self.hn, self.isc, n)
+            self._store(self.isc, cols["i_score"], inp.slots, n, ape=(iape, inp.pos, ratio))
             assert lw.indexer_q_b is not None and lw.indexer_proj is not None
-            mm.linear(lw.indexer_q_b, self.qa, self.iq, n, tc=False)
-            self._rope_tail(self.iq, pos, self.w.rope_compressed, n=n, heads=h.indexer_heads, dim=h.indexer_dim)
-            mm.linear(lw.indexer_proj, self.hn, self.iw, n, tc=False)
+            self._linear(lw.indexer_q_b, self.qa, self.iq, n)
+            self._rope_tail(self.iq, inp.pos, self.w.rope_compressed, n=n, heads=h.indexer_heads, dim=h.indexer_dim)
+            self._linear(lw.indexer_proj, self.hn, self.iw, n)
 
-        idx, cnt, ldi = lists[ratio]
-        if ratio == CSA and cand is not None:  # the indexer appends to a copy of the window's lists, per layer
+        # one scratch of key rows for the whole step: every chunk's window rows, then the layer's compressed rows
+        idx, cnt, ldi = inp.lists[ratio]
+        M, rows = keys.window_rows, keys.scratch_rows
+        kscratch = self.bufs.get("keys", rows * D)
+        iscratch = self.bufs.get("ikeys", rows * h.indexer_dim) if lw.indexer is not None else None
+        ops.gather_rows(dev, self.pool.view(cols["kv"].start, self.pool.size - cols["kv"].start), inp.wrows,
+                        kscratch, n=M, cols=D, ldx=W, stream=st)
+        if ratio:
+            self._compressed(lw, ratio, cols, inp, M, kscratch, iscratch)
+        if ratio == CSA and inp.cand is not None and iscratch is not None:
+            # the indexer appends its picks to a copy of the window's lists (the counts are per layer)
             base, cnt = cnt, self.bufs.get("cnt_csa", n, np.int32)
             cnt.copy_from(base, 4 * n, st)
-        for ci, (ch, (a, b)) in enumerate(zip(keys.chunks, spans, strict=True)):
-            m = b - a
-            kscratch = self.bufs.get("keys", keys.scratch_rows * D)
-            iscratch = self.bufs.get("ikeys", keys.scratch_rows * h.indexer_dim) if lw.indexer is not None else None
-            ops.gather_rows(dev, self.pool.view(cols["kv"].start, self.pool.size - cols["kv"].start),
-                            prow.view(ch.prow_at + ch.first, ch.m), kscratch, n=ch.m, cols=D, ldx=W, stream=st)
-            if ratio:
-                self._compressed(lw, ratio, cols, keys.comp_rows[ratio][ci], ch, prow, kscratch, iscratch)
-            if ratio == CSA and cand is not None and iscratch is not None:
-                crow, ccnt, ldc = cand
-                score = self.bufs.get("score", n * ldc)
-                qw = h.indexer_heads * h.indexer_dim
-                ih = h.indexer_heads
-                ops.indexer_scores(dev, self.iq.view(a * qw, m * qw), self.iw.view(a * ih, m * ih), iscratch,
-                                   crow.view(a * ldc, m * ldc), ccnt.view(a, m), score, n=m, heads=h.indexer_heads,
-                                   dim=h.indexer_dim, ld=h.indexer_dim, ldc=ldc, stream=st)
-                ops.top_k_rows(dev, score, crow.view(a * ldc, m * ldc), ccnt.view(a, m), idx.view(a * ldi, m * ldi),
-                               cnt.view(a, m), n=m, k=h.indexer_top_k, ldc=ldc, ldi=ldi, stream=st)
-            ops.attend_rows(dev, self.q.view(a * H * D, m * H * D), kscratch, idx.view(a * ldi, m * ldi),
-                            cnt.view(a, m), lw.sinks, self.att.view(a * H * D, m * H * D), n=m, heads=H,
-                            head_dim=D, ld=D, ldi=ldi, stream=st)
+            crow, ccnt, ldc = inp.cand
+            score = self.bufs.get("score", n * ldc)
+            ops.indexer_scores(dev, self.iq, self.iw, iscratch, crow, ccnt, score, n=n, heads=h.indexer_heads,
+                               dim=h.indexer_dim, ld=h.indexer_dim, ldc=ldc, stream=st)
+            ops.top_k_rows(dev, score, crow, ccnt, idx, cnt, n=n, k=h.indexer_top_k, ldc=ldc, ldi=ldi, stream=st)
+        ops.attend_rows(dev, self.q, kscratch, idx, cnt, lw.sinks, self.att, n=n, heads=H, head_dim=D, ld=D, ldi=ldi,
+                        stream=st)
         # the heads' RoPE undone, then the grouped low-rank output: each group of heads through its own matrix
-        self._rope_tail(self.att, pos, freqs, n=n, heads=H, dim=D, inverse=True)
+        self._rope_tail(self.att, inp.pos, freqs, n=n, heads=H, dim=D, inverse=True)
         G, rank = h.o_groups, h.o_lora_rank
         gw = H * D // G
         ops.swap_rows(dev, self.att, self.grouped, a=n, b=G, width=gw, stream=st)  # [G, n, gw]
         for g, wg in enumerate(lw.o_a):
-            mm.linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n, tc=False)
+            self._linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n)
         ops.swap_rows(dev, self.oa, self.oa2, a=G, b=n, width=rank, stream=st)  # [n, G * rank]
-        mm.linear(lw.o_b, self.oa2, self.y, n, tc=False)
+        self._linear(lw.o_b, self.oa2, self.y, n)
         ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=cfg.hidden, stream=st)
 
-    def _compressed(self, lw: HyperLayer, ratio: int, cols, n_comp: int, ch: hyper_keys.ChunkRows, prow: DeviceArray,
-                    kscratch: DeviceArray, iscratch: DeviceArray | None) -> None:
-        """A chunk's compressed rows of this layer after its window's in the key scratch (normed, RoPE at each
-        row's first position); in a CSA layer the indexer's rows likewise, at the same rows of its scratch."""
+    def _compressed(self, lw: HyperLayer, ratio: int, cols, inp: _Inputs, M: int, kscratch: DeviceArray,
+                    iscratch: DeviceArray | None) -> None:
+        """Every chunk's compressed rows of this layer after the window rows in the key scratch (normed, RoPE at
+        each row's first position); in a CSA layer the indexer's rows likewise, at the same rows of its scratch."""
         cfg, h, dev, st, W, D = self.config, self.h, self.dev, self.stream, self.width, self.config.head_dim
+        starts, positions, n_comp = inp.comp[ratio]
         if not n_comp:
             return
-        rows = prow.view(ch.prow_at, ch.end)
 
         def make(kv: slice, score: slice, width: int, scratch: DeviceArray, norm: DeviceArray) -> None:
-            out = scratch.view(ch.m * width, n_comp * width)
+            out = scratch.view(M * width, n_comp * width)
             ops.compress_rows(dev, self.pool.view(kv.start, self.pool.size - kv.start),
-                              self.pool.view(score.start, self.pool.size - score.start), rows, out, ld=W, first=0,
+                              self.pool.view(score.start, self.pool.size - score.start), inp.prow, starts, out, ld=W,
                               blocks=n_comp, ratio=ratio, width=width, overlap=ratio == CSA, stream=st)
             ops.rms_norm(dev, out, norm, out, eps=cfg.norm_eps, rows=n_comp, cols=width, stream=st)
-            self._rope_tail(out, self.comp_pos[ratio], self.w.rope_compressed, n=n_comp, heads=1, dim=width)
+            self._rope_tail(out, positions, self.w.rope_compressed, n=n_comp, heads=1, dim=width)
 
         assert lw.compressor is not None
         make(cols["c_kv"], cols["c_score"], D, kscratch, lw.compressor[3])
@@ -245,68 +333,83 @@ class HyperStep:
     def _mlp(self, lw: HyperLayer, n: int, tok: DeviceArray) -> None:
         """The shared expert plus the routed experts (hash-routed by token id, or by their top k with the
         selection bias), each a clamped SwiGLU, merged back into the streams."""
-        cfg, h, dev, st, mm, s = self.config, self.h, self.dev, self.stream, self.mm, self.moe
+        cfg, h, dev, st, s = self.config, self.h, self.dev, self.stream, self.moe
         hid, k = cfg.hidden, cfg.n_experts_used
         self._mix(lw.ffn_mix, n)
         ops.rms_norm(dev, self.a, lw.ffn_norm, self.hn, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
         ffs = lw.shared_gate.rows
-        mm.linear(lw.shared_gate, self.hn, self.sg, n, tc=False)
-        mm.linear(lw.shared_up, self.hn, self.su, n, tc=False)
+        self._linear(lw.shared_gate, self.hn, self.sg, n)
+        self._linear(lw.shared_up, self.hn, self.su, n)
         ops.clamped_swiglu(dev, self.sg, self.su, self.sg, n=n, ffn=ffs, limit=lw.clamp_shared, stream=st)
-        mm.linear(lw.shared_down, self.sg, self.ysh, n, tc=False)
+        self._linear(lw.shared_down, self.sg, self.ysh, n)
 
         ex = lw.experts
         E, ffn, pairs = ex.experts, ex.ffn, n * k
         ops.matvec_rows(dev, ex.router, self.hn, s.logits, n=n, stream=st)
-        tile = 1 if n == 1 else TILE_ROWS
+        tiles = self.expert_tiles and n >= QGEMM_MIN_ROWS
+        if tiles:  # tiles of 64 pairs where experts average 32 or more (prefill), else of 16
+            tile = QGEMM_TILES[1] if 2 * pairs >= QGEMM_TILES[1] * E else QGEMM_TILES[0]
+        else:  # the grouped matvec: tiles of one pair for one token, else of 8
+            tile = 1 if n == 1 else TILE_ROWS
         hashed = (lw.token_experts, tok) if lw.token_experts is not None else None
         nt = ops.moe_route_group(dev, s.logits, s, n=n, experts=E, k=k, gating="sqrt-softplus",
                                  norm_topk=h.expert_weights_norm, tile=tile, bias=lw.select_bias,
                                  scale=h.expert_weights_scale, hashed=hashed, stream=st)
-        per_pair = n > 1
-        xs = s.xs if per_pair else self.hn
-        if per_pair:
-            ops.moe_gather(dev, self.hn, s, n=n, k=k, hidden=hid, stream=st)
         gu = s.gu
         assert gu is not None
-        if ex.gate_up is not None:  # [pairs, gate | up]
-            ops.moe_matvec(dev, ex.gate_up, s.tiles, nt, xs, gu, tile=tile, x_per_pair=per_pair, stream=st)
-            g, u, ld = gu, gu.view(ffn, gu.size - ffn), 2 * ffn
+        # gate | up per pair in grouped order (stacked: [pairs, 2 ffn]; apart: gate's pairs, then up's)
+        stacked = ex.gate_up is not None
+        parts = [(ex.gate_up, gu)] if stacked else [(ex.gate, gu), (ex.up, gu.view(pairs * ffn, pairs * ffn))]
+        if tiles:  # the tokens' rows read in place through the grouped order
+            for w, out in parts:
+                assert w is not None
+                ops.moe_gemm(dev, w, s.tiles, nt, self.hn, out, tile=tile, half=self.mm.half_kind, order=s.order,
+                             k=k, stream=st)
         else:
-            assert ex.gate is not None and ex.up is not None
-            ops.moe_matvec(dev, ex.gate, s.tiles, nt, xs, gu, tile=tile, x_per_pair=per_pair, stream=st)
-            ops.moe_matvec(dev, ex.up, s.tiles, nt, xs, gu.view(pairs * ffn, pairs * ffn), tile=tile,
-                           x_per_pair=per_pair, stream=st)
-            g, u, ld = gu, gu.view(pairs * ffn, pairs * ffn), ffn
+            per_pair = n > 1
+            xs = s.xs if per_pair else self.hn
+            if per_pair:
+                ops.moe_gather(dev, self.hn, s, n=n, k=k, hidden=hid, stream=st)
+            for w, out in parts:
+                assert w is not None
+                ops.moe_matvec(dev, w, s.tiles, nt, xs, out, tile=tile, x_per_pair=per_pair, stream=st)
+        g, u, ld = (gu, gu.view(ffn, gu.size - ffn), 2 * ffn) if stacked else (gu, parts[1][1], ffn)
         ops.clamped_swiglu(dev, g, u, s.hs, n=pairs, ffn=ffn, limit=lw.clamp, ldg=ld, ldu=ld, stream=st)
-        ops.moe_matvec(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=st)
+        if tiles:
+            ops.moe_gemm(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, half=self.mm.half_kind, stream=st)
+        else:
+            ops.moe_matvec(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=st)
         # the experts' outputs weighed and summed onto the shared expert's
         ops.moe_combine(dev, s, self.y, n=n, k=k, hidden=hid, res=self.ysh, stream=st)
         ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=hid, stream=st)
 
-    def _logits(self, chunks: list[SeqChunk], spans: list[tuple[int, int]]) -> list:
-        """Each chunk's logits as it asks (twin: chunk_logits through HyperStack.head)."""
-        cfg, h, dev, st, mm = self.config, self.h, self.dev, self.stream, self.mm
-        want = []
-        for c, (a, b) in zip(chunks, spans, strict=True):
-            want.append([] if c.logits == "none" else [b - 1] if c.logits == "last" else list(range(a, b)))
-        rows = np.asarray([r for w in want for r in w], np.int32)
-        n_out = len(rows)
-        if n_out:
-            hcw = h.hc_mult * cfg.hidden
-            xo = self.bufs.get("x_out", n_out * hcw)
-            ops.gather_rows(dev, self.x, self.bufs.put("out_rows", rows), xo, n=n_out, cols=hcw, stream=st)
-            fn, scale, base = self.w.output_mix
-            mm.linear(fn, xo, self.raw, n_out, tc=False)
-            ops.hc_pre(dev, xo, self.raw, scale, base, self.a, None, None, n=n_out, hc=h.hc_mult, hidden=cfg.hidden,
-                       eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=st)
-            ops.rms_norm(dev, self.a, self.w.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=cfg.hidden,
-                         stream=st)
-            mm.linear(self.w.output, self.hn, self.logits, n_out, tc=False)
-        st.synchronize()
-        host = self.logits.view(0, max(n_out, 1) * cfg.vocab_size).to_host().reshape(-1, cfg.vocab_size)
-        out, at = [], 0
-        for w in want:
-            out.append(host[at : at + len(w)].copy() if w else None)
-            at += len(w)
-        return out
+    def _head(self, inp: _Inputs) -> None:
+        """The logits of the rows inp.out_rows names, into self.logits (twin: HyperStack.head)."""
+        cfg, h, dev, st, mm, n_out = self.config, self.h, self.dev, self.stream, self.mm, inp.n_out
+        if inp.out_rows is None:
+            return
+        hcw = h.hc_mult * cfg.hidden
+        xo = self.bufs.get("x_out", n_out * hcw)
+        ops.gather_rows(dev, self.x, inp.out_rows, xo, n=n_out, cols=hcw, stream=st)
+        fn, scale, base = self.w.output_mix
+        mm.linear(fn, xo, self.raw, n_out, tc=False)
+        ops.hc_pre(dev, xo, self.raw, scale, base, self.a, None, None, n=n_out, hc=h.hc_mult, hidden=cfg.hidden,
+                   eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=st)
+        ops.rms_norm(dev, self.a, self.w.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=cfg.hidden, stream=st)
+        mm.linear(self.w.output, self.hn, self.logits, n_out, tc=False)
+
+
+def _wanted(chunks: list[SeqChunk], pad: hyper_keys.Pad | None) -> tuple[list[np.ndarray], np.ndarray]:
+    """Which step rows' logits the head computes (out_rows), and for each chunk the indices of its rows' among
+    them (twin: chunk_logits). A padded step computes every row's, chunk t's its row t."""
+    rows: list[int] = []
+    want, a = [], 0
+    for c in chunks:
+        b = a + len(c.tokens)
+        mine = [] if c.logits == "none" else [b - 1] if c.logits == "last" else list(range(a, b))
+        want.append(np.arange(len(rows), len(rows) + len(mine)))
+        rows += mine
+        a = b
+    if pad is not None:
+        return [np.array([t]) for t in range(len(chunks))], np.arange(pad.rows, dtype=np.int32)
+    return want, np.asarray(rows, np.int32)
