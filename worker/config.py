@@ -138,7 +138,8 @@ HELP = {
     "spec": "speculative decoding: off (default), ngram (prompt lookup), suffix (longest match in the sequence "
             "and recent outputs, adaptive length), draft:PATH (a small GGUF with the model's vocabulary), mtp "
             "(the model's own next-token layer, where the GGUF has one: DeepSeek V4's nextn) or mtp:PATH (that "
-            "layer from its own GGUF, as llama.cpp's converter writes it with --mtp); replay:P is a benchmark's "
+            "layer from its own GGUF, as llama.cpp's converter writes it with --mtp), dspark:PATH (DeepSeek V4's "
+            "DSpark block drafter, llama.cpp's draft-dspark; numpy backend); replay:P is a benchmark's "
             "(what this worker generated before after the same tokens, each token kept with probability P)",
     "spec_k": "the longest draft, in tokens (default 8)",
     "spec_max_batch": "no drafts when more sequences than this decode together (default 8)",
@@ -282,6 +283,9 @@ def _spec_problem(c: WorkerConfig) -> str | None:
     elif c.spec.startswith("mtp:"):
         if not Path(c.spec[4:]).expanduser().is_file():
             return f"spec: the next-token layer file {c.spec[4:]!r} is not a file"
+    elif c.spec.startswith("dspark:"):
+        if not Path(c.spec[7:]).expanduser().is_file():
+            return f"spec: the DSpark drafter {c.spec[7:]!r} is not a file"
     elif c.spec.startswith("replay:"):
         from .engine.spec.replay import parse_replay
 
@@ -291,7 +295,7 @@ def _spec_problem(c: WorkerConfig) -> str | None:
             return str(e)
     elif c.spec not in ("off", "ngram", "suffix", "mtp"):
         return (f"spec: {c.spec!r} is not available (available: off, ngram, suffix, draft:PATH, mtp, mtp:PATH, "
-                "replay:P)")
+                "dspark:PATH, replay:P)")
     return None
 
 
@@ -336,6 +340,8 @@ _CHECKS: tuple[_Check, ...] = (
     _spec_problem,
     _fails(lambda c: (c.spec == "mtp" or c.spec.startswith("mtp:")) and c.backend != "numpy",
            "spec: mtp runs on the numpy backend only (the CUDA backend has no next-token layer yet)"),
+    _fails(lambda c: c.spec.startswith("dspark:") and c.backend != "numpy",
+           "spec: dspark runs on the numpy backend only (the CUDA backend has no block drafter yet)"),
     _fails(lambda c: not 1 <= c.spec_k <= 64, "spec_k: must be between 1 and 64 tokens"),
     _fails(lambda c: c.spec_max_batch < 1 or c.spec_max_context < 1,
            "spec_max_batch and spec_max_context: must be at least 1"),

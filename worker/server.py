@@ -44,10 +44,10 @@ POISON_FLUSH_SECONDS = 0.5  # time for in-flight streams to send their error eve
 
 
 def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str = "numpy",
-                  mtp: bool = False) -> int | None:
+                  mtp: bool = False, drafter_width: int = 0) -> int | None:
     """The KV pool's blocks for --kv-mem (None: auto on CUDA, where the backend sizes the pool itself
     from the device's free memory once everything else is allocated). mtp: the numpy pool keeps the
-    next-token layer's rows too."""
+    next-token layer's rows too; drafter_width: and this many floats a position of a block drafter's."""
     if backend == "cuda":  # float16 KV on the device
         if cfg_kv_mem == "auto":
             return None
@@ -61,7 +61,7 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str =
 
         if cfg_kv_mem == "auto":
             cfg_kv_mem = worker_config.NUMPY_AUTO_KV_MEM
-        per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size, mtp)
+        per_block = NumpyBackend.kv_bytes_per_block(model_config, block_size, mtp, drafter_width)
     return max(4, worker_config.parse_size(cfg_kv_mem, "kv_mem") // per_block)
 
 
@@ -108,11 +108,18 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         mtp_file = open_mtp_file(cfg.spec[4:], model)
         model = dataclasses.replace(model, config=mtp_file.config, mtp_gguf=mtp_file.gguf)
     mtp = cfg.spec == "mtp" or mtp_file is not None
+    dspark_file = None
+    if cfg.spec.startswith("dspark:"):  # a DSpark block drafter (model/dspark_file.py): its rows join the pool's
+        from .model.dspark_file import open_dspark_file
+
+        dspark_file = open_dspark_file(cfg.spec[7:], model)
+        model = dataclasses.replace(model, dspark_gguf=dspark_file.gguf)
     if mtp and not (model.config.hyper is not None and model.config.hyper.nextn_layers):
         raise worker_config.ConfigError(f"spec: mtp needs a model with a next-token (MTP) layer; {model.path.name} "
                                         "has none (try suffix or ngram)")
     chunk = worker_config.prefill_chunk(cfg)
-    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend, mtp)
+    n_blocks = kv_blocks_for(cfg.kv_mem, model.config, DEFAULT_BLOCK_SIZE, cfg.backend, mtp,
+                             dspark_file.key_width if dspark_file is not None else 0)
     memory: dict = {}
     gpu_mem = None if cfg.gpu_mem == "auto" else worker_config.parse_size(cfg.gpu_mem, "gpu_mem")
     drafter: Drafter | None = None
@@ -138,6 +145,9 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         if mtp:
             raise worker_config.ConfigError("spec: mtp runs on --backend numpy only for now (the cuda backend's "
                                             "DeepSeek V4 step has no next-token layer yet)")
+        if dspark_file is not None:
+            raise worker_config.ConfigError("spec: dspark runs on --backend numpy only for now (the cuda backend's "
+                                            "DeepSeek V4 step has no block drafter yet)")
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
             backend = cuda = open_backend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
@@ -152,12 +162,19 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         weights = load_weights(model.gguf, model.config)
         if mtp_file is not None:
             weights = mtp_file.attach(weights)
-        backend = host = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp)
+        dspark = (dspark_file, dspark_file.weights(weights)) if dspark_file is not None else None
+        backend = host = NumpyBackend(model.config, weights, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE, mtp=mtp,
+                                      dspark=dspark)
         if mtp:
             from .engine.spec.mtp_drafter import MtpDrafter
 
             assert host.mtp is not None
             drafter = MtpDrafter(host.mtp)
+        if dspark is not None:
+            from .engine.spec.dspark_drafter import DSparkDrafter
+
+            assert host.dspark is not None
+            drafter = DSparkDrafter(host.dspark)
     kv_tokens = backend.n_blocks * DEFAULT_BLOCK_SIZE
     ctx = min(cfg.ctx or model.config.context_length, model.config.context_length, kv_tokens)
     faults.check_backend(backend)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {name: {} for name in prompts}
     with tempfile.TemporaryDirectory(prefix="ember-bench-spec-") as tmp:
         for mode in ("off", args.spec):
-            kind = mode.partition(":")[0]  # draft:PATH and mtp:PATH name no folder
+            kind = mode.partition(":")[0]  # draft:PATH, mtp:PATH and dspark:PATH name no folder
             with WorkerProcess(*common, "--spec", mode, "--kv-dir", str(Path(tmp) / kind),
                                log_path=Path(tmp) / f"{kind}.log") as w:
                 for name, prompt in prompts.items():
@@ -235,9 +235,10 @@ def _drafter(text: str) -> str:
     from ..engine.spec.replay import parse_replay
 
     kind, _, path = text.partition(":")
-    if text in ("ngram", "suffix", "mtp") or (kind in ("draft", "mtp") and path and Path(path).expanduser().is_file()):
+    if text in ("ngram", "suffix", "mtp") or (kind in ("draft", "mtp", "dspark") and path
+                                              and Path(path).expanduser().is_file()):
         return text
-    if kind in ("draft", "mtp") and path:
+    if kind in ("draft", "mtp", "dspark") and path:
         raise argparse.ArgumentTypeError(f"{path!r} is not a file")
     if kind == "replay":
         try:
@@ -246,7 +247,7 @@ def _drafter(text: str) -> str:
             raise argparse.ArgumentTypeError(str(e).removeprefix("spec: ")) from None
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not a drafter (ngram, suffix, draft:PATH, mtp, mtp:PATH, "
-                                     "replay:P)")
+                                     "dspark:PATH, replay:P)")
 
 
 def _binary(text: str) -> str:
@@ -276,7 +277,8 @@ def add_spec_parser(bsub) -> None:
     p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     p.add_argument("--spec", type=_drafter, default="suffix",
                    help="the drafter: ngram, suffix (default), draft:PATH (a small GGUF of the model's vocabulary), "
-                        "mtp (the model's next-token layer, where it has one), mtp:PATH (that layer's own GGUF) or "
+                        "mtp (the model's next-token layer, where it has one), mtp:PATH (that layer's own GGUF), "
+                        "dspark:PATH (a DeepSeek V4 DSpark block drafter) or "
                         "replay:P (each session's first run replayed, each drafted token the recorded one with "
                         "probability P: speculation's speed at that acceptance, on any model)")
     p.add_argument("--spec-k", type=int, metavar="K", help="the longest draft (the worker's --spec-k; default its 8)")

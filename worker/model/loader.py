@@ -20,13 +20,13 @@ class Model:
     tokenizer: Tokenizer
     template: ChatTemplate
     mtp_gguf: GGUFFile | None = None  # --spec mtp:PATH: the next-token layer's own file (mtp_file.py)
+    dspark_gguf: GGUFFile | None = None  # --spec dspark:PATH: the DSpark block drafter's file (dspark_file.py)
 
     @property
     def fingerprint(self) -> str:
-        """The model's identity; with a next-token layer file, both files' (the KV pool's rows hold the layer's)."""
-        if self.mtp_gguf is None:
-            return self.gguf.fingerprint
-        return f"{self.gguf.fingerprint}+{self.mtp_gguf.fingerprint}"
+        """The model's identity; with a next-token layer or block drafter file, both files' (the KV pool's rows
+        hold the layer's or the drafter's)."""
+        return "+".join(g.fingerprint for g in (self.gguf, self.mtp_gguf, self.dspark_gguf) if g is not None)
 
 
 def resolve_model_path(path: str | Path | None) -> Path:

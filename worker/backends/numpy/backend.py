@@ -15,9 +15,11 @@ from ember.kernels import reference as ops
 
 from ...model.arch.recipe import Rope
 from ...model.config import ModelConfig
+from ...model.dspark_file import DSparkFile
 from ...model.rope import inv_frequencies
 from ...model.weights import ModelWeights
 from ..base import Backend, Done, HostBuffers, Landed, SampledToken, SeqChunk, chunk_logits, present, step_rows
+from .dspark import DSparkHead
 from .hyper import HyperStack
 from .mtp import MtpHead
 
@@ -27,7 +29,7 @@ class NumpyBackend(Backend):
     block_dtype = np.dtype(np.float32)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int = 16,
-                 draws: bool = False, mtp: bool = False):
+                 draws: bool = False, mtp: bool = False, dspark: tuple[DSparkFile, ModelWeights] | None = None):
         # draws: chunks with `sample` set come back as SampledToken, drawn by the CUDA sampler's twin,
         # and submit() feeds a step from the previous one's draws: the CUDA backend's contract on the
         # CPU, so the scheduler's run-ahead path is tested without a GPU
@@ -36,16 +38,27 @@ class NumpyBackend(Backend):
         self.config, self.weights = config, weights
         self.block_size, self.n_blocks = block_size, n_blocks
         # a HYPER stack (DeepSeek V4) is hyper.py's: its own layer and pool of per-position rows. mtp: the
-        # pool also keeps what its next-token layer drafts from (mtp.py; --spec mtp)
+        # pool also keeps what its next-token layer drafts from (mtp.py; --spec mtp). dspark: a DSpark block
+        # drafter's file and weights, whose key rows the pool keeps too (dspark.py; --spec dspark:PATH)
         if mtp and (config.hyper is None or not config.hyper.nextn_layers):
             raise ValueError("the model has no next-token (MTP) layer")
-        self.hyper = (HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size, mtp=mtp)
+        if dspark is not None and mtp:
+            raise ValueError("one drafter at a time: the next-token layer or a DSpark drafter")
+        if dspark is not None and config.hyper is None:
+            raise ValueError("a DSpark drafter needs a DeepSeek V4 model")
+        self.hyper = (HyperStack(config, weights, n_blocks=n_blocks, block_size=block_size, mtp=mtp,
+                                 drafter_width=dspark[0].key_width if dspark else 0)
                       if config.hyper else None)
         self.mtp: MtpHead | None = None  # the next-token layer, where it drafts
+        self.dspark: DSparkHead | None = None  # the block drafter, where it drafts
         if self.hyper is not None:
-            self.kv_layout = "numpy-hyper-mtp-v1" if mtp else "numpy-hyper-v1"
+            # the pool's layout by name: blocks of one are never read as blocks of another
+            self.kv_layout = ("numpy-hyper-dspark-v1" if dspark else "numpy-hyper-mtp-v1" if mtp
+                              else "numpy-hyper-v1")
             if mtp:
                 self.mtp = self.hyper.mtp = MtpHead(self.hyper)
+            if dspark is not None:
+                self.dspark = self.hyper.dspark = DSparkHead(self.hyper, *dspark)
         shape = (0, 0, 0, 0, 0) if self.hyper else (config.n_layers, n_blocks, block_size, config.n_kv_heads,
                                                     config.head_dim)
         self.k_pool = np.zeros(shape, dtype=np.float32)
@@ -53,9 +66,9 @@ class NumpyBackend(Backend):
         self._inv_freq_global, self._inv_freq_local, self._rope_mscale = inv_frequencies(config, weights.rope_freqs)
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False) -> int:
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
         if config.hyper is not None:
-            return block_size * HyperStack.width(config, mtp) * 4
+            return block_size * HyperStack.width(config, mtp, drafter_width) * 4
         return 2 * config.n_layers * block_size * config.kv_dim * 4
 
     # -- one step ---------------------------------------------------------------------------------

@@ -145,13 +145,24 @@ class NextTokenRows(Protocol):
                    spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> None: ...
 
 
+class FeatureRows(Protocol):
+    """A block drafter's part in a trunk's pass (dspark.DSparkHead): its rows of the positions computed, from
+    the mean of the streams entering the trunk layers it reads (n_layers: the streams after the last)."""
+
+    target_layers: tuple[int, ...]
+
+    def write_rows(self, features: np.ndarray, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None: ...
+
+
 class HyperStack:
     """The weights, the per-position pool and the forward pass of a HYPER model."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, n_blocks: int, block_size: int,
-                 mtp: bool = False):
+                 mtp: bool = False, drafter_width: int = 0):
         """mtp: the pool also keeps what the next-token layer drafts from (its columns); the layer itself
-        (mtp.MtpHead, which the backend attaches as `mtp`) writes them after each pass."""
+        (mtp.MtpHead, which the backend attaches as `mtp`) writes them after each pass. drafter_width: the
+        pool also keeps that many columns a position for a block drafter (dspark.DSparkHead, attached as
+        `dspark`), which it writes from the trunk's features during each pass."""
         assert config.hyper is not None and config.family.hyper is not None
         self.config, self.h, self.w = config, config.hyper, weights.by_name
         # the family's tensor names (arch/<family>.py): the stack's own roles beside the generic ones
@@ -162,23 +173,28 @@ class HyperStack:
         # compressed base, with the file's YaRN (llama.cpp's deepseek4: YaRN on the compressed ropes only)
         self.rope_window = rope_frequencies(config.rope_base, self.h.n_rot)
         self.rope_compressed = rope_frequencies(self.h.compress_rope_base, self.h.n_rot, config.rope_yarn)
-        self.columns = self.layout(config, mtp)
-        self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp)), np.float32)
+        self.columns = self.layout(config, mtp, drafter_width)
+        self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp, drafter_width)), np.float32)
         self.mtp: NextTokenRows | None = None
+        self.dspark: FeatureRows | None = None
 
     @staticmethod
-    def layout(config: ModelConfig, mtp: bool = False) -> list[dict[str, slice]]:
+    def layout(config: ModelConfig, mtp: bool = False, drafter_width: int = 0) -> list[dict[str, slice]]:
         """Per layer, the pool columns of each per-position row: kv (the key/value row), and by the
         layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows. mtp: one
         more entry, the next-token layer's: its kv row, and h, the trunk's output streams at the position
-        (what the next position's row, and a draft from there, are made of)."""
+        (what the next position's row, and a draft from there, are made of). drafter_width: one more
+        entry, a block drafter's: its key rows (drafter), drafter_width floats."""
         h = config.hyper
         assert h is not None
         d, di, at, out = config.head_dim, h.indexer_dim, 0, []
-        kinds: list[int | None] = [*h.compress_ratios, *([None] if mtp else [])]
+        kinds: list[int | str | None] = [*h.compress_ratios, *([None] if mtp else []),
+                                         *(["drafter"] if drafter_width else [])]
         for ratio in kinds:
             widths = {"kv": d}
-            if ratio is None:
+            if ratio == "drafter":
+                widths = {"drafter": drafter_width}
+            elif ratio is None:
                 widths |= {"h": h.hc_mult * config.hidden}
             elif ratio == CSA:
                 widths |= {"c_kv": 2 * d, "c_score": 2 * d, "i_kv": 2 * di, "i_score": 2 * di}
@@ -191,8 +207,8 @@ class HyperStack:
         return out
 
     @classmethod
-    def width(cls, config: ModelConfig, mtp: bool = False) -> int:
-        return max(c.stop for layer in cls.layout(config, mtp) for c in layer.values())
+    def width(cls, config: ModelConfig, mtp: bool = False, drafter_width: int = 0) -> int:
+        return max(c.stop for layer in cls.layout(config, mtp, drafter_width) for c in layer.values())
 
     def _t(self, layer: int, role: str) -> np.ndarray:
         return self.w[f"blk.{layer}.{self.layer_names[role]}"]
@@ -206,7 +222,11 @@ class HyperStack:
         rows = self.pool.reshape(-1, self.pool.shape[-1])
 
         x = np.repeat(np.asarray(w[self.tensors.token_embd][tokens], np.float32)[:, None, :], h.hc_mult, axis=1)
+        taps = self.dspark.target_layers if self.dspark is not None else ()
+        features: dict[int, np.ndarray] = {}  # the block drafter's: the mean of the streams entering a layer
         for li in range(cfg.n_layers):
+            if li in taps:
+                features[li] = x.mean(axis=1)
             a, post, comb = hc_mix(x, self._t(li, "attn_mix_fn"), self._t(li, "attn_mix_scale"),
                                    self._t(li, "attn_mix_base"), h, eps)
             a = self._attention(li, _norm(a, eps, self._t(li, "attn_norm")), positions, chunks, spans,
@@ -218,6 +238,9 @@ class HyperStack:
 
         if self.mtp is not None:  # the next-token layer's rows of these positions (they depend on nothing later)
             self.mtp.write_rows(x, tokens, positions, chunks, spans, slots, rows)
+        if self.dspark is not None:  # the block drafter's rows of these positions (the same)
+            features[cfg.n_layers] = x.mean(axis=1)
+            self.dspark.write_rows(np.concatenate([features[t] for t in taps], axis=1), positions, slots, rows)
         return chunk_logits(chunks, spans, x, self.head)
 
     def head(self, streams: np.ndarray, norm: str | None = None, out: str | None = None,
@@ -225,13 +248,19 @@ class HyperStack:
         """Logits from the streams [n, hc, hidden]: mixed into one by the head's own weights, normed, projected.
         norm, out, mix: other tensors for the norm, the projection and the mix's (fn, scale, base), by full
         name (the next-token layer's, where its file has its own)."""
+        w, eps = self.w, self.config.norm_eps
+        y = self.head_mix(streams, mix)
+        return ops.linear(_norm(y, eps, w[norm or self.tensors.output_norm]), w[out or self.tensors.output])
+
+    def head_mix(self, streams: np.ndarray, mix: tuple[str, str, str] | None = None) -> np.ndarray:
+        """The head's mix of the streams [n, hc, hidden] into one [n, hidden], before its norm (what a block
+        drafter's confidence head reads)."""
         w, h, eps, model = self.w, self.h, self.config.norm_eps, self.model_names
         fn, scale, base = (w[n] for n in mix or (model["output_mix_fn"], model["output_mix_scale"],
                                                  model["output_mix_base"]))
         mixes = _norm(streams.reshape(len(streams), -1), eps) @ fn.T
         pre = _sigmoid(mixes * scale[0] + base) + np.float32(h.hc_eps)
-        y = np.einsum("nse,ns->ne", streams, pre)
-        return ops.linear(_norm(y, eps, w[norm or self.tensors.output_norm]), w[out or self.tensors.output])
+        return np.einsum("nse,ns->ne", streams, pre)
 
     def _attention(self, li: int, x: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
                    spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -47,6 +47,7 @@ class MtpState:
 
 class MtpDrafter:
     name = "mtp"
+    match = MTP_MATCH
 
     def __init__(self, head: DraftHead):
         self.head = head
@@ -60,7 +61,7 @@ class MtpDrafter:
         at = len(st.tokens) - 1
         if at < 1 or k < 1 or len(st.blocks) * self.head.block_size <= at - 1:
             return [], 0
-        return self.head.draft(st.blocks, st.tokens[-1], at, k), MTP_MATCH
+        return self.head.draft(st.blocks, st.tokens[-1], at, k), self.match
 
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         pass
