@@ -74,11 +74,13 @@ class FakeDevice:
         self.caps = SimpleNamespace(pdl=True, clusters=True, smem_optin=227 << 10, integrated=False)
         self.sm_count = 132
         self._n = itertools.count()
+        self.scratched: dict[str, int] = {}  # the largest each scratch buffer was asked for
 
     def empty(self, shape, dtype=np.float32) -> FakeArray:
         return FakeArray(f"buf{next(self._n)}", shape, dtype)
 
     def scratch(self, key: str, nbytes: int) -> FakeArray:
+        self.scratched[key] = max(nbytes, self.scratched.get(key, 0))
         return FakeArray(f"scratch_{key}", (nbytes,), np.uint8)
 
     def to_device(self, arr) -> FakeArray:

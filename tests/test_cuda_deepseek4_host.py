@@ -114,6 +114,20 @@ def test_each_kind_of_layer_issues_its_kernels(step, model):
     assert "None, None" in head[0]  # the head's mix: no post, no comb
 
 
+def test_the_tensor_core_scratch_is_sized_once_for_the_largest_matmul(step, model):
+    """Graphs replay over the tensor-core matmuls' 16-bit scratch, so it is allocated at its largest when the
+    step is made: every matrix a step of the most rows multiplies on the tensor cores fits it, and it is not
+    sized by the embeddings or the head (which never take the tensor cores here)."""
+    f, rec = step
+    reserved = dict(f.dev.scratched)
+    f.run([SeqChunk(np.arange(f.max_rows, dtype=np.int32), 0, list(range(8)), "last")])
+    shapes = [tuple(map(int, m.groups())) for c in rec.calls if c.startswith("linear_tc(")
+              for m in [re.search(r":(\d+)x(\d+)\)", c.split(",")[1])] if m]
+    assert len(shapes) >= 7 * model.config.n_layers
+    assert all(2 * r * c <= reserved["gemm_w"] and 2 * f.max_rows * c <= reserved["gemm_x"] for r, c in shapes)
+    assert reserved["gemm_w"] < 2 * f.w.token_embd.rows * f.w.token_embd.cols
+
+
 def test_a_step_beyond_its_rows_is_refused(step):
     f, _ = step
     with pytest.raises(ValueError, match="exceeds"):

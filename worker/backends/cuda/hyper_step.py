@@ -122,7 +122,8 @@ class HyperStep:
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
         if self.tensor_cores:  # the tensor-core matmuls' 16-bit scratch, at its largest, once: graphs use it
-            tc = [m for m in self.w.matrices() if m.cols % GEMM_TILE_K == 0 and m is not self.w.output]
+            tc = [m for m in self.w.matrices()  # what _linear may take: not the embeddings, not the head
+                  if m.cols % GEMM_TILE_K == 0 and m is not self.w.output and m is not self.w.token_embd]
             self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m in tc))
             self.dev.scratch("gemm_x", 2 * R * max(m.cols for m in tc))
 
