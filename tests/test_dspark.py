@@ -10,7 +10,6 @@ sequence, wherever the reference's top two logits are not a near-tie."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -20,17 +19,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from engine_runs import RecordingDrafter, generate
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import make_model, resolve_shape
 from ember.worker.bench.workerproc import LlamaServerProcess
-from ember.worker.engine.limits import EngineLimits
-from ember.worker.engine.loop import Engine
-from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
-from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.spec.dspark_drafter import DSparkDrafter
-from ember.worker.metrics import Metrics
 from ember.worker.model.dspark_file import check_dspark, open_dspark_file
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.loader import open_model
@@ -42,7 +37,6 @@ DS = SPEC.dsv4.dspark
 BS = 16
 CLEAR = 0.02  # a slot whose top two logits (Markov-biased, the reference's) are closer is a near-tie: the
 # float16 keys and Q8_0 activations of llama.cpp's CPU kernels may order them either way
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -178,35 +172,12 @@ def test_the_rows_are_a_function_of_the_prefix_and_blocks_carry_them(loaded):
 # -- through the engine and a worker -------------------------------------------------------------------
 
 
-class _Recording(DSparkDrafter):
-    def __init__(self, head):
-        super().__init__(head)
-        self.seen: list[tuple[list[int], list[int]]] = []
-
-    def propose(self, st, k):
-        draft, match = super().propose(st, k)
-        if draft:
-            self.seen.append((list(st.tokens), draft))
-        return draft, match
-
-
 def _generate(loaded, spec: str, prompt: list[int], n: int):
     m = loaded[0]
     backend = _backend(loaded, n_blocks=64) if spec == "dspark" else NumpyBackend(m.config, loaded[1], n_blocks=64,
                                                                                    block_size=BS)
-    drafter = _Recording(backend.dspark) if spec == "dspark" else None
-    engine = Engine(m, backend, EngineLimits(max_seqs=2, context=1024, spec=spec), metrics=Metrics(), drafter=drafter)
-    engine.start()
-
-    async def collect():
-        handle = RequestHandle(GenerationRequest("r", prompt, GREEDY, n), asyncio.get_running_loop())
-        engine.submit(handle)
-        return [t async for e in handle.events() if isinstance(e, Delta) for t in e.tokens]
-
-    try:
-        return asyncio.run(collect()), engine.metrics.snapshot(), drafter
-    finally:
-        engine.shutdown()
+    drafter = RecordingDrafter(DSparkDrafter(backend.dspark)) if spec == "dspark" else None
+    return (*generate(m, backend, spec, prompt, n, drafter), drafter)
 
 
 def test_greedy_output_is_the_same_with_spec_dspark(loaded):

@@ -16,7 +16,6 @@ disagree is refused in one line; and llama-server drafts with the pair (where .c
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import subprocess
@@ -26,18 +25,14 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from engine_runs import RecordingDrafter, generate
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import MTP as MTP_PART
 from ember.worker.bench.synth import TRUNK as TRUNK_PART
 from ember.worker.bench.synth import make_model, plan, resolve_shape, write_model
-from ember.worker.engine.limits import EngineLimits
-from ember.worker.engine.loop import Engine
-from ember.worker.engine.requests import Delta, GenerationRequest, RequestHandle
-from ember.worker.engine.sampling import SamplingParams
 from ember.worker.engine.spec.mtp_drafter import MtpDrafter
-from ember.worker.metrics import Metrics
 from ember.worker.model.arch import FAMILIES
 from ember.worker.model.config import read_config
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
@@ -57,7 +52,6 @@ LAYER = {"attn_norm", "attn_sinks", "attn_q_a", "attn_q_a_norm", "attn_q_b", "at
          "hc_ffn_scale", "ffn_gate_inp", "ffn_norm", "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps",
          "ffn_gate_shexp", "ffn_down_shexp", "ffn_up_shexp", "exp_probs_b"}
 NEXTN = {"nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -177,35 +171,10 @@ def _agreeing(m, w, layers: float):
     return dataclasses.replace(w, by_name=by)
 
 
-class _Recording(MtpDrafter):
-    """The drafter, keeping each sequence's tokens and blocks with the draft it proposed."""
-
-    def __init__(self, head):
-        super().__init__(head)
-        self.seen: list[tuple[list[int], list[int]]] = []
-
-    def propose(self, st, k):
-        draft, match = super().propose(st, k)
-        if draft:
-            self.seen.append((list(st.tokens), draft))
-        return draft, match
-
-
 def _generate(m, w, spec: str, prompt: list[int], n: int):
     backend = NumpyBackend(m.config, w, n_blocks=64, block_size=16, mtp=spec == "mtp")
-    drafter = _Recording(backend.hyper.mtp) if spec == "mtp" else None
-    engine = Engine(m, backend, EngineLimits(max_seqs=2, context=1024, spec=spec), metrics=Metrics(), drafter=drafter)
-    engine.start()
-
-    async def collect():
-        handle = RequestHandle(GenerationRequest("r", prompt, GREEDY, n), asyncio.get_running_loop())
-        engine.submit(handle)
-        return [t async for e in handle.events() if isinstance(e, Delta) for t in e.tokens]
-
-    try:
-        return asyncio.run(collect()), engine.metrics.snapshot(), drafter
-    finally:
-        engine.shutdown()
+    drafter = RecordingDrafter(MtpDrafter(backend.hyper.mtp)) if spec == "mtp" else None
+    return (*generate(m, backend, spec, prompt, n, drafter), drafter)
 
 
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 700, 40)]  # past the 16-token window
