@@ -41,13 +41,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-url", metavar="URL", help="the engine's readiness URL (default: --health-url)")
     p.add_argument("--completions-url", metavar="URL", help="one-token generation probe URL ('' turns it off)")
     p.add_argument("--log-file", metavar="FILE", help="a log file the engine writes itself (watched too)")
+    p.add_argument("--also-listens", metavar="HOST:PORT", action="append",
+                   help="another address the engine binds (its metrics port, say): checked free before each start")
     p.add_argument("--host", help="where the worker listens (default 127.0.0.1)")
     p.add_argument("--port", help="the worker's port (default 8080)")
 
 
 def _flags(args: argparse.Namespace | None) -> dict[str, Any]:
     return {k: getattr(args, k, None) for k in ("command", "health_url", "ready_url", "completions_url", "log_file",
-                                                "host", "port")}
+                                                "also_listens", "host", "port")}
 
 
 def _settings(args: argparse.Namespace | None = None) -> Settings:

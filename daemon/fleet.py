@@ -119,8 +119,12 @@ def member_argv(s: Settings, m: Member, members: list[Member]) -> list[str]:
             "--host", s.host, "--port", str(m.port)]
     if m.is_router:
         replicas = [r for r in members if not r.is_router]
-        cmd = router_command(s, replicas, s.port + len(replicas) + 1)
-        argv += ["--command", shlex.join(cmd), "--health-url", f"{s.endpoint}/health", "--completions-url", ""]
+        metrics = s.port + len(replicas) + 1
+        cmd = router_command(s, replicas, metrics)
+        # its metrics port checked free before each start like its own: sglang-router panics when it is
+        # taken, and each try would count as a crash
+        argv += ["--command", shlex.join(cmd), "--health-url", f"{s.endpoint}/health", "--completions-url", "",
+                 "--also-listens", f"127.0.0.1:{metrics}"]
     return argv
 
 

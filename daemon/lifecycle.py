@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from ember.ops.contract import Event, ExitCode, HealthState, PersistState, iso_utc
 
@@ -338,17 +337,16 @@ class Lifecycle:
         self.worker = Incarnation()
         self.not_ready_reason = None
 
-    def _address(self) -> tuple[str, int]:
-        if self.s.foreign:
-            u = urlsplit(self.s.live_url)
-            return u.hostname or "127.0.0.1", u.port or 80
-        return self.s.host, self.s.port
-
     def _port_owner(self, wait: float) -> PortHeld | None:
         """Someone else already listens where the worker should (a server started by hand, a worker
-        of another daemon): wait up to `wait` seconds for it to go, then say who it is."""
-        host, port = self._address()
-        return port_owner(host, port, wait=wait, tick=self.notifier.ping)
+        of another daemon), on its port or on one of `also_listens`: wait up to `wait` seconds for it
+        to go, then say who it is."""
+        deadline = time.monotonic() + wait
+        for host, port in self.s.listen_addresses:
+            held = port_owner(host, port, wait=max(0.0, deadline - time.monotonic()), tick=self.notifier.ping)
+            if held is not None:
+                return held
+        return None
 
     def _port_busy(self, held: PortHeld) -> None:
         """-> BACKOFF: the port is taken. Not a configuration error (the holder may let go at any
@@ -441,7 +439,7 @@ class Lifecycle:
         if ex.code == ExitCode.PORT_BUSY:  # -> BACKOFF: the port was taken between the check and the bind
             self.log("worker_exit", level="warning", pid=w.pid, **ex.as_dict())
             w.pid = None
-            host, port = self._address()
+            host, port = self.s.listen_addresses[0]
             self._port_busy(self._port_owner(wait=0.0) or port_holder(host, port))
             return
         if ex.code == ExitCode.OK:  # -> BACKOFF (or FAILED: the breaker)

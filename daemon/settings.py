@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ember.ops import contract
 
@@ -41,6 +42,7 @@ class Settings:
     ready_url: str | None = None
     completions_url: str | None = None
     log_file: str | None = None
+    also_listens: list[str] = field(default_factory=list)  # "host:port" the engine binds besides its own
     worker_args: list[str] = field(default_factory=list)  # extra flags for the ember worker
     host: str = "127.0.0.1"  # where the worker listens (from [worker] / EMBER_HOST)
     port: int = 8080
@@ -124,6 +126,17 @@ class Settings:
         return self._base()
 
     @property
+    def listen_addresses(self) -> list[tuple[str, int]]:
+        """Every (host, port) the engine binds: where it serves, then `also_listens` (a foreign engine's
+        metrics port, say); each must be free before a start (lifecycle's port check)."""
+        if self.foreign:
+            u = urlsplit(self.live_url)
+            own = (u.hostname or "127.0.0.1", u.port or 80)
+        else:
+            own = (self.host, self.port)
+        return [own, *(_address(a) for a in self.also_listens)]
+
+    @property
     def live_url(self) -> str:
         if self.foreign:
             return self.health_url or ""
@@ -140,8 +153,6 @@ class Settings:
         if self.completions_url is not None:
             return self.completions_url
         if self.foreign:
-            from urllib.parse import urlsplit
-
             u = urlsplit(self.health_url or "")
             return f"{u.scheme}://{u.netloc}/v1/completions" if u.netloc else ""
         return self._base() + "/v1/completions"
@@ -256,10 +267,21 @@ def load(flags: dict[str, Any] | None = None, env: Mapping[str, str] | None = No
     return s
 
 
+def _address(text: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); SettingsError when it is neither."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(f"also_listens: {text!r} is not host:port")
+    return host, int(port)
+
+
 def validate(s: Settings) -> None:
     """Raise SettingsError for the first setting that is wrong: the port, the engine, the timings, the fleet."""
     if not 0 < s.port < 65536:
         raise SettingsError(f"port: {s.port} is not a TCP port")
+    for a in s.also_listens:
+        _address(a)
     _check_engine(s)
     _check_timings(s)
     _check_choices(s)

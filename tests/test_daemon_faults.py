@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_daemon_support import Ember, kill
 
 
@@ -68,12 +69,16 @@ def test_a_port_taken_after_a_crash_is_retried_with_backoff_and_named(ember: Emb
     assert e.daemon_events("worker_failed") == []
 
 
-def test_a_port_taken_before_the_daemon_starts_waits_and_serves(ember: Ember):
-    """`ember start` while someone else listens on the port: it says who, keeps waiting while the daemon
-    retries, and returns ready once the port is free."""
+@pytest.mark.parametrize("which", ["own", "also_listens"])
+def test_a_port_taken_before_the_daemon_starts_waits_and_serves(ember: Ember, which: str):
+    """`ember start` while someone else listens on the port, or on another address the engine binds
+    (`also_listens`: sglang-router's metrics port panics it when taken, a crash each try): it says who,
+    keeps waiting while the daemon retries, and returns ready once the port is free."""
     e = ember
-    e.configure(command=e.standin(), backoff_base="0.3s", backoff_max="1s")
-    with holding(e.port):
+    taken = e.port if which == "own" else e.port + 3
+    e.configure(command=e.standin(), backoff_base="0.3s", backoff_max="1s",
+                also_listens=[f"127.0.0.1:{taken}"] if which == "also_listens" else None)
+    with holding(taken):
         proc = subprocess.Popen([sys.executable, "-m", "ember.daemon.cli_main", "start", "--timeout", "40"],
                                 env=e.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -86,7 +91,7 @@ def test_a_port_taken_before_the_daemon_starts_waits_and_serves(ember: Ember):
             raise
     out, err = proc.communicate(timeout=40)
     assert proc.returncode == 0, err
-    assert f"port {e.port}" in err and "held by pid" in err and "waiting for it" in err
+    assert f"port {taken}" in err and "held by pid" in err and "waiting for it" in err
     assert "ember is ready" in out
     st = e.status()
     assert st["state"] == "ready" and st["port_conflict"] is None and e.bundles() == []

@@ -85,6 +85,8 @@ def test_the_fleet_plan_ports_gpus_and_environments(tmp_path):
     cmd = router[router.index("--command") + 1]
     assert "--policy round_robin" in cmd and "http://127.0.0.1:9001 http://127.0.0.1:9002" in cmd
     assert router[router.index("--completions-url") + 1] == ""
+    # its metrics port is checked free before each start, like its own (taken, sglang-router panics)
+    assert "--prometheus-port 9003" in cmd and router[router.index("--also-listens") + 1] == "127.0.0.1:9003"
     # a member reads the same file and runs one worker (or the router), never a fleet of its own
     assert not load(env={"EMBER_CONFIG": str(cfg), "EMBER_REPLICA": "replica-0"}).fleet
     for bad, why in (('gpus = "0,0"', "distinct"), ("replicas = 0", "1 to 64"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import stat
@@ -30,10 +31,30 @@ FAST = {  # timing knobs shrunk so incidents resolve in about a second
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_floor() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(span: int = 4) -> int:
+    """A port P with P .. P + span - 1 free on loopback, below the kernel's ephemeral range: a fleet
+    binds P + 1 .. P + N + 1 too, and any outgoing connection may hold an ephemeral port (a router's
+    metrics port taken that way crash-looped it in CI)."""
+    rng = random.Random()
+    top = max(_ephemeral_floor(), 12000) - span
+    for _ in range(500):
+        p = rng.randrange(10000, top)
+        try:
+            with contextlib.ExitStack() as stack:
+                for q in range(p, p + span):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free block of loopback ports below the ephemeral range")
 
 
 def _toml_value(v: Any) -> str:
