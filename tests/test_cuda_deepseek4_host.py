@@ -42,7 +42,7 @@ def _step(model, monkeypatch, ops, dev, max_rows: int, tensor_cores: bool = True
     if isinstance(dev, EmuDevice):  # a captured decode step replays its forward pass
         monkeypatch.setattr(hyper_step.HyperStep, "_capture", lambda self, forward: EmuGraph(forward))
     cfg = model.config
-    pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg),))
+    pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg, BS),))
     pool.zero()
     return hyper_step.HyperStep(dev, FakeStream(), cfg, upload_hyper_weights(dev, model.gguf, cfg), pool,
                                 n_blocks=N_BLOCKS, block_size=BS, max_rows=max_rows, tensor_cores=tensor_cores)
@@ -72,28 +72,35 @@ def count(log: list[str], kernel: str) -> int:
 def test_each_kind_of_layer_issues_its_kernels(step, model):
     f, rec = step
     cfg, h = model.config, model.config.hyper
-    chunks = [SeqChunk(np.arange(40, dtype=np.int32), 260, list(range(19)), "last"),  # 300 positions: 2 HCA rows
-              SeqChunk(np.array([3], np.int32), 100, list(range(19, 26)), "all")]  # 101: 25 CSA rows, no HCA row
+    # 230 .. 269 closes HCA block 1 and CSA blocks 57 .. 66, and sees 2 and 67 rows; 99 closes CSA block 24, sees 25
+    chunks = [SeqChunk(np.arange(40, dtype=np.int32), 230, list(range(19)), "last"),
+              SeqChunk(np.array([3], np.int32), 99, list(range(19, 26)), "all")]
     out = f.run(chunks)
     assert [o.shape for o in out] == [(1, cfg.vocab_size), (1, cfg.vocab_size)]
     layers = _layer_logs(rec.calls, cfg.n_layers)
+    spread = {r: HyperStack.spread(r, BS) for r in (4, 128)}
     for li, log in enumerate(layers):
         ratio = h.compress_ratios[li]
         # one launch each for the whole step, whatever its number of sequences
         assert count(log, "attend_rows") == 1
-        assert count(log, "gather_rows") == 1  # every chunk's window rows from the pool
-        stored = 1 + (2 if ratio else 0) + (2 if ratio == 4 else 0)  # key row; compressor's; indexer's
-        assert count(log, "store_rows") == stored
-        assert sum("ape=" in c and "ape=None" not in c for c in log if c.startswith("store_rows(")) == stored // 2
-        if ratio == 4:  # both chunks see CSA rows: the compressor's and the indexer's, then the indexer's pick
+        gathers = [c for c in log if c.startswith("gather_rows(")]
+        per_position = 1 + (2 if ratio else 0) + (2 if ratio == 4 else 0)  # key row; compressor's; indexer's
+        stores = [c for c in log if c.startswith("store_rows(")]
+        assert sum("ape=" in c and "ape=None" not in c for c in stores) == per_position // 2
+        if ratio == 4:  # both chunks close CSA blocks and see CSA rows: the compressor's and the indexer's
+            assert len(stores) == per_position + 2 and f"n={11 * spread[4]}," in stores[-1]
             assert count(log, "compress_rows") == 2
+            assert all("blocks=11," in c for c in log if c.startswith("compress_rows("))  # only what closes
+            assert len(gathers) == 3 and all(f"n={92 * spread[4]}," in c for c in gathers[1:])  # 67 + 25 rows
             assert count(log, "indexer_scores") == count(log, "top_k_rows") == 1
-            assert all("blocks=100" in c for c in log if c.startswith("compress_rows("))  # 300 // 4 + 101 // 4
-        elif ratio == 128:  # only the first chunk has whole blocks of 128
+        elif ratio == 128:  # only the first chunk closes and sees whole blocks of 128
+            assert len(stores) == per_position + 1 and f"n={spread[128]}," in stores[-1]
             assert count(log, "compress_rows") == 1
-            assert "blocks=2" in next(c for c in log if c.startswith("compress_rows("))
+            assert "blocks=1," in next(c for c in log if c.startswith("compress_rows("))
+            assert len(gathers) == 2 and f"n={2 * spread[128]}," in gathers[1]
             assert count(log, "indexer_scores") == 0
         else:
+            assert len(stores) == per_position and len(gathers) == 1  # the window's rows alone
             assert count(log, "compress_rows") == count(log, "indexer_scores") == 0
         routes = [c for c in log if c.startswith("moe_route_group(")]
         assert len(routes) == 1 and ("hashed=None" in routes[0]) == (li >= h.hash_layers)
@@ -191,8 +198,7 @@ def emulated(model, monkeypatch, request):
 def _agree(got: np.ndarray, want: np.ndarray, tensor_cores: bool) -> None:
     """The twin's logits: to float32 rounding through the matvecs. Through the tensor cores' 16-bit inputs,
     as test_cuda_backend's fast mode: each position correlated to 0.99 (a rounding may flip a near-tied
-XX
-    twin's top two are 0.5 apart."""
+    router's choice of an expert), and the same argmax where the twin's top two are 0.5 apart."""
     if not tensor_cores:
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
         return
@@ -235,11 +241,13 @@ def test_decode_steps_replay_their_captured_graph(emulated, reference_backend):
     """Three sequences at different depths decoding together: the step is padded to four rows and a context
     of 256; the first such step runs eagerly, the second is captured, later ones replay it (the launches and
     their arguments of the capture, over the inputs each step uploads), and every step gives the twin's
-    logits for the real rows, though the sequences move deeper and the padded row reads the trash block."""
+    logits for the real rows, though the sequences move deeper, close compress blocks inside the replays, and the
+    padded row reads and writes the trash block."""
     emulated, tc = emulated
     ref = reference_backend()
     rng = np.random.default_rng(11)
-    seqs = [(20, list(range(0, 3))), (100, list(range(3, 10))), (130, list(range(20, 29)))]
+    # the decodes close CSA blocks (at 23, 103, 127) and an HCA block (at 127) in replays
+    seqs = [(20, list(range(0, 3))), (100, list(range(3, 10))), (125, list(range(20, 29)))]
     last, lengths = [], []
     for n, table in seqs:
         prompt = rng.integers(0, 700, n).astype(np.int32)

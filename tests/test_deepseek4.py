@@ -139,6 +139,40 @@ def _logits(backend: NumpyBackend, tokens: list[int], chunk: int, table: list[in
     return np.concatenate(out)
 
 
+def test_each_compressed_row_is_made_once_into_its_blocks_last_positions(weights):
+    """After 300 positions in chunks of 37 over scattered blocks, each closed compress block's row, read
+    from its pieces in the pool, is compress() of its positions' rows (CSA: and the block before's), normed,
+    RoPE at its first position; no other position holds a piece (the open HCA block, 256 .. 299, has none)."""
+    cfg, w = weights
+    bs, n = 16, 300
+    b = NumpyBackend(cfg, w, n_blocks=40, block_size=bs)
+    table = np.random.default_rng(2).permutation(40)[: -(-n // bs)].tolist()
+    _logits(b, [int(t) for t in np.random.default_rng(7).integers(0, 700, n)], 37, table)
+    stack = b.hyper
+    assert stack is not None
+    rows = stack.pool.reshape(-1, stack.pool.shape[-1])
+    seq = np.arange(n)
+    past = rows[np.asarray(table)[seq // bs] * bs + seq % bs]
+    chunk = SeqChunk(np.zeros(1, np.int32), n - 1, table, "last")
+    norms = {"c": "compressor_norm", "i": "indexer_compressor_norm"}
+    for li, ratio in enumerate(cfg.hyper.compress_ratios):
+        cols = stack.columns[li]
+        for kind in ("c", "i") if ratio == 4 else ("c",) if ratio else ():
+            want = numpy_hyper.compress(past[:, cols[f"{kind}_kv"]], past[:, cols[f"{kind}_score"]], ratio, n // ratio,
+                                        ratio == 4)
+            want = numpy_hyper.rope_tail(numpy_hyper._norm(want, cfg.norm_eps, stack._t(li, norms[kind])),
+                                         np.arange(n // ratio) * ratio, stack.rope_compressed)
+            got = stack._compressed_rows(chunk, ratio, n // ratio, rows, cols[f"{kind}_row"])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        if ratio == 128:  # pieces at the closed blocks' last 16 positions alone (the open block has none yet)
+            spread = stack.spread(ratio, bs)
+            held = np.zeros(n, bool)
+            for blk in range(n // ratio):
+                held[(blk + 1) * ratio - spread : (blk + 1) * ratio] = True
+            assert spread == bs and held.sum() == 32
+            assert not past[~held, cols["c_row"]].any() and past[held, cols["c_row"]].any(axis=1).all()
+
+
 def test_pool_is_consistent_across_chunks_blocks_and_restores(weights):
     """300 positions (past the window, 75 CSA rows and their indexer's top 8, two HCA blocks): whole,
     in chunks of 37, one token at a time over scattered blocks, and with the first blocks restored into a
@@ -160,7 +194,7 @@ def test_pool_is_consistent_across_chunks_blocks_and_restores(weights):
     d.load_blocks(list(range(16)), a.save_blocks(list(range(16))).wait())
     (rest,) = d.forward([SeqChunk(np.asarray(tokens[256:], np.int32), 256, straight, "all")])
     np.testing.assert_allclose(rest, whole[256:], atol=2e-5)
-    assert a.read_block(0).shape == (bs, numpy_hyper.HyperStack.width(cfg))
+    assert a.read_block(0).shape == (bs, numpy_hyper.HyperStack.width(cfg, bs))
     assert NumpyBackend.kv_bytes_per_block(cfg, bs) == a.read_block(0).nbytes
     # the compressed rows matter: without the pool's older rows the late logits change
     e = NumpyBackend(cfg, w, n_blocks=40, block_size=bs)

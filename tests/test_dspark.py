@@ -142,7 +142,7 @@ def test_the_rows_are_a_function_of_the_prefix_and_blocks_carry_them(loaded):
     plain = _forward(NumpyBackend(m.config, w, n_blocks=12, block_size=BS), tokens, n, table)
     b = _backend(loaded)
     np.testing.assert_allclose(_forward(b, tokens, 7, table), plain, atol=2e-5)  # the drafter leaves the trunk be
-    assert b.kv_layout == "numpy-hyper-dspark-v1" != NumpyBackend(m.config, w, n_blocks=1, block_size=BS).kv_layout
+    assert b.kv_layout == "numpy-hyper-dspark-v2" != NumpyBackend(m.config, w, n_blocks=1, block_size=BS).kv_layout
     assert NumpyBackend.kv_bytes_per_block(m.config, BS, drafter_width=f.key_width) == b.read_block(0).nbytes
     one = _backend(loaded)
     _forward(one, tokens, n, table)

@@ -3,15 +3,15 @@ blocks; the step itself is hyper_step.py's.
 
 The pool keeps, per position, what the numpy twin (backends/numpy/hyper.py) keeps: each layer's key row (the
 single KV head, key and value at once) and, by the layer's compress ratio, its compressor's value and score
-rows (and the indexer's), float32, in the twin's column layout (HyperStack.layout). A block is one
-contiguous run of block_size rows, so a block file holds the twin's block; the prefix cache, block files
-and restores work as for the other families (kv_layout names the layout). A compressed row is a pure
-function of the positions of its block, so each step makes the rows a chunk sees from the pool.
+rows (and the indexer's) and its piece of the compressed rows, float32, in the twin's column layout
+(HyperStack.layout). A block is one contiguous run of block_size rows, so a block file holds the twin's
+block; the prefix cache, block files and restores work as for the other families (kv_layout names the
+layout). A compressed row is made once, by the step that computes its block's last position.
 
 Tokens are sampled on the host from the logits. Decode steps replay as captured graphs of their padded
 shape, other steps run eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores
-(hyper_step.py). Not yet (docs/models.md): device sampling and run-ahead, the compact device layout of the
-compressed rows, --spec mtp.
+(hyper_step.py). Not yet (docs/models.md): device sampling and run-ahead, dropping the per-position rows a
+sequence no longer reads (the window's keys and the compressors' rows of closed blocks), --spec mtp.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .step import poison_guard
 
 class CudaHyperBackend(Backend):
     name = "cuda"
-    kv_layout = "cuda-hyper-v1"
+    kv_layout = "cuda-hyper-v2"
     block_dtype = np.dtype(np.float32)
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
     f16_weights = int8_activations = pdl = False
@@ -48,7 +48,7 @@ class CudaHyperBackend(Backend):
         self.config, self.gguf, self.h = config, gguf_file, config.hyper
         self.block_size = block_size
         self.max_rows = max(8, max_rows, max_seqs)
-        self.columns, self.width = HyperStack.layout(config), HyperStack.width(config)
+        self.columns, self.width = HyperStack.layout(config, block_size), HyperStack.width(config, block_size)
         try:
             self.dev = device if device is not None else Device()
             if gpu_mem is not None:
@@ -84,7 +84,7 @@ class CudaHyperBackend(Backend):
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-        return block_size * HyperStack.width(config) * 4
+        return block_size * HyperStack.width(config, block_size) * 4
 
     def _auto_blocks(self) -> int:
         free, total = self.dev.memory_info()

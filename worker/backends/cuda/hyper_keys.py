@@ -1,20 +1,25 @@
-"""Which key rows each query of a DeepSeek V4 step attends to, planned on the host (hyper.py's step reads
-them from the device).
+"""Which key rows each query of a DeepSeek V4 step attends to, and which compress blocks the step closes,
+planned on the host (hyper.py's step reads them from the device).
 
 A layer's attention runs over one scratch of key rows for the whole step, so that each of its kernels is
 one launch whatever the number of sequences: first every chunk's window rows (its positions `first` ..
 end - 1, gathered from the pool: chunk after chunk, `wrows` naming their pool rows), then the layer's
-compressed rows, chunk after chunk (row j of a chunk's is the block of its positions j * ratio ..; `comp`
-says where in `prow` each block's positions start). A query at position p sees the window rows
+compressed rows, chunk after chunk (row j of a chunk's is its compress block j, positions j * ratio ..,
+gathered from the pieces the pool keeps of it: `comp`). A query at position p sees the window rows
 p - window < p' <= p and the compressed rows of whole blocks up to p (j < (p + 1) // ratio): every one of
 them in an HCA layer; in a CSA layer the lightning indexer picks at most top_k of those on the device
 (their candidates: `crow`, `ccnt`), appended after the window's. The numpy twin is
 hyper.HyperStack._attention's `allowed` and `visible` masks.
 
+Before it reads them, the step makes the compressed rows of the blocks whose last position it computes
+(`closing`: each from its positions' pool rows, named in `prow`, and for CSA the block before's) and
+stores their pieces in the pool (HyperStack's module docstring: a row spread over its block's last
+positions). So a step reads the per-position rows of the blocks it closes alone, not the whole context.
+
 A captured decode step (hyper_step.py) needs the same launches every time it replays: `pad` plans it for
 `rows` sequences of at most `context` positions, every size a function of those two alone. The rows past
-the step's are padding: window rows and compressed blocks read the trash block's rows, a padded query
-attends to scratch row 0, sees no compressed row, and its outputs are never read.
+the step's are padding: window rows, compressed rows and closed blocks read and write the trash block's
+rows, a padded query attends to scratch row 0, sees no compressed row, and its outputs are never read.
 """
 
 from __future__ import annotations
@@ -24,20 +29,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base import SeqChunk
-
-CSA, HCA = 4, 128
+from ..numpy.hyper import CSA, HCA, HyperStack
 
 
 @dataclass
 class ChunkRows:
     """One chunk's place in the step: its window's first position and row count, where its window rows
-    start in the scratch, and where its positions' pool rows start in the step's `prow`."""
+    start in the scratch, and which of its positions' pool rows the step's `prow` holds (lo .. end - 1)."""
 
     first: int
     m: int  # window rows gathered (positions first .. end - 1)
     end: int  # positions in the sequence after this step
-    prow_at: int  # offset of position 0's pool row in StepKeys.prow
+    prow_at: int  # offset of position lo's pool row in StepKeys.prow
     win_at: int  # scratch row of its window's first row
+    lo: int = 0  # the first position the blocks it closes read
 
 
 @dataclass
@@ -50,26 +55,43 @@ class KeyLists:
 
 @dataclass
 class Compressed:
-    """A layer kind's compressed rows of the step, chunk after chunk, after the window rows in the scratch."""
+    """A layer kind's compressed rows of the step, chunk after chunk, after the window rows in the scratch,
+    each gathered from its `spread` pieces in the pool."""
 
-    starts: np.ndarray  # int32 [rows, 2]: offsets in prow of its block's first position and the block before's (-1)
-    positions: np.ndarray  # int32 [rows]: its block's first position (its RoPE's)
+    pieces: np.ndarray  # int32 [rows * spread]: each row's pieces' pool rows, row after row
+    spread: int
     at: list[int]  # per chunk, the index of its first compressed row
 
     @property
     def rows(self) -> int:
+        return len(self.pieces) // self.spread
+
+
+@dataclass
+class Closing:
+    """The compress blocks of a layer kind whose last position the step computes: made from their positions'
+    pool rows (compress_rows), then stored as `spread` pieces in the pool."""
+
+    starts: np.ndarray  # int32 [blocks, 2]: offsets in prow of its first position and the block before's (-1)
+    positions: np.ndarray  # int32 [blocks]: its first position (its RoPE's)
+    pieces: np.ndarray  # int32 [blocks * spread]: the pool rows its pieces go to, block after block
+    spread: int
+
+    @property
+    def blocks(self) -> int:
         return len(self.positions)
 
 
 @dataclass
 class StepKeys:
     chunks: list[ChunkRows]
-    prow: np.ndarray  # int32: each chunk's pool row of every position 0 .. end - 1, chunk after chunk
+    prow: np.ndarray  # int32: each chunk's pool row of its positions lo .. end - 1, chunk after chunk
     wrows: np.ndarray  # int32 [window rows]: the pool row of each window row of the scratch
     lists: dict[int, KeyLists]  # by compress ratio (0: the window alone; CSA: the window, before the indexer's)
     crow: np.ndarray | None = None  # CSA: int32 [n, ldc] each query's candidate compressed rows (scratch rows)
     ccnt: np.ndarray | None = None  # int32 [n]: how many it sees
     comp: dict[int, Compressed] = field(default_factory=dict)  # by ratio
+    closing: dict[int, Closing] = field(default_factory=dict)  # by ratio
 
     @property
     def window_rows(self) -> int:
@@ -95,23 +117,25 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
          pad: Pad | None = None) -> StepKeys:
     """The key lists of every query row of a step (chunk after chunk) for each kind of layer in `ratios`;
     with `pad`, at that fixed shape."""
+    compressed = sorted(r for r in ratios if r)
+    # the most positions the blocks a decode row closes read: HCA's block, CSA's and the one before it
+    span = max((2 * r if r == CSA else r for r in compressed), default=0)
     rows, prows, wrows, at, win_at = [], [], [], 0, 0
     for c in chunks:
         end = c.start + len(c.tokens)
-        lo_pos = max(0, c.start - window + 1)
-        p = np.arange(end)
-        prow_c = np.asarray(c.block_table, np.int64)[p // block_size] * block_size + p % block_size
-        prows.append(prow_c)
-        wrows.append(prow_c[lo_pos:])
-        rows.append(ChunkRows(lo_pos, end - lo_pos, end, at, win_at))
-        at += end
-        win_at += end - lo_pos
+        w0 = max(0, c.start - window + 1)
+        reads = min((max(0, (c.start // r - (r == CSA)) * r) for r in compressed), default=end)
+        prows.append(_pool_rows(c, np.arange(reads, end), block_size))
+        wrows.append(_pool_rows(c, np.arange(w0, end), block_size))
+        rows.append(ChunkRows(w0, end - w0, end, at, win_at, reads))
+        at += end - reads
+        win_at += end - w0
     pos = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
     n = len(pos)
-    if pad is not None and at > pad.rows * pad.context:
-        raise ValueError(f"a step of {at} positions exceeds its padded shape {pad}")
-    # padded: to rows * context, then a block of trash rows for the padded compressed blocks
-    tail = [] if pad is None else [np.full(pad.rows * pad.context - at + max(ratios), pad.trash)]
+    if pad is not None and at > pad.rows * span:
+        raise ValueError(f"a step of {at} closing positions exceeds its padded shape {pad}")
+    # padded: to rows * span, then trash rows for the padded closing blocks (from prow[at] on)
+    tail = [] if pad is None else [np.full(pad.rows * span - at + max(compressed, default=0), pad.trash)]
     prow = np.concatenate(prows + tail).astype(np.int32) if prows else np.zeros(0, np.int32)
     owner = np.repeat(np.arange(len(chunks)), [len(c.tokens) for c in chunks])
     first = np.array([r.first for r in rows])[owner]
@@ -125,10 +149,10 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
         pos, lo, n_win = (np.concatenate([a, np.full(pad.rows - n, v)]) for a, v in ((pos, 0), (lo, 0), (n_win, 1)))
         owner = np.concatenate([owner, np.full(pad.rows - n, -1)])
     keys = StepKeys(rows, prow, np.concatenate(wrows).astype(np.int32) if wrows else np.zeros(0, np.int32), {})
-    for r in sorted(ratios):
-        if r:
-            keys.comp[r] = _compressed(rows, r, None if pad is None else (pad.rows * (pad.context // r),
-                                                                           pad.rows * pad.context))
+    for r in compressed:
+        keys.comp[r] = _compressed(chunks, rows, r, block_size,
+                                   None if pad is None else (pad.rows * (pad.context // r), pad.trash))
+        keys.closing[r] = _closing(chunks, rows, r, block_size, None if pad is None else (pad.rows, at, pad.trash))
     visible = {r: np.where(owner >= 0, (pos + 1) // r, 0) for r in keys.comp}
     # the scratch row of each query's chunk's compressed row 0, by ratio
     comp0 = {r: keys.window_rows + np.asarray(c.at + [0], np.int64)[owner] for r, c in keys.comp.items()}
@@ -160,19 +184,53 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
     return keys
 
 
-def _compressed(rows: list[ChunkRows], ratio: int, pad: tuple[int, int] | None) -> Compressed:
-    """Every chunk's compressed rows of whole blocks of `ratio` positions (remade each step from the pool);
-    pad (rows, trash): as many rows, the rest of them the block of trash rows at prow[trash]."""
-    starts, positions, at, total = [], [], [], 0
-    for ch in rows:
+def _pool_rows(c: SeqChunk, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The pool rows of a chunk's sequence's positions (as kv_slots finds a new token's)."""
+    table = np.asarray(c.block_table, np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _pieces(c: SeqChunk, blocks: np.ndarray, ratio: int, block_size: int) -> np.ndarray:
+    """The pool rows holding compress blocks' pieces, block after block (HyperStack._spread_rows)."""
+    s = HyperStack.spread(ratio, block_size)
+    return _pool_rows(c, ((blocks[:, None] + 1) * ratio - s + np.arange(s)[None, :]).reshape(-1), block_size)
+
+
+def _compressed(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_size: int,
+                pad: tuple[int, int] | None) -> Compressed:
+    """Every chunk's compressed rows of whole blocks of `ratio` positions, gathered from their pieces;
+    pad (rows, trash): as many rows, the rest read from the trash row."""
+    s = HyperStack.spread(ratio, block_size)
+    pieces, at, total = [np.zeros(0, np.int64)], [], 0
+    for c, ch in zip(chunks, rows, strict=True):
         b = np.arange(ch.end // ratio, dtype=np.int64)
-        starts.append(np.stack([ch.prow_at + b * ratio, np.where(b > 0, ch.prow_at + (b - 1) * ratio, -1)], axis=1))
-        positions.append(b * ratio)
+        pieces.append(_pieces(c, b, ratio, block_size))
         at.append(total)
         total += len(b)
     if pad is not None:
+        pieces.append(np.full((pad[0] - total) * s, pad[1]))
+    return Compressed(np.concatenate(pieces).astype(np.int32), s, at)
+
+
+def _closing(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_size: int,
+             pad: tuple[int, int, int] | None) -> Closing:
+    """The blocks of `ratio` positions whose last position each chunk computes; pad (blocks, trash_at, trash):
+    as many blocks (a decode row closes at most one), the rest made from prow[trash_at ..] into the trash row."""
+    s = HyperStack.spread(ratio, block_size)
+    starts, positions, pieces = [np.zeros((0, 2), np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for c, ch in zip(chunks, rows, strict=True):
+        b = np.arange(c.start // ratio, ch.end // ratio, dtype=np.int64)
+        own = ch.prow_at + b * ratio - ch.lo
+        before = np.where(b > 0, own - ratio, -1) if ratio == CSA else np.full(len(b), -1)
+        starts.append(np.stack([own, before], axis=1))
+        positions.append(b * ratio)
+        pieces.append(_pieces(c, b, ratio, block_size))
+    total = sum(len(p) for p in positions)
+    if pad is not None:
+        if total > pad[0]:
+            raise ValueError(f"a padded step closes {total} blocks of {ratio} for {pad[0]} rows")
         starts.append(np.tile([pad[1], -1], (pad[0] - total, 1)))
         positions.append(np.zeros(pad[0] - total, np.int64))
-    if not rows:
-        return Compressed(np.zeros((0, 2), np.int32), np.zeros(0, np.int32), [])
-    return Compressed(np.concatenate(starts).astype(np.int32), np.concatenate(positions).astype(np.int32), at)
+        pieces.append(np.full((pad[0] - total) * s, pad[2]))
+    return Closing(np.concatenate(starts).astype(np.int32), np.concatenate(positions).astype(np.int32),
+                   np.concatenate(pieces).astype(np.int32), s)

@@ -3,11 +3,12 @@ HyperStack.logits) through ember.kernels.ops, over the per-position pool the bac
 
 Per layer: the hyper-connections' mix (a matmul, then hc_pre), the low-rank query and the one KV head's
 row (RoPE on their last n_rot dimensions), the step's rows into the pool (store_rows: the key row, and by
-the layer's compress ratio the compressor's and the indexer's value and score rows), then each chunk's
-attention over a scratch of key rows: its window's rows gathered from the pool, then the compressed rows
-it sees made from the pool's (compress_rows, normed, RoPE at each row's first position); in a CSA layer
-the lightning indexer's scores of its candidates and its top k appended to each query's list
-(hyper_keys.py plans the lists on the host). The heads' output turns back, goes through the grouped
+the layer's compress ratio the compressor's and the indexer's value and score rows); the compressed rows
+of the blocks the step closes made from the pool's (compress_rows, normed, RoPE at each row's first
+position) and stored as pieces in the pool; then each chunk's attention over a scratch of key rows: its
+window's rows and the compressed rows it sees, gathered from the pool; in a CSA layer the lightning
+indexer's scores of its candidates and its top k appended to each query's list (hyper_keys.py plans the
+lists and the blocks on the host). The heads' output turns back, goes through the grouped
 low-rank projection and merges into the streams; then the MLP's mix, the shared expert and the routed
 ones (hash-routed by token id in the first layers), each a clamped SwiGLU. Every matmul is the matvec on
 the weights' own blocks (matmul.py, no tensor cores, float activations: closest to the twin).
@@ -34,8 +35,8 @@ from .matmul import Matmuls
 
 # A decode step (one token a sequence) runs as a captured graph of its padded shape (hyper_keys.Pad): the
 # sequences to a power of two, the context to a power of two of at least GRAPH_MIN_CONTEXT, at most
-# GRAPH_MAX_POSITIONS rows times context (its key scratch holds every compressed row of that context,
-# remade each step: about 2.5 KB a position and layer kind at the real model's sizes); past that, eagerly.
+# GRAPH_MAX_POSITIONS rows times context (its key scratch holds every compressed row of that context: about
+# 0.5 KB a position at the real model's sizes, CSA's); past that, eagerly.
 GRAPH_MIN_CONTEXT = 256
 GRAPH_MAX_POSITIONS = 1 << 18
 
@@ -73,14 +74,15 @@ class _Inputs:
     rep: DeviceArray  # int32 [n * hc]: each stream's token row (the embeddings' copies)
     lists: dict[int, tuple[DeviceArray, DeviceArray, int]]  # by ratio: (idx, cnt, ldi)
     cand: tuple[DeviceArray, DeviceArray, int] | None  # CSA: (crow, ccnt, ldc)
-    comp: dict[int, tuple[DeviceArray, DeviceArray, int]]  # by ratio: (starts, positions, rows)
+    comp: dict[int, tuple[DeviceArray, int]]  # by ratio: (the compressed rows' pieces, rows)
+    closing: dict[int, tuple[DeviceArray, DeviceArray, DeviceArray, int]]  # by ratio: (starts, positions, pieces, n)
     out_rows: DeviceArray | None  # int32 [n_out]: the rows whose logits the head computes
     n_out: int
 
 
 class HyperStep:
     """The step's buffers (allocated once for max_rows rows; the key lists' grow with the contexts) and its
-    kernels, over `pool`: (n_blocks + 1) * block_size rows of HyperStack.width(config) floats."""
+    kernels, over `pool`: (n_blocks + 1) * block_size rows of HyperStack.width(config, block_size) floats."""
 
     def __init__(self, dev: Device, stream, config: ModelConfig, weights: HyperWeights, pool: DeviceArray, *,
                  n_blocks: int, block_size: int, max_rows: int, tensor_cores: bool = True, graphs: bool = True):
@@ -91,7 +93,7 @@ class HyperStep:
         self.expert_tiles = tensor_cores and all(
             ops.qgemm_supported(e) for lw in weights.layers for e in (lw.experts.gate_up, lw.experts.gate,
                                                                       lw.experts.up, lw.experts.down) if e is not None)
-        self.columns, self.width = HyperStack.layout(config), HyperStack.width(config)
+        self.columns, self.width = HyperStack.layout(config, block_size), HyperStack.width(config, block_size)
         self._alloc(max_rows)
 
     def _alloc(self, R: int) -> None:
@@ -205,8 +207,9 @@ class HyperStep:
         if keys.crow is not None and keys.ccnt is not None:
             cand = (b.put("crow", keys.crow), b.put("ccnt", keys.ccnt), keys.crow.shape[1])
             b.get("cnt_csa", n, np.int32)
-        comp = {r: (b.put(f"starts{r}", c.starts), b.put(f"cpos{r}", c.positions), c.rows)
-                for r, c in keys.comp.items()}
+        comp = {r: (b.put(f"pieces{r}", c.pieces), c.rows) for r, c in keys.comp.items()}
+        closing = {r: (b.put(f"starts{r}", c.starts), b.put(f"cpos{r}", c.positions), b.put(f"closed{r}", c.pieces),
+                       c.blocks) for r, c in keys.closing.items()}
         pos = np.zeros(n, np.int32)
         pos[:real] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         slots = np.full(n, self.n_blocks * self.block_size, np.int32)
@@ -215,7 +218,7 @@ class HyperStep:
             tok=b.put("tok", tokens), pos=b.put("pos", pos), slots=b.put("slots", slots),
             prow=b.put("prow", keys.prow), wrows=b.put("wrows", keys.wrows),
             rep=b.put("rep", np.repeat(np.arange(n, dtype=np.int32), self.h.hc_mult)),
-            lists=lists, cand=cand, comp=comp,
+            lists=lists, cand=cand, comp=comp, closing=closing,
             out_rows=b.put("out_rows", out_rows) if len(out_rows) else None, n_out=len(out_rows))
 
     def _linear(self, w: ops.QuantMatrix, x: DeviceArray, y: DeviceArray, n: int) -> None:
@@ -278,6 +281,8 @@ class HyperStep:
             self._rope_tail(self.iq, inp.pos, self.w.rope_compressed, n=n, heads=h.indexer_heads, dim=h.indexer_dim)
             self._linear(lw.indexer_proj, self.hn, self.iw, n)
 
+        if ratio:  # the compressed rows of the blocks this step closes, into the pool
+            self._close(lw, ratio, cols, inp)
         # one scratch of key rows for the whole step: every chunk's window rows, then the layer's compressed rows
         idx, cnt, ldi = inp.lists[ratio]
         M, rows = keys.window_rows, keys.scratch_rows
@@ -309,27 +314,47 @@ class HyperStep:
         self._linear(lw.o_b, self.oa2, self.y, n)
         ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=cfg.hidden, stream=st)
 
-    def _compressed(self, lw: HyperLayer, ratio: int, cols, inp: _Inputs, M: int, kscratch: DeviceArray,
-                    iscratch: DeviceArray | None) -> None:
-        """Every chunk's compressed rows of this layer after the window rows in the key scratch (normed, RoPE at
-        each row's first position); in a CSA layer the indexer's rows likewise, at the same rows of its scratch."""
+    def _close(self, lw: HyperLayer, ratio: int, cols, inp: _Inputs) -> None:
+        """The compressed rows of the blocks whose last position the step computes (normed, RoPE at each row's
+        first position), made from their positions' pool rows and stored as their pieces in the pool; in a
+        CSA layer the indexer's rows likewise (twin: HyperStack._close_blocks)."""
         cfg, h, dev, st, W, D = self.config, self.h, self.dev, self.stream, self.width, self.config.head_dim
-        starts, positions, n_comp = inp.comp[ratio]
-        if not n_comp:
+        starts, positions, pieces, blocks = inp.closing[ratio]
+        if not blocks:
             return
+        s = HyperStack.spread(ratio, self.block_size)
 
-        def make(kv: slice, score: slice, width: int, scratch: DeviceArray, norm: DeviceArray) -> None:
-            out = scratch.view(M * width, n_comp * width)
+        def make(kv: slice, score: slice, piece: slice, width: int, norm: DeviceArray) -> None:
+            out = self.bufs.get("closed", blocks * width)
             ops.compress_rows(dev, self.pool.view(kv.start, self.pool.size - kv.start),
                               self.pool.view(score.start, self.pool.size - score.start), inp.prow, starts, out, ld=W,
-                              blocks=n_comp, ratio=ratio, width=width, overlap=ratio == CSA, stream=st)
-            ops.rms_norm(dev, out, norm, out, eps=cfg.norm_eps, rows=n_comp, cols=width, stream=st)
-            self._rope_tail(out, positions, self.w.rope_compressed, n=n_comp, heads=1, dim=width)
+                              blocks=blocks, ratio=ratio, width=width, overlap=ratio == CSA, stream=st)
+            ops.rms_norm(dev, out, norm, out, eps=cfg.norm_eps, rows=blocks, cols=width, stream=st)
+            self._rope_tail(out, positions, self.w.rope_compressed, n=blocks, heads=1, dim=width)
+            self._store(out, piece, pieces, blocks * s)
 
         assert lw.compressor is not None
-        make(cols["c_kv"], cols["c_score"], D, kscratch, lw.compressor[3])
+        make(cols["c_kv"], cols["c_score"], cols["c_row"], D, lw.compressor[3])
+        if lw.indexer is not None:
+            make(cols["i_kv"], cols["i_score"], cols["i_row"], h.indexer_dim, lw.indexer[3])
+
+    def _compressed(self, lw: HyperLayer, ratio: int, cols, inp: _Inputs, M: int, kscratch: DeviceArray,
+                    iscratch: DeviceArray | None) -> None:
+        """Every chunk's compressed rows of this layer after the window rows in the key scratch, gathered from
+        their pieces in the pool; in a CSA layer the indexer's rows likewise, at the same rows of its scratch."""
+        dev, st, W, D = self.dev, self.stream, self.width, self.config.head_dim
+        pieces, n_comp = inp.comp[ratio]
+        if not n_comp:
+            return
+        s = HyperStack.spread(ratio, self.block_size)
+
+        def gather(piece: slice, width: int, scratch: DeviceArray) -> None:
+            ops.gather_rows(dev, self.pool.view(piece.start, self.pool.size - piece.start), pieces,
+                            scratch.view(M * width, n_comp * width), n=n_comp * s, cols=width // s, ldx=W, stream=st)
+
+        gather(cols["c_row"], D, kscratch)
         if lw.indexer is not None and iscratch is not None:
-            make(cols["i_kv"], cols["i_score"], h.indexer_dim, iscratch, lw.indexer[3])
+            gather(cols["i_row"], self.h.indexer_dim, iscratch)
 
     def _mlp(self, lw: HyperLayer, n: int, tok: DeviceArray) -> None:
         """The shared expert plus the routed experts (hash-routed by token id, or by their top k with the

@@ -53,8 +53,8 @@ class NumpyBackend(Backend):
         self.dspark: DSparkHead | None = None  # the block drafter, where it drafts
         if self.hyper is not None:
             # the pool's layout by name: blocks of one are never read as blocks of another
-            self.kv_layout = ("numpy-hyper-dspark-v1" if dspark else "numpy-hyper-mtp-v1" if mtp
-                              else "numpy-hyper-v1")
+            self.kv_layout = ("numpy-hyper-dspark-v2" if dspark else "numpy-hyper-mtp-v2" if mtp
+                              else "numpy-hyper-v2")
             if mtp:
                 self.mtp = self.hyper.mtp = MtpHead(self.hyper)
             if dspark is not None:
@@ -68,7 +68,7 @@ class NumpyBackend(Backend):
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
         if config.hyper is not None:
-            return block_size * HyperStack.width(config, mtp, drafter_width) * 4
+            return block_size * HyperStack.width(config, block_size, mtp, drafter_width) * 4
         return 2 * config.n_layers * block_size * config.kv_dim * 4
 
     # -- one step ---------------------------------------------------------------------------------

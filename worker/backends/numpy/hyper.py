@@ -8,15 +8,20 @@ output), a sliding window in every layer plus, by the layer's compress ratio, co
 query) or HCA (ratio 128, all of them). The MLP is routed experts (hash-routed by token id in the first
 layers) plus a shared expert, with clamped SwiGLUs.
 
-The KV pool holds per position what the compressed rows are made of, not the rows themselves: each
-layer's key row, and the compressors' value and score rows (the indexer's too). A compressed row is a
-pure function of the positions of its block (and, for CSA, the block before), so it is recomputed
-from the pool when attention needs it. Every pool row belongs to one position, as a dense model's K
-and V do: prefix caching, block files and restores work unchanged (kv_layout names the layout).
+The KV pool holds per position each layer's key row and the compressors' value and score rows (the
+indexer's too), and the compressed rows themselves, made once: when a step computes the last position
+of a compress block, its row (normed, RoPE at the block's first position) is stored spread over the
+block's last `spread(ratio, block_size)` positions, a piece in each position's row, all in one pool
+block. A compressed row is a pure function of the positions of its block (and, for CSA, the block
+before), so every pool row still belongs to one position, as a dense model's K and V do: prefix
+caching, block files and restores work unchanged (kv_layout names the layout), and a block is whole
+once its positions are. A row's pieces are read only once its block is complete, so a block copied for
+a truncation may carry stale pieces of an open block until that block closes and overwrites them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -173,21 +178,33 @@ class HyperStack:
         # compressed base, with the file's YaRN (llama.cpp's deepseek4: YaRN on the compressed ropes only)
         self.rope_window = rope_frequencies(config.rope_base, self.h.n_rot)
         self.rope_compressed = rope_frequencies(self.h.compress_rope_base, self.h.n_rot, config.rope_yarn)
-        self.columns = self.layout(config, mtp, drafter_width)
-        self.pool = np.zeros((n_blocks, block_size, self.width(config, mtp, drafter_width)), np.float32)
+        self.columns = self.layout(config, block_size, mtp, drafter_width)
+        self.pool = np.zeros((n_blocks, block_size, self.width(config, block_size, mtp, drafter_width)), np.float32)
         self.mtp: NextTokenRows | None = None
         self.dspark: FeatureRows | None = None
 
     @staticmethod
-    def layout(config: ModelConfig, mtp: bool = False, drafter_width: int = 0) -> list[dict[str, slice]]:
+    def spread(ratio: int, block_size: int) -> int:
+        """Over how many positions a compressed row of `ratio` is stored: its block's last ones, aligned to
+        their count, so that they lie in one pool block (the one its block closes in)."""
+        return math.gcd(ratio, block_size)
+
+    @classmethod
+    def layout(cls, config: ModelConfig, block_size: int, mtp: bool = False,
+               drafter_width: int = 0) -> list[dict[str, slice]]:
         """Per layer, the pool columns of each per-position row: kv (the key/value row), and by the
-        layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows. mtp: one
-        more entry, the next-token layer's: its kv row, and h, the trunk's output streams at the position
+        layer's ratio the compressor's (c_kv, c_score) and the indexer's (i_kv, i_score) rows, and this
+        position's piece of its compressed rows (c_row, i_row; see the module docstring). mtp: one more
+        entry, the next-token layer's: its kv row, and h, the trunk's output streams at the position
         (what the next position's row, and a draft from there, are made of). drafter_width: one more
         entry, a block drafter's: its key rows (drafter), drafter_width floats."""
         h = config.hyper
         assert h is not None
         d, di, at, out = config.head_dim, h.indexer_dim, 0, []
+        for r in {r for r in h.compress_ratios if r}:
+            s = cls.spread(r, block_size)
+            if d % s or (r == CSA and di % s):
+                raise ValueError(f"a compressed row of {d} (indexer {di}) values does not split over {s} positions")
         kinds: list[int | str | None] = [*h.compress_ratios, *([None] if mtp else []),
                                          *(["drafter"] if drafter_width else [])]
         for ratio in kinds:
@@ -197,9 +214,11 @@ class HyperStack:
             elif ratio is None:
                 widths |= {"h": h.hc_mult * config.hidden}
             elif ratio == CSA:
-                widths |= {"c_kv": 2 * d, "c_score": 2 * d, "i_kv": 2 * di, "i_score": 2 * di}
+                s = cls.spread(ratio, block_size)
+                widths |= {"c_kv": 2 * d, "c_score": 2 * d, "i_kv": 2 * di, "i_score": 2 * di,
+                           "c_row": d // s, "i_row": di // s}
             elif ratio == HCA:
-                widths |= {"c_kv": d, "c_score": d}
+                widths |= {"c_kv": d, "c_score": d, "c_row": d // cls.spread(ratio, block_size)}
             cols = {}
             for name, n in widths.items():
                 cols[name], at = slice(at, at + n), at + n
@@ -207,8 +226,8 @@ class HyperStack:
         return out
 
     @classmethod
-    def width(cls, config: ModelConfig, mtp: bool = False, drafter_width: int = 0) -> int:
-        return max(c.stop for layer in cls.layout(config, mtp, drafter_width) for c in layer.values())
+    def width(cls, config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
+        return max(c.stop for layer in cls.layout(config, block_size, mtp, drafter_width) for c in layer.values())
 
     def _t(self, layer: int, role: str) -> np.ndarray:
         return self.w[f"blk.{layer}.{self.layer_names[role]}"]
@@ -265,7 +284,7 @@ class HyperStack:
     def _attention(self, li: int, x: np.ndarray, positions: np.ndarray, chunks: list[SeqChunk],
                    spans: list[tuple[int, int]], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
         cfg, h, t = self.config, self.h, self._t
-        eps, d, n_head, n = cfg.norm_eps, cfg.head_dim, cfg.n_heads, len(x)
+        d, n_head, n = cfg.head_dim, cfg.n_heads, len(x)
         ratio, cols = h.compress_ratios[li], self.columns[li]
         freqs = self.rope_compressed if ratio else self.rope_window
 
@@ -287,27 +306,61 @@ class HyperStack:
         out = np.empty((n, n_head, d), np.float32)
         for c, (a, b) in zip(chunks, spans, strict=True):
             end = c.start + len(c.tokens)
-            table = np.asarray(c.block_table, np.int64)
-            seq = np.arange(end)
-            past = rows[table[seq // self.block_size] * self.block_size + seq % self.block_size]
             pos = positions[a:b]
             # the window: keys at positions p - window < p' <= p
             first = max(0, c.start - h.window + 1)
-            keys = past[first:, cols["kv"]]
+            keys = rows[self._pool_rows(c, np.arange(first, end)), cols["kv"]]
             kpos = np.arange(first, end)
             allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - h.window)
             if ratio:
+                self._close_blocks(li, c, rows)
                 n_comp = end // ratio
-                comp = compress(past[:, cols["c_kv"]], past[:, cols["c_score"]], ratio, n_comp, ratio == CSA)
-                comp = rope_tail(_norm(comp, eps, t(li, "compressor_norm")),
-                                 np.arange(n_comp) * ratio, self.rope_compressed)
+                comp = self._compressed_rows(c, ratio, n_comp, rows, cols["c_row"])
                 visible = np.arange(n_comp)[None, :] < ((pos + 1) // ratio)[:, None]  # whole blocks up to p
                 if ratio == CSA:
-                    visible &= self._indexer_pick(li, past, cols, iq[a:b], iw[a:b], visible)
+                    ik = self._compressed_rows(c, ratio, n_comp, rows, cols["i_row"])
+                    visible &= self._indexer_pick(ik, iq[a:b], iw[a:b], visible)
                 keys = np.concatenate([keys, comp])
                 allowed = np.concatenate([allowed, visible], axis=1)
             out[a:b] = attend(q[a:b], keys, allowed, sinks)
         return self.output(li, out, positions, freqs)
+
+    def _pool_rows(self, c: SeqChunk, seq: np.ndarray) -> np.ndarray:
+        """The pool rows of a chunk's sequence's positions `seq`."""
+        table = np.asarray(c.block_table, np.int64)
+        return table[seq // self.block_size] * self.block_size + seq % self.block_size
+
+    def _spread_rows(self, c: SeqChunk, ratio: int, blocks: np.ndarray) -> np.ndarray:
+        """The pool rows holding the pieces of compress blocks `blocks`, block after block (module docstring)."""
+        s = self.spread(ratio, self.block_size)
+        seq = (blocks[:, None] + 1) * ratio - s + np.arange(s)[None, :]
+        return self._pool_rows(c, seq.reshape(-1))
+
+    def _close_blocks(self, li: int, c: SeqChunk, rows: np.ndarray) -> None:
+        """The compressed rows of the compress blocks whose last position this chunk computes, made from the
+        pool's per-position rows (those of the step written already) and stored spread over their positions."""
+        ratio, cols, t = self.h.compress_ratios[li], self.columns[li], self._t
+        end = c.start + len(c.tokens)
+        b0, b1 = c.start // ratio, end // ratio
+        if b1 <= b0:
+            return
+        lead = 1 if ratio == CSA and b0 > 0 else 0  # CSA: the block before weighs in
+        past = rows[self._pool_rows(c, np.arange((b0 - lead) * ratio, b1 * ratio))]
+        firsts = np.arange(b0, b1) * ratio
+        made = [("c_kv", "c_score", "c_row", "compressor_norm")]
+        if ratio == CSA:
+            made.append(("i_kv", "i_score", "i_row", "indexer_compressor_norm"))
+        spread = self._spread_rows(c, ratio, np.arange(b0, b1))
+        for kv, score, piece, norm in made:
+            comp = compress(past[:, cols[kv]], past[:, cols[score]], ratio, b1 - b0 + lead, ratio == CSA)[lead:]
+            comp = rope_tail(_norm(comp, self.config.norm_eps, t(li, norm)), firsts, self.rope_compressed)
+            width = cols[piece].stop - cols[piece].start
+            rows[spread, cols[piece]] = comp.reshape(-1, width)
+
+    def _compressed_rows(self, c: SeqChunk, ratio: int, n_comp: int, rows: np.ndarray, piece: slice) -> np.ndarray:
+        """A chunk's sequence's first n_comp compressed rows [n_comp, width], their pieces read from the pool."""
+        got = rows[self._spread_rows(c, ratio, np.arange(n_comp)), piece]
+        return got.reshape(n_comp, (piece.stop - piece.start) * self.spread(ratio, self.block_size))
 
     # the attention's pieces, shared with the next-token layer (mtp.py)
 
@@ -333,14 +386,10 @@ class HyperStack:
         oa = np.einsum("ngi,gri->ngr", groups, wo_a).reshape(n, -1)
         return oa @ t(li, "o_b").T
 
-    def _indexer_pick(self, li: int, past: np.ndarray, cols: dict[str, slice], iq: np.ndarray, iw: np.ndarray,
-                      visible: np.ndarray) -> np.ndarray:
+    def _indexer_pick(self, ik: np.ndarray, iq: np.ndarray, iw: np.ndarray, visible: np.ndarray) -> np.ndarray:
         """The lightning indexer: each query's top k visible compressed rows, by sum over the indexer's
-        heads of weight * relu(q . k) against its own compressed keys."""
+        heads of weight * relu(q . k) against its own compressed keys ik [rows, indexer_dim]."""
         h, n_comp = self.h, visible.shape[1]
-        ik = compress(past[:, cols["i_kv"]], past[:, cols["i_score"]], CSA, n_comp, True)
-        ik = rope_tail(_norm(ik, self.config.norm_eps, self._t(li, "indexer_compressor_norm")),
-                       np.arange(n_comp) * CSA, self.rope_compressed)
         score = indexer_scores(iq, iw, ik)
         picked = np.zeros_like(visible)
         k = min(h.indexer_top_k, n_comp)
