@@ -141,3 +141,33 @@ def test_worker_on_cuda_serves_from_its_prefix_cache_and_block_files(start_worke
                                                                      dev):
     test_deepseek4.chat_reuses_prefix_and_restarts_warm(start_worker, openai_factory, tiny, tmp_path,
                                                         "--backend", "cuda")
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_next_token_layer_writes_the_twins_rows_and_drafts_its_guesses(model, dev, mode):
+    """`--spec mtp` on the GPU (hyper_mtp.py): after a prefill of 200 positions in chunks of 64 and three
+    batched decode steps (graphs), the layer's rows in the pool (each position's h and key row) correlate
+    with the twin's as the logits do, and a draft of 4 from the last position gives the twin's guesses
+    while their logits agree."""
+    from ember.worker.backends.cuda.hyper import CudaHyperBackend
+
+    cfg, g, w = model
+    gpu = CudaHyperBackend(cfg, g, n_blocks=N_BLOCKS, block_size=BS, device=dev, max_rows=128,
+                           tensor_cores=mode == "fast", mtp=True)
+    ref = NumpyBackend(cfg, w, n_blocks=N_BLOCKS, block_size=BS, mtp=True)
+    assert gpu.kv_layout == "cuda-hyper-mtp-v2" and gpu.mtp is not None and ref.mtp is not None
+    tokens = _tokens(203, 21)
+    table = list(range(13))
+    agree(_prefill(gpu, tokens[:200], 64, table), _prefill(ref, tokens[:200], 64, table), mode)
+    for at in range(200, 203):
+        step = [SeqChunk(np.array([tokens[at]], np.int32), at, table, "last")]
+        agree(gpu.forward(step)[0], ref.forward(step)[0], mode)
+    cols = gpu.columns[cfg.n_layers]
+    mine = np.stack([gpu.read_block(b) for b in table]).reshape(-1, gpu.width)[:203]
+    theirs = ref.hyper.pool[table].reshape(-1, gpu.width)[:203]
+    for k in ("h", "kv"):
+        agree(mine[:, cols[k]], theirs[:, cols[k]], mode)
+    guesses, logits = gpu.mtp.chain(table, 9, 203, 4)
+    want, want_logits = ref.mtp.chain(table, 9, 203, 4)
+    same = next((i + 1 for i in range(4) if guesses[i] != want[i]), 4)
+    agree(logits[:same], want_logits[:same], mode)

@@ -10,8 +10,9 @@ layout). A compressed row is made once, by the step that computes its block's la
 
 Tokens are sampled on the host from the logits. Decode steps replay as captured graphs of their padded
 shape, other steps run eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores
-(hyper_step.py). Not yet (docs/models.md): device sampling and run-ahead, dropping the per-position rows a
-sequence no longer reads (the window's keys and the compressors' rows of closed blocks), --spec mtp.
+(hyper_step.py). With `mtp`, the model's next-token layer writes its rows with every step and drafts between
+steps (hyper_mtp.py). Not yet (docs/models.md): device sampling and run-ahead, dropping the per-position rows
+a sequence no longer reads (the window's keys and the compressors' rows of closed blocks), --spec dspark.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...model.config import ModelConfig
 from ...model.gguf_file import GGUFFile, ModelFileError
 from ..base import Backend, ContextPoisoned, HostBuffers, Landed, SeqChunk
 from ..numpy.hyper import HyperStack
+from .hyper_mtp import MtpLayer, upload_mtp_weights
 from .hyper_step import HyperStep
 from .hyper_weights import HyperWeights, upload_hyper_weights
 from .layers import check_fits
@@ -41,14 +43,20 @@ class CudaHyperBackend(Backend):
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None,
-                 tensor_cores: bool = True, graphs: bool = True):
+                 tensor_cores: bool = True, graphs: bool = True, mtp: bool = False, mtp_gguf: GGUFFile | None = None):
+        """mtp: the model's next-token layer drafts (`--spec mtp`; from mtp_gguf, its own file, where given):
+        the pool keeps its rows too and self.mtp drafts (hyper_mtp.py)."""
         from ember.kernels.cuda_runtime import Stream
 
         assert config.hyper is not None
+        if mtp and not config.hyper.nextn_layers:
+            raise ValueError("the model has no next-token (MTP) layer")
         self.config, self.gguf, self.h = config, gguf_file, config.hyper
         self.block_size = block_size
         self.max_rows = max(8, max_rows, max_seqs)
-        self.columns, self.width = HyperStack.layout(config, block_size), HyperStack.width(config, block_size)
+        self.columns, self.width = HyperStack.layout(config, block_size, mtp), HyperStack.width(config, block_size, mtp)
+        if mtp:  # its blocks are never read as blocks without the layer's rows
+            self.kv_layout = "cuda-hyper-mtp-v2"
         try:
             self.dev = device if device is not None else Device()
             if gpu_mem is not None:
@@ -58,6 +66,7 @@ class CudaHyperBackend(Backend):
             self.stream = Stream()
             free0 = self.dev.memory_info()[0]
             self.w: HyperWeights = upload_hyper_weights(self.dev, gguf_file, config)
+            mtp_w = upload_mtp_weights(self.dev, gguf_file, mtp_gguf, config, self.w) if mtp else None
             weights = free0 - self.dev.memory_info()[0]
             self.n_blocks = n_blocks if n_blocks is not None else self._auto_blocks()
             rows = (self.n_blocks + 1) * block_size  # one block past the pool, as the other backends keep
@@ -65,7 +74,8 @@ class CudaHyperBackend(Backend):
             self.pool.zero()
             self.step = HyperStep(self.dev, self.stream, config, self.w, self.pool, n_blocks=self.n_blocks,
                                   block_size=block_size, max_rows=self.max_rows, tensor_cores=tensor_cores,
-                                  graphs=graphs)
+                                  graphs=graphs, mtp=mtp_w)
+            self.mtp = _Drafts(self, self.step.mtp) if self.step.mtp is not None else None
             self.tensor_cores = self.step.tensor_cores
             total = self.dev.memory_info()[1]
             self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
@@ -83,12 +93,12 @@ class CudaHyperBackend(Backend):
         return {(r, c // self.block_size, 0): (g, None) for (r, c), g in self.step._graphs.items()}
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-        return block_size * HyperStack.width(config, block_size) * 4
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False) -> int:
+        return block_size * HyperStack.width(config, block_size, mtp) * 4
 
     def _auto_blocks(self) -> int:
         free, total = self.dev.memory_info()
-        per_block = self.kv_bytes_per_block(self.config, self.block_size)
+        per_block = self.block_size * self.width * 4
         # the step's buffers come after the pool: leave them a share of what is free
         budget = auto_kv_bytes(free, total, integrated=self.dev.caps.integrated, host_tier=0) * 3 // 4
         blocks = budget // per_block - 1
@@ -138,3 +148,20 @@ class CudaHyperBackend(Backend):
 
     def restore_buffers(self) -> HostBuffers:
         return HostBuffers((self.block_size, self.width), self.block_dtype)
+
+
+class _Drafts:
+    """The next-token layer as the engine's MtpDrafter takes it (its DraftHead): drafts between steps, on the
+    backend's device, a sticky CUDA error reported as every backend call reports one."""
+
+    def __init__(self, backend: CudaHyperBackend, layer: MtpLayer):
+        self._backend, self._layer = backend, layer
+        self.block_size = layer.block_size
+
+    def draft(self, block_table: list[int], token: int, at: int, k: int) -> list[int]:
+        return self.chain(block_table, token, at, k)[0]
+
+    @poison_guard
+    def chain(self, block_table: list[int], token: int, at: int, k: int) -> tuple[list[int], np.ndarray]:
+        self._backend.dev.make_current()
+        return self._layer.chain(block_table, token, at, k)

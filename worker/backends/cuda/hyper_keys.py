@@ -125,8 +125,8 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
         end = c.start + len(c.tokens)
         w0 = max(0, c.start - window + 1)
         reads = min((max(0, (c.start // r - (r == CSA)) * r) for r in compressed), default=end)
-        prows.append(_pool_rows(c, np.arange(reads, end), block_size))
-        wrows.append(_pool_rows(c, np.arange(w0, end), block_size))
+        prows.append(pool_rows(c, np.arange(reads, end), block_size))
+        wrows.append(pool_rows(c, np.arange(w0, end), block_size))
         rows.append(ChunkRows(w0, end - w0, end, at, win_at, reads))
         at += end - reads
         win_at += end - w0
@@ -184,7 +184,7 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
     return keys
 
 
-def _pool_rows(c: SeqChunk, positions: np.ndarray, block_size: int) -> np.ndarray:
+def pool_rows(c: SeqChunk, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The pool rows of a chunk's sequence's positions (as kv_slots finds a new token's)."""
     table = np.asarray(c.block_table, np.int64)
     return table[positions // block_size] * block_size + positions % block_size
@@ -193,7 +193,7 @@ def _pool_rows(c: SeqChunk, positions: np.ndarray, block_size: int) -> np.ndarra
 def _pieces(c: SeqChunk, blocks: np.ndarray, ratio: int, block_size: int) -> np.ndarray:
     """The pool rows holding compress blocks' pieces, block after block (HyperStack._spread_rows)."""
     s = HyperStack.spread(ratio, block_size)
-    return _pool_rows(c, ((blocks[:, None] + 1) * ratio - s + np.arange(s)[None, :]).reshape(-1), block_size)
+    return pool_rows(c, ((blocks[:, None] + 1) * ratio - s + np.arange(s)[None, :]).reshape(-1), block_size)
 
 
 def _compressed(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_size: int,

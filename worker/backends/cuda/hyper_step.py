@@ -30,6 +30,7 @@ from ...model.config import ModelConfig
 from ..base import SeqChunk, kv_slots
 from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
+from .hyper_mtp import MtpLayer, MtpWeights
 from .hyper_weights import HyperLayer, HyperWeights
 from .matmul import Matmuls
 
@@ -78,6 +79,10 @@ class _Inputs:
     closing: dict[int, tuple[DeviceArray, DeviceArray, DeviceArray, int]]  # by ratio: (starts, positions, pieces, n)
     out_rows: DeviceArray | None  # int32 [n_out]: the rows whose logits the head computes
     n_out: int
+    # the next-token layer's (hyper_mtp.py): each row's pool row of the position before it, and the rows at
+    # position 0 (int32, and how many; a padded step's padded with the spare row)
+    prev: DeviceArray | None = None
+    firsts: tuple[DeviceArray, int] | None = None
 
 
 class HyperStep:
@@ -85,7 +90,10 @@ class HyperStep:
     kernels, over `pool`: (n_blocks + 1) * block_size rows of HyperStack.width(config, block_size) floats."""
 
     def __init__(self, dev: Device, stream, config: ModelConfig, weights: HyperWeights, pool: DeviceArray, *,
-                 n_blocks: int, block_size: int, max_rows: int, tensor_cores: bool = True, graphs: bool = True):
+                 n_blocks: int, block_size: int, max_rows: int, tensor_cores: bool = True, graphs: bool = True,
+                 mtp: MtpWeights | None = None):
+        """mtp: the next-token layer's weights: the pool keeps its rows too (HyperStack.layout's mtp entry),
+        written with every step, and self.mtp drafts (hyper_mtp.MtpLayer)."""
         assert config.hyper is not None
         self.dev, self.stream, self.config, self.h, self.w, self.pool = dev, stream, config, config.hyper, weights, pool
         self.n_blocks, self.block_size, self.max_rows = n_blocks, block_size, max_rows
@@ -93,8 +101,11 @@ class HyperStep:
         self.expert_tiles = tensor_cores and all(
             ops.qgemm_supported(e) for lw in weights.layers for e in (lw.experts.gate_up, lw.experts.gate,
                                                                       lw.experts.up, lw.experts.down) if e is not None)
-        self.columns, self.width = HyperStack.layout(config, block_size), HyperStack.width(config, block_size)
+        self.columns = HyperStack.layout(config, block_size, mtp is not None)
+        self.width = HyperStack.width(config, block_size, mtp is not None)
+        self._mtp_weights = mtp
         self._alloc(max_rows)
+        self.mtp = MtpLayer(self, mtp) if mtp is not None else None
 
     def _alloc(self, R: int) -> None:
         cfg, h, e = self.config, self.h, self.dev.empty
@@ -124,10 +135,14 @@ class HyperStep:
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
         if self.tensor_cores:  # the tensor-core matmuls' 16-bit scratch, at its largest, once: graphs use it
-            tc = [m for m in self.w.matrices()  # what _linear may take: not the embeddings, not the head
-                  if m.cols % GEMM_TILE_K == 0 and m is not self.w.output and m is not self.w.token_embd]
-            self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m in tc))
-            self.dev.scratch("gemm_x", 2 * R * max(m.cols for m in tc))
+            # what _linear may take (not the embeddings, not the head), and over how many rows at most
+            mtp = self._mtp_weights
+            rows = [(m, R) for m in self.w.matrices() if m is not self.w.output and m is not self.w.token_embd]
+            if mtp is not None:  # its input's projection runs over every stream's row
+                rows += [(m, R * hc if m is mtp.eh_proj else R) for m in mtp.matrices()]
+            tc = [(m, r) for m, r in rows if m.cols % GEMM_TILE_K == 0]
+            self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m, _ in tc))
+            self.dev.scratch("gemm_x", 2 * max(r * m.cols for m, r in tc))
 
     def run(self, chunks: list[SeqChunk]) -> list:
         """Each chunk's logits as it asks for them (None for "none"), float32 on the host."""
@@ -149,7 +164,8 @@ class HyperStep:
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
             self.bufs = self._graph_bufs.setdefault(shape, _Buffers(self.dev))
-            inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows)
+            inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
+                               padded=True)
             graph = self._graphs.get(shape)
             if graph is None and shape in self._seen:
                 graph = self._graphs[shape] = self._capture(lambda: self._forward(pad.rows, inp, keys))
@@ -196,9 +212,11 @@ class HyperStep:
             self._attention(li, lw, n, inp, keys)
             self._mlp(lw, n, inp.tok)
         self._head(inp)
+        if self.mtp is not None:  # after the head: the layer's rows take the streams over
+            self.mtp.write_rows(n, inp)
 
     def _inputs(self, chunks: list[SeqChunk], tokens: np.ndarray, keys: hyper_keys.StepKeys,
-                out_rows: np.ndarray) -> _Inputs:
+                out_rows: np.ndarray, padded: bool = False) -> _Inputs:
         """The step's host plan on the device (padded rows: position 0, the trash block's row)."""
         b, n, real = self.bufs, len(tokens), sum(len(c.tokens) for c in chunks)
         lists = {r: (b.put(f"idx{r}", kl.idx), b.put(f"cnt{r}", kl.cnt), kl.idx.shape[1])
@@ -214,19 +232,32 @@ class HyperStep:
         pos[:real] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         slots = np.full(n, self.n_blocks * self.block_size, np.int32)
         slots[:real] = kv_slots(chunks, self.block_size, self.n_blocks)
-        return _Inputs(
+        inp = _Inputs(
             tok=b.put("tok", tokens), pos=b.put("pos", pos), slots=b.put("slots", slots),
             prow=b.put("prow", keys.prow), wrows=b.put("wrows", keys.wrows),
             rep=b.put("rep", np.repeat(np.arange(n, dtype=np.int32), self.h.hc_mult)),
             lists=lists, cand=cand, comp=comp, closing=closing,
             out_rows=b.put("out_rows", out_rows) if len(out_rows) else None, n_out=len(out_rows))
+        if self.mtp is not None:
+            # the h before each row: the pool's at p - 1 (this step's own rows are stored before they are read);
+            # a row at position 0 reads its own row, then takes zeros; a padded row reads the trash row
+            before = [hyper_keys.pool_rows(c, np.maximum(np.arange(c.start - 1, c.start + len(c.tokens) - 1), 0),
+                                           self.block_size) for c in chunks]
+            prev = slots.copy()
+            prev[:real] = np.concatenate(before) if before else prev[:real]
+            firsts = np.nonzero(pos[:real] == 0)[0]
+            prev[firsts] = slots[firsts]
+            if padded:  # a captured step's count is fixed: the rest zero the spare row past the step's
+                firsts = np.concatenate([firsts, np.full(n - len(firsts), n)])
+            inp.prev, inp.firsts = b.put("prev", prev), (b.put("firsts", firsts.astype(np.int32)), len(firsts))
+        return inp
 
     def _linear(self, w: ops.QuantMatrix, x: DeviceArray, y: DeviceArray, n: int) -> None:
         """y = x @ W^T over n rows: on the tensor cores from TC_MIN_ROWS rows (Matmuls.linear decides)."""
         self.mm.linear(w, x, y, n, tc=self.tensor_cores and w.cols % GEMM_TILE_K == 0)
 
     def _mix(self, mix, n: int) -> None:
-        """A hyper-connection's input mix of the streams: self.a the sublayer's input; self.post, self.comb."""
+        """A hyper-connection's input mix of the streams self.x: self.a the sublayer's input; self.post, self.comb."""
         h, cfg = self.h, self.config
         fn, scale, base = mix
         self.mm.linear(fn, self.x, self.raw, n, tc=False)  # see the module docstring
@@ -246,23 +277,53 @@ class HyperStep:
         ops.store_rows(self.dev, src, slots, self.pool.view(col.start, self.pool.size - col.start), n=n, width=width,
                        lds=width, ldd=self.width, ape=ape, stream=self.stream)
 
-    def _attention(self, li: int, lw: HyperLayer, n: int, inp: _Inputs, keys: hyper_keys.StepKeys) -> None:
-        cfg, h, dev, st = self.config, self.h, self.dev, self.stream
-        eps, H, D, W = cfg.norm_eps, cfg.n_heads, cfg.head_dim, self.width
-        ratio, cols = lw.ratio, self.columns[li]
-        freqs = self.w.rope_compressed if ratio else self.w.rope_window
+    def _key_row(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray) -> None:
+        """The attention's input (self.hn, from the streams' mix: self.post, self.comb) and the one KV head's
+        row of each position (self.kvr, normed, RoPE on its tail)."""
+        cfg, dev, st, eps, D = self.config, self.dev, self.stream, self.config.norm_eps, self.config.head_dim
         self._mix(lw.attn_mix, n)
         ops.rms_norm(dev, self.a, lw.attn_norm, self.hn, eps=eps, rows=n, cols=cfg.hidden, stream=st)
-        # the low-rank query (its normed rank rows the indexer reads too), its heads normed, RoPE on their tails
+        self._linear(lw.kv, self.hn, self.kvr, n)
+        ops.rms_norm(dev, self.kvr, lw.kv_norm, self.kvr, eps=eps, rows=n, cols=D, stream=st)
+        self._rope_tail(self.kvr, pos, freqs, n=n, heads=1, dim=D)
+
+    def _query(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray) -> None:
+        """The low-rank query from self.hn (its normed rank rows, self.qa, the indexer reads too), its heads
+        normed, RoPE on their tails: self.q."""
+        cfg, h, dev, st, eps = self.config, self.h, self.dev, self.stream, self.config.norm_eps
+        H, D = cfg.n_heads, cfg.head_dim
         self._linear(lw.q_a, self.hn, self.qa, n)
         ops.rms_norm(dev, self.qa, lw.q_a_norm, self.qa, eps=eps, rows=n, cols=h.q_lora_rank, stream=st)
         self._linear(lw.q_b, self.qa, self.q, n)
         ops.rms_norm(dev, self.q, self.w.ones, self.q, eps=eps, rows=n * H, cols=D, heads=H, stream=st)
-        self._rope_tail(self.q, inp.pos, freqs, n=n, heads=H, dim=D)
-        # the one KV head's row, and the compressors' rows, into the pool
-        self._linear(lw.kv, self.hn, self.kvr, n)
-        ops.rms_norm(dev, self.kvr, lw.kv_norm, self.kvr, eps=eps, rows=n, cols=D, stream=st)
-        self._rope_tail(self.kvr, inp.pos, freqs, n=n, heads=1, dim=D)
+        self._rope_tail(self.q, pos, freqs, n=n, heads=H, dim=D)
+
+    def _attend(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray, keys: DeviceArray,
+                idx: DeviceArray, cnt: DeviceArray, ldi: int) -> None:
+        """Attention of self.q over the key rows each query's list names, its heads' RoPE undone, through the
+        grouped low-rank output, merged into the streams self.x."""
+        cfg, h, dev, st, H, D = self.config, self.h, self.dev, self.stream, self.config.n_heads, self.config.head_dim
+        ops.attend_rows(dev, self.q, keys, idx, cnt, lw.sinks, self.att, n=n, heads=H, head_dim=D, ld=D, ldi=ldi,
+                        stream=st)
+        self._rope_tail(self.att, pos, freqs, n=n, heads=H, dim=D, inverse=True)
+        # each group of heads through its own matrix
+        G, rank = h.o_groups, h.o_lora_rank
+        gw = H * D // G
+        ops.swap_rows(dev, self.att, self.grouped, a=n, b=G, width=gw, stream=st)  # [G, n, gw]
+        for g, wg in enumerate(lw.o_a):
+            self._linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n)
+        ops.swap_rows(dev, self.oa, self.oa2, a=G, b=n, width=rank, stream=st)  # [n, G * rank]
+        self._linear(lw.o_b, self.oa2, self.y, n)
+        ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=cfg.hidden, stream=st)
+
+    def _attention(self, li: int, lw: HyperLayer, n: int, inp: _Inputs, keys: hyper_keys.StepKeys) -> None:
+        cfg, h, dev, st = self.config, self.h, self.dev, self.stream
+        D, W = cfg.head_dim, self.width
+        ratio, cols = lw.ratio, self.columns[li]
+        freqs = self.w.rope_compressed if ratio else self.w.rope_window
+        self._key_row(lw, n, inp.pos, freqs)
+        self._query(lw, n, inp.pos, freqs)
+        # the key row, and the compressors' rows, into the pool
         self._store(self.kvr, cols["kv"], inp.slots, n)
         if lw.compressor is not None:
             ckv, cgate, ape, _ = lw.compressor
@@ -301,18 +362,7 @@ class HyperStep:
             ops.indexer_scores(dev, self.iq, self.iw, iscratch, crow, ccnt, score, n=n, heads=h.indexer_heads,
                                dim=h.indexer_dim, ld=h.indexer_dim, ldc=ldc, stream=st)
             ops.top_k_rows(dev, score, crow, ccnt, idx, cnt, n=n, k=h.indexer_top_k, ldc=ldc, ldi=ldi, stream=st)
-        ops.attend_rows(dev, self.q, kscratch, idx, cnt, lw.sinks, self.att, n=n, heads=H, head_dim=D, ld=D, ldi=ldi,
-                        stream=st)
-        # the heads' RoPE undone, then the grouped low-rank output: each group of heads through its own matrix
-        self._rope_tail(self.att, inp.pos, freqs, n=n, heads=H, dim=D, inverse=True)
-        G, rank = h.o_groups, h.o_lora_rank
-        gw = H * D // G
-        ops.swap_rows(dev, self.att, self.grouped, a=n, b=G, width=gw, stream=st)  # [G, n, gw]
-        for g, wg in enumerate(lw.o_a):
-            self._linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n)
-        ops.swap_rows(dev, self.oa, self.oa2, a=G, b=n, width=rank, stream=st)  # [n, G * rank]
-        self._linear(lw.o_b, self.oa2, self.y, n)
-        ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=cfg.hidden, stream=st)
+        self._attend(lw, n, inp.pos, freqs, kscratch, idx, cnt, ldi)
 
     def _close(self, lw: HyperLayer, ratio: int, cols, inp: _Inputs) -> None:
         """The compressed rows of the blocks whose last position the step computes (normed, RoPE at each row's
@@ -411,18 +461,23 @@ class HyperStep:
 
     def _head(self, inp: _Inputs) -> None:
         """The logits of the rows inp.out_rows names, into self.logits (twin: HyperStack.head)."""
-        cfg, h, dev, st, mm, n_out = self.config, self.h, self.dev, self.stream, self.mm, inp.n_out
         if inp.out_rows is None:
             return
-        hcw = h.hc_mult * cfg.hidden
-        xo = self.bufs.get("x_out", n_out * hcw)
-        ops.gather_rows(dev, self.x, inp.out_rows, xo, n=n_out, cols=hcw, stream=st)
-        fn, scale, base = self.w.output_mix
-        mm.linear(fn, xo, self.raw, n_out, tc=False)
-        ops.hc_pre(dev, xo, self.raw, scale, base, self.a, None, None, n=n_out, hc=h.hc_mult, hidden=cfg.hidden,
+        hcw = self.h.hc_mult * self.config.hidden
+        xo = self.bufs.get("x_out", inp.n_out * hcw)
+        ops.gather_rows(self.dev, self.x, inp.out_rows, xo, n=inp.n_out, cols=hcw, stream=self.stream)
+        self.logits_of(xo, inp.n_out, self.w.output_mix, self.w.output_norm, self.w.output)
+
+    def logits_of(self, streams: DeviceArray, n: int, mix, norm: DeviceArray, out: ops.QuantMatrix) -> None:
+        """Logits [n, vocab] into self.logits from streams [n, hc, hidden]: mixed into one by a head's (fn,
+        scale, base), normed, projected (the model's head, or the next-token layer's)."""
+        cfg, h, dev, st, mm = self.config, self.h, self.dev, self.stream, self.mm
+        fn, scale, base = mix
+        mm.linear(fn, streams, self.raw, n, tc=False)
+        ops.hc_pre(dev, streams, self.raw, scale, base, self.a, None, None, n=n, hc=h.hc_mult, hidden=cfg.hidden,
                    eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=st)
-        ops.rms_norm(dev, self.a, self.w.output_norm, self.hn, eps=cfg.norm_eps, rows=n_out, cols=cfg.hidden, stream=st)
-        mm.linear(self.w.output, self.hn, self.logits, n_out, tc=False)
+        ops.rms_norm(dev, self.a, norm, self.hn, eps=cfg.norm_eps, rows=n, cols=cfg.hidden, stream=st)
+        mm.linear(out, self.hn, self.logits, n, tc=False)
 
 
 def _wanted(chunks: list[SeqChunk], pad: hyper_keys.Pad | None) -> tuple[list[np.ndarray], np.ndarray]:

@@ -107,60 +107,60 @@ class _Reader(_Uploader):
                 for g in range(groups)]
 
 
+def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
+    """Block li's weights: a trunk layer's, or the next-token layer's (li = n_layers: window-only, learned
+    routing), by the family's roles."""
+    h, family = config.hyper, config.family
+    assert h is not None and family.hyper is not None
+    roles = {**family.tensors.layer, **family.hyper.layer}
+
+    def name(role: str) -> str:
+        return f"blk.{li}.{roles[role]}"
+
+    def mix(role: str):
+        return (rd.matrix(name(f"{role}_fn")), rd.device_vector(name(f"{role}_scale")),
+                rd.device_vector(name(f"{role}_base")))
+
+    hashed = li < h.hash_layers
+    lw = HyperLayer(
+        ratio=ratio, attn_mix=mix("attn_mix"), ffn_mix=mix("ffn_mix"),
+        attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
+        sinks=rd.device_vector(name("sinks")),
+        q_a=rd.matrix(name("q_a")), q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
+        kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
+        o_b=rd.matrix(name("o_b")),
+        experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
+        shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
+        shared_down=rd.matrix(name("shared_down")),
+        clamp=float(h.swiglu_clamp_exp[li]), clamp_shared=float(h.swiglu_clamp_shexp[li]),
+        select_bias=None if hashed else rd.device_vector(name("router_select_bias")),
+        token_experts=(rd.dev.to_device(np.ascontiguousarray(rd.g.raw(name("token_to_experts")).view("<i4")))
+                       if hashed else None))
+    if ratio:
+        lw.compressor = (rd.matrix(name("compressor_kv")), rd.matrix(name("compressor_gate")),
+                         rd.device_vector(name("compressor_ape")), rd.device_vector(name("compressor_norm")))
+    if ratio == 4 and name("indexer_q_b") in rd.g.tensors:
+        lw.indexer = (rd.matrix(name("indexer_compressor_kv")), rd.matrix(name("indexer_compressor_gate")),
+                      rd.device_vector(name("indexer_compressor_ape")),
+                      rd.device_vector(name("indexer_compressor_norm")))
+        lw.indexer_q_b = rd.matrix(name("indexer_q_b"))
+        # the twin divides the head weights by sqrt(heads * dim) after the product: folded into the matrix
+        lw.indexer_proj = rd.matrix(name("indexer_proj"), scale=1.0 / np.sqrt(h.indexer_dim * h.indexer_heads))
+    return lw
+
+
 def upload_hyper_weights(dev: Device, g: GGUFFile, config: ModelConfig) -> HyperWeights:
     h, family = config.hyper, config.family
     assert h is not None and family.hyper is not None
     rd, t = _Reader(dev, g), family.tensors
-    roles = {**t.layer, **family.hyper.layer}
     model = family.hyper.model
-
-    def mix(fn: str, scale: str, base: str):
-        return rd.matrix(fn), rd.device_vector(scale), rd.device_vector(base)
-
-    layers = []
-    for li in range(config.n_layers):
-        ratio = h.compress_ratios[li]
-
-        def name(role: str, li: int = li) -> str:
-            return f"blk.{li}.{roles[role]}"
-
-        def has(role: str, li: int = li) -> bool:
-            return f"blk.{li}.{roles[role]}" in g.tensors
-
-        hashed = li < h.hash_layers
-        lw = HyperLayer(
-            ratio=ratio,
-            attn_mix=mix(name("attn_mix_fn"), name("attn_mix_scale"), name("attn_mix_base")),
-            ffn_mix=mix(name("ffn_mix_fn"), name("ffn_mix_scale"), name("ffn_mix_base")),
-            attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
-            sinks=rd.device_vector(name("sinks")),
-            q_a=rd.matrix(name("q_a")), q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
-            kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
-            o_b=rd.matrix(name("o_b")),
-            experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
-            shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
-            shared_down=rd.matrix(name("shared_down")),
-            clamp=float(h.swiglu_clamp_exp[li]), clamp_shared=float(h.swiglu_clamp_shexp[li]),
-            select_bias=None if hashed else rd.device_vector(name("router_select_bias")),
-            token_experts=(dev.to_device(np.ascontiguousarray(g.raw(name("token_to_experts")).view("<i4")))
-                           if hashed else None))
-        if ratio:
-            lw.compressor = (rd.matrix(name("compressor_kv")), rd.matrix(name("compressor_gate")),
-                             rd.device_vector(name("compressor_ape")), rd.device_vector(name("compressor_norm")))
-        if ratio == 4 and has("indexer_q_b"):
-            lw.indexer = (rd.matrix(name("indexer_compressor_kv")), rd.matrix(name("indexer_compressor_gate")),
-                          rd.device_vector(name("indexer_compressor_ape")),
-                          rd.device_vector(name("indexer_compressor_norm")))
-            lw.indexer_q_b = rd.matrix(name("indexer_q_b"))
-            # the twin divides the head weights by sqrt(heads * dim) after the product: folded into the matrix
-            lw.indexer_proj = rd.matrix(name("indexer_proj"), scale=1.0 / np.sqrt(h.indexer_dim * h.indexer_heads))
-        layers.append(lw)
-
+    layers = [_layer(rd, config, li, h.compress_ratios[li]) for li in range(config.n_layers)]
     rope_window = rope_frequencies(config.rope_base, h.n_rot)
     rope_compressed = rope_frequencies(h.compress_rope_base, h.n_rot, config.rope_yarn)
     return HyperWeights(
         token_embd=rd.matrix(t.token_embd), output=rd.matrix(t.output), output_norm=rd.device_vector(t.output_norm),
-        output_mix=mix(model["output_mix_fn"], model["output_mix_scale"], model["output_mix_base"]), layers=layers,
+        output_mix=(rd.matrix(model["output_mix_fn"]), rd.device_vector(model["output_mix_scale"]),
+                    rd.device_vector(model["output_mix_base"])), layers=layers,
         rope_window=dev.to_device(rope_window.astype(np.float32)),
         rope_compressed=dev.to_device(rope_compressed.astype(np.float32)),
         ones=dev.to_device(np.ones(config.head_dim, np.float32)))

@@ -119,8 +119,9 @@ def indexer_scores(iq: np.ndarray, iw: np.ndarray, ik: np.ndarray) -> np.ndarray
 
 
 def indexer_top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """The k compressed rows of highest indexer score per query (in no particular order)."""
-    return np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    """The k compressed rows of highest indexer score per query, a tie at the k-th score to the earlier rows
+    (as the kernel's select: scores tie often, at 0, where every head's relu is)."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
 
 
 def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:

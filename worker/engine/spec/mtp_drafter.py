@@ -1,5 +1,5 @@
 """`--spec mtp`: the model's own next-token (MTP) layer drafts, where the GGUF ships one (DeepSeek V4's
-blk.N.nextn.*; backends/numpy/mtp.MtpHead computes it).
+blk.N.nextn.*; backends/numpy/mtp.MtpHead computes it, and on cuda backends/cuda/hyper_mtp.MtpLayer).
 
 From the last token and the trunk's output streams at the position before it, the layer guesses the
 next token; its own output streams and that guess make the next guess, and so on (llama.cpp drafts
@@ -23,8 +23,8 @@ MTP_MATCH = 8  # the "match length" its drafts report to the policy (speculation
 
 
 class DraftHead(Protocol):
-    """The layer that drafts (the numpy backend's MtpHead): k greedy guesses after `token` at position `at`,
-    from the sequence's KV in the pool."""
+    """The layer that drafts (the numpy backend's MtpHead, the cuda backend's `mtp`): k greedy guesses after
+    `token` at position `at`, from the sequence's KV in the pool."""
 
     @property
     def block_size(self) -> int: ...
