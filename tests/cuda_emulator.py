@@ -266,6 +266,22 @@ class EmuOps:
             score.a[t * ldc : t * ldc + c] = indexer_scores(qt, w.a[t * heads : (t + 1) * heads][None], k)[0]
 
     @staticmethod
+    def sample(dev, logits, params, out, *, rows, vocab, ld=None, out_floor=None, work=None, greedy=None,
+               stream=None):
+        from ember.kernels.ops.sampling import SampleParams
+        from ember.kernels.reference import sample_rows
+
+        raw, off = params.a.view(np.uint8), SampleParams.offsets(rows)
+        field = {name: raw[off[name] : off[name] + rows * np.dtype(dt).itemsize].view(dt)
+                 for name, dt in SampleParams.FIELDS}
+        x = _rows(logits, rows, vocab, ld)
+        tokens, floors = sample_rows(x, field["temperature"], field["top_k"], field["top_p"], field["min_p"],
+                                     field["seed"], field["step"])
+        out.a[:rows] = tokens
+        if out_floor is not None:
+            out_floor.a[:rows] = floors
+
+    @staticmethod
     def top_k_rows(dev, score, crow, ccnt, idx, cnt, *, n, k, ldc, ldi, stream=None):
         for t in range(n):
             c, at = int(ccnt.a[t]), int(cnt.a[t])

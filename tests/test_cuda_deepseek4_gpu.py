@@ -171,3 +171,24 @@ def test_the_next_token_layer_writes_the_twins_rows_and_drafts_its_guesses(model
     want, want_logits = ref.mtp.chain(table, 9, 203, 4)
     same = next((i + 1 for i in range(4) if guesses[i] != want[i]), 4)
     agree(logits[:same], want_logits[:same], mode)
+
+
+def test_a_chunk_that_asks_is_sampled_on_the_device(model, dev):
+    """The same decode step twice (a step at a position writes the same rows again): its logits, then a
+    seeded draw at temperature 0.8 and top-k 40 from the device and a greedy one: the host sampler's chain
+    over those logits (reference.sample_rows) and their argmax."""
+    from ember.kernels.reference import sample_rows
+    from ember.worker.backends.base import DeviceSample, SampledToken
+
+    gpu = _cuda(model, dev)
+    assert gpu.samples_on_device
+    tokens, table = _tokens(60, 31), list(range(4))
+    _prefill(gpu, tokens[:59], 64, table)
+    plain = [SeqChunk(np.array([tokens[59]], np.int32), 59, table, "last")]
+    (logits,) = gpu.forward(plain)
+    for ask in (DeviceSample(0.8, 40, 1.0, 0.0, 77, 3), DeviceSample(0.0, 0, 1.0, 0.0, 0, 3)):
+        (got,) = gpu.forward([SeqChunk(plain[0].tokens, 59, table, "last", sample=ask)])
+        assert isinstance(got, SampledToken)
+        (want,), _ = sample_rows(logits[-1:], [ask.temperature], [ask.top_k], [ask.top_p], [ask.min_p], [ask.seed],
+                                 [ask.step])
+        assert got == want

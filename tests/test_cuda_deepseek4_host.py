@@ -265,3 +265,38 @@ def test_decode_steps_replay_their_captured_graph(emulated, reference_backend):
         assert emulated.graph_replays == max(0, step)  # eager, then captured and launched, then replayed
         last, lengths = [int(w[-1].argmax()) for w in want], [n + 1 for n in lengths]
     assert list(emulated._graphs) == [(4, 256)]
+
+
+def test_chunks_that_ask_are_sampled_on_the_device(model, monkeypatch, reference_backend):
+    """Three sequences decoding together (eager, then captured and replayed at a padded shape of 4 rows): one
+    asks a greedy draw, one a seeded draw at temperature 0.8 and top-k 40, one its logits. The first two come
+    back as SampledToken, the host sampler's chain over the twin's logits (reference.sample_rows), the third
+    as the twin's logits."""
+    from cuda_emulator import EmuOps
+
+    from ember.kernels.reference import sample_rows
+    from ember.worker.backends.base import DeviceSample, SampledToken
+
+    emulated, ref = _step(model, monkeypatch, EmuOps(), EmuDevice(), 160, tensor_cores=False), reference_backend()
+    rng = np.random.default_rng(5)
+    seqs = [(20, list(range(0, 3))), (50, list(range(3, 8))), (90, list(range(8, 15)))]
+    last, lengths = [], []
+    for n, table in seqs:
+        prompt = rng.integers(0, 700, n).astype(np.int32)
+        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
+        emulated.run([SeqChunk(prompt, 0, table, "last")])
+        last.append(int(want[-1].argmax()))
+        lengths.append(n)
+    for i in range(3):
+        asks = [DeviceSample(0.0, 0, 1.0, 0.0, 0, i), DeviceSample(0.8, 40, 1.0, 0.0, 1234, i), None]
+        chunks = [SeqChunk(np.array([t], np.int32), n, table, "last", sample=a)
+                  for t, n, (_, table), a in zip(last, lengths, seqs, asks, strict=True)]
+        want = ref.forward([SeqChunk(c.tokens, c.start, c.block_table, "last") for c in chunks])
+        got = emulated.run(chunks)
+        assert emulated.graph_replays == max(0, i)
+        assert isinstance(got[0], SampledToken) and isinstance(got[1], SampledToken)
+        assert got[0] == int(want[0][-1].argmax())
+        (drawn,), _ = sample_rows(want[1][-1:], [0.8], [40], [1.0], [0.0], [1234], [i])
+        assert got[1] == drawn
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-3, atol=1e-3)
+        last, lengths = [int(got[0]), int(got[1]), int(want[2][-1].argmax())], [n + 1 for n in lengths]

@@ -8,11 +8,12 @@ rows (and the indexer's) and its piece of the compressed rows, float32, in the t
 block; the prefix cache, block files and restores work as for the other families (kv_layout names the
 layout). A compressed row is made once, by the step that computes its block's last position.
 
-Tokens are sampled on the host from the logits. Decode steps replay as captured graphs of their padded
-shape, other steps run eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores
-(hyper_step.py). With `mtp`, the model's next-token layer writes its rows with every step and drafts between
-steps (hyper_mtp.py). Not yet (docs/models.md): device sampling and run-ahead, dropping the per-position rows
-a sequence no longer reads (the window's keys and the compressors' rows of closed blocks), --spec dspark.
+A chunk that asks for a draw (`sample`) is sampled on the device from the step's logits; the others get
+their logits on the host. Decode steps replay as captured graphs of their padded shape, other steps run
+eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py). With `mtp`, the
+model's next-token layer writes its rows with every step and drafts between steps (hyper_mtp.py). Not yet
+(docs/models.md): run-ahead, dropping the per-position rows a sequence no longer reads (the window's keys
+and the compressors' rows of closed blocks), --spec dspark.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class CudaHyperBackend(Backend):
     name = "cuda"
     kv_layout = "cuda-hyper-v2"
     block_dtype = np.dtype(np.float32)
+    samples_on_device = True  # chunks with `sample` set come back as SampledToken (HyperStep._draw)
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
     f16_weights = int8_activations = pdl = False
 

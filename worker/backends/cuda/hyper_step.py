@@ -27,7 +27,7 @@ from ember.kernels.ops.matmul import GEMM_TILE_K
 from ember.kernels.ops.moe import QGEMM_MIN_ROWS, QGEMM_TILES, TILE_ROWS
 
 from ...model.config import ModelConfig
-from ..base import SeqChunk, kv_slots
+from ..base import SampledToken, SeqChunk, kv_slots
 from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
 from .hyper_mtp import MtpLayer, MtpWeights
@@ -175,10 +175,37 @@ class HyperStep:
             else:
                 graph.launch()
                 self.graph_replays += 1
+        drawn = self._draw(chunks, want, len(out_rows))
         st.synchronize()
+        if all(i in drawn or not len(w) for i, w in enumerate(want)):  # no chunk takes logits
+            return [SampledToken(drawn[i]) if i in drawn else None for i in range(len(chunks))]
         n_out = len(out_rows)
         host = self.logits.view(0, max(n_out, 1) * cfg.vocab_size).to_host().reshape(-1, cfg.vocab_size)
-        return [host[w].copy() if len(w) else None for w in want]
+        return [SampledToken(drawn[i]) if i in drawn else host[w].copy() if len(w) else None
+                for i, w in enumerate(want)]
+
+    def _draw(self, chunks: list[SeqChunk], want: list[np.ndarray], n_out: int) -> dict[int, int]:
+        """The tokens of the chunks that ask to be sampled (`sample`, with "last" logits), drawn on the device
+        from the step's logits (ops.sample: the host sampler's chain without penalties), by chunk."""
+        asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
+        if not asks:
+            return {}
+        temp, top_p = np.zeros(n_out, np.float32), np.ones(n_out, np.float32)  # rows not drawn: greedy, ignored
+        top_k, min_p = np.zeros(n_out, np.int32), np.zeros(n_out, np.float32)
+        seed, step = np.zeros(n_out, np.uint64), np.zeros(n_out, np.uint32)
+        for i in asks:
+            r, d = int(want[i][0]), chunks[i].sample
+            assert d is not None
+            temp[r], top_k[r], top_p[r], min_p[r] = d.temperature, d.top_k, d.top_p, d.min_p
+            seed[r], step[r] = d.seed & (2**64 - 1), d.step & (2**32 - 1)
+        packed = np.zeros(ops.SampleParams.nbytes(n_out), np.uint8)
+        ops.SampleParams.pack(packed, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                              step=step)
+        out = self.bufs.get("drawn", n_out, np.int32)
+        ops.sample(self.dev, self.logits, self.bufs.put("sample", packed), out, rows=n_out,
+                   vocab=self.config.vocab_size, stream=self.stream)
+        tokens = out.view(0, n_out).to_host()
+        return {i: int(tokens[int(want[i][0])]) for i in asks}
 
     def _graph_shape(self, chunks: list[SeqChunk]) -> hyper_keys.Pad | None:
         """The padded shape a decode step (one token a sequence, each asking its logits) is captured at:
