@@ -43,6 +43,7 @@ class ChunkRows:
     prow_at: int  # offset of position lo's pool row in StepKeys.prow
     win_at: int  # scratch row of its window's first row
     lo: int = 0  # the first position the blocks it closes read
+    table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its block table, int64
 
 
 @dataclass
@@ -125,9 +126,10 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
         end = c.start + len(c.tokens)
         w0 = max(0, c.start - window + 1)
         reads = min((max(0, (c.start // r - (r == CSA)) * r) for r in compressed), default=end)
-        prows.append(pool_rows(c, np.arange(reads, end), block_size))
-        wrows.append(pool_rows(c, np.arange(w0, end), block_size))
-        rows.append(ChunkRows(w0, end - w0, end, at, win_at, reads))
+        table = np.asarray(c.block_table, np.int64)  # once: a list of thousands of blocks is slow to convert
+        prows.append(pool_rows(table, np.arange(reads, end), block_size))
+        wrows.append(pool_rows(table, np.arange(w0, end), block_size))
+        rows.append(ChunkRows(w0, end - w0, end, at, win_at, reads, table))
         at += end - reads
         win_at += end - w0
     pos = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
@@ -150,8 +152,8 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
         owner = np.concatenate([owner, np.full(pad.rows - n, -1)])
     keys = StepKeys(rows, prow, np.concatenate(wrows).astype(np.int32) if wrows else np.zeros(0, np.int32), {})
     for r in compressed:
-        keys.comp[r] = _compressed(chunks, rows, r, block_size,
-                                   None if pad is None else (pad.rows * (pad.context // r), pad.trash))
+        seen = None if pad is None else (pad.rows * (pad.context // r), pad.trash)
+        keys.comp[r] = _compressed(rows, r, block_size, seen)
         keys.closing[r] = _closing(chunks, rows, r, block_size, None if pad is None else (pad.rows, at, pad.trash))
     visible = {r: np.where(owner >= 0, (pos + 1) // r, 0) for r in keys.comp}
     # the scratch row of each query's chunk's compressed row 0, by ratio
@@ -184,27 +186,26 @@ def plan(chunks: list[SeqChunk], *, block_size: int, window: int, ratios: set[in
     return keys
 
 
-def pool_rows(c: SeqChunk, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The pool rows of a chunk's sequence's positions (as kv_slots finds a new token's)."""
-    table = np.asarray(c.block_table, np.int64)
+def pool_rows(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The pool rows of a sequence's positions, by its block table (as kv_slots finds a new token's)."""
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def _pieces(c: SeqChunk, blocks: np.ndarray, ratio: int, block_size: int) -> np.ndarray:
-    """The pool rows holding compress blocks' pieces, block after block (HyperStack._spread_rows)."""
+def _pieces(table: np.ndarray, blocks: np.ndarray, ratio: int, block_size: int) -> np.ndarray:
+    """The pool rows holding compress blocks' pieces, block after block (HyperStack._spread_rows): a block's
+    pieces are consecutive rows of one pool block, so each block's first is found, then the rest added."""
     s = HyperStack.spread(ratio, block_size)
-    return pool_rows(c, ((blocks[:, None] + 1) * ratio - s + np.arange(s)[None, :]).reshape(-1), block_size)
+    return (pool_rows(table, (blocks + 1) * ratio - s, block_size)[:, None] + np.arange(s)[None, :]).reshape(-1)
 
 
-def _compressed(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_size: int,
-                pad: tuple[int, int] | None) -> Compressed:
+def _compressed(rows: list[ChunkRows], ratio: int, block_size: int, pad: tuple[int, int] | None) -> Compressed:
     """Every chunk's compressed rows of whole blocks of `ratio` positions, gathered from their pieces;
     pad (rows, trash): as many rows, the rest read from the trash row."""
     s = HyperStack.spread(ratio, block_size)
     pieces, at, total = [np.zeros(0, np.int64)], [], 0
-    for c, ch in zip(chunks, rows, strict=True):
+    for ch in rows:
         b = np.arange(ch.end // ratio, dtype=np.int64)
-        pieces.append(_pieces(c, b, ratio, block_size))
+        pieces.append(_pieces(ch.table, b, ratio, block_size))
         at.append(total)
         total += len(b)
     if pad is not None:
@@ -224,7 +225,7 @@ def _closing(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_si
         before = np.where(b > 0, own - ratio, -1) if ratio == CSA else np.full(len(b), -1)
         starts.append(np.stack([own, before], axis=1))
         positions.append(b * ratio)
-        pieces.append(_pieces(c, b, ratio, block_size))
+        pieces.append(_pieces(ch.table, b, ratio, block_size))
     total = sum(len(p) for p in positions)
     if pad is not None:
         if total > pad[0]:

@@ -268,8 +268,8 @@ class HyperStep:
         if self.mtp is not None:
             # the h before each row: the pool's at p - 1 (this step's own rows are stored before they are read);
             # a row at position 0 reads its own row, then takes zeros; a padded row reads the trash row
-            before = [hyper_keys.pool_rows(c, np.maximum(np.arange(c.start - 1, c.start + len(c.tokens) - 1), 0),
-                                           self.block_size) for c in chunks]
+            before = [hyper_keys.pool_rows(ch.table, np.maximum(np.arange(c.start - 1, c.start + len(c.tokens) - 1), 0),
+                                           self.block_size) for c, ch in zip(chunks, keys.chunks, strict=True)]
             prev = slots.copy()
             prev[:real] = np.concatenate(before) if before else prev[:real]
             firsts = np.nonzero(pos[:real] == 0)[0]
