@@ -144,6 +144,8 @@ def run(args) -> dict:
         "bandwidth_limit_tok_s": round(limit, 1), "tg_share_of_limit": round(tg_med / limit, 3),
         "weight_bytes": wbytes, "load_s": round(load_s, 2), "peak_device_mb": round(peak / 2**20),
         "gpu_mem_mb": None if gpu_mem is None else gpu_mem >> 20, "kv_pool_tokens": backend.n_blocks * bs,
+        # what the pool keeps a token, every layer's (its bytes over its blocks, the trash block included)
+        "kv_bytes_per_token": round(backend.memory.kv_pool / ((backend.n_blocks + 1) * bs)),
         "graph_replays": backend.graph_replays, "runs": len(pp),
         "decode_graph_gpu_ms": graph_ms,  # per captured step, replayed back to back: the device's share
     }
