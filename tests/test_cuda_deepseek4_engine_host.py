@@ -1,0 +1,92 @@
+"""The CUDA DeepSeek V4 backend (worker/backends/cuda/hyper.py) under a real Engine, run on the CPU: its
+launchers computed in numpy (tests/cuda_emulator.py) on an emulated device, its captured decode steps
+replayed as calls of their forward pass. A greedy generation goes through what the worker does on a GPU
+(tokens drawn on the device from the step's logits, decode steps in graphs, `--spec mtp` drafting with the
+next-token layer between steps and checked by the target) and gives the numpy backend's tokens, with the
+drafts as without. The GPU runs the backend itself in tests/test_cuda_deepseek4_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cuda_emulator import EmuDevice, EmuGraph, EmuOps
+from cuda_recorder import FakeStream
+from engine_runs import RecordingDrafter, generate
+
+from ember.worker.backends.base import SeqChunk
+from ember.worker.backends.numpy.backend import NumpyBackend
+from ember.worker.bench.synth import make_model
+from ember.worker.engine.spec.mtp_drafter import MtpDrafter
+from ember.worker.model.loader import open_model
+from ember.worker.model.weights import load_weights
+
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 700, 40)]  # past the 16-token window
+
+
+class EmuCudaDevice(EmuDevice):
+    """The emulated device as CudaHyperBackend opens it: a current context and room for anything."""
+
+    memory_cap: int | None = None
+
+    def make_current(self) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        return 64 << 30, 80 << 30
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return open_model(make_model("deepseek4", "tiny", tmp_path_factory.mktemp("ds4") / "tiny.gguf"))
+
+
+@pytest.fixture(scope="module")
+def weights(model, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # the dequantized weights' cache: the test's own
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return load_weights(model.gguf, model.config)
+
+
+@pytest.fixture
+def cuda(model, monkeypatch):
+    """CudaHyperBackend(mtp=...) on the emulated device: its matmuls through the matvec (float32, as the
+    twin computes), so greedy tokens are the twin's."""
+    from ember.kernels import cuda_runtime
+    from ember.worker.backends.cuda import hyper_mtp, hyper_step
+    from ember.worker.backends.cuda import matmul as mm_mod
+    from ember.worker.backends.cuda.hyper import CudaHyperBackend
+
+    emu = EmuOps()
+    for mod in (hyper_step, hyper_mtp, mm_mod):
+        monkeypatch.setattr(mod, "ops", emu)
+    monkeypatch.setattr(hyper_step.HyperStep, "_capture", lambda self, forward: EmuGraph(forward))
+    monkeypatch.setattr(cuda_runtime, "Stream", FakeStream)
+
+    def make(mtp: bool) -> CudaHyperBackend:
+        return CudaHyperBackend(model.config, model.gguf, n_blocks=64, block_size=16, device=EmuCudaDevice(),
+                                max_rows=64, max_seqs=2, tensor_cores=False, mtp=mtp)
+
+    return make
+
+
+def test_greedy_tokens_are_the_twins_with_and_without_mtp_drafts(model, weights, cuda):
+    """24 greedy tokens after a 40-token prompt: the numpy backend's, on the emulated GPU without drafts and
+    with the next-token layer's; and each draft the GPU's layer made is the one the twin's makes from the
+    same tokens."""
+    want, _ = generate(model, NumpyBackend(model.config, weights, n_blocks=64, block_size=16), "off", PROMPT, 24)
+    plain = cuda(False)
+    assert plain.samples_on_device and plain.kv_layout == "cuda-hyper-v2"
+    off, _ = generate(model, plain, "off", PROMPT, 24)
+    assert off == want and len(off) == 24
+    assert plain.graph_replays > 0  # the decode steps replayed their graph
+    drafting = cuda(True)
+    assert drafting.kv_layout == "cuda-hyper-mtp-v2" and drafting.mtp is not None
+    drafter = RecordingDrafter(MtpDrafter(drafting.mtp))
+    on, metrics = generate(model, drafting, "mtp", PROMPT, 24, drafter)
+    assert on == want
+    assert metrics["ember_spec_drafted_tokens_total"] > 0 and drafter.seen
+    for tokens, draft in drafter.seen[:2] + drafter.seen[-2:]:
+        twin = NumpyBackend(model.config, weights, n_blocks=8, block_size=16, mtp=True)
+        table = list(range(8))
+        twin.forward([SeqChunk(np.asarray(tokens[:-1], np.int32), 0, table, "none")])
+        assert twin.mtp is not None and twin.mtp.draft(table, tokens[-1], len(tokens) - 1, len(draft)) == draft
