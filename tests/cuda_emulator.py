@@ -225,6 +225,14 @@ class EmuOps:
         dst.rest()[rows[:, None] * ldd + np.arange(width)[None, :]] = v
 
     @staticmethod
+    def mean_streams(dev, x, out, *, n, hc, hidden, ldo=None, stream=None):
+        _put(out, n, hidden, ldo, _rows(x, n, hc * hidden).reshape(n, hc, hidden).mean(axis=1))
+
+    @staticmethod
+    def round_half(dev, x, *, n, stream=None):
+        x.a[:n] = x.a[:n].astype(np.float16).astype(np.float32)
+
+    @staticmethod
     def swap_rows(dev, src, dst, *, a, b, width, stream=None):
         dst.a[: a * b * width] = src.a[: a * b * width].reshape(a, b, width).swapaxes(0, 1).reshape(-1)
 

@@ -2,8 +2,8 @@
 launchers computed in numpy (tests/cuda_emulator.py) on an emulated device, its captured decode steps
 replayed as calls of their forward pass. A greedy generation goes through what the worker does on a GPU
 (tokens drawn on the device from the step's logits, decode steps in graphs, `--spec mtp` drafting with the
-next-token layer between steps and checked by the target) and gives the numpy backend's tokens, with the
-drafts as without. The GPU runs the backend itself in tests/test_cuda_deepseek4_gpu.py."""
+next-token layer, or a DSpark block drafter, between steps and checked by the target) and gives the numpy
+backend's tokens, with the drafts as without. The GPU runs the backend itself in tests/test_cuda_deepseek4_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from engine_runs import RecordingDrafter, generate
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import make_model
+from ember.worker.engine.spec.dspark_drafter import DSparkDrafter
 from ember.worker.engine.spec.mtp_drafter import MtpDrafter
+from ember.worker.model.dspark_file import open_dspark_file
 from ember.worker.model.loader import open_model
 from ember.worker.model.weights import load_weights
 
@@ -52,19 +54,19 @@ def cuda(model, monkeypatch):
     """CudaHyperBackend(mtp=...) on the emulated device: its matmuls through the matvec (float32, as the
     twin computes), so greedy tokens are the twin's."""
     from ember.kernels import cuda_runtime
-    from ember.worker.backends.cuda import hyper_mtp, hyper_step
+    from ember.worker.backends.cuda import hyper_dspark, hyper_mtp, hyper_step
     from ember.worker.backends.cuda import matmul as mm_mod
     from ember.worker.backends.cuda.hyper import CudaHyperBackend
 
     emu = EmuOps()
-    for mod in (hyper_step, hyper_mtp, mm_mod):
+    for mod in (hyper_step, hyper_mtp, hyper_dspark, mm_mod):
         monkeypatch.setattr(mod, "ops", emu)
     monkeypatch.setattr(hyper_step.HyperStep, "_capture", lambda self, forward: EmuGraph(forward))
     monkeypatch.setattr(cuda_runtime, "Stream", FakeStream)
 
-    def make(mtp: bool) -> CudaHyperBackend:
-        return CudaHyperBackend(model.config, model.gguf, n_blocks=64, block_size=16, device=EmuCudaDevice(),
-                                max_rows=64, max_seqs=2, tensor_cores=False, mtp=mtp)
+    def make(m=model, **drafter) -> CudaHyperBackend:
+        return CudaHyperBackend(m.config, m.gguf, n_blocks=64, block_size=16, device=EmuCudaDevice(), max_rows=64,
+                                max_seqs=2, tensor_cores=False, **drafter)
 
     return make
 
@@ -74,12 +76,12 @@ def test_greedy_tokens_are_the_twins_with_and_without_mtp_drafts(model, weights,
     with the next-token layer's; and each draft the GPU's layer made is the one the twin's makes from the
     same tokens."""
     want, _ = generate(model, NumpyBackend(model.config, weights, n_blocks=64, block_size=16), "off", PROMPT, 24)
-    plain = cuda(False)
+    plain = cuda()
     assert plain.samples_on_device and plain.kv_layout == "cuda-hyper-v2"
     off, _ = generate(model, plain, "off", PROMPT, 24)
     assert off == want and len(off) == 24
     assert plain.graph_replays > 0  # the decode steps replayed their graph
-    drafting = cuda(True)
+    drafting = cuda(mtp=True)
     assert drafting.kv_layout == "cuda-hyper-mtp-v2" and drafting.mtp is not None
     drafter = RecordingDrafter(MtpDrafter(drafting.mtp))
     on, metrics = generate(model, drafting, "mtp", PROMPT, 24, drafter)
@@ -87,6 +89,33 @@ def test_greedy_tokens_are_the_twins_with_and_without_mtp_drafts(model, weights,
     assert metrics["ember_spec_drafted_tokens_total"] > 0 and drafter.seen
     for tokens, draft in drafter.seen[:2] + drafter.seen[-2:]:
         twin = NumpyBackend(model.config, weights, n_blocks=8, block_size=16, mtp=True)
-        table = list(range(8))
-        twin.forward([SeqChunk(np.asarray(tokens[:-1], np.int32), 0, table, "none")])
-        assert twin.mtp is not None and twin.mtp.draft(table, tokens[-1], len(tokens) - 1, len(draft)) == draft
+        assert twin.mtp is not None and _twin_draft(twin, twin.mtp, tokens, len(draft)) == draft
+
+
+def test_greedy_tokens_are_the_twins_with_dspark_drafts(tmp_path, cuda):
+    """The same with a DSpark block drafter beside the trunk (the pair `ember bench make-model --dspark-out`
+    writes): the twin's tokens with the drafts as without, each draft the one the twin's drafter makes."""
+    trunk = make_model("deepseek4", "tiny", tmp_path / "trunk.gguf", dspark_out=tmp_path / "dspark.gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+        m = open_model(str(trunk))
+        w = load_weights(m.gguf, m.config)
+        f = open_dspark_file(tmp_path / "dspark.gguf", m)
+        fw = f.weights(w)
+    want, _ = generate(m, NumpyBackend(m.config, w, n_blocks=64, block_size=16), "off", PROMPT, 24)
+    drafting = cuda(m, dspark=f)
+    assert drafting.kv_layout == "cuda-hyper-dspark-v2" and drafting.dspark is not None
+    drafter = RecordingDrafter(DSparkDrafter(drafting.dspark))
+    on, metrics = generate(m, drafting, "dspark", PROMPT, 24, drafter)
+    assert on == want and len(on) == 24
+    assert metrics["ember_spec_drafted_tokens_total"] > 0 and drafter.seen
+    for tokens, draft in drafter.seen[:2] + drafter.seen[-2:]:
+        twin = NumpyBackend(m.config, w, n_blocks=8, block_size=16, dspark=(f, fw))
+        assert twin.dspark is not None and _twin_draft(twin, twin.dspark, tokens, len(draft)) == draft
+
+
+def _twin_draft(twin: NumpyBackend, head, tokens: list[int], k: int) -> list[int]:
+    """What the twin's drafter drafts after `tokens` from a fresh pool (its pass over all but the last)."""
+    table = list(range(8))
+    twin.forward([SeqChunk(np.asarray(tokens[:-1], np.int32), 0, table, "none")])
+    return head.draft(table, tokens[-1], len(tokens) - 1, k)

@@ -192,3 +192,38 @@ def test_a_chunk_that_asks_is_sampled_on_the_device(model, dev):
         (want,), _ = sample_rows(logits[-1:], [ask.temperature], [ask.top_k], [ask.top_p], [ask.min_p], [ask.seed],
                                  [ask.step])
         assert got == want
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_a_dspark_drafter_writes_the_twins_rows_and_drafts_its_chain(dev, tmp_path, mode):
+    """`--spec dspark:PATH` on the GPU (hyper_dspark.py), on the pair `ember bench make-model --dspark-out`
+    writes: after a prefill of 100 positions and three decode steps (graphs), the drafter's key rows in the
+    pool correlate with the twin's as the logits do, and a block drafted after the last position is the
+    twin's chain while its logits agree."""
+    from ember.worker.backends.cuda.hyper import CudaHyperBackend
+    from ember.worker.model.dspark_file import open_dspark_file
+    from ember.worker.model.loader import open_model
+
+    trunk = make_model("deepseek4", "tiny", tmp_path / "trunk.gguf", dspark_out=tmp_path / "dspark.gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+        m = open_model(str(trunk))
+        w = load_weights(m.gguf, m.config)
+        f = open_dspark_file(tmp_path / "dspark.gguf", m)
+        fw = f.weights(w)
+    gpu = CudaHyperBackend(m.config, m.gguf, n_blocks=N_BLOCKS, block_size=BS, device=dev, max_rows=128,
+                           tensor_cores=mode == "fast", dspark=f)
+    ref = NumpyBackend(m.config, w, n_blocks=N_BLOCKS, block_size=BS, dspark=(f, fw))
+    assert gpu.kv_layout == "cuda-hyper-dspark-v2" and gpu.dspark is not None and ref.dspark is not None
+    tokens, table = _tokens(104, 41), list(range(7))
+    agree(_prefill(gpu, tokens[:100], 40, table), _prefill(ref, tokens[:100], 40, table), mode)
+    for at in range(100, 103):
+        step = [SeqChunk(np.array([tokens[at]], np.int32), at, table, "last")]
+        agree(gpu.forward(step)[0], ref.forward(step)[0], mode)
+    cols = gpu.columns[-1]["drafter"]
+    mine = np.stack([gpu.read_block(b) for b in table]).reshape(-1, gpu.width)[:103, cols]
+    agree(mine, ref.hyper.pool[table].reshape(-1, gpu.width)[:103, cols], mode)
+    guesses, logits = gpu.dspark.chain(table, tokens[103], 103, f.block_size)
+    want, want_logits, _ = ref.dspark.chain(table, tokens[103], 103, f.block_size)
+    same = next((i + 1 for i in range(f.block_size) if guesses[i] != want[i]), f.block_size)
+    agree(logits[:same], want_logits[:same], mode)

@@ -300,3 +300,21 @@ def test_swap_rows_is_a_transpose(dev, rng):
     out = poisoned(dev, (3, 5, 70))
     ops.swap_rows(dev, dev.to_device(x), out, a=5, b=3, width=70)
     np.testing.assert_array_equal(out.to_host(), x.swapaxes(0, 1))
+
+
+def test_mean_streams_into_a_column_block(dev, rng):
+    """Each token's streams averaged, written at a row stride (a block drafter's features: one block of
+    columns a target layer)."""
+    x = rng.normal(0, 1, (6, 4, 300)).astype(np.float32)
+    out = poisoned(dev, (6, 900))
+    ops.mean_streams(dev, dev.to_device(x), out.view(300, 6 * 900 - 300), n=6, hc=4, hidden=300, ldo=900)
+    got = out.to_host()
+    np.testing.assert_allclose(got[:, 300:600], x.mean(axis=1), rtol=1e-6, atol=1e-6)
+    assert np.isnan(got[:, :300]).all() and np.isnan(got[:, 600:]).all()  # the other columns untouched
+
+
+def test_round_half_is_numpys_float16_rounding(dev, rng):
+    x = np.concatenate([rng.normal(0, 3, 5000), [65504.0, 1e-8, -0.0, 0.1]]).astype(np.float32)
+    buf = dev.to_device(x)
+    ops.round_half(dev, buf, n=len(x))
+    np.testing.assert_array_equal(buf.to_host(), x.astype(np.float16).astype(np.float32))

@@ -54,7 +54,7 @@ def kv_blocks_for(cfg_kv_mem: str, model_config, block_size: int, backend: str =
         from .backends.cuda.backend import CudaBackend
         from .backends.cuda.hyper import CudaHyperBackend
 
-        per_block = (CudaHyperBackend.kv_bytes_per_block(model_config, block_size, mtp)
+        per_block = (CudaHyperBackend.kv_bytes_per_block(model_config, block_size, mtp, drafter_width)
                      if model_config.hyper is not None else CudaBackend.kv_bytes_per_block(model_config, block_size))
     else:
         from .backends.numpy.backend import NumpyBackend
@@ -142,24 +142,24 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
 
         from .backends.cuda import open_backend
 
-        if dspark_file is not None:
-            raise worker_config.ConfigError("spec: dspark runs on --backend numpy only for now (the cuda backend's "
-                                            "DeepSeek V4 step has no block drafter yet)")
         try:
             host_tier = worker_config.parse_size(cfg.kv_host_mem, "kv_host_mem") if cfg.kv_persist != "off" else 0
-            layer = {"mtp": True, "mtp_gguf": model.mtp_gguf} if mtp else {}  # (a DeepSeek V4 step's)
+            # a DeepSeek V4 step's drafters
+            layer = {"mtp": True, "mtp_gguf": model.mtp_gguf} if mtp else {"dspark": dspark_file} if dspark_file else {}
             backend = cuda = open_backend(model.config, model.gguf, n_blocks=n_blocks, block_size=DEFAULT_BLOCK_SIZE,
                                           max_rows=max(chunk, cfg.max_seqs), max_seqs=cfg.max_seqs,
                                           f16_weights=cfg.f16_weights, host_tier_bytes=host_tier, gpu_mem=gpu_mem,
                                           **layer)
             cuda.runs_ahead = cfg.run_ahead and cuda.runs_ahead  # (DeepSeek V4's step does not run ahead)
             memory = cuda.memory.as_dict()
-            if mtp:
+            if mtp or dspark_file is not None:
                 from .backends.cuda.hyper import CudaHyperBackend
+                from .engine.spec.dspark_drafter import DSparkDrafter
                 from .engine.spec.mtp_drafter import MtpDrafter
 
-                assert isinstance(cuda, CudaHyperBackend) and cuda.mtp is not None
-                drafter = MtpDrafter(cuda.mtp)
+                assert isinstance(cuda, CudaHyperBackend)
+                drafter = (MtpDrafter(cuda.mtp) if cuda.mtp is not None
+                           else DSparkDrafter(cuda.dspark) if cuda.dspark is not None else None)
         except CudaUnavailable as e:  # no driver or device: a configuration problem, not a crash
             raise worker_config.ConfigError(f"backend: cuda is not available here ({e})") from None
     else:

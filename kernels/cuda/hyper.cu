@@ -14,6 +14,9 @@
 //                position's bias added on the way)
 //   clamped_swiglu  the experts' and the shared expert's activation, gate and up clamped at a limit
 //   swap_rows    [a, b, w] -> [b, a, w]: the heads' outputs by group for the grouped output projection
+//   mean_streams each token's streams averaged (a block drafter's features of the trunk)
+//   round_half   floats rounded to float16 and back, in place (a block drafter's key rows, as llama.cpp's
+//                drafter cache keeps them)
 #include "common.cuh"
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -358,4 +361,24 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     if (r >= a * b || c >= w) return;
     const int i = r / b, j = r % b;
     dst[((i64)j * a + i) * w + c] = src[(i64)r * w + c];
+}
+
+// out[t, c] = mean over s of x[t, s, c], x [n, hc, hidden] (token stride hc * hidden), out at row stride ldo.
+// grid (ceil(hidden / blockDim.x), n).
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    mean_streams(const float* __restrict__ x, int n, int hc, int hidden, float* __restrict__ out, i64 ldo) {
+    grid_dependency_sync();
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n || c >= hidden) return;
+    const float* row = x + (i64)t * hc * hidden + c;
+    float sum = 0.0f;
+    for (int s = 0; s < hc; s++) sum += row[(i64)s * hidden];
+    out[(i64)t * ldo + c] = sum / (float)hc;
+}
+
+// x[i] = the float16 nearest x[i] (round to nearest even), as a float, for i < n.
+extern "C" __global__ void round_half(float* x, i64 n) {
+    grid_dependency_sync();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        x[i] = h2f(f2h(x[i]));
 }

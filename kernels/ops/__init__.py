@@ -42,6 +42,8 @@ from .hyper import (
     hc_merge,
     hc_pre,
     indexer_scores,
+    mean_streams,
+    round_half,
     store_rows,
     swap_rows,
     top_k_rows,
@@ -164,7 +166,7 @@ __all__ = [
     "dequant_half", "dequant_rows", "embed",
     # hyper (DeepSeek V4)
     "ATTS_MAX_KEYS", "HC_MAX", "attend_rows", "clamped_swiglu", "compress_rows", "hc_merge", "hc_pre", "indexer_scores",
-    "store_rows", "swap_rows", "top_k_rows",
+    "mean_streams", "round_half", "store_rows", "swap_rows", "top_k_rows",
     # norm, rope, act
     "NORM_MAX_COLS", "add", "add_bias", "gated_act", "gather_rows", "norm_shape", "rms_norm", "rms_norm_add",
     "rms_norm_add_norm", "rope",

@@ -168,6 +168,26 @@ def swap_rows(dev: Device, src: DeviceArray, dst: DeviceArray, *, a: int, b: int
                                                 stream=stream)
 
 
+def mean_streams(dev: Device, x: DeviceArray, out: DeviceArray, *, n: int, hc: int, hidden: int, ldo: int | None = None,
+                 stream=None) -> None:
+    """out[t] = the mean of token t's hc streams, x [n, hc, hidden]; out rows at stride ldo (hidden where not
+    given). Twin: numpy's x.mean(axis=1)."""
+    ldo = hidden if ldo is None else ldo
+    need(x, np.float32, n * hc * hidden, "x")
+    need(out, np.float32, (n - 1) * ldo + hidden if n else 0, "out")
+    if n:
+        dev.kernel("hyper", "mean_streams").launch((-(-hidden // HC_THREADS), n), (HC_THREADS,), x, n, hc, hidden, out,
+                                                   I64(ldo), stream=stream)
+
+
+def round_half(dev: Device, x: DeviceArray, *, n: int, stream=None) -> None:
+    """x[:n] rounded to the nearest float16, in place (float32 still). Twin: x.astype(float16).astype(float32)."""
+    need(x, np.float32, n, "x")
+    if n:
+        blocks = max(1, min(-(-n // HC_THREADS), dev.sm_count * 8))
+        dev.kernel("hyper", "round_half").launch((blocks,), (HC_THREADS,), x, I64(n), stream=stream)
+
+
 def _key_kind(keys: DeviceArray) -> str:
     kind = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(keys.dtype)
     if kind is None:

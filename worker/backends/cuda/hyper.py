@@ -11,9 +11,9 @@ layout). A compressed row is made once, by the step that computes its block's la
 A chunk that asks for a draw (`sample`) is sampled on the device from the step's logits; the others get
 their logits on the host. Decode steps replay as captured graphs of their padded shape, other steps run
 eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py). With `mtp`, the
-model's next-token layer writes its rows with every step and drafts between steps (hyper_mtp.py). Not yet
-(docs/models.md): run-ahead, dropping the per-position rows a sequence no longer reads (the window's keys
-and the compressors' rows of closed blocks), --spec dspark.
+model's next-token layer writes its rows with every step and drafts between steps (hyper_mtp.py), and with
+`dspark` a DSpark block drafter (hyper_dspark.py). Not yet (docs/models.md): run-ahead, dropping the
+per-position rows a sequence no longer reads (the window's keys and the compressors' rows of closed blocks).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from ember.kernels.cuda_runtime import Device, DeviceArray
 from ember.kernels.errors import StickyCudaError
 
 from ...model.config import ModelConfig
+from ...model.dspark_file import DSparkFile
 from ...model.gguf_file import GGUFFile, ModelFileError
 from ..base import Backend, ContextPoisoned, HostBuffers, Landed, SeqChunk
 from ..numpy.hyper import HyperStack
+from .hyper_dspark import DSparkLayer, upload_dspark_weights
 from .hyper_mtp import MtpLayer, upload_mtp_weights
 from .hyper_step import HyperStep
 from .hyper_weights import HyperWeights, upload_hyper_weights
@@ -45,20 +47,26 @@ class CudaHyperBackend(Backend):
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None,
-                 tensor_cores: bool = True, graphs: bool = True, mtp: bool = False, mtp_gguf: GGUFFile | None = None):
+                 tensor_cores: bool = True, graphs: bool = True, mtp: bool = False, mtp_gguf: GGUFFile | None = None,
+                 dspark: DSparkFile | None = None):
         """mtp: the model's next-token layer drafts (`--spec mtp`; from mtp_gguf, its own file, where given):
-        the pool keeps its rows too and self.mtp drafts (hyper_mtp.py)."""
+        the pool keeps its rows too and self.mtp drafts (hyper_mtp.py). dspark: a DSpark block drafter's file
+        (`--spec dspark:PATH`): likewise its key rows, and self.dspark drafts (hyper_dspark.py)."""
         from ember.kernels.cuda_runtime import Stream
 
         assert config.hyper is not None
         if mtp and not config.hyper.nextn_layers:
             raise ValueError("the model has no next-token (MTP) layer")
+        if mtp and dspark is not None:
+            raise ValueError("one drafter at a time: the next-token layer or a DSpark drafter")
         self.config, self.gguf, self.h = config, gguf_file, config.hyper
         self.block_size = block_size
         self.max_rows = max(8, max_rows, max_seqs)
-        self.columns, self.width = HyperStack.layout(config, block_size, mtp), HyperStack.width(config, block_size, mtp)
-        if mtp:  # its blocks are never read as blocks without the layer's rows
-            self.kv_layout = "cuda-hyper-mtp-v2"
+        drafter_width = dspark.key_width if dspark is not None else 0
+        self.columns = HyperStack.layout(config, block_size, mtp, drafter_width)
+        self.width = HyperStack.width(config, block_size, mtp, drafter_width)
+        if mtp or dspark is not None:  # its blocks are never read as blocks without the drafter's rows
+            self.kv_layout = "cuda-hyper-mtp-v2" if mtp else "cuda-hyper-dspark-v2"
         try:
             self.dev = device if device is not None else Device()
             if gpu_mem is not None:
@@ -69,6 +77,7 @@ class CudaHyperBackend(Backend):
             free0 = self.dev.memory_info()[0]
             self.w: HyperWeights = upload_hyper_weights(self.dev, gguf_file, config)
             mtp_w = upload_mtp_weights(self.dev, gguf_file, mtp_gguf, config, self.w) if mtp else None
+            dspark_w = upload_dspark_weights(self.dev, dspark, self.w) if dspark is not None else None
             weights = free0 - self.dev.memory_info()[0]
             self.n_blocks = n_blocks if n_blocks is not None else self._auto_blocks()
             rows = (self.n_blocks + 1) * block_size  # one block past the pool, as the other backends keep
@@ -76,8 +85,9 @@ class CudaHyperBackend(Backend):
             self.pool.zero()
             self.step = HyperStep(self.dev, self.stream, config, self.w, self.pool, n_blocks=self.n_blocks,
                                   block_size=block_size, max_rows=self.max_rows, tensor_cores=tensor_cores,
-                                  graphs=graphs, mtp=mtp_w)
+                                  graphs=graphs, mtp=mtp_w, dspark=dspark_w)
             self.mtp = _Drafts(self, self.step.mtp) if self.step.mtp is not None else None
+            self.dspark = _Drafts(self, self.step.dspark) if self.step.dspark is not None else None
             self.tensor_cores = self.step.tensor_cores
             total = self.dev.memory_info()[1]
             self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
@@ -95,8 +105,8 @@ class CudaHyperBackend(Backend):
         return {(r, c // self.block_size, 0): (g, None) for (r, c), g in self.step._graphs.items()}
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False) -> int:
-        return block_size * HyperStack.width(config, block_size, mtp) * 4
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
+        return block_size * HyperStack.width(config, block_size, mtp, drafter_width) * 4
 
     def _auto_blocks(self) -> int:
         free, total = self.dev.memory_info()
@@ -153,15 +163,17 @@ class CudaHyperBackend(Backend):
 
 
 class _Drafts:
-    """The next-token layer as the engine's MtpDrafter takes it (its DraftHead): drafts between steps, on the
+    """A drafter layer as the engine's drafters take it (MtpDrafter's DraftHead): drafts between steps, on the
     backend's device, a sticky CUDA error reported as every backend call reports one."""
 
-    def __init__(self, backend: CudaHyperBackend, layer: MtpLayer):
+    def __init__(self, backend: CudaHyperBackend, layer: MtpLayer | DSparkLayer):
         self._backend, self._layer = backend, layer
         self.block_size = layer.block_size
 
+    @poison_guard
     def draft(self, block_table: list[int], token: int, at: int, k: int) -> list[int]:
-        return self.chain(block_table, token, at, k)[0]
+        self._backend.dev.make_current()
+        return self._layer.draft(block_table, token, at, k)
 
     @poison_guard
     def chain(self, block_table: list[int], token: int, at: int, k: int) -> tuple[list[int], np.ndarray]:

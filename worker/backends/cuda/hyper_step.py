@@ -30,6 +30,7 @@ from ...model.config import ModelConfig
 from ..base import SampledToken, SeqChunk, kv_slots
 from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
+from .hyper_dspark import DSparkLayer, DSparkWeights
 from .hyper_mtp import MtpLayer, MtpWeights
 from .hyper_weights import HyperLayer, HyperWeights
 from .matmul import Matmuls
@@ -91,9 +92,10 @@ class HyperStep:
 
     def __init__(self, dev: Device, stream, config: ModelConfig, weights: HyperWeights, pool: DeviceArray, *,
                  n_blocks: int, block_size: int, max_rows: int, tensor_cores: bool = True, graphs: bool = True,
-                 mtp: MtpWeights | None = None):
+                 mtp: MtpWeights | None = None, dspark: DSparkWeights | None = None):
         """mtp: the next-token layer's weights: the pool keeps its rows too (HyperStack.layout's mtp entry),
-        written with every step, and self.mtp drafts (hyper_mtp.MtpLayer)."""
+        written with every step, and self.mtp drafts (hyper_mtp.MtpLayer). dspark: a DSpark block drafter's:
+        likewise its key rows (the layout's drafter entry), and self.dspark drafts (hyper_dspark.DSparkLayer)."""
         assert config.hyper is not None
         self.dev, self.stream, self.config, self.h, self.w, self.pool = dev, stream, config, config.hyper, weights, pool
         self.n_blocks, self.block_size, self.max_rows = n_blocks, block_size, max_rows
@@ -101,11 +103,13 @@ class HyperStep:
         self.expert_tiles = tensor_cores and all(
             ops.qgemm_supported(e) for lw in weights.layers for e in (lw.experts.gate_up, lw.experts.gate,
                                                                       lw.experts.up, lw.experts.down) if e is not None)
-        self.columns = HyperStack.layout(config, block_size, mtp is not None)
-        self.width = HyperStack.width(config, block_size, mtp is not None)
-        self._mtp_weights = mtp
+        drafter_width = dspark.file.key_width if dspark is not None else 0
+        self.columns = HyperStack.layout(config, block_size, mtp is not None, drafter_width)
+        self.width = HyperStack.width(config, block_size, mtp is not None, drafter_width)
+        self._mtp_weights, self._dspark_weights = mtp, dspark
         self._alloc(max_rows)
         self.mtp = MtpLayer(self, mtp) if mtp is not None else None
+        self.dspark = DSparkLayer(self, dspark) if dspark is not None else None
 
     def _alloc(self, R: int) -> None:
         cfg, h, e = self.config, self.h, self.dev.empty
@@ -140,6 +144,8 @@ class HyperStep:
             rows = [(m, R) for m in self.w.matrices() if m is not self.w.output and m is not self.w.token_embd]
             if mtp is not None:  # its input's projection runs over every stream's row
                 rows += [(m, R * hc if m is mtp.eh_proj else R) for m in mtp.matrices()]
+            if self._dspark_weights is not None:
+                rows += [(m, R) for m in self._dspark_weights.key_rows()]
             tc = [(m, r) for m, r in rows if m.cols % GEMM_TILE_K == 0]
             self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m, _ in tc))
             self.dev.scratch("gemm_x", 2 * max(r * m.cols for m, r in tc))
@@ -236,9 +242,15 @@ class HyperStep:
         ops.embed(dev, self.w.token_embd, self.a, inp.tok, n=n, stream=st)
         ops.gather_rows(dev, self.a, inp.rep, self.x, n=n * h.hc_mult, cols=cfg.hidden, stream=st)
         for li, lw in enumerate(self.w.layers):
+            if self.dspark is not None:  # the streams entering the layer, where the drafter reads them
+                self.dspark.tap(li, n)
             self._attention(li, lw, n, inp, keys)
             self._mlp(lw, n, inp.tok)
+        if self.dspark is not None:
+            self.dspark.tap(len(self.w.layers), n)
         self._head(inp)
+        if self.dspark is not None:
+            self.dspark.write_rows(n, inp)
         if self.mtp is not None:  # after the head: the layer's rows take the streams over
             self.mtp.write_rows(n, inp)
 
