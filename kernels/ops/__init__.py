@@ -17,7 +17,8 @@ its twin. (No module is named like a launcher: ``ops.matvec`` is the function.)
                         qgemm.cu
     hyper.py            hyper.cu                                  worker/backends/numpy/hyper.py: hc_mix,
                                                                   hc_merge, compress, attend, indexer_scores,
-                                                                  indexer_top_k, clamped_swiglu
+                                                                  indexer_top_k, clamped_swiglu; numpy's
+                                                                  mean(axis=1), astype(float16)
     fault.py            fault.cu                                  (none: the fault is the result)
     quant_matrix.py     QuantMatrix, the device's block formats   quants.py
 
