@@ -2,7 +2,12 @@
 in numpy, over device arrays that are numpy buffers: the step's host code (its buffers, views, offsets, row
 strides, the key lists it plans, the order of its kernels) then runs on the CPU end to end and its logits
 can be compared with the numpy backend's. What it checks is the composition; each kernel's own agreement
-with its twin is the GPU tests' (tests/test_kernels_hyper_gpu.py, test_kernels_gpu.py)."""
+with its twin is the GPU tests' (tests/test_kernels_hyper_gpu.py, test_kernels_gpu.py).
+
+A launch computes at once here, but on a GPU it is queued on the backend's non-blocking stream, and a copy
+to or from the host (to_host, upload) runs on the legacy stream, which does not wait for it: so a launch
+leaves its stream pending until EmuStream.synchronize(), and a host copy while it is pending fails, as it
+would read a result not yet there (or overwrite an input still to be read) on the device."""
 
 from __future__ import annotations
 
@@ -14,6 +19,23 @@ from gguf.constants import GGMLQuantizationType
 from ember.kernels import ops as real_ops
 from ember.kernels import quants, reference
 from ember.kernels.ops.quant_matrix import row_nbytes
+
+_PENDING = [0]  # launches queued since the stream's last synchronize (the module docstring)
+
+
+def _host_copy(what: str) -> None:
+    if _PENDING[0]:
+        raise AssertionError(f"{what} while {_PENDING[0]} launches are queued: the stream is not synchronized "
+                             "(host copies run on the legacy stream, which does not wait for it)")
+
+
+class EmuStream:
+    """The backend's stream: synchronize() is where the host may read what the launches wrote."""
+
+    handle = 0
+
+    def synchronize(self) -> None:
+        _PENDING[0] = 0
 
 
 class EmuArray:
@@ -45,9 +67,11 @@ class EmuArray:
         return EmuArray(self.base, self.offset + offset_elements, shape, dtype)
 
     def upload(self, arr) -> None:
+        _host_copy("an upload")
         self.a[:] = np.asarray(arr).reshape(-1)
 
     def to_host(self) -> np.ndarray:
+        _host_copy("a read on the host")
         return self.a.copy().reshape(self.shape)
 
     def copy_from(self, src: EmuArray, nbytes: int, stream) -> None:
@@ -129,6 +153,17 @@ class EmuOps:
 
     def __getattr__(self, name):
         return getattr(real_ops, name)
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name not in _LAUNCHERS:
+            return attr
+
+        def launch(*args, **kwargs):  # queued on the stream, as on the device
+            _PENDING[0] += 1
+            return attr(*args, **kwargs)
+
+        return launch
 
     # -- matmuls ---------------------------------------------------------------------------------
 
@@ -367,3 +402,6 @@ class EmuOps:
         if res is not None:
             out = out + _rows(res, n, hidden)
         _put(y, n, hidden, None, out)
+
+
+_LAUNCHERS = {name for name, v in vars(EmuOps).items() if isinstance(v, staticmethod)}

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_emulator import EmuDevice, EmuGraph, EmuOps
-from cuda_recorder import FakeStream
+from cuda_emulator import EmuDevice, EmuGraph, EmuOps, EmuStream
 from engine_runs import RecordingDrafter, generate
 
 from ember.worker.backends.base import SeqChunk
@@ -62,7 +61,7 @@ def cuda(model, monkeypatch):
     for mod in (hyper_step, hyper_mtp, hyper_dspark, mm_mod):
         monkeypatch.setattr(mod, "ops", emu)
     monkeypatch.setattr(hyper_step.HyperStep, "_capture", lambda self, forward: EmuGraph(forward))
-    monkeypatch.setattr(cuda_runtime, "Stream", FakeStream)
+    monkeypatch.setattr(cuda_runtime, "Stream", EmuStream)
 
     def make(m=model, **drafter) -> CudaHyperBackend:
         return CudaHyperBackend(m.config, m.gguf, n_blocks=64, block_size=16, device=EmuCudaDevice(), max_rows=64,

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 import pytest
-from cuda_emulator import EmuDevice, EmuGraph
+from cuda_emulator import EmuDevice, EmuGraph, EmuStream
 from cuda_recorder import FakeDevice, FakeStream, Recorder
 
 from ember.worker.backends.base import SeqChunk
@@ -44,7 +44,8 @@ def _step(model, monkeypatch, ops, dev, max_rows: int, tensor_cores: bool = True
     cfg = model.config
     pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg, BS),))
     pool.zero()
-    return hyper_step.HyperStep(dev, FakeStream(), cfg, upload_hyper_weights(dev, model.gguf, cfg), pool,
+    stream = EmuStream() if isinstance(dev, EmuDevice) else FakeStream()
+    return hyper_step.HyperStep(dev, stream, cfg, upload_hyper_weights(dev, model.gguf, cfg), pool,
                                 n_blocks=N_BLOCKS, block_size=BS, max_rows=max_rows, tensor_cores=tensor_cores)
 
 

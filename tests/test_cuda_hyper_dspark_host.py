@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_emulator import EmuDevice, EmuGraph, EmuOps
-from cuda_recorder import FakeStream
+from cuda_emulator import EmuDevice, EmuGraph, EmuOps, EmuStream
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
@@ -53,7 +52,7 @@ def emulated(loaded, monkeypatch, request):
     pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg, BS, drafter_width=f.key_width),))
     pool.zero()
     w = upload_hyper_weights(dev, m.gguf, cfg)
-    step = hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=96,
+    step = hyper_step.HyperStep(dev, EmuStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=96,
                                 tensor_cores=request.param, dspark=upload_dspark_weights(dev, f, w))
     return step, request.param
 

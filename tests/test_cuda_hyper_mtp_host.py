@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_emulator import EmuDevice, EmuGraph, EmuOps
-from cuda_recorder import FakeStream
+from cuda_emulator import EmuDevice, EmuGraph, EmuOps, EmuStream
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.hyper import HyperStack
@@ -55,7 +54,7 @@ def emulated(model, monkeypatch, request):
     pool = dev.empty(((N_BLOCKS + 1) * BS * HyperStack.width(cfg, BS, mtp=True),))
     pool.zero()
     w = upload_hyper_weights(dev, model.gguf, cfg)
-    step = hyper_step.HyperStep(dev, FakeStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=160,
+    step = hyper_step.HyperStep(dev, EmuStream(), cfg, w, pool, n_blocks=N_BLOCKS, block_size=BS, max_rows=160,
                                 tensor_cores=request.param, mtp=upload_mtp_weights(dev, model.gguf, None, cfg, w))
     return step, request.param
 

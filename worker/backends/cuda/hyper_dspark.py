@@ -145,11 +145,12 @@ class DSparkLayer:
         for i, p in enumerate(positions):
             seen = np.concatenate([np.nonzero(kpos > p - window)[0], m + np.arange(n)])
             idx[i, : len(seen)], cnt[i] = seen, len(seen)
+        # every input uploaded before anything is queued (an upload does not wait for the stream)
         idx_d, cnt_d, own = self._put("idx", idx), self._put("cnt", cnt), self._put("own", m + np.arange(n))
         rows = self._put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
+        rep, drawn = self._put("rep", np.repeat(np.arange(n), hc)), self._put("drawn", np.zeros(n, np.int32))
         ops.embed(dev, st.w.token_embd, st.a, tok, n=n, stream=stream)
-        ops.gather_rows(dev, st.a, self._put("rep", np.repeat(np.arange(n), hc)), st.x, n=n * hc,
-                        cols=st.config.hidden, stream=stream)
+        ops.gather_rows(dev, st.a, rep, st.x, n=n * hc, cols=st.config.hidden, stream=stream)
         for li, lw in enumerate(st.w.layers):
             if rows is not None:  # this stage's context rows, then the block's own after them
                 col = self.cols.start + li * hd
@@ -164,12 +165,12 @@ class DSparkLayer:
         st.logits_of(st.x, n, st.w.output_mix, st.w.output_norm, st.w.output)
         # each slot's logits biased by the Markov head's row of the token before it (the last token for the
         # first), then its argmax: the token before the next slot
-        drawn = self._put("drawn", np.zeros(n, np.int32))
         for i in range(n):
             ops.embed(dev, self.w.markov_in, self.u, tok if i == 0 else drawn.view(i - 1, 1), n=1, stream=stream)
             st.mm.linear(self.w.markov_out, self.u, self.biased.view(i * V, V), 1, res=st.logits.view(i * V, V),
                          tc=False)
             ops.sample(dev, self.biased.view(i * V, V), self.greedy, drawn.view(i, 1), rows=1, vocab=V, stream=stream)
+        stream.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
         guesses = [int(t) for t in drawn.view(0, n).to_host()]
         return guesses, self.biased.view(0, n * V).to_host().reshape(n, V)
 

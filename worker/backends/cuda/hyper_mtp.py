@@ -149,36 +149,45 @@ class MtpLayer:
         if self._keys is None or self._keys.size < ldi * D:
             self._keys = dev.empty((ldi * D,))
         keys = self._keys
-        if m:
-            kv, rows = self.cols["kv"].start, self._put("rows", table[kpos // bs] * bs + kpos % bs)
+        # every guess's inputs but its token, uploaded before anything is queued: its position, the scratch row
+        # of its key, and its key list (the window's rows still in reach, the guesses' rows so far, its own)
+        idx = np.full((k, ldi), -1, np.int32)
+        cnt = np.zeros(k, np.int32)
+        for i in range(k):
+            seen = np.concatenate([np.nonzero(kpos > at + i - window)[0], m + np.arange(i + 1)])
+            idx[i, : len(seen)], cnt[i] = seen, len(seen)
+        pos, slot = self._put("pos", at + np.arange(k)), self._put("slot", m + np.arange(k))
+        idx_d, cnt_d = self._put("idx", idx), self._put("cnt", cnt)
+        rows = self._put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
+        prev = self._put("prev", [table[(at - 1) // bs] * bs + (at - 1) % bs]) if at > 0 else None
+        tok = self._put("tok", [token])
+        if rows is not None:
+            kv = self.cols["kv"].start
             ops.gather_rows(dev, s.pool.view(kv, s.pool.size - kv), rows, keys, n=m, cols=D, ldx=W, stream=st)
-        if at > 0:
+        if prev is not None:
             h = self.cols["h"].start
-            prev = int(table[(at - 1) // bs] * bs + (at - 1) % bs)
-            ops.gather_rows(dev, s.pool.view(h, s.pool.size - h), self._put("prev", [prev]), self.prev, n=1,
-                            cols=self.hcw, ldx=W, stream=st)
+            ops.gather_rows(dev, s.pool.view(h, s.pool.size - h), prev, self.prev, n=1, cols=self.hcw, ldx=W,
+                            stream=st)
         else:
             self.prev.copy_from(self.zero, 4 * self.hcw, st)
         guesses: list[int] = []
         logits = np.zeros((k, cfg.vocab_size), np.float32)
         for i in range(k):
-            p = at + i
-            tok, pos = self._put("tok", [token]), self._put("pos", [p])
-            # the window's rows still in reach of p, then the guesses' rows so far and its own
-            seen = np.concatenate([np.nonzero(kpos > p - window)[0], m + np.arange(i + 1)]).astype(np.int32)
-            idx = np.full(ldi, -1, np.int32)
-            idx[: len(seen)] = seen
+            if i:
+                tok.view(0, 1).upload(np.array([token], np.int32))  # the guess before (the stream is idle)
+            p = pos.view(i, 1)
             self._input(tok, self.one, 1)
-            s._key_row(lw, 1, pos, s.w.rope_window)
-            ops.store_rows(dev, s.kvr, self._put("slot", [m + i]), keys, n=1, width=D, lds=D, ldd=D, stream=st)
-            s._query(lw, 1, pos, s.w.rope_window)
-            s._attend(lw, 1, pos, s.w.rope_window, keys, self._put("idx", idx), self._put("cnt", [len(seen)]), ldi)
+            s._key_row(lw, 1, p, s.w.rope_window)
+            ops.store_rows(dev, s.kvr, slot.view(i, 1), keys, n=1, width=D, lds=D, ldd=D, stream=st)
+            s._query(lw, 1, p, s.w.rope_window)
+            s._attend(lw, 1, p, s.w.rope_window, keys, idx_d.view(i * ldi, ldi), cnt_d.view(i, 1), ldi)
             s._mlp(lw, 1, tok)
             s.logits_of(s.x, 1, self.w.head_mix, self.w.head_norm, self.w.head_out)
+            self.prev.copy_from(s.x, 4 * self.hcw, st)  # its output streams: the next guess's h
+            st.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
             logits[i] = s.logits.view(0, cfg.vocab_size).to_host()
             token = int(np.argmax(logits[i]))
             guesses.append(token)
-            self.prev.copy_from(s.x, 4 * self.hcw, st)  # its output streams: the next guess's h
         return guesses, logits
 
     def _put(self, name: str, values) -> DeviceArray:

@@ -166,10 +166,12 @@ class HyperStep:
         want, out_rows = _wanted(chunks, pad)
         if pad is None:
             self.bufs = self._eager_bufs
+            params = self._sample_params(chunks, want, len(out_rows))
             self._forward(n, self._inputs(chunks, tokens, keys, out_rows), keys)
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
             self.bufs = self._graph_bufs.setdefault(shape, _Buffers(self.dev))
+            params = self._sample_params(chunks, want, len(out_rows))
             inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
                                padded=True)
             graph = self._graphs.get(shape)
@@ -181,7 +183,7 @@ class HyperStep:
             else:
                 graph.launch()
                 self.graph_replays += 1
-        drawn = self._draw(chunks, want, len(out_rows))
+        drawn = self._draw(chunks, want, params, len(out_rows))
         st.synchronize()
         if all(i in drawn or not len(w) for i, w in enumerate(want)):  # no chunk takes logits
             return [SampledToken(drawn[i]) if i in drawn else None for i in range(len(chunks))]
@@ -190,12 +192,12 @@ class HyperStep:
         return [SampledToken(drawn[i]) if i in drawn else host[w].copy() if len(w) else None
                 for i, w in enumerate(want)]
 
-    def _draw(self, chunks: list[SeqChunk], want: list[np.ndarray], n_out: int) -> dict[int, int]:
-        """The tokens of the chunks that ask to be sampled (`sample`, with "last" logits), drawn on the device
-        from the step's logits (ops.sample: the host sampler's chain without penalties), by chunk."""
+    def _sample_params(self, chunks: list[SeqChunk], want: list[np.ndarray], n_out: int) -> DeviceArray | None:
+        """The SampleParams of the step's logits rows on the device (rows not drawn: greedy, ignored), uploaded
+        before the step's launches; None where no chunk asks to be sampled."""
         asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
         if not asks:
-            return {}
+            return None
         temp, top_p = np.zeros(n_out, np.float32), np.ones(n_out, np.float32)  # rows not drawn: greedy, ignored
         top_k, min_p = np.zeros(n_out, np.int32), np.zeros(n_out, np.float32)
         seed, step = np.zeros(n_out, np.uint64), np.zeros(n_out, np.uint32)
@@ -207,9 +209,18 @@ class HyperStep:
         packed = np.zeros(ops.SampleParams.nbytes(n_out), np.uint8)
         ops.SampleParams.pack(packed, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               step=step)
+        return self.bufs.put("sample", packed)
+
+    def _draw(self, chunks: list[SeqChunk], want: list[np.ndarray], params: DeviceArray | None,
+              n_out: int) -> dict[int, int]:
+        """The tokens of the chunks that ask to be sampled (`sample`, with "last" logits), drawn on the device
+        from the step's logits (ops.sample: the host sampler's chain without penalties), by chunk."""
+        if params is None:
+            return {}
+        asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
         out = self.bufs.get("drawn", n_out, np.int32)
-        ops.sample(self.dev, self.logits, self.bufs.put("sample", packed), out, rows=n_out,
-                   vocab=self.config.vocab_size, stream=self.stream)
+        ops.sample(self.dev, self.logits, params, out, rows=n_out, vocab=self.config.vocab_size, stream=self.stream)
+        self.stream.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
         tokens = out.view(0, n_out).to_host()
         return {i: int(tokens[int(want[i][0])]) for i in asks}
 
