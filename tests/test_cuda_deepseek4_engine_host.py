@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_emulator import EmuDevice, EmuGraph, EmuOps, EmuStream
+from dspark_support import load_pair, make_pair
 from engine_runs import RecordingDrafter, generate
 
 from ember.worker.backends.base import SeqChunk
@@ -17,7 +18,6 @@ from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.bench.synth import make_model
 from ember.worker.engine.spec.dspark_drafter import DSparkDrafter
 from ember.worker.engine.spec.mtp_drafter import MtpDrafter
-from ember.worker.model.dspark_file import open_dspark_file
 from ember.worker.model.loader import open_model
 from ember.worker.model.weights import load_weights
 
@@ -94,13 +94,7 @@ def test_greedy_tokens_are_the_twins_with_and_without_mtp_drafts(model, weights,
 def test_greedy_tokens_are_the_twins_with_dspark_drafts(tmp_path, cuda):
     """The same with a DSpark block drafter beside the trunk (the pair `ember bench make-model --dspark-out`
     writes): the twin's tokens with the drafts as without, each draft the one the twin's drafter makes."""
-    trunk = make_model("deepseek4", "tiny", tmp_path / "trunk.gguf", dspark_out=tmp_path / "dspark.gguf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
-        m = open_model(str(trunk))
-        w = load_weights(m.gguf, m.config)
-        f = open_dspark_file(tmp_path / "dspark.gguf", m)
-        fw = f.weights(w)
+    m, w, f, fw = load_pair(*make_pair(tmp_path), tmp_path / "cache")
     want, _ = generate(m, NumpyBackend(m.config, w, n_blocks=64, block_size=16), "off", PROMPT, 24)
     drafting = cuda(m, dspark=f)
     assert drafting.kv_layout == "cuda-hyper-dspark-v2" and drafting.dspark is not None

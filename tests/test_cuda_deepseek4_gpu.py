@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import test_deepseek4
+from dspark_support import load_pair, make_pair
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
@@ -201,16 +202,8 @@ def test_a_dspark_drafter_writes_the_twins_rows_and_drafts_its_chain(dev, tmp_pa
     pool correlate with the twin's as the logits do, and a block drafted after the last position is the
     twin's chain while its logits agree."""
     from ember.worker.backends.cuda.hyper import CudaHyperBackend
-    from ember.worker.model.dspark_file import open_dspark_file
-    from ember.worker.model.loader import open_model
 
-    trunk = make_model("deepseek4", "tiny", tmp_path / "trunk.gguf", dspark_out=tmp_path / "dspark.gguf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
-        m = open_model(str(trunk))
-        w = load_weights(m.gguf, m.config)
-        f = open_dspark_file(tmp_path / "dspark.gguf", m)
-        fw = f.weights(w)
+    m, w, f, fw = load_pair(*make_pair(tmp_path), tmp_path / "cache")
     gpu = CudaHyperBackend(m.config, m.gguf, n_blocks=N_BLOCKS, block_size=BS, device=dev, max_rows=128,
                            tensor_cores=mode == "fast", dspark=f)
     ref = NumpyBackend(m.config, w, n_blocks=N_BLOCKS, block_size=BS, dspark=(f, fw))

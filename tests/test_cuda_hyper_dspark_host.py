@@ -10,14 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_emulator import EmuDevice, EmuGraph, EmuOps, EmuStream
+from dspark_support import load_pair, make_pair
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
 from ember.worker.backends.numpy.hyper import HyperStack
-from ember.worker.bench.synth import make_model
-from ember.worker.model.dspark_file import open_dspark_file
-from ember.worker.model.loader import open_model
-from ember.worker.model.weights import load_weights
 
 BS, N_BLOCKS = 16, 24
 
@@ -25,14 +22,7 @@ BS, N_BLOCKS = 16, 24
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """(the trunk, its weights, the drafter file, the drafter's weights)."""
-    d = tmp_path_factory.mktemp("dspark")
-    trunk = make_model("deepseek4", "tiny", d / "trunk.gguf", dspark_out=d / "dspark.gguf")
-    with pytest.MonkeyPatch.context() as mp:  # the dequantized weights' cache: the test's own
-        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        m = open_model(str(trunk))
-        w = load_weights(m.gguf, m.config)
-        f = open_dspark_file(d / "dspark.gguf", m)
-        yield m, w, f, f.weights(w)
+    return load_pair(*make_pair(tmp_path_factory.mktemp("dspark")), tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(params=[False, True], ids=["matvec", "tensor-cores"])

@@ -19,17 +19,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from dspark_support import load_pair, make_pair
 from engine_runs import RecordingDrafter, generate
 
 from ember.worker.backends.base import SeqChunk
 from ember.worker.backends.numpy.backend import NumpyBackend
-from ember.worker.bench.synth import make_model, resolve_shape
+from ember.worker.bench.synth import resolve_shape
 from ember.worker.bench.workerproc import LlamaServerProcess
 from ember.worker.engine.spec.dspark_drafter import DSparkDrafter
 from ember.worker.model.dspark_file import check_dspark, open_dspark_file
 from ember.worker.model.gguf_file import GGUFFile, ModelFileError
 from ember.worker.model.loader import open_model
-from ember.worker.model.weights import load_weights
 
 SPEC = resolve_shape("deepseek4", "tiny")
 assert SPEC.dsv4 is not None and SPEC.dsv4.dspark is not None
@@ -41,19 +41,13 @@ CLEAR = 0.02  # a slot whose top two logits (Markov-biased, the reference's) are
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("dspark")
-    return make_model("deepseek4", "tiny", d / "trunk.gguf", dspark_out=d / "dspark.gguf"), d / "dspark.gguf"
+    return make_pair(tmp_path_factory.mktemp("dspark"))
 
 
 @pytest.fixture(scope="module")
 def loaded(pair, tmp_path_factory):
     """(the trunk, its weights, the drafter file, the drafter's weights)."""
-    with pytest.MonkeyPatch.context() as mp:  # the dequantized weights' cache: the test's own
-        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        m = open_model(str(pair[0]))
-        w = load_weights(m.gguf, m.config)
-        f = open_dspark_file(pair[1], m)
-        yield m, w, f, f.weights(w)
+    return load_pair(*pair, tmp_path_factory.mktemp("cache"))
 
 
 def _backend(loaded, n_blocks: int = 12, p_min: float = 0.0) -> NumpyBackend:

@@ -24,6 +24,7 @@ from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ...model.dspark_file import MARKOV_IN, MARKOV_OUT, DSparkFile
 from ..numpy.hyper import HyperStack, rope_frequencies
+from .buffers import GrowingBuffers
 from .hyper_weights import HyperWeights, _layer, _Reader
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class DSparkLayer:
         ops.SampleParams.pack(greedy, 1, temperature=[0.0], top_k=[0], top_p=[1.0], min_p=[0.0], seed=[0], step=[0])
         self.greedy = step.dev.to_device(greedy)
         self._keys: DeviceArray | None = None
-        self._draft_in: dict[str, DeviceArray] = {}
+        self._draft_in = GrowingBuffers(step.dev)  # a draft's small int32 inputs
 
     @property
     def block_size(self) -> int:
@@ -136,9 +137,10 @@ class DSparkLayer:
         m, ldi = len(kpos), window + n
         if self._keys is None or self._keys.size < ldi * hd:
             self._keys = dev.empty((ldi * hd,))
+        put = self._draft_in.ints
         keys, positions = self._keys, np.arange(at, at + n)
-        tok = self._put("tok", [token] + [self.file.mask_token] * (n - 1))
-        pos = self._put("pos", positions)
+        tok = put("tok", [token] + [self.file.mask_token] * (n - 1))
+        pos = put("pos", positions)
         # slot i: the context's rows in its window, and every row of the block (it is not causal)
         idx = np.full((n, ldi), -1, np.int32)
         cnt = np.zeros(n, np.int32)
@@ -146,9 +148,9 @@ class DSparkLayer:
             seen = np.concatenate([np.nonzero(kpos > p - window)[0], m + np.arange(n)])
             idx[i, : len(seen)], cnt[i] = seen, len(seen)
         # every input uploaded before anything is queued (an upload does not wait for the stream)
-        idx_d, cnt_d, own = self._put("idx", idx), self._put("cnt", cnt), self._put("own", m + np.arange(n))
-        rows = self._put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
-        rep, drawn = self._put("rep", np.repeat(np.arange(n), hc)), self._put("drawn", np.zeros(n, np.int32))
+        idx_d, cnt_d, own = put("idx", idx), put("cnt", cnt), put("own", m + np.arange(n))
+        rows = put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
+        rep, drawn = put("rep", np.repeat(np.arange(n), hc)), put("drawn", np.zeros(n, np.int32))
         ops.embed(dev, st.w.token_embd, st.a, tok, n=n, stream=stream)
         ops.gather_rows(dev, st.a, rep, st.x, n=n * hc, cols=st.config.hidden, stream=stream)
         for li, lw in enumerate(st.w.layers):
@@ -173,12 +175,3 @@ class DSparkLayer:
         stream.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
         guesses = [int(t) for t in drawn.view(0, n).to_host()]
         return guesses, self.biased.view(0, n * V).to_host().reshape(n, V)
-
-    def _put(self, name: str, values) -> DeviceArray:
-        """A draft's small int32 input on the device (its buffer grows as needed)."""
-        host = np.ascontiguousarray(values, np.int32)
-        a = self._draft_in.get(name)
-        if a is None or a.size < host.size:
-            a = self._draft_in[name] = self.s.dev.empty((max(host.size, 1),), np.int32)
-        a.view(0, host.size).upload(host)
-        return a

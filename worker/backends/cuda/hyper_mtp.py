@@ -22,6 +22,7 @@ from ember.kernels.cuda_runtime import Device, DeviceArray
 
 from ...model.config import ModelConfig
 from ...model.gguf_file import GGUFFile
+from .buffers import GrowingBuffers
 from .hyper_weights import HyperLayer, HyperWeights, _layer, _Reader
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class MtpLayer:
         self.iota = step.dev.to_device(np.arange(R * hc, dtype=np.int32))
         self.one = step.dev.to_device(np.zeros(hc, np.int32))  # a draft's one row, once a stream
         self._keys: DeviceArray | None = None  # a draft's key rows: the window's, then its guesses'
-        self._draft_in: dict[str, DeviceArray] = {}
+        self._draft_in = GrowingBuffers(step.dev)  # a draft's small int32 inputs
 
     @property
     def block_size(self) -> int:
@@ -149,6 +150,7 @@ class MtpLayer:
         if self._keys is None or self._keys.size < ldi * D:
             self._keys = dev.empty((ldi * D,))
         keys = self._keys
+        put = self._draft_in.ints
         # every guess's inputs but its token, uploaded before anything is queued: its position, the scratch row
         # of its key, and its key list (the window's rows still in reach, the guesses' rows so far, its own)
         idx = np.full((k, ldi), -1, np.int32)
@@ -156,11 +158,11 @@ class MtpLayer:
         for i in range(k):
             seen = np.concatenate([np.nonzero(kpos > at + i - window)[0], m + np.arange(i + 1)])
             idx[i, : len(seen)], cnt[i] = seen, len(seen)
-        pos, slot = self._put("pos", at + np.arange(k)), self._put("slot", m + np.arange(k))
-        idx_d, cnt_d = self._put("idx", idx), self._put("cnt", cnt)
-        rows = self._put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
-        prev = self._put("prev", [table[(at - 1) // bs] * bs + (at - 1) % bs]) if at > 0 else None
-        tok = self._put("tok", [token])
+        pos, slot = put("pos", at + np.arange(k)), put("slot", m + np.arange(k))
+        idx_d, cnt_d = put("idx", idx), put("cnt", cnt)
+        rows = put("rows", table[kpos // bs] * bs + kpos % bs) if m else None
+        prev = put("prev", [table[(at - 1) // bs] * bs + (at - 1) % bs]) if at > 0 else None
+        tok = put("tok", [token])
         if rows is not None:
             kv = self.cols["kv"].start
             ops.gather_rows(dev, s.pool.view(kv, s.pool.size - kv), rows, keys, n=m, cols=D, ldx=W, stream=st)
@@ -189,12 +191,3 @@ class MtpLayer:
             token = int(np.argmax(logits[i]))
             guesses.append(token)
         return guesses, logits
-
-    def _put(self, name: str, values) -> DeviceArray:
-        """A draft's small int32 input on the device (its buffer grows as needed)."""
-        host = np.ascontiguousarray(values, np.int32)
-        a = self._draft_in.get(name)
-        if a is None or a.size < host.size:
-            a = self._draft_in[name] = self.s.dev.empty((max(host.size, 1),), np.int32)
-        a.view(0, host.size).upload(host)
-        return a

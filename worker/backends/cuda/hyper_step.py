@@ -30,6 +30,7 @@ from ...model.config import ModelConfig
 from ..base import SampledToken, SeqChunk, kv_slots
 from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
+from .buffers import GrowingBuffers
 from .hyper_dspark import DSparkLayer, DSparkWeights
 from .hyper_mtp import MtpLayer, MtpWeights
 from .hyper_weights import HyperLayer, HyperWeights
@@ -41,27 +42,6 @@ from .matmul import Matmuls
 # 0.5 KB a position at the real model's sizes, CSA's); past that, eagerly.
 GRAPH_MIN_CONTEXT = 256
 GRAPH_MAX_POSITIONS = 1 << 18
-
-
-class _Buffers:
-    """Device buffers that grow to the largest a step has needed (a step's key lists and candidate rows
-    depend on its contexts); eager steps only, so a buffer may move between steps."""
-
-    def __init__(self, dev: Device):
-        self.dev = dev
-        self._have: dict[str, DeviceArray] = {}
-
-    def get(self, name: str, elems: int, dtype=np.float32) -> DeviceArray:
-        a = self._have.get(name)
-        if a is None or a.size < elems:
-            a = self._have[name] = self.dev.empty((max(elems, 1),), dtype)
-        return a
-
-    def put(self, name: str, host: np.ndarray) -> DeviceArray:
-        host = np.ascontiguousarray(host)
-        a = self.get(name, host.size, host.dtype)
-        a.view(0, host.size).upload(host)
-        return a
 
 
 @dataclass
@@ -133,8 +113,8 @@ class HyperStep:
         self.mm = Matmuls(self.dev, self.stream, cfg, self.w.output, int8_activations=False,
                           tensor_cores=self.tensor_cores,
                           half_kind=cfg.recipe.half_type, g=self.sg, u=self.su, gu=None)
-        self.bufs = self._eager_bufs = _Buffers(self.dev)  # the buffers of the step being run
-        self._graph_bufs: dict[tuple[int, int], _Buffers] = {}  # a captured shape's own, never moved
+        self.bufs = self._eager_bufs = GrowingBuffers(self.dev)  # the buffers of the step being run
+        self._graph_bufs: dict[tuple[int, int], GrowingBuffers] = {}  # a captured shape's own, never moved
         self._graphs: dict[tuple[int, int], Any] = {}  # cuda_runtime.Graph
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
@@ -164,14 +144,16 @@ class HyperStep:
         keys = hyper_keys.plan(chunks, block_size=self.block_size, window=h.window,
                                ratios=set(h.compress_ratios), top_k=h.indexer_top_k, pad=pad)
         want, out_rows = _wanted(chunks, pad)
+        # the chunks whose token is drawn on the device: sampled, with the last row's logits
+        asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
         if pad is None:
             self.bufs = self._eager_bufs
-            params = self._sample_params(chunks, want, len(out_rows))
+            params = self._sample_params(chunks, want, asks, len(out_rows))
             self._forward(n, self._inputs(chunks, tokens, keys, out_rows), keys)
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
-            self.bufs = self._graph_bufs.setdefault(shape, _Buffers(self.dev))
-            params = self._sample_params(chunks, want, len(out_rows))
+            self.bufs = self._graph_bufs.setdefault(shape, GrowingBuffers(self.dev))
+            params = self._sample_params(chunks, want, asks, len(out_rows))
             inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
                                padded=True)
             graph = self._graphs.get(shape)
@@ -183,7 +165,7 @@ class HyperStep:
             else:
                 graph.launch()
                 self.graph_replays += 1
-        drawn = self._draw(chunks, want, params, len(out_rows))
+        drawn = self._draw(want, asks, params, len(out_rows))
         st.synchronize()
         if all(i in drawn or not len(w) for i, w in enumerate(want)):  # no chunk takes logits
             return [SampledToken(drawn[i]) if i in drawn else None for i in range(len(chunks))]
@@ -192,10 +174,10 @@ class HyperStep:
         return [SampledToken(drawn[i]) if i in drawn else host[w].copy() if len(w) else None
                 for i, w in enumerate(want)]
 
-    def _sample_params(self, chunks: list[SeqChunk], want: list[np.ndarray], n_out: int) -> DeviceArray | None:
+    def _sample_params(self, chunks: list[SeqChunk], want: list[np.ndarray], asks: list[int],
+                       n_out: int) -> DeviceArray | None:
         """The SampleParams of the step's logits rows on the device (rows not drawn: greedy, ignored), uploaded
         before the step's launches; None where no chunk asks to be sampled."""
-        asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
         if not asks:
             return None
         temp, top_p = np.zeros(n_out, np.float32), np.ones(n_out, np.float32)  # rows not drawn: greedy, ignored
@@ -211,13 +193,12 @@ class HyperStep:
                               step=step)
         return self.bufs.put("sample", packed)
 
-    def _draw(self, chunks: list[SeqChunk], want: list[np.ndarray], params: DeviceArray | None,
+    def _draw(self, want: list[np.ndarray], asks: list[int], params: DeviceArray | None,
               n_out: int) -> dict[int, int]:
         """The tokens of the chunks that ask to be sampled (`sample`, with "last" logits), drawn on the device
         from the step's logits (ops.sample: the host sampler's chain without penalties), by chunk."""
         if params is None:
             return {}
-        asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
         out = self.bufs.get("drawn", n_out, np.int32)
         ops.sample(self.dev, self.logits, params, out, rows=n_out, vocab=self.config.vocab_size, stream=self.stream)
         self.stream.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
