@@ -295,11 +295,25 @@ def test_clamped_swiglu_matches_the_twin(dev, rng, limit):
         assert np.abs(gu).max() > 2 * limit  # the clamp was exercised
 
 
-def test_swap_rows_is_a_transpose(dev, rng):
-    x = rng.normal(0, 1, (5, 3, 70)).astype(np.float32)
-    out = poisoned(dev, (3, 5, 70))
-    ops.swap_rows(dev, dev.to_device(x), out, a=5, b=3, width=70)
+@pytest.mark.parametrize("a, b, width", [(5, 3, 70), (9000, 8, 3)], ids=["small", "past-grid-y"])
+def test_swap_rows_is_a_transpose(dev, rng, a, b, width):
+    """Also past the grid's 65535 rows in y (a 9000-token prefill chunk's rows times 8 output groups)."""
+    x = rng.normal(0, 1, (a, b, width)).astype(np.float32)
+    out = poisoned(dev, (b, a, width))
+    ops.swap_rows(dev, dev.to_device(x), out, a=a, b=b, width=width)
     np.testing.assert_array_equal(out.to_host(), x.swapaxes(0, 1))
+
+
+def test_store_rows_past_the_grids_rows(dev, rng):
+    """More rows than a grid has in y (the MTP layer stores a 16k-token step's n * 4 stream rows at once)."""
+    n, width = 70_000, 5
+    src = rng.normal(0, 1, (n, width)).astype(np.float32)
+    slots = rng.permutation(n + 100)[:n].astype(np.int32)
+    pool = poisoned(dev, (n + 100, width))
+    want = pool.to_host()
+    want[slots] = src
+    ops.store_rows(dev, dev.to_device(src), dev.to_device(slots), pool, n=n, width=width, lds=width, ldd=width)
+    np.testing.assert_array_equal(pool.to_host(), want)
 
 
 def test_mean_streams_into_a_column_block(dev, rng):

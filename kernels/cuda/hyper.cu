@@ -323,16 +323,19 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 
 // dst[idx[t] * ldd + c] = src[t * lds + c] (+ ape[(pos[t] % ratio) * w + c] where ape is given), c < w:
 // a step's per-position rows into the pool at their slots (hyper.HyperStack._attention's `rows[slots, ...] =`),
-// a compressor's score rows with their position-in-block bias. grid (ceil(w / blockDim.x), n).
+// a compressor's score rows with their position-in-block bias. grid (ceil(w / blockDim.x), min(n, 65535)):
+// a block takes rows y, y + gridDim.y, ... (the MTP layer's copies are n * hc rows, past the grid's 65535).
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
     store_rows(const float* __restrict__ src, i64 lds, const int* __restrict__ idx, float* __restrict__ dst, i64 ldd,
                int n, int w, const float* __restrict__ ape, const int* __restrict__ pos, int ratio) {
     grid_dependency_sync();
-    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= n || c >= w) return;
-    float v = src[(i64)t * lds + c];
-    if (ape != nullptr) v += ape[(i64)(pos[t] % ratio) * w + c];
-    dst[(i64)idx[t] * ldd + c] = v;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= w) return;
+    for (int t = blockIdx.y; t < n; t += gridDim.y) {
+        float v = src[(i64)t * lds + c];
+        if (ape != nullptr) v += ape[(i64)(pos[t] % ratio) * w + c];
+        dst[(i64)idx[t] * ldd + c] = v;
+    }
 }
 
 // out = silu(min(g, limit)) * clamp(u, -limit, limit) over [n, F] (limit <= 1e-6: no clamp), row strides
@@ -353,14 +356,17 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-// dst [b, a, w] = src [a, b, w] transposed in its first two dimensions. grid (ceil(w / blockDim.x), a * b).
+// dst [b, a, w] = src [a, b, w] transposed in its first two dimensions. grid (ceil(w / blockDim.x),
+// min(a * b, 65535)): a block takes rows y, y + gridDim.y, ... (a prefill's n * groups rows pass 65535).
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
     swap_rows(const float* __restrict__ src, float* __restrict__ dst, int a, int b, int w) {
     grid_dependency_sync();
-    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= a * b || c >= w) return;
-    const int i = r / b, j = r % b;
-    dst[((i64)j * a + i) * w + c] = src[(i64)r * w + c];
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= w) return;
+    for (int r = blockIdx.y; r < a * b; r += gridDim.y) {
+        const int i = r / b, j = r % b;
+        dst[((i64)j * a + i) * w + c] = src[(i64)r * w + c];
+    }
 }
 
 // out[t, c] = mean over s of x[t, s, c], x [n, hc, hidden] (token stride hc * hidden), out at row stride ldo.

@@ -12,6 +12,7 @@ from .args import need
 
 HC_MAX = KERNEL_CONSTANTS["HC_MAX"]
 HC_THREADS = KERNEL_CONSTANTS["HC_THREADS"]
+GRID_Y_MAX = 65535  # CUDA's bound on a grid's y dimension (the kernels that may need more stride over it)
 
 
 def _check_streams(hc: int) -> None:
@@ -144,8 +145,9 @@ def store_rows(dev: Device, src: DeviceArray, idx: DeviceArray, dst: DeviceArray
         need(table, np.float32, ratio * width, "ape")
         need(pos, np.int32, n, "pos")
     if n:
-        dev.kernel("hyper", "store_rows").launch((-(-width // HC_THREADS), n), (HC_THREADS,), src, I64(lds), idx, dst,
-                                                 I64(ldd), n, width, table, pos, ratio, stream=stream)
+        dev.kernel("hyper", "store_rows").launch((-(-width // HC_THREADS), min(n, GRID_Y_MAX)), (HC_THREADS,), src,
+                                                 I64(lds), idx, dst, I64(ldd), n, width, table, pos, ratio,
+                                                 stream=stream)
 
 
 def clamped_swiglu(dev: Device, g: DeviceArray, u: DeviceArray, out: DeviceArray, *, n: int, ffn: int, limit: float,
@@ -164,8 +166,8 @@ def swap_rows(dev: Device, src: DeviceArray, dst: DeviceArray, *, a: int, b: int
     need(src, np.float32, a * b * width, "src")
     need(dst, np.float32, a * b * width, "dst")
     if a * b:
-        dev.kernel("hyper", "swap_rows").launch((-(-width // HC_THREADS), a * b), (HC_THREADS,), src, dst, a, b, width,
-                                                stream=stream)
+        dev.kernel("hyper", "swap_rows").launch((-(-width // HC_THREADS), min(a * b, GRID_Y_MAX)), (HC_THREADS,), src,
+                                                dst, a, b, width, stream=stream)
 
 
 def mean_streams(dev: Device, x: DeviceArray, out: DeviceArray, *, n: int, hc: int, hidden: int, ldo: int | None = None,
