@@ -116,7 +116,7 @@ def test_batched_decode_over_scattered_blocks_agrees_with_numpy(model, dev, mode
         last = [w[-1] for w in want]
         lengths = [n + 1 for n in lengths]
     # the decode steps' shapes (2 rows; contexts of 256, then 512) were captured and replayed
-    assert sorted(gpu.step._graphs) == [(2, 256), (2, 512)] and gpu.graph_replays == 10
+    assert list(gpu.step._graphs) == [(2, 512)] and gpu.graph_replays == 10  # the 256 graph went as buffers grew
 
 
 def test_the_twins_blocks_restore_onto_the_gpu(model, dev):

@@ -268,6 +268,44 @@ def test_decode_steps_replay_their_captured_graph(emulated, reference_backend):
     assert list(emulated._graphs) == [(4, 256)]
 
 
+def test_graphs_share_their_buffers_and_one_that_grows_drops_them(model, monkeypatch, reference_backend):
+    """The captured shapes share one set of buffers (the largest shape's room, not the sum). Shallow
+    sequences decode at (4 rows, context 256): captured, replayed. A deep one joins: (4, 512) grows the
+    buffers, so the first graph goes. Back at (4, 256), it is captured anew (a replay of the old one would
+    read the inputs of its own step, from buffers no longer filled) and every step gives the twin's logits."""
+    from cuda_emulator import EmuOps
+
+    step, ref = _step(model, monkeypatch, EmuOps(), EmuDevice(), 160, tensor_cores=False), reference_backend()
+    rng = np.random.default_rng(3)
+    seqs = {"a": (20, list(range(0, 3))), "b": (60, list(range(3, 8))), "c": (90, list(range(8, 15))),
+            "deep": (300, list(range(15, 35)))}
+    state = {}
+    for name, (n, table) in seqs.items():
+        prompt = rng.integers(0, 700, n).astype(np.int32)
+        for at in range(0, n, 150):  # the step's 160 rows
+            piece = SeqChunk(prompt[at : at + 150], at, table, "last")
+            (want,), _ = ref.forward([piece]), step.run([piece])
+        state[name] = [int(want[-1].argmax()), n]
+
+    def decode(names: list[str]) -> None:
+        chunks = [SeqChunk(np.array([state[k][0]], np.int32), state[k][1], seqs[k][1], "last") for k in names]
+        want, got = ref.forward(chunks), step.run(chunks)
+        for k, g, w in zip(names, got, want, strict=True):
+            _agree(g, w, False)
+            state[k] = [int(w[-1].argmax()), state[k][1] + 1]
+
+    for _ in range(3):
+        decode(["a", "b", "c"])
+    assert list(step._graphs) == [(4, 256)] and step.graph_replays == 2
+    moves = step._graph_bufs.moves
+    for _ in range(2):
+        decode(["a", "b", "deep"])
+    assert step._graph_bufs.moves > moves and list(step._graphs) == [(4, 512)] and step.graph_replays == 3
+    for _ in range(2):
+        decode(["a", "b", "c"])
+    assert sorted(step._graphs) == [(4, 256), (4, 512)] and step.graph_replays == 5
+
+
 def test_chunks_that_ask_are_sampled_on_the_device(model, monkeypatch, reference_backend):
     """Three sequences decoding together (eager, then captured and replayed at a padded shape of 4 rows): one
     asks a greedy draw, one a seeded draw at temperature 0.8 and top-k 40, one its logits. The first two come

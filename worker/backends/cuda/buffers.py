@@ -10,17 +10,23 @@ from ember.kernels.cuda_runtime import Device, DeviceArray
 
 class GrowingBuffers:
     """A buffer is replaced when a larger one is asked for, so an address is stable only while the sizes
-    asked stay within what it has: a captured graph keeps a set of its own, filled once at capture's size."""
+    asked stay within what it has: `moves` counts the replacements, which a captured graph's owner watches."""
 
     def __init__(self, dev: Device):
         self.dev = dev
         self._have: dict[str, DeviceArray] = {}
+        self.moves = 0  # buffers replaced by larger ones so far (what a captured graph must not have read)
 
     def get(self, name: str, elems: int, dtype=np.float32) -> DeviceArray:
         a = self._have.get(name)
         if a is None or a.size < elems:
+            self.moves += a is not None
             a = self._have[name] = self.dev.empty((max(elems, 1),), dtype)
         return a
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._have.values())
 
     def put(self, name: str, host: np.ndarray) -> DeviceArray:
         """`host` uploaded into the named buffer (its first host.size elements)."""

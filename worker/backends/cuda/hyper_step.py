@@ -114,7 +114,11 @@ class HyperStep:
                           tensor_cores=self.tensor_cores,
                           half_kind=cfg.recipe.half_type, g=self.sg, u=self.su, gu=None)
         self.bufs = self._eager_bufs = GrowingBuffers(self.dev)  # the buffers of the step being run
-        self._graph_bufs: dict[tuple[int, int], GrowingBuffers] = {}  # a captured shape's own, never moved
+        # the captured shapes' buffers, one set for all (they replay one at a time, each uploading its inputs
+        # first), so they take the largest shape's room, not the sum; a buffer that grows (a larger shape's
+        # first step) drops every graph, each captured again when its shape next comes
+        self._graph_bufs = GrowingBuffers(self.dev)
+        self._graph_moves = 0  # _graph_bufs.moves when the graphs held were captured
         self._graphs: dict[tuple[int, int], Any] = {}  # cuda_runtime.Graph
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
@@ -152,16 +156,18 @@ class HyperStep:
             self._forward(n, self._inputs(chunks, tokens, keys, out_rows), keys)
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
-            self.bufs = self._graph_bufs.setdefault(shape, GrowingBuffers(self.dev))
+            self.bufs = self._graph_bufs
             params = self._sample_params(chunks, want, asks, len(out_rows))
             inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
                                padded=True)
+            self._drop_stale_graphs()
             graph = self._graphs.get(shape)
-            if graph is None and shape in self._seen:
+            if graph is None and shape in self._seen:  # its sizes were had before: the capture allocates nothing
                 graph = self._graphs[shape] = self._capture(lambda: self._forward(pad.rows, inp, keys))
             if graph is None:
                 self._seen.add(shape)
                 self._forward(pad.rows, inp, keys)
+                self._drop_stale_graphs()  # the warm-up may have grown a scratch the graphs use
             else:
                 graph.launch()
                 self.graph_replays += 1
@@ -216,6 +222,12 @@ class HyperStep:
         if rows > self.max_rows or rows * context > GRAPH_MAX_POSITIONS:
             return None
         return hyper_keys.Pad(rows, context, trash=self.n_blocks * self.block_size)
+
+    def _drop_stale_graphs(self) -> None:
+        """Forget the captured graphs if a buffer they read has moved since they were captured."""
+        if self._graph_bufs.moves != self._graph_moves:
+            self._graphs.clear()
+            self._graph_moves = self._graph_bufs.moves
 
     def _capture(self, forward):
         """One step's launches as a CUDA graph (their buffers and sizes fixed; its inputs uploaded before
