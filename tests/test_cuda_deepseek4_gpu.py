@@ -220,3 +220,24 @@ def test_a_dspark_drafter_writes_the_twins_rows_and_drafts_its_chain(dev, tmp_pa
     want, want_logits, _ = ref.dspark.chain(table, tokens[103], 103, f.block_size)
     same = next((i + 1 for i in range(f.block_size) if guesses[i] != want[i]), f.block_size)
     agree(logits[:same], want_logits[:same], mode)
+
+
+def test_bench_trace_times_the_deepseek4_decode_step(dev, tiny):
+    """`ember bench trace` on the DeepSeek V4 step (the kernels' profiling build, in a process of its own):
+    every kernel of its captured decode step stamped, attention over key lists and the experts among them,
+    and the kernels' costs add up to the step's span."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EMBER_TRACE": "1"}
+    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "trace", "--model", str(tiny),
+                          "--keys", "40", "--replays", "5", "--json"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    names = {k["kernel"] for k in r["by_kernel"]}
+    assert r["kernels"] > 30 * 4  # the tiny file's four layers: some forty launches each
+    assert any(n.startswith("attend_rows") for n in names) and any("hc_pre" in n for n in names)
+    assert sum(k["total_us"] for k in r["by_kernel"]) == pytest.approx(r["span_us"], rel=0.02)

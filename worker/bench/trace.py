@@ -5,7 +5,7 @@ times each one alone, not what it adds to the chain. Here the kernels are built 
 variant (EMBER_TRACE=1, common.cuh): block 0 of every kernel stamps %globaltimer when its wait for the
 kernel before it returns. In a chain that wait returns when the kernel before is done, so the gap
 between consecutive stamps is what each kernel costs the step (its work after the wait, and the hand
-over to the next; the last kernel, the draw, has no next and is left out). The step is replayed
+over to the next; the last kernel, the draw or the head, has no next and is left out). The step is replayed
 --replays times after warm-up; figures are means. Inside the kernels whose phases are marked
 (common.cuh TRACE_MARK), the SM cycles from the wait's return to the end of each phase are shown too,
 for the step's last launch of each.
@@ -74,15 +74,17 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     from ember.kernels.cuda_runtime import TRACE_MARKS, Device
 
     from ..backends.base import SeqChunk
-    from ..backends.cuda.backend import CudaBackend
+    from ..backends.cuda import open_backend
     from ..model.loader import open_model
     from .gpu_speed import GREEDY
 
     model = open_model(model_path)
     bs = 16
     per_seq = -(-(keys + 2) // bs)
-    backend = CudaBackend(model.config, model.gguf, n_blocks=rows * per_seq + 2, block_size=bs,
-                          max_rows=max(64, keys), max_seqs=max(rows, 1), device=Device())
+    backend = open_backend(model.config, model.gguf, n_blocks=rows * per_seq + 2, block_size=bs,
+                           max_rows=max(64, keys), max_seqs=max(rows, 1), device=Device())
+    # DeepSeek V4's step draws its tokens after its graph: asked for logits, it launches the graph's kernels alone
+    sample = None if model.config.hyper is not None else GREEDY
     dev = backend.dev
     if dev.trace is None:
         raise RuntimeError("the kernels were not built for tracing (EMBER_TRACE=1)")
@@ -92,11 +94,11 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
     tokens = np.random.default_rng(0).integers(1, model.config.vocab_size, (rows, keys), dtype=np.int32)
 
     def step(pos: int) -> None:
-        backend.forward([SeqChunk(tokens[s, pos:pos + 1], pos, t, "last", sample=GREEDY)
+        backend.forward([SeqChunk(tokens[s, pos:pos + 1], pos, t, "last", sample=sample)
                          for s, t in enumerate(tables)])
 
     for s, t in enumerate(tables):
-        backend.forward([SeqChunk(tokens[s, : keys - 2], 0, t, "last", sample=GREEDY)])
+        backend.forward([SeqChunk(tokens[s, : keys - 2], 0, t, "last", sample=sample)])
     step(keys - 2)  # run eagerly: modules loaded, the step's shape seen
     dev.launch_names.clear()
     step(keys - 1)  # captured now (and replayed): its launches, in order

@@ -231,11 +231,12 @@ class HyperStep:
 
     def _capture(self, forward):
         """One step's launches as a CUDA graph (their buffers and sizes fixed; its inputs uploaded before
-        each replay)."""
-        from ember.kernels.cuda_runtime import Graph
+        each replay), its kernels chained by programmatic dependent launch where the card has it (each
+        waits in grid_dependency_sync for the one before: `ember bench trace` finds a kernel that does not)."""
+        from ember.kernels.cuda_runtime import Graph, pdl_launches
 
         self.stream.synchronize()
-        with Graph.capture(self.stream) as g:
+        with Graph.capture(self.stream) as g, pdl_launches(self.dev.caps.pdl):
             forward()
         return g
 
