@@ -64,7 +64,14 @@ class EmuArray:
         return self.base[self.offset :]
 
     def view(self, offset_elements: int, shape, dtype=None) -> EmuArray:
-        return EmuArray(self.base, self.offset + offset_elements, shape, dtype)
+        dt = np.dtype(dtype or self.dtype)
+        if dt == self.dtype:
+            return EmuArray(self.base, self.offset + offset_elements, shape, dtype)
+        # another type over the same bytes (an arena of a step's inputs): the allocation seen as that type
+        at = (self.offset + offset_elements) * self.dtype.itemsize
+        assert at % dt.itemsize == 0, "a view's start must be aligned for its type"
+        raw = self.base.view(np.uint8)
+        return EmuArray(raw[: raw.size // dt.itemsize * dt.itemsize].view(dt), at // dt.itemsize, shape, dt)
 
     def upload(self, arr) -> None:
         _host_copy("an upload")

@@ -268,6 +268,35 @@ def test_decode_steps_replay_their_captured_graph(emulated, reference_backend):
     assert list(emulated._graphs) == [(4, 256)]
 
 
+def test_a_steps_inputs_go_up_in_one_copy_each_in_a_place_it_keeps(monkeypatch):
+    """GrowingBuffers.upload: every array lands as itself (int32, uint8 and float32 in one arena), in one
+    copy; a name keeps its place while its arrays fit its room, so a captured graph's pointers stay good; a
+    larger one lays the arena out anew and counts a move, and a new name takes room after the others."""
+    from cuda_emulator import EmuArray
+
+    from ember.worker.backends.cuda.buffers import GrowingBuffers
+
+    copies = []
+    upload = EmuArray.upload
+    monkeypatch.setattr(EmuArray, "upload", lambda self, arr: (copies.append(self.nbytes), upload(self, arr)))
+    b = GrowingBuffers(EmuDevice())
+    rng = np.random.default_rng(0)
+    first = {"tok": np.arange(5, dtype=np.int32), "sample": rng.integers(0, 255, 40).astype(np.uint8),
+             "w": rng.normal(size=7).astype(np.float32)}
+    d = b.upload(first)
+    assert len(copies) == 1
+    for k, v in first.items():
+        assert d[k].dtype == v.dtype and np.array_equal(d[k].to_host(), v)
+    at = {k: d[k].ptr for k in d}
+    again = b.upload({"tok": np.arange(60, 64, dtype=np.int32), "w": np.ones(60, np.float32)})  # fit their rooms
+    assert {k: again[k].ptr for k in again} == {k: at[k] for k in again} and b.moves == 0
+    assert np.array_equal(again["tok"].to_host(), np.arange(60, 64)) and again["w"].to_host().sum() == 60
+    grown = b.upload({"tok": np.arange(100, dtype=np.int32), "extra": np.full(3, 7, np.int32)})
+    assert b.moves >= 1 and np.array_equal(grown["tok"].to_host(), np.arange(100))
+    assert grown["extra"].to_host().tolist() == [7, 7, 7] and (grown["extra"].ptr - grown["tok"].ptr) % 256 == 0
+    assert len(copies) == 3
+
+
 def test_graphs_share_their_buffers_and_one_that_grows_drops_them(model, monkeypatch, reference_backend):
     """The captured shapes share one set of buffers (the largest shape's room, not the sum). Shallow
     sequences decode at (4 rows, context 256): captured, replayed. A deep one joins: (4, 512) grows the

@@ -64,6 +64,7 @@ class _Inputs:
     # position 0 (int32, and how many; a padded step's padded with the spare row)
     prev: DeviceArray | None = None
     firsts: tuple[DeviceArray, int] | None = None
+    sample: DeviceArray | None = None  # the packed SampleParams of the rows drawn on the device
 
 
 class HyperStep:
@@ -150,16 +151,16 @@ class HyperStep:
         want, out_rows = _wanted(chunks, pad)
         # the chunks whose token is drawn on the device: sampled, with the last row's logits
         asks = [i for i, c in enumerate(chunks) if c.sample is not None and c.logits == "last" and len(want[i]) == 1]
+        sample = self._sample_params(chunks, want, asks, len(out_rows))
         if pad is None:
             self.bufs = self._eager_bufs
-            params = self._sample_params(chunks, want, asks, len(out_rows))
-            self._forward(n, self._inputs(chunks, tokens, keys, out_rows), keys)
+            inp = self._inputs(chunks, tokens, keys, out_rows, sample)
+            self._forward(n, inp, keys)
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
             self.bufs = self._graph_bufs
-            params = self._sample_params(chunks, want, asks, len(out_rows))
             inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
-                               padded=True)
+                               sample, padded=True)
             self._drop_stale_graphs()
             graph = self._graphs.get(shape)
             if graph is None and shape in self._seen:  # its sizes were had before: the capture allocates nothing
@@ -171,7 +172,7 @@ class HyperStep:
             else:
                 graph.launch()
                 self.graph_replays += 1
-        drawn = self._draw(want, asks, params, len(out_rows))
+        drawn = self._draw(want, asks, inp.sample, len(out_rows))
         st.synchronize()
         if all(i in drawn or not len(w) for i, w in enumerate(want)):  # no chunk takes logits
             return [SampledToken(drawn[i]) if i in drawn else None for i in range(len(chunks))]
@@ -181,9 +182,9 @@ class HyperStep:
                 for i, w in enumerate(want)]
 
     def _sample_params(self, chunks: list[SeqChunk], want: list[np.ndarray], asks: list[int],
-                       n_out: int) -> DeviceArray | None:
-        """The SampleParams of the step's logits rows on the device (rows not drawn: greedy, ignored), uploaded
-        before the step's launches; None where no chunk asks to be sampled."""
+                       n_out: int) -> np.ndarray | None:
+        """The SampleParams of the step's logits rows, packed (rows not drawn: greedy, ignored), to upload with
+        the step's inputs; None where no chunk asks to be sampled."""
         if not asks:
             return None
         temp, top_p = np.zeros(n_out, np.float32), np.ones(n_out, np.float32)  # rows not drawn: greedy, ignored
@@ -197,7 +198,7 @@ class HyperStep:
         packed = np.zeros(ops.SampleParams.nbytes(n_out), np.uint8)
         ops.SampleParams.pack(packed, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               step=step)
-        return self.bufs.put("sample", packed)
+        return packed
 
     def _draw(self, want: list[np.ndarray], asks: list[int], params: DeviceArray | None,
               n_out: int) -> dict[int, int]:
@@ -260,28 +261,28 @@ class HyperStep:
             self.mtp.write_rows(n, inp)
 
     def _inputs(self, chunks: list[SeqChunk], tokens: np.ndarray, keys: hyper_keys.StepKeys,
-                out_rows: np.ndarray, padded: bool = False) -> _Inputs:
-        """The step's host plan on the device (padded rows: position 0, the trash block's row)."""
-        b, n, real = self.bufs, len(tokens), sum(len(c.tokens) for c in chunks)
-        lists = {r: (b.put(f"idx{r}", kl.idx), b.put(f"cnt{r}", kl.cnt), kl.idx.shape[1])
-                 for r, kl in keys.lists.items()}
-        cand = None
-        if keys.crow is not None and keys.ccnt is not None:
-            cand = (b.put("crow", keys.crow), b.put("ccnt", keys.ccnt), keys.crow.shape[1])
-            b.get("cnt_csa", n, np.int32)
-        comp = {r: (b.put(f"pieces{r}", c.pieces), c.rows) for r, c in keys.comp.items()}
-        closing = {r: (b.put(f"starts{r}", c.starts), b.put(f"cpos{r}", c.positions), b.put(f"closed{r}", c.pieces),
-                       c.blocks) for r, c in keys.closing.items()}
+                out_rows: np.ndarray, sample: np.ndarray | None, padded: bool = False) -> _Inputs:
+        """The step's host plan on the device, in one copy (padded rows: position 0, the trash block's row);
+        sample: the packed SampleParams of the rows drawn on the device, if any."""
+        n, real = len(tokens), sum(len(c.tokens) for c in chunks)
         pos = np.zeros(n, np.int32)
         pos[:real] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         slots = np.full(n, self.n_blocks * self.block_size, np.int32)
         slots[:real] = kv_slots(chunks, self.block_size, self.n_blocks)
-        inp = _Inputs(
-            tok=b.put("tok", tokens), pos=b.put("pos", pos), slots=b.put("slots", slots),
-            prow=b.put("prow", keys.prow), wrows=b.put("wrows", keys.wrows),
-            rep=b.put("rep", np.repeat(np.arange(n, dtype=np.int32), self.h.hc_mult)),
-            lists=lists, cand=cand, comp=comp, closing=closing,
-            out_rows=b.put("out_rows", out_rows) if len(out_rows) else None, n_out=len(out_rows))
+        host = {"tok": tokens, "pos": pos, "slots": slots, "prow": keys.prow, "wrows": keys.wrows,
+                "rep": np.repeat(np.arange(n, dtype=np.int32), self.h.hc_mult)}
+        for r, kl in keys.lists.items():
+            host[f"idx{r}"], host[f"cnt{r}"] = kl.idx, kl.cnt
+        if keys.crow is not None and keys.ccnt is not None:
+            host["crow"], host["ccnt"] = keys.crow, keys.ccnt
+        for r, c in keys.comp.items():
+            host[f"pieces{r}"] = c.pieces
+        for r, c in keys.closing.items():
+            host[f"starts{r}"], host[f"cpos{r}"], host[f"closed{r}"] = c.starts, c.positions, c.pieces
+        if len(out_rows):
+            host["out_rows"] = out_rows
+        if sample is not None:
+            host["sample"] = sample
         if self.mtp is not None:
             # the h before each row: the pool's at p - 1 (this step's own rows are stored before they are read);
             # a row at position 0 reads its own row, then takes zeros; a padded row reads the trash row
@@ -293,8 +294,19 @@ class HyperStep:
             prev[firsts] = slots[firsts]
             if padded:  # a captured step's count is fixed: the rest zero the spare row past the step's
                 firsts = np.concatenate([firsts, np.full(n - len(firsts), n)])
-            inp.prev, inp.firsts = b.put("prev", prev), (b.put("firsts", firsts.astype(np.int32)), len(firsts))
-        return inp
+            host["prev"], host["firsts"] = prev, firsts.astype(np.int32)
+        d = self.bufs.upload(host)
+        cand = None
+        if keys.crow is not None and keys.ccnt is not None:
+            cand = (d["crow"], d["ccnt"], keys.crow.shape[1])
+            self.bufs.get("cnt_csa", n, np.int32)
+        return _Inputs(
+            tok=d["tok"], pos=d["pos"], slots=d["slots"], prow=d["prow"], wrows=d["wrows"], rep=d["rep"],
+            lists={r: (d[f"idx{r}"], d[f"cnt{r}"], kl.idx.shape[1]) for r, kl in keys.lists.items()},
+            cand=cand, comp={r: (d[f"pieces{r}"], c.rows) for r, c in keys.comp.items()},
+            closing={r: (d[f"starts{r}"], d[f"cpos{r}"], d[f"closed{r}"], c.blocks) for r, c in keys.closing.items()},
+            out_rows=d.get("out_rows"), n_out=len(out_rows), sample=d.get("sample"),
+            prev=d.get("prev"), firsts=(d["firsts"], len(host["firsts"])) if "firsts" in d else None)
 
     def _linear(self, w: ops.QuantMatrix, x: DeviceArray, y: DeviceArray, n: int) -> None:
         """y = x @ W^T over n rows: on the tensor cores from TC_MIN_ROWS rows (Matmuls.linear decides)."""
