@@ -1122,6 +1122,27 @@ def test_moe_route_matches_reference(dev, rng, gating, n):
     np.testing.assert_allclose(got_w[clear], weights[clear], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("experts,pairs,tile", [(256, 6, 1), (256, 6, 8), (60, 200, 8), (256, 2048, 16)])
+def test_moe_group_tiles_every_experts_pairs_in_order(dev, rng, experts, pairs, tile):
+    """moe_group's tiles are the experts' runs of pairs cut into tiles of `tile`, expert after expert, zeros
+    past the last (its scans: 256 experts, eight a lane of its first warp, and a count not a multiple of 32);
+    pos and order place each pair in its expert's run."""
+    ids = rng.integers(0, experts, pairs).astype(np.int32)
+    nt = ops.moe.max_tiles(pairs, experts, tile)
+    pos, order, tiles = dev.empty((pairs,), np.int32), dev.empty((pairs,), np.int32), dev.empty((3 * nt,), np.int32)
+    tiles.fill_bytes(0xFF)
+    ops.moe_group(dev, dev.to_device(ids), pos, order, tiles, pairs=pairs, experts=experts, tile=tile)
+    count = np.bincount(ids, minlength=experts)
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    want = [(e, start[e] + j, min(tile, count[e] - j)) for e in range(experts) for j in range(0, count[e], tile)]
+    want = (want + [(0, 0, 0)] * nt)[:nt]
+    assert [tuple(t) for t in tiles.to_host().reshape(nt, 3)] == want
+    got_pos, got_order = pos.to_host(), order.to_host()
+    assert np.array_equal(got_order[got_pos], np.arange(pairs))
+    assert np.array_equal(np.sort(got_pos), np.arange(pairs))
+    assert all(start[e] <= q < start[e] + count[e] for e, q in zip(ids, got_pos, strict=True))
+
+
 # (gate, up, down) types: stacked gate|up; gate and up apart (their types differ); padded 16-byte rows
 MOE_TYPES = [("q4_k", "q4_k", "q6_k"), ("q4_k", "q5_k", "q4_k"), ("q8_0", "q8_0", "q5_0")]
 

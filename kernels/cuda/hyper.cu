@@ -23,7 +23,9 @@ EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // x [n, hc, hidden] (token stride hc * hidden); raw [n, ldr]: the streams times the mix matrix, not yet
 // normalised; scale [3] (head: [1]); base [(2 + hc) * hc] (head: [hc]). Writes y [n, hidden]; unless head,
-// post [n, hc] and comb [n, hc * hc] (row s: the source stream's weights to each destination).
+// post [n, hc] and comb [n, hc * hc] (row s: the source stream's weights to each destination). The block's
+// first warp normalises comb (a lane a row, then a lane a column, in shared memory) while the others weigh
+// the streams: serial on one thread, the Sinkhorn's iterations were most of a decode step's hc_pre.
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
     hc_pre(const float* __restrict__ x, const float* __restrict__ raw, int ldr, const float* __restrict__ scale,
            const float* __restrict__ base, int n, int hc, int hidden, float eps, float hc_eps, int iters, int head,
@@ -31,51 +33,51 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     grid_dependency_sync();
     __shared__ float scratch[33];
     __shared__ float pre_s[HC_MAX];
-    const int t = blockIdx.x;
+    __shared__ float cm[HC_MAX * HC_MAX];  // [source][destination]
+    const int t = blockIdx.x, tid = threadIdx.x;
     if (t >= n) return;
     const int width = hc * hidden;
     const float* xt = x + (i64)t * width;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
+    for (int c = tid; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
-    if (threadIdx.x == 0) {
-        const float* m = raw + (i64)t * ldr;
-        for (int s = 0; s < hc; ++s) pre_s[s] = sigmoidf_(m[s] * inv * scale[0] + base[s]) + hc_eps;
-        if (!head) {
-            for (int d = 0; d < hc; ++d)
-                post[(i64)t * hc + d] = 2.0f * sigmoidf_(m[hc + d] * inv * scale[1] + base[hc + d]);
-            float cm[HC_MAX][HC_MAX];  // [source][destination]
-            for (int s = 0; s < hc; ++s) {  // a softmax over each source's destinations, + eps
-                float mx = NEG_INF;
-                for (int d = 0; d < hc; ++d) {
-                    const int i = 2 * hc + s * hc + d;
-                    cm[s][d] = m[i] * inv * scale[2] + base[i];
-                    mx = fmaxf(mx, cm[s][d]);
-                }
-                float sum = 0.0f;
-                for (int d = 0; d < hc; ++d) sum += (cm[s][d] = expf(cm[s][d] - mx));
-                for (int d = 0; d < hc; ++d) cm[s][d] = cm[s][d] / sum + hc_eps;
-            }
-            for (int it = 0; it < max(iters, 1); ++it) {  // Sinkhorn: columns, then rows and columns
-                if (it > 0) {
-                    for (int s = 0; s < hc; ++s) {
-                        float sum = 0.0f;
-                        for (int d = 0; d < hc; ++d) sum += cm[s][d];
-                        for (int d = 0; d < hc; ++d) cm[s][d] /= sum + hc_eps;
-                    }
-                }
-                for (int d = 0; d < hc; ++d) {
-                    float sum = 0.0f;
-                    for (int s = 0; s < hc; ++s) sum += cm[s][d];
-                    for (int s = 0; s < hc; ++s) cm[s][d] /= sum + hc_eps;
-                }
-            }
-            for (int s = 0; s < hc; ++s)
-                for (int d = 0; d < hc; ++d) comb[(i64)t * hc * hc + s * hc + d] = cm[s][d];
-        }
-    }
+    const float* m = raw + (i64)t * ldr;
+    if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
     __syncthreads();
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    if (!head && tid < 32) {
+        if (tid < hc) post[(i64)t * hc + tid] = 2.0f * sigmoidf_(m[hc + tid] * inv * scale[1] + base[hc + tid]);
+        if (tid < hc) {  // lane s: a softmax over source s's destinations, + eps
+            const int s = tid;
+            float mx = NEG_INF;
+            for (int d = 0; d < hc; ++d) {
+                const int i = 2 * hc + s * hc + d;
+                cm[s * hc + d] = m[i] * inv * scale[2] + base[i];
+                mx = fmaxf(mx, cm[s * hc + d]);
+            }
+            float sum = 0.0f;
+            for (int d = 0; d < hc; ++d) sum += (cm[s * hc + d] = expf(cm[s * hc + d] - mx));
+            for (int d = 0; d < hc; ++d) cm[s * hc + d] = cm[s * hc + d] / sum + hc_eps;
+        }
+        __syncwarp();
+        for (int it = 0; it < max(iters, 1); ++it) {  // Sinkhorn: columns, then rows and columns
+            if (it > 0) {
+                if (tid < hc) {  // lane s: row s
+                    float sum = 0.0f;
+                    for (int d = 0; d < hc; ++d) sum += cm[tid * hc + d];
+                    for (int d = 0; d < hc; ++d) cm[tid * hc + d] /= sum + hc_eps;
+                }
+                __syncwarp();
+            }
+            if (tid < hc) {  // lane d: column d
+                float sum = 0.0f;
+                for (int s = 0; s < hc; ++s) sum += cm[s * hc + tid];
+                for (int s = 0; s < hc; ++s) cm[s * hc + tid] /= sum + hc_eps;
+            }
+            __syncwarp();
+        }
+        for (int i = tid; i < hc * hc; i += 32) comb[(i64)t * hc * hc + i] = cm[i];
+    }
+    for (int c = tid; c < hidden; c += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < hc; ++s) acc = fmaf(pre_s[s], xt[(i64)s * hidden + c], acc);
         y[(i64)t * hidden + c] = acc;
@@ -138,9 +140,14 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 // Attention of query rows over chosen key rows, the single KV head being key and value at once, a learned
 // sink logit per head joining each softmax's denominator (hyper.attend). Query t's keys are the pool rows
 // idx[t * ldi + j] for j < cnt[t] (-1: none, skipped): its window's rows and the compressed rows it sees
-// (or the indexer picked), gathered by the caller. q [n, heads, d]; out likewise; keys [rows, ld] of KT.
-// A block a (token, head): its warps score a key each (a warp's lanes split the row), the logits kept in
-// shared memory (at most ATTS_MAX_KEYS), then each thread sums its columns over the keys.
+// (or the indexer picked), gathered by the caller. q [n, heads, d <= ATTS_MAX_D]; out likewise; keys
+// [rows, ld] of KT. A block a (token, head), its keys dealt out to its warps: a lane holds the query's
+// columns lane, lane + 32, ... in registers, so a warp scores a key with one independent load a column;
+// the logits kept in shared memory (at most ATTS_MAX_KEYS); then each warp sums its keys' rows weighted by
+// their probabilities into its lanes' columns, and the warps' sums add up in shared memory. (A thread a
+// column looping over every key, the first form, waited on one load at a time: most of a decode step's
+// attention.)
+#define ATTS_COLS (ATTS_MAX_D / 32)
 template <typename KT>
 EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld,
                            const int* __restrict__ idx, int ldi, const int* __restrict__ cnt,
@@ -148,6 +155,7 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
                            float* __restrict__ out) {
     grid_dependency_sync();
     __shared__ float logit[ATTS_MAX_KEYS];
+    __shared__ float part[HC_THREADS / 32][ATTS_MAX_D];
     __shared__ float scratch[33];
     const int t = blockIdx.y, h = blockIdx.x;
     if (t >= n) return;
@@ -155,12 +163,17 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     const int warps = blockDim.x >> 5;
     const float* qt = q + ((i64)t * heads + h) * d;
     const int* it = idx + (i64)t * ldi;
+    float qr[ATTS_COLS];
+#pragma unroll
+    for (int k = 0; k < ATTS_COLS; ++k) qr[k] = lane + 32 * k < d ? qt[lane + 32 * k] : 0.0f;
     for (int j = warp; j < m; j += warps) {
         const int r = it[j];
         float s = 0.0f;
         if (r >= 0) {
             const KT* kr = keys + (i64)r * ld;
-            for (int c = lane; c < d; c += 32) s = fmaf(qt[c], to_f32(kr[c]), s);
+#pragma unroll
+            for (int k = 0; k < ATTS_COLS; ++k)
+                if (lane + 32 * k < d) s = fmaf(qr[k], to_f32(kr[lane + 32 * k]), s);
         }
         s = warp_sum(s);
         if (lane == 0) logit[j] = r >= 0 ? s * scale : NEG_INF;
@@ -176,14 +189,27 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
         sum += p;
     }
     const float inv = 1.0f / (block_sum(sum, scratch) + expf(sinks[h] - mx));  // (its barriers order logit[])
+    float acc[ATTS_COLS];
+#pragma unroll
+    for (int k = 0; k < ATTS_COLS; ++k) acc[k] = 0.0f;
+    for (int j = warp; j < m; j += warps) {
+        const int r = it[j];
+        if (r < 0) continue;
+        const float p = logit[j];
+        const KT* kr = keys + (i64)r * ld;
+#pragma unroll
+        for (int k = 0; k < ATTS_COLS; ++k)
+            if (lane + 32 * k < d) acc[k] = fmaf(p, to_f32(kr[lane + 32 * k]), acc[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < ATTS_COLS; ++k)
+        if (lane + 32 * k < d) part[warp][lane + 32 * k] = acc[k];
+    __syncthreads();
     float* ot = out + ((i64)t * heads + h) * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < m; ++j) {
-            const int r = it[j];
-            if (r >= 0) acc = fmaf(logit[j], to_f32(keys[(i64)r * ld + c]), acc);
-        }
-        ot[c] = acc * inv;
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += part[w][c];
+        ot[c] = total * inv;
     }
 }
 

@@ -23,28 +23,46 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
     if (t < n) route_token(logits, bias, t, E, k, gating, norm, sum_min, ids, wts, scale, table, tokens);
 }
 
-// one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles
+// one block; tiles[3 i .. 3 i + 3) = (expert, first pair in grouped order, pairs) for i < max_tiles. The
+// experts' starts and first tiles are exclusive scans of their counts, made by the first warp (a lane a run
+// of experts), so no thread walks all E experts alone (the serial walk was most of a decode step's routing).
 EMBER_DEV void group_pairs(const int* __restrict__ ids, int pairs, int E, int T, int max_tiles, int* __restrict__ pos,
                            int* __restrict__ order, int* __restrict__ tiles) {
-    __shared__ int count[MOE_MAX_EXPERTS], start[MOE_MAX_EXPERTS];
+    __shared__ int count[MOE_MAX_EXPERTS], start[MOE_MAX_EXPERTS], first[MOE_MAX_EXPERTS];
+    __shared__ int made;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int s = 0, nt = 0;
-        for (int e = 0; e < E; ++e) {
-            start[e] = s;
-            for (int j = 0; j < count[e] && nt < max_tiles; j += T, ++nt) {
-                tiles[3 * nt] = e;
-                tiles[3 * nt + 1] = s + j;
-                tiles[3 * nt + 2] = min(T, count[e] - j);
-            }
-            s += count[e];
-            count[e] = 0;  // from here: this expert's pairs placed so far
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x, per = (E + 31) / 32, e0 = lane * per;
+        int c = 0, t = 0;  // this lane's experts' pairs and tiles
+        for (int e = e0; e < min(E, e0 + per); ++e) c += count[e], t += (count[e] + T - 1) / T;
+        int cx = c, tx = t;  // inclusive scans over the lanes
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, cx, o), b = __shfl_up_sync(0xffffffffu, tx, o);
+            if (lane >= o) cx += a, tx += b;
         }
-        for (; nt < max_tiles; ++nt) tiles[3 * nt] = tiles[3 * nt + 1] = tiles[3 * nt + 2] = 0;
+        if (lane == 31) made = min(tx, max_tiles);
+        cx -= c, tx -= t;
+        for (int e = e0; e < min(E, e0 + per); ++e) {
+            start[e] = cx, first[e] = tx;
+            cx += count[e], tx += (count[e] + T - 1) / T;
+        }
     }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int nt = first[e];
+        for (int j = 0; j < count[e] && nt < max_tiles; j += T, ++nt) {
+            tiles[3 * nt] = e;
+            tiles[3 * nt + 1] = start[e] + j;
+            tiles[3 * nt + 2] = min(T, count[e] - j);
+        }
+    }
+    for (int nt = made + threadIdx.x; nt < max_tiles; nt += blockDim.x)
+        tiles[3 * nt] = tiles[3 * nt + 1] = tiles[3 * nt + 2] = 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;  // from here: this expert's pairs placed so far
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int e = ids[p], q = start[e] + atomicAdd(&count[e], 1);

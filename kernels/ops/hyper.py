@@ -75,6 +75,7 @@ def compress_rows(dev: Device, kv: DeviceArray, score: DeviceArray, rows: Device
 
 
 ATTS_MAX_KEYS = KERNEL_CONSTANTS["ATTS_MAX_KEYS"]
+ATTS_MAX_D = KERNEL_CONSTANTS["ATTS_MAX_D"]
 
 
 def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray, cnt: DeviceArray,
@@ -86,6 +87,8 @@ def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray
     (with keys[idx[t]] and allowed = idx[t] >= 0)."""
     if not 0 < ldi <= ATTS_MAX_KEYS:
         raise ValueError(f"{ldi} keys a row: attend_rows takes 1 to {ATTS_MAX_KEYS}")
+    if not 0 < head_dim <= ATTS_MAX_D:
+        raise ValueError(f"head_dim {head_dim}: attend_rows takes 1 to {ATTS_MAX_D}")
     need(q, np.float32, n * heads * head_dim, "q")
     need(idx, np.int32, n * ldi, "idx")
     need(cnt, np.int32, n, "cnt")
