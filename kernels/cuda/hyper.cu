@@ -38,8 +38,20 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     if (t >= n) return;
     const int width = hc * hidden;
     const float* xt = x + (i64)t * width;
+    // one block reads a token's hc * hidden floats: four at a time and four loads in flight a thread (a
+    // load at a time, the sum of squares alone waited on 64 of them at DeepSeek V4's sizes)
+    const bool vec = (hidden & 3) == 0 && (((unsigned long long)x | (unsigned long long)y) & 15) == 0;
     float ss = 0.0f;
-    for (int c = tid; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xt);
+#pragma unroll 4
+        for (int c = tid; c < width / 4; c += blockDim.x) {
+            const float4 v = x4[c];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+    } else {
+        for (int c = tid; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
+    }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
     const float* m = raw + (i64)t * ldr;
     if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
@@ -77,10 +89,26 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
         }
         for (int i = tid; i < hc * hc; i += 32) comb[(i64)t * hc * hc + i] = cm[i];
     }
-    for (int c = tid; c < hidden; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < hc; ++s) acc = fmaf(pre_s[s], xt[(i64)s * hidden + c], acc);
-        y[(i64)t * hidden + c] = acc;
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xt);
+        float4* y4 = reinterpret_cast<float4*>(y + (i64)t * hidden);
+        const int h4 = hidden / 4;
+#pragma unroll 2
+        for (int c = tid; c < h4; c += blockDim.x) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int s = 0; s < hc; ++s) {
+                const float4 v = x4[(i64)s * h4 + c];
+                const float p = pre_s[s];
+                acc = make_float4(fmaf(p, v.x, acc.x), fmaf(p, v.y, acc.y), fmaf(p, v.z, acc.z), fmaf(p, v.w, acc.w));
+            }
+            y4[c] = acc;
+        }
+    } else {
+        for (int c = tid; c < hidden; c += blockDim.x) {
+            float acc = 0.0f;
+            for (int s = 0; s < hc; ++s) acc = fmaf(pre_s[s], xt[(i64)s * hidden + c], acc);
+            y[(i64)t * hidden + c] = acc;
+        }
     }
 }
 
@@ -144,10 +172,11 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 // [rows, ld] of KT. A block a (token, head), its keys dealt out to its warps: a lane holds the query's
 // columns lane, lane + 32, ... in registers, so a warp scores a key with one independent load a column;
 // the logits kept in shared memory (at most ATTS_MAX_KEYS); then each warp sums its keys' rows weighted by
-// their probabilities into its lanes' columns, and the warps' sums add up in shared memory. (A thread a
-// column looping over every key, the first form, waited on one load at a time: most of a decode step's
-// attention.)
+// their probabilities into its lanes' columns, and the warps' sums add up in shared memory; a warp takes
+// ATTS_UNROLL keys at a time, their loads in flight together. (A thread a column looping over every key,
+// the first form, waited on one load at a time: most of a decode step's attention.)
 #define ATTS_COLS (ATTS_MAX_D / 32)
+#define ATTS_UNROLL 4
 template <typename KT>
 EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld,
                            const int* __restrict__ idx, int ldi, const int* __restrict__ cnt,
@@ -166,17 +195,24 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     float qr[ATTS_COLS];
 #pragma unroll
     for (int k = 0; k < ATTS_COLS; ++k) qr[k] = lane + 32 * k < d ? qt[lane + 32 * k] : 0.0f;
-    for (int j = warp; j < m; j += warps) {
-        const int r = it[j];
-        float s = 0.0f;
-        if (r >= 0) {
-            const KT* kr = keys + (i64)r * ld;
+    // a warp takes ATTS_UNROLL keys at a time: their loads in flight together
+    for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += warps * ATTS_UNROLL) {
+        int r[ATTS_UNROLL];
+        float s[ATTS_UNROLL];
 #pragma unroll
-            for (int k = 0; k < ATTS_COLS; ++k)
-                if (lane + 32 * k < d) s = fmaf(qr[k], to_f32(kr[lane + 32 * k]), s);
+        for (int u = 0; u < ATTS_UNROLL; ++u) r[u] = j0 + u < m ? it[j0 + u] : -1, s[u] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ATTS_COLS; ++k) {
+            if (lane + 32 * k >= d) break;
+#pragma unroll
+            for (int u = 0; u < ATTS_UNROLL; ++u)
+                if (r[u] >= 0) s[u] = fmaf(qr[k], to_f32(keys[(i64)r[u] * ld + lane + 32 * k]), s[u]);
         }
-        s = warp_sum(s);
-        if (lane == 0) logit[j] = r >= 0 ? s * scale : NEG_INF;
+#pragma unroll
+        for (int u = 0; u < ATTS_UNROLL; ++u) {
+            const float v = warp_sum(s[u]);
+            if (lane == 0 && j0 + u < m) logit[j0 + u] = r[u] >= 0 ? v * scale : NEG_INF;
+        }
     }
     __syncthreads();
     float mx = sinks[h];
@@ -192,14 +228,21 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     float acc[ATTS_COLS];
 #pragma unroll
     for (int k = 0; k < ATTS_COLS; ++k) acc[k] = 0.0f;
-    for (int j = warp; j < m; j += warps) {
-        const int r = it[j];
-        if (r < 0) continue;
-        const float p = logit[j];
-        const KT* kr = keys + (i64)r * ld;
+    for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += warps * ATTS_UNROLL) {
+        int r[ATTS_UNROLL];
+        float p[ATTS_UNROLL];
 #pragma unroll
-        for (int k = 0; k < ATTS_COLS; ++k)
-            if (lane + 32 * k < d) acc[k] = fmaf(p, to_f32(kr[lane + 32 * k]), acc[k]);
+        for (int u = 0; u < ATTS_UNROLL; ++u) {
+            r[u] = j0 + u < m ? it[j0 + u] : -1;
+            p[u] = r[u] >= 0 ? logit[j0 + u] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < ATTS_COLS; ++k) {
+            if (lane + 32 * k >= d) break;
+#pragma unroll
+            for (int u = 0; u < ATTS_UNROLL; ++u)
+                if (r[u] >= 0) acc[k] = fmaf(p[u], to_f32(keys[(i64)r[u] * ld + lane + 32 * k]), acc[k]);
+        }
     }
 #pragma unroll
     for (int k = 0; k < ATTS_COLS; ++k)
