@@ -136,7 +136,7 @@ def run(args) -> dict:
         "model": model.path.name, "backend": "cuda", "device": backend.dev.name,
         "kv_dtype": "f16" if backend.block_dtype == np.float16 else "f32",  # the pool's, as the backend keeps it
         "f16_weights": backend.f16_weights, "int8": backend.int8_activations, "pdl": backend.pdl,
-        "run_ahead": args.run_ahead,
+        "run_ahead": args.run_ahead and backend.runs_ahead,
         f"pp{args.prompt_tokens}_tok_s": round(float(np.median(pp)), 1), "prefill_chunk": chunk,
         f"tg{args.gen_tokens}_tok_s": round(tg_med, 1),
         f"tg{args.gen_tokens}_at_{args.prompt_tokens}_tok_s": round(float(np.median(tg_ctx)), 1),

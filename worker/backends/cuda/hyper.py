@@ -43,7 +43,8 @@ class CudaHyperBackend(Backend):
     block_dtype = np.dtype(np.float32)
     samples_on_device = True  # chunks with `sample` set come back as SampledToken (HyperStep._draw)
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
-    f16_weights = int8_activations = pdl = False
+    f16_weights = int8_activations = False
+    pdl = False  # the captured decode steps' kernels chained by PDL: the card's (set once the device is open)
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None,
@@ -72,6 +73,7 @@ class CudaHyperBackend(Backend):
             if gpu_mem is not None:
                 self.dev.memory_cap = gpu_mem
             self.dev.make_current()
+            self.pdl = bool(self.dev.caps.pdl)  # (HyperStep._capture asks the same)
             check_fits(gguf_file, self.dev.memory_info())
             self.stream = Stream()
             free0 = self.dev.memory_info()[0]
