@@ -275,10 +275,10 @@ class HyperStep:
             host[f"idx{r}"], host[f"cnt{r}"] = kl.idx, kl.cnt
         if keys.crow is not None and keys.ccnt is not None:
             host["crow"], host["ccnt"] = keys.crow, keys.ccnt
-        for r, c in keys.comp.items():
-            host[f"pieces{r}"] = c.pieces
-        for r, c in keys.closing.items():
-            host[f"starts{r}"], host[f"cpos{r}"], host[f"closed{r}"] = c.starts, c.positions, c.pieces
+        for r, comp in keys.comp.items():
+            host[f"pieces{r}"] = comp.pieces
+        for r, cl in keys.closing.items():
+            host[f"starts{r}"], host[f"cpos{r}"], host[f"closed{r}"] = cl.starts, cl.positions, cl.pieces
         if len(out_rows):
             host["out_rows"] = out_rows
         if sample is not None:
