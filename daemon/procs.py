@@ -136,7 +136,30 @@ def port_holder(host: str, port: int) -> PortHeld:
     try:
         for c in psutil.net_connections("tcp"):
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                return PortHeld(host, port, c.pid, " ".join(psutil.Process(c.pid).cmdline()[:4]))
+                pid = _socket_maker(c.pid, port)
+                return PortHeld(host, port, pid, " ".join(psutil.Process(pid).cmdline()[:4]))
     except (psutil.Error, OSError):
         pass
     return PortHeld(host, port)
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections("tcp"))
+    except (psutil.Error, OSError):
+        return False
+
+
+def _socket_maker(pid: int, port: int) -> int:
+    """A forked child shares its parent's listening socket (for good, or for the instant between fork
+    and exec) and psutil names whichever of them it scanned last: walk up to the process that made it,
+    the one a user knows and would stop."""
+    while True:
+        try:
+            parent = psutil.Process(pid).ppid()
+        except psutil.Error:
+            return pid
+        if parent <= 1 or not _listens(parent, port):
+            return pid
+        pid = parent

@@ -44,9 +44,7 @@ def test_a_port_taken_after_a_crash_is_retried_with_backoff_and_named(ember: Emb
     (not `failed`, no bundle for the conflict, the breaker untouched), `ember status` names the holder and
     the next try, and the worker serves again within one backoff step of the port coming free."""
     e = ember
-    # the first restart a second after the crash: the test's bind, within milliseconds of the kill, comes
-    # first (with 0.5 s, once in CI, under load, another process held the port when the daemon looked)
-    e.configure(command=e.standin(), backoff_base="1s", backoff_max="1s", breaker_crashes=2)
+    e.configure(command=e.standin(), backoff_base="0.5s", backoff_max="1s", breaker_crashes=2)
     assert e.start().returncode == 0
     pid = e.status()["worker"]["pid"]
     kill(pid, signal.SIGKILL)

@@ -150,6 +150,38 @@ def test_a_busy_port_backs_off_and_never_counts_toward_the_breaker():
     assert p.on_failure(10.0, PORT_BUSY).restart and p.state() == "half-open"
 
 
+_FORKED_LISTENER = """
+import os, socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+child = os.fork()  # no exec: the child keeps the listening socket, as between fork and exec
+if child == 0:
+    time.sleep(30); os._exit(0)
+print(s.getsockname()[1], child, flush=True)
+sys.stdin.read()
+os.kill(child, 9)
+"""
+
+
+def test_a_port_shared_with_a_forked_child_is_named_by_its_parent():
+    """psutil names whichever process holding a socket it scanned last, often a child between fork and
+    exec (in CI, the test's own `ember status` subprocess): the holder named is the one that made it."""
+    import subprocess
+    import sys
+
+    from ember.daemon.procs import port_holder
+
+    proc = subprocess.Popen([sys.executable, "-c", _FORKED_LISTENER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port, child = map(int, proc.stdout.readline().split())
+        held = port_holder("127.0.0.1", port)
+        assert held.pid == proc.pid, (held.pid, proc.pid, child)
+        assert held.command and "python" in held.command
+    finally:
+        proc.communicate("", timeout=10)
+
+
 def test_breaker_cools_down_tries_once_and_closes_or_opens_again():
     p = RestartPolicy(crashes=2, window=600, cooldown=300)
     p.on_failure(0.0, "crash-exit")
