@@ -158,6 +158,7 @@ class Device:
         # launches into this buffer, and launch_names lists what was launched, in order
         self.trace = None
         self.launch_names: list[str] = []
+        self.launch_shapes: list[str] = []
         self._scratch: dict[str, DeviceArray] = {}
         self._released = False
         if build.tracing():
@@ -352,6 +353,10 @@ class Kernel:
             return  # empty launch
         if self.module.device.trace is not None:
             self.module.device.launch_names.append(self.name)
+            # the launch's grid and its first integer arguments (a matvec's rows and columns, say): which
+            # matrix a launch of a kernel run many times a step was
+            ints = [int(a) for a in args if isinstance(a, int) and not isinstance(a, bool)][:4]
+            self.module.device.launch_shapes.append(f"grid {'x'.join(map(str, g[:3]))} {ints}")
         values = [_ctype(a) for a in args]
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         drv = _driver()

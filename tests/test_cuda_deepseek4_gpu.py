@@ -249,3 +249,25 @@ def test_bench_trace_times_the_deepseek4_decode_step(dev, tiny):
     assert r["kernels"] > 30 * 4  # the tiny file's four layers: some forty launches each
     assert any(n.startswith("attend_rows") for n in names) and any("hc_pre" in n for n in names)
     assert sum(k["total_us"] for k in r["by_kernel"]) == pytest.approx(r["span_us"], rel=0.02)
+    assert all(s["launch"].startswith("grid ") for s in r["sequence"])
+
+
+def test_bench_trace_times_a_deepseek4_prefill(dev, tiny):
+    """`ember bench trace --prefill N`: the eager step of an N-token prompt, each kernel's launch shape named
+    (the matvecs' rows and columns), its costs adding up to the span."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EMBER_TRACE": "1"}
+    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "trace", "--model", str(tiny),
+                          "--prefill", "96", "--replays", "3", "--json"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["prefill"] == 96 and r["kernels"] > 30 * 4
+    assert sum(k["total_us"] for k in r["by_kernel"]) == pytest.approx(r["span_us"], rel=0.02)
+    assert all(k["mean_us"] > 0 for k in r["by_kernel"])
+    shapes = [s["launch"] for s in r["sequence"]]
+    assert all(s.startswith("grid ") for s in shapes) and len(set(shapes)) > 10

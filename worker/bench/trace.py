@@ -6,7 +6,10 @@ variant (EMBER_TRACE=1, common.cuh): block 0 of every kernel stamps %globaltimer
 kernel before it returns. In a chain that wait returns when the kernel before is done, so the gap
 between consecutive stamps is what each kernel costs the step (its work after the wait, and the hand
 over to the next; the last kernel, the draw or the head, has no next and is left out). The step is replayed
---replays times after warm-up; figures are means. Inside the kernels whose phases are marked
+--replays times after warm-up; figures are means. With --prefill N, one eager step that prefills N
+tokens of a new sequence is timed instead: launched without PDL each kernel's wait returns as it starts, and
+it starts when the one before has ended (one stream), so the gaps are again what each kernel costs, the
+host's launching included where it falls behind. Inside the kernels whose phases are marked
 (common.cuh TRACE_MARK), the SM cycles from the wait's return to the end of each phase are shown too,
 for the step's last launch of each.
 """
@@ -38,12 +41,14 @@ def add_trace_parser(bsub) -> None:
                    help="context length of the traced step, at least 3 (default 40)")
     t.add_argument("--rows", type=int, default=1, metavar="N", help="sequences decoding together (default 1)")
     t.add_argument("--replays", type=int, default=100, metavar="N", help="timed replays (default 100)")
+    t.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="time an eager step prefilling N tokens instead of the captured decode step")
     t.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     t.set_defaults(func=cmd_trace)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    for name, least in (("keys", 3), ("rows", 1), ("replays", 1)):
+    for name, least in (("keys", 3), ("rows", 1), ("replays", 1), ("prefill", 0)):
         if getattr(args, name) < least:
             print(f"ember bench trace: --{name} must be at least {least}", file=sys.stderr)
             return 2
@@ -51,15 +56,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from ember.kernels.errors import CudaUnavailable
 
     try:
-        result = trace_step(args.model, keys=args.keys, rows=args.rows, replays=args.replays)
+        result = trace_step(args.model, keys=args.keys, rows=args.rows, replays=args.replays, prefill=args.prefill)
     except CudaUnavailable as e:
         print(f"ember bench trace: no usable CUDA device ({e})", file=sys.stderr)
         return ExitCode.CONFIG
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['model']}: {result['kernels']} kernels, rows {args.rows}, {args.keys} keys; "
-          f"first wait to last: {result['span_us']} us")
+    what = f"a prefill of {args.prefill} tokens" if args.prefill else f"rows {args.rows}, {args.keys} keys"
+    print(f"{result['model']}: {result['kernels']} kernels, {what}; first wait to last: {result['span_us']} us")
     for k in result["by_kernel"]:
         print(f"  {k['kernel']:<34} x{k['launches']:<4} {k['total_us']:>8.1f} us  ({k['mean_us']:.2f} us each)")
     for name, phases in result["phases"].items():
@@ -67,8 +72,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
-    """Capture the decode step of `rows` sequences at `keys` keys and time its kernels (see module doc)."""
+def trace_step(model_path: str, *, keys: int, rows: int, replays: int, prefill: int = 0) -> dict:
+    """Capture the decode step of `rows` sequences at `keys` keys and time its kernels; prefill: time the
+    eager step of a `prefill`-token prompt instead (see module doc)."""
     import numpy as np
 
     from ember.kernels.cuda_runtime import TRACE_MARKS, Device
@@ -80,6 +86,8 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
 
     model = open_model(model_path)
     bs = 16
+    if prefill:
+        keys, rows = prefill, 1
     per_seq = -(-(keys + 2) // bs)
     backend = open_backend(model.config, model.gguf, n_blocks=rows * per_seq + 2, block_size=bs,
                            max_rows=max(64, keys), max_seqs=max(rows, 1), device=Device())
@@ -97,23 +105,35 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
         backend.forward([SeqChunk(tokens[s, pos:pos + 1], pos, t, "last", sample=sample)
                          for s, t in enumerate(tables)])
 
-    for s, t in enumerate(tables):
-        backend.forward([SeqChunk(tokens[s, : keys - 2], 0, t, "last", sample=sample)])
-    step(keys - 2)  # run eagerly: modules loaded, the step's shape seen
+    if prefill:
+        def replay() -> None:
+            backend.forward([SeqChunk(tokens[0], 0, tables[0], "last", sample=sample, prefill=True)])
+    else:
+        for s, t in enumerate(tables):
+            backend.forward([SeqChunk(tokens[s, : keys - 2], 0, t, "last", sample=sample)])
+        step(keys - 2)  # run eagerly: modules loaded, the step's shape seen
     dev.launch_names.clear()
-    step(keys - 1)  # captured now (and replayed): its launches, in order
-    names = list(dev.launch_names)
-    graph = next(iter(backend._graphs.values()))[0]
+    dev.launch_shapes.clear()
+    if prefill:
+        replay()  # its launches, in order (and every module loaded)
+    else:
+        step(keys - 1)  # captured now (and replayed): its launches, in order
+        graph = next(iter(backend._graphs.values()))[0]
+
+        def replay() -> None:
+            graph.launch()
+            backend.stream.synchronize()
+    names, shapes = list(dev.launch_names), list(dev.launch_shapes)
     stamps, marks = [], []
-    for r in range(replays + 10):
+    warm = 1 if prefill else 10
+    for r in range(replays + warm):
         dev.trace.zero()
-        graph.launch()
-        backend.stream.synchronize()
+        replay()
         buf = dev.trace.to_host()
         n = int(buf[0]) // 2
         if n != len(names):
             raise RuntimeError(f"{n} kernels stamped, {len(names)} launched")
-        if r >= 10:
+        if r >= warm:
             stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
             marks.append(buf[TRACE_MARKS:TRACE_MARKS + 64].astype(np.int64))
     released = np.array(stamps)
@@ -132,7 +152,9 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int) -> dict:
         if got:
             phases[name] = got
     return {"model": model.path.name, "device": dev.name, "kernels": len(names), "rows": rows, "keys": keys,
+            "prefill": prefill,
             "phases": phases,
             "span_us": round(float((released[:, -1] - released[:, 0]).mean()) / 1000.0, 1),
             "by_kernel": table,
-            "sequence": [{"kernel": n, "us": round(float(c), 2)} for n, c in zip(names, cost, strict=False)]}
+            "sequence": [{"kernel": n, "launch": sh, "us": round(float(c), 2)}
+                         for n, sh, c in zip(names, shapes, cost, strict=False)]}
