@@ -228,6 +228,14 @@ class EmuOps:
         _put(comb, n, hc * hc, None, c.reshape(n, -1))
 
     @staticmethod
+    def hc_mix(dev, x, fn, scale, base, y, post, comb, work, *, n, hc, hidden, eps, hc_eps, iters, stream=None):
+        assert real_ops.hc_mix_supported(fn, n=n, hc=hc, hidden=hidden) and n <= work.rows
+        raw = dev.empty((n * fn.rows,))
+        raw.a[:] = (_rows(x, n, fn.cols) @ dense(fn).T).reshape(-1)
+        EmuOps.hc_pre(dev, x, raw, scale, base, y, post, comb, n=n, hc=hc, hidden=hidden, eps=eps,
+                      hc_eps=hc_eps, iters=iters)
+
+    @staticmethod
     def hc_merge(dev, x, y, post, comb, *, n, hc, hidden, stream=None):
         xs = _rows(x, n, hc * hidden).reshape(n, hc, hidden)
         p, c = _rows(post, n, hc), _rows(comb, n, hc * hc).reshape(n, hc, hc)
@@ -341,7 +349,7 @@ class EmuOps:
             cnt.a[t] = at + len(best)
 
     @staticmethod
-    def attend_rows(dev, q, keys, idx, cnt, sinks, out, *, n, heads, head_dim, ld, ldi, stream=None):
+    def attend_rows(dev, q, keys, idx, cnt, sinks, out, *, n, heads, head_dim, ld, ldi, splits=None, stream=None):
         from ember.worker.backends.numpy.hyper import attend
 
         for t in range(n):

@@ -56,13 +56,14 @@ def step(model, monkeypatch):
 
 
 def _layer_logs(calls: list[str], n_layers: int) -> list[list[str]]:
-    """The step's log cut into layers: each layer begins with its attention's mix (its matmul, then the
-    first hc_pre after the embeddings, then every second one); the output rows' gather, the head's mix
-    matmul and its hc_pre end the last."""
+    """The step's log cut into layers: each layer begins with its attention's mix (a step of many rows: its
+    matmul, then the first hc_pre after the embeddings, then every second one); the output rows' gather and
+    the head's mix of their few rows (hc_mix, the matmul within) end the last."""
     starts = [i for i, c in enumerate(calls) if c.startswith("hc_pre(")]
-    assert len(starts) == 2 * n_layers + 1
-    assert calls[starts[-1] - 2].startswith("gather_rows(")
-    bounds = [starts[2 * li] - 1 for li in range(n_layers)] + [starts[-1] - 2]
+    assert len(starts) == 2 * n_layers
+    head = max(i for i, c in enumerate(calls) if c.startswith("hc_mix("))
+    assert calls[head - 1].startswith("gather_rows(") and head > starts[-1]
+    bounds = [starts[2 * li] - 1 for li in range(n_layers)] + [head - 1]
     return [calls[bounds[li] : bounds[li + 1]] for li in range(n_layers)]
 
 
@@ -118,8 +119,8 @@ def test_each_kind_of_layer_issues_its_kernels(step, model):
         assert len(o_a) == h.o_groups
         assert count(log, "moe_gemm") == 2 and count(log, "moe_matvec") == count(log, "moe_gather") == 0
         assert count(log, "matvec") == 2 and count(log, "linear_tc") >= 7
-    head = rec.calls[rec.calls.index(next(c for c in reversed(rec.calls) if c.startswith("hc_pre("))):]
-    assert "None, None" in head[0]  # the head's mix: no post, no comb
+    head = next(c for c in reversed(rec.calls) if c.startswith("hc_mix("))
+    assert "None, None" in head and "n=2," in head  # the head's mix of the two rows asked: no post, no comb
 
 
 def test_the_tensor_core_scratch_is_sized_once_for_the_largest_matmul(step, model):

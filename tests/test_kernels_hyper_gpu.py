@@ -70,6 +70,40 @@ def test_hc_pre_head_mix(dev, rng):
     assert rel(y.to_host(), want) < 1e-5
 
 
+@pytest.mark.parametrize("n,hidden", [(1, 4096), (3, 4096), (16, 4096), (2, 200)])
+def test_hc_mix_matches_the_reference(dev, rng, n, hidden):
+    """A decode's mix with its logits made within, over many blocks whose sums the last of a token adds up:
+    at DeepSeek V4's width (and one whose columns end mid-block), the layer's mix and the head's, twice (the
+    counts put back for the next launch)."""
+    from ember.kernels.ops.quant_matrix import QuantMatrix
+
+    h = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
+    m = (2 + HC) * HC
+    x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
+    fn = rng.normal(0, 0.02, (m, HC * hidden)).astype(np.float32)
+    scale = rng.uniform(0.5, 2, 3).astype(np.float32)
+    base = rng.normal(0, 1, m).astype(np.float32)
+    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, h, EPS)
+    d_x = dev.to_device(x)
+    work = ops.HcMixWork.make(dev, hc=HC, hidden=hidden)
+    w = QuantMatrix.upload(dev, fn, "f32", m, HC * hidden)
+    for _ in range(2):
+        y, post, comb = poisoned(dev, (n, hidden)), poisoned(dev, (n, HC)), poisoned(dev, (n, HC, HC))
+        ops.hc_mix(dev, d_x, w, dev.to_device(scale), dev.to_device(base), y, post, comb, work, n=n, hc=HC,
+                   hidden=hidden, eps=EPS, hc_eps=HC_EPS, iters=ITERS)
+        assert rel(y.to_host(), want_y) < 1e-5
+        assert rel(post.to_host(), want_post) < 1e-5
+        assert rel(comb.to_host(), want_comb) < 1e-5
+
+    head = QuantMatrix.upload(dev, fn[:HC], "f32", HC, HC * hidden)
+    mixes = reference.rms_norm(x.reshape(n, -1), np.ones(HC * hidden, np.float32), EPS) @ fn[:HC].T
+    pre = 1 / (1 + np.exp(-(mixes * scale[0] + base[:HC]))) + HC_EPS
+    y = poisoned(dev, (n, hidden))
+    ops.hc_mix(dev, d_x, head, dev.to_device(scale[:1]), dev.to_device(base[:HC]), y, None, None, work, n=n,
+               hc=HC, hidden=hidden, eps=EPS, hc_eps=HC_EPS, iters=ITERS)
+    assert rel(y.to_host(), np.einsum("nse,ns->ne", x, pre)) < 1e-5
+
+
 def block_starts(blocks: range, at: int, ratio: int) -> np.ndarray:
     """compress_rows' starts for a sequence's blocks whose position 0 is rows[at]: each block's first
     position, and the block before's (-1 for block 0)."""
@@ -152,30 +186,37 @@ def test_hash_routing_needs_sqrt_softplus(dev):
 
 
 @pytest.mark.parametrize("key_type", [np.float32, np.float16])
-@pytest.mark.parametrize("n", [1, 6])
-def test_attend_rows_matches_the_reference(dev, rng, key_type, n):
+@pytest.mark.parametrize("n,splits", [(1, None), (6, None), (1, 1), (2, 8), (40, None)])
+def test_attend_rows_matches_the_reference(dev, rng, key_type, n, splits):
     """Each query over its own list of pool rows (a window of 128 and picked compressed rows, some slots
-    empty), with sinks, at DeepSeek V4's head size (one KV head of 512, 64 query heads)."""
+    empty), with sinks, at DeepSeek V4's head size (one KV head of 512, 64 query heads); its keys in one
+    block, or split over several and merged (twice: the split's counts put back for the next launch). At
+    2 rows and 8 splits, some splits of the short rows hold no key."""
     heads, d, rows, ldi = 64, 512, 3000, 700
     pool = rng.normal(0, 1, (rows, d + 16)).astype(key_type)  # rows wider than d: the pool's stride
     q = rng.normal(0, 1, (n, heads, d)).astype(np.float32)
     sinks = rng.normal(0, 1, heads).astype(np.float32)
     cnt = rng.integers(1, ldi + 1, n).astype(np.int32)
     cnt[0] = ldi
+    if n == 2:
+        cnt[1] = 49  # 8 splits of 7 keys: the last holds none
     idx = np.full((n, ldi), -7, np.int32)  # past cnt: never read
     for t in range(n):
         idx[t, : cnt[t]] = rng.choice(rows, cnt[t], replace=False)
         listed = idx[t, : cnt[t]]
         listed[rng.random(cnt[t]) < 0.1] = -1  # empty slots
-    out = poisoned(dev, (n, heads, d))
-    ops.attend_rows(dev, dev.to_device(q), dev.to_device(pool), dev.to_device(idx), dev.to_device(cnt),
-                    dev.to_device(sinks), out, n=n, heads=heads, head_dim=d, ld=d + 16, ldi=ldi)
-    got = out.to_host()
-    for t in range(n):
-        chosen = idx[t, : cnt[t]]
-        keys = pool[np.maximum(chosen, 0), :d].astype(np.float32)
-        want = hyper.attend(q[t : t + 1], keys, (chosen >= 0)[None, :], sinks)
-        assert rel(got[t : t + 1], want) < 1e-5
+    if splits is None:
+        assert (ops.hyper.attend_splits(dev, n, heads, ldi) > 1) == (n * heads < 2 * dev.sm_count)
+    args = [dev.to_device(a) for a in (q, pool, idx, cnt, sinks)]
+    for _ in range(2):
+        out = poisoned(dev, (n, heads, d))
+        ops.attend_rows(dev, *args, out, n=n, heads=heads, head_dim=d, ld=d + 16, ldi=ldi, splits=splits)
+        got = out.to_host()
+        for t in range(n):
+            chosen = idx[t, : cnt[t]]
+            keys = pool[np.maximum(chosen, 0), :d].astype(np.float32)
+            want = hyper.attend(q[t : t + 1], keys, (chosen >= 0)[None, :], sinks)
+            assert rel(got[t : t + 1], want) < 1e-5
 
 
 @pytest.mark.parametrize("key_type", [np.float32, np.float16])

@@ -3,6 +3,7 @@
 //                mix matrix, made by a matmul before it) scaled by the streams' inverse RMS, then the
 //                layer's input (the streams weighed by `pre`), and `post` and the Sinkhorn-normalised
 //                `comb` that hc_merge reads; the head's mix (pre alone) too
+//   hc_mix_dots, hc_weigh  the same for a decode's few tokens, the mix logits' matvec within, over many blocks
 //   hc_merge     the streams after a sublayer: stream d = post[d] * y + sum over s of comb[s, d] * stream s
 //   compress_rows the compressed KV rows of whole blocks of `ratio` positions: each dimension a softmax
 //                over its positions' scores weighing their values (CSA: a block also weighs the first
@@ -21,11 +22,55 @@
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// From a token's mix logits m (not yet normalised) and the streams' inverse RMS inv: pre_s (shared) the
+// streams' input weights; unless head, post and comb (row s: the source stream's weights to each
+// destination), Sinkhorn-normalised by the block's first warp (a lane a row, then a lane a column, in the
+// shared cm): serial on one thread, the Sinkhorn's iterations were most of a decode step's hc_pre. Every
+// thread of the block calls it; pre_s is ready after its first barrier.
+EMBER_DEV void hc_coefficients(const float* m, float inv, const float* __restrict__ scale,
+                               const float* __restrict__ base, int hc, float hc_eps, int iters, int head, int t,
+                               float* pre_s, float* cm, float* __restrict__ post, float* __restrict__ comb) {
+    const int tid = threadIdx.x;
+    if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
+    __syncthreads();
+    if (head || tid >= 32) return;
+    if (tid < hc) post[(i64)t * hc + tid] = 2.0f * sigmoidf_(m[hc + tid] * inv * scale[1] + base[hc + tid]);
+    if (tid < hc) {  // lane s: a softmax over source s's destinations, + eps
+        const int s = tid;
+        float mx = NEG_INF;
+        for (int d = 0; d < hc; ++d) {
+            const int i = 2 * hc + s * hc + d;
+            cm[s * hc + d] = m[i] * inv * scale[2] + base[i];
+            mx = fmaxf(mx, cm[s * hc + d]);
+        }
+        float sum = 0.0f;
+        for (int d = 0; d < hc; ++d) sum += (cm[s * hc + d] = expf(cm[s * hc + d] - mx));
+        for (int d = 0; d < hc; ++d) cm[s * hc + d] = cm[s * hc + d] / sum + hc_eps;
+    }
+    __syncwarp();
+    for (int it = 0; it < max(iters, 1); ++it) {  // Sinkhorn: columns, then rows and columns
+        if (it > 0) {
+            if (tid < hc) {  // lane s: row s
+                float sum = 0.0f;
+                for (int d = 0; d < hc; ++d) sum += cm[tid * hc + d];
+                for (int d = 0; d < hc; ++d) cm[tid * hc + d] /= sum + hc_eps;
+            }
+            __syncwarp();
+        }
+        if (tid < hc) {  // lane d: column d
+            float sum = 0.0f;
+            for (int s = 0; s < hc; ++s) sum += cm[s * hc + tid];
+            for (int s = 0; s < hc; ++s) cm[s * hc + tid] /= sum + hc_eps;
+        }
+        __syncwarp();
+    }
+    for (int i = tid; i < hc * hc; i += 32) comb[(i64)t * hc * hc + i] = cm[i];
+}
+
 // x [n, hc, hidden] (token stride hc * hidden); raw [n, ldr]: the streams times the mix matrix, not yet
 // normalised; scale [3] (head: [1]); base [(2 + hc) * hc] (head: [hc]). Writes y [n, hidden]; unless head,
-// post [n, hc] and comb [n, hc * hc] (row s: the source stream's weights to each destination). The block's
-// first warp normalises comb (a lane a row, then a lane a column, in shared memory) while the others weigh
-// the streams: serial on one thread, the Sinkhorn's iterations were most of a decode step's hc_pre.
+// post [n, hc] and comb [n, hc * hc] (hc_coefficients). One block a token: the many-token form (a prefill,
+// whose mix logits a tensor-core matmul makes); a decode's few tokens take hc_mix_dots and hc_weigh.
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
     hc_pre(const float* __restrict__ x, const float* __restrict__ raw, int ldr, const float* __restrict__ scale,
            const float* __restrict__ base, int n, int hc, int hidden, float eps, float hc_eps, int iters, int head,
@@ -53,42 +98,7 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
         for (int c = tid; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
-    const float* m = raw + (i64)t * ldr;
-    if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
-    __syncthreads();
-    if (!head && tid < 32) {
-        if (tid < hc) post[(i64)t * hc + tid] = 2.0f * sigmoidf_(m[hc + tid] * inv * scale[1] + base[hc + tid]);
-        if (tid < hc) {  // lane s: a softmax over source s's destinations, + eps
-            const int s = tid;
-            float mx = NEG_INF;
-            for (int d = 0; d < hc; ++d) {
-                const int i = 2 * hc + s * hc + d;
-                cm[s * hc + d] = m[i] * inv * scale[2] + base[i];
-                mx = fmaxf(mx, cm[s * hc + d]);
-            }
-            float sum = 0.0f;
-            for (int d = 0; d < hc; ++d) sum += (cm[s * hc + d] = expf(cm[s * hc + d] - mx));
-            for (int d = 0; d < hc; ++d) cm[s * hc + d] = cm[s * hc + d] / sum + hc_eps;
-        }
-        __syncwarp();
-        for (int it = 0; it < max(iters, 1); ++it) {  // Sinkhorn: columns, then rows and columns
-            if (it > 0) {
-                if (tid < hc) {  // lane s: row s
-                    float sum = 0.0f;
-                    for (int d = 0; d < hc; ++d) sum += cm[tid * hc + d];
-                    for (int d = 0; d < hc; ++d) cm[tid * hc + d] /= sum + hc_eps;
-                }
-                __syncwarp();
-            }
-            if (tid < hc) {  // lane d: column d
-                float sum = 0.0f;
-                for (int s = 0; s < hc; ++s) sum += cm[s * hc + tid];
-                for (int s = 0; s < hc; ++s) cm[s * hc + tid] /= sum + hc_eps;
-            }
-            __syncwarp();
-        }
-        for (int i = tid; i < hc * hc; i += 32) comb[(i64)t * hc * hc + i] = cm[i];
-    }
+    hc_coefficients(raw + (i64)t * ldr, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xt);
         float4* y4 = reinterpret_cast<float4*>(y + (i64)t * hidden);
@@ -110,6 +120,93 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
             y[(i64)t * hidden + c] = acc;
         }
     }
+}
+
+// A few tokens' mix, first half: the mix logits (x [n, hc * hidden] times fn [m, hc * hidden] float32,
+// row stride ldf, transposed) and the streams' sum of squares, without the matvec's launch and over many
+// blocks (one a token, hc_pre waited on its 64 KB of streams; the matvec's m = 24 rows were 24 blocks). Grid
+// (ceil(hidden / HCM_THREADS), n): a thread a column of every stream, so a block's loads of fn and x are
+// coalesced; each block's m + 1 sums go to part [n, gridDim.x, m + 1], and the last block of a token (count
+// [n], put back to 0) adds them up and makes pre [n, hc], post and comb as hc_pre does. hc_weigh then
+// weighs the streams by pre.
+extern "C" __global__ void __launch_bounds__(HCM_THREADS)
+    hc_mix_dots(const float* __restrict__ x, const float* __restrict__ fn, i64 ldf, const float* __restrict__ scale,
+                const float* __restrict__ base, int n, int hc, int hidden, float eps, float hc_eps, int iters,
+                int head, float* part, u32* count, float* __restrict__ pre, float* __restrict__ post,
+                float* __restrict__ comb) {
+    grid_dependency_sync();
+    constexpr int MIX_MAX = (2 + HC_MAX) * HC_MAX + 1;
+    __shared__ float red[HCM_THREADS / 32][MIX_MAX];
+    __shared__ float msum[MIX_MAX];
+    __shared__ float pre_s[HC_MAX];
+    __shared__ float cm[HC_MAX * HC_MAX];
+    __shared__ bool last;
+    const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (t >= n) return;
+    const int m = head ? hc : (2 + hc) * hc, c = blockIdx.x * HCM_THREADS + tid, blocks = gridDim.x;
+    const float* xt = x + (i64)t * hc * hidden;
+    float xv[HC_MAX];
+#pragma unroll
+    for (int s = 0; s < HC_MAX; ++s) xv[s] = s < hc && c < hidden ? xt[(i64)s * hidden + c] : 0.0f;
+    for (int r0 = 0; r0 <= m; r0 += 8) {  // rows r0 .. r0 + 7 of the m + 1 sums (the last: the squares')
+        float acc[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int r = r0 + u;
+            acc[u] = 0.0f;
+            if (c < hidden && r < m) {
+#pragma unroll
+                for (int s = 0; s < HC_MAX; ++s)
+                    if (s < hc) acc[u] = fmaf(fn[r * ldf + (i64)s * hidden + c], xv[s], acc[u]);
+            } else if (r == m) {
+#pragma unroll
+                for (int s = 0; s < HC_MAX; ++s) acc[u] = fmaf(xv[s], xv[s], acc[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const float v = warp_sum(acc[u]);
+            if (lane == 0 && r0 + u <= m) red[warp][r0 + u] = v;
+        }
+    }
+    __syncthreads();
+    float* mine = part + ((i64)t * blocks + blockIdx.x) * (m + 1);
+    for (int r = tid; r <= m; r += HCM_THREADS) {
+        float v = 0.0f;
+        for (int w = 0; w < HCM_THREADS / 32; ++w) v += red[w][r];
+        mine[r] = v;
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(count + t, 1u) == (u32)blocks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* all = part + (i64)t * blocks * (m + 1);
+    for (int r = tid; r <= m; r += HCM_THREADS) {
+        float v = 0.0f;
+        for (int b = 0; b < blocks; ++b) v += __ldcg(all + (i64)b * (m + 1) + r);
+        msum[r] = v;
+    }
+    __syncthreads();
+    const float inv = 1.0f / sqrtf(msum[m] / (float)(hc * hidden) + eps);
+    hc_coefficients(msum, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
+    if (tid < hc) pre[(i64)t * hc + tid] = pre_s[tid];
+    if (tid == 0) count[t] = 0u;  // ready for the next launch (a graph's replay)
+}
+
+// The second half: y [n, hidden] = the streams x [n, hc, hidden] weighed by pre [n, hc]. Grid
+// (ceil(hidden / HC_THREADS), n), a thread a column.
+extern "C" __global__ void __launch_bounds__(HC_THREADS)
+    hc_weigh(const float* __restrict__ x, const float* __restrict__ pre, int n, int hc, int hidden,
+             float* __restrict__ y) {
+    grid_dependency_sync();
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n || c >= hidden) return;
+    const float* xt = x + (i64)t * hc * hidden + c;
+    float acc = 0.0f;
+    for (int s = 0; s < hc; ++s) acc = fmaf(pre[(i64)t * hc + s], xt[(i64)s * hidden], acc);
+    y[(i64)t * hidden + c] = acc;
 }
 
 // x [n, hc, hidden] in place; y [n, hidden]; grid (ceil(hidden / blockDim.x), n): a thread a column
@@ -169,33 +266,38 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 // sink logit per head joining each softmax's denominator (hyper.attend). Query t's keys are the pool rows
 // idx[t * ldi + j] for j < cnt[t] (-1: none, skipped): its window's rows and the compressed rows it sees
 // (or the indexer picked), gathered by the caller. q [n, heads, d <= ATTS_MAX_D]; out likewise; keys
-// [rows, ld] of KT. A block a (token, head), its keys dealt out to its warps: a lane holds the query's
-// columns lane, lane + 32, ... in registers, so a warp scores a key with one independent load a column;
-// the logits kept in shared memory (at most ATTS_MAX_KEYS); then each warp sums its keys' rows weighted by
-// their probabilities into its lanes' columns, and the warps' sums add up in shared memory; a warp takes
-// ATTS_UNROLL keys at a time, their loads in flight together. (A thread a column looping over every key,
-// the first form, waited on one load at a time: most of a decode step's attention.)
+// [rows, ld] of KT. A block a (token, head, split): a lane holds the query's columns lane, lane + 32, ...
+// in registers, so a warp scores a key with one independent load a column; the block's keys are dealt
+// out to its warps, ATTS_UNROLL at a time (their loads in flight together), their logits kept in shared
+// memory (at most ATTS_MAX_KEYS); then each warp sums its keys' rows weighted by their probabilities, and
+// the warps' sums add up in shared memory.
+// A decode step has a block a head alone (64 blocks at batch 1), each walking all its keys: so there the
+// keys are split over `splits` blocks, each leaving its (max, sum, weighted rows) in `part`, and the last
+// of them to finish (a count a (token, head), which it puts back to 0) merges them with the sink, as a
+// flash-decoding pass does.
 #define ATTS_COLS (ATTS_MAX_D / 32)
 #define ATTS_UNROLL 4
 template <typename KT>
 EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld,
                            const int* __restrict__ idx, int ldi, const int* __restrict__ cnt,
                            const float* __restrict__ sinks, int n, int heads, int d, float scale,
-                           float* __restrict__ out) {
+                           float* __restrict__ out, int splits, float* part_buf, u32* count) {
     grid_dependency_sync();
     __shared__ float logit[ATTS_MAX_KEYS];
     __shared__ float part[HC_THREADS / 32][ATTS_MAX_D];
     __shared__ float scratch[33];
-    const int t = blockIdx.y, h = blockIdx.x;
+    __shared__ bool last;
+    const int t = blockIdx.y, h = blockIdx.x, split = blockIdx.z;
     if (t >= n) return;
-    const int m = min(cnt[t], ATTS_MAX_KEYS), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int all = min(cnt[t], ATTS_MAX_KEYS), per = (all + splits - 1) / splits;
+    const int j_lo = min(all, split * per), m = min(all, j_lo + per) - j_lo;  // this block's keys
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const float* qt = q + ((i64)t * heads + h) * d;
-    const int* it = idx + (i64)t * ldi;
+    const int* it = idx + (i64)t * ldi + j_lo;
     float qr[ATTS_COLS];
 #pragma unroll
     for (int k = 0; k < ATTS_COLS; ++k) qr[k] = lane + 32 * k < d ? qt[lane + 32 * k] : 0.0f;
-    // a warp takes ATTS_UNROLL keys at a time: their loads in flight together
     for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += warps * ATTS_UNROLL) {
         int r[ATTS_UNROLL];
         float s[ATTS_UNROLL];
@@ -215,7 +317,7 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
         }
     }
     __syncthreads();
-    float mx = sinks[h];
+    float mx = splits == 1 ? sinks[h] : NEG_INF;  // split: the sink joins at the merge
     for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmaxf(mx, logit[j]);
     mx = block_max(mx, scratch);
     float sum = 0.0f;
@@ -224,7 +326,7 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
         logit[j] = p;
         sum += p;
     }
-    const float inv = 1.0f / (block_sum(sum, scratch) + expf(sinks[h] - mx));  // (its barriers order logit[])
+    sum = block_sum(sum, scratch);  // (its barriers order logit[])
     float acc[ATTS_COLS];
 #pragma unroll
     for (int k = 0; k < ATTS_COLS; ++k) acc[k] = 0.0f;
@@ -249,19 +351,56 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
         if (lane + 32 * k < d) part[warp][lane + 32 * k] = acc[k];
     __syncthreads();
     float* ot = out + ((i64)t * heads + h) * d;
+    if (splits == 1) {
+        const float inv = 1.0f / (sum + expf(sinks[h] - mx));
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float total = 0.0f;
+            for (int w = 0; w < warps; ++w) total += part[w][c];
+            ot[c] = total * inv;
+        }
+        return;
+    }
+    // this split's share: its max, its sum, its weighted rows; then the last split merges them all
+    float* mine = part_buf + (((i64)t * heads + h) * splits + split) * (d + 2);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float total = 0.0f;
         for (int w = 0; w < warps; ++w) total += part[w][c];
+        mine[2 + c] = total;
+    }
+    if (threadIdx.x == 0) mine[0] = mx, mine[1] = sum;
+    __threadfence();
+    __syncthreads();
+    u32* counter = count + (i64)t * heads + h;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (u32)splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* shares = part_buf + ((i64)t * heads + h) * splits * (d + 2);
+    float top = sinks[h];
+    for (int s = 0; s < splits; ++s) top = fmaxf(top, __ldcg(shares + s * (d + 2)));
+    float denom = expf(sinks[h] - top);
+    for (int s = 0; s < splits; ++s) {  // a split of no keys: sum 0, max -inf (weight 0, never NaN)
+        const float l = __ldcg(shares + s * (d + 2) + 1);
+        if (l > 0.0f) denom += l * expf(__ldcg(shares + s * (d + 2)) - top);
+    }
+    const float inv = 1.0f / denom;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float total = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float l = __ldcg(shares + s * (d + 2) + 1);
+            if (l > 0.0f) total += __ldcg(shares + s * (d + 2) + 2 + c) * expf(__ldcg(shares + s * (d + 2)) - top);
+        }
         ot[c] = total * inv;
     }
+    if (threadIdx.x == 0) *counter = 0u;  // ready for the next launch (a graph's replay)
 }
 
 #define ATTEND_ROWS(NAME, KT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(HC_THREADS)                                               \
         NAME(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld, const int* __restrict__ idx, \
              int ldi, const int* __restrict__ cnt, const float* __restrict__ sinks, int n, int heads, int d,  \
-             float scale, float* __restrict__ out) {                                                        \
-        attend_rows<KT>(q, keys, ld, idx, ldi, cnt, sinks, n, heads, d, scale, out);                        \
+             float scale, float* __restrict__ out, int splits, float* part, u32* count) {                   \
+        attend_rows<KT>(q, keys, ld, idx, ldi, cnt, sinks, n, heads, d, scale, out, splits, part, count);   \
     }
 ATTEND_ROWS(attend_rows_f32, float)
 ATTEND_ROWS(attend_rows_f16, f16_t)

@@ -4,14 +4,19 @@ indexer_scores, indexer_top_k and clamped_swiglu; store_rows and swap_rows are n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..constants import KERNEL_CONSTANTS
 from ..cuda_runtime import F32, I64, Device, DeviceArray
 from .args import need
+from .quant_matrix import QuantMatrix
 
 HC_MAX = KERNEL_CONSTANTS["HC_MAX"]
 HC_THREADS = KERNEL_CONSTANTS["HC_THREADS"]
+HCM_THREADS = KERNEL_CONSTANTS["HCM_THREADS"]
+HC_MIX_MAX_ROWS = 16  # tokens a step at most that mix with hc_mix (more: a matmul, then hc_pre)
 GRID_Y_MAX = 65535  # CUDA's bound on a grid's y dimension (the kernels that may need more stride over it)
 
 
@@ -43,6 +48,61 @@ def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, ba
         raise ValueError("post and comb go together (neither: the head's mix)")
     dev.kernel("hyper", "hc_pre").launch((n,), (HC_THREADS,), x, raw, ldr, scale, base, n, hc, hidden, F32(eps),
                                          F32(hc_eps), iters, int(head), y, post, comb, stream=stream)
+
+
+@dataclass
+class HcMixWork:
+    """hc_mix's buffers for up to `rows` tokens: each block's sums, a count a token (zero between launches) and
+    the tokens' pre weights. Made once (a captured step keeps their addresses)."""
+
+    part: DeviceArray
+    count: DeviceArray
+    pre: DeviceArray
+    rows: int
+
+    @classmethod
+    def make(cls, dev: Device, *, hc: int, hidden: int, rows: int = HC_MIX_MAX_ROWS) -> HcMixWork:
+        _check_streams(hc)
+        blocks = -(-hidden // HCM_THREADS)
+        count = dev.empty((rows,), np.uint32)
+        count.zero()
+        return cls(dev.empty((rows * blocks * ((2 + hc) * hc + 1),)), count, dev.empty((rows * hc,)), rows)
+
+
+def hc_mix_supported(fn: QuantMatrix, *, n: int, hc: int, hidden: int) -> bool:
+    """Whether hc_mix takes these tokens' mix: float32 weights of hc * hidden columns, a step of few tokens."""
+    return fn.type == "f32" and fn.cols == hc * hidden and n <= HC_MIX_MAX_ROWS
+
+
+def hc_mix(dev: Device, x: DeviceArray, fn: QuantMatrix, scale: DeviceArray, base: DeviceArray, y: DeviceArray,
+           post: DeviceArray | None, comb: DeviceArray | None, work: HcMixWork, *, n: int, hc: int, hidden: int,
+           eps: float, hc_eps: float, iters: int, stream=None) -> None:
+    """hc_pre with the mix logits made within (x [n, hc * hidden] @ fn.T, fn float32 [m, hc * hidden]), over many
+    blocks (hc_mix_dots: the logits, the sums of squares and, in each token's last block, the coefficients),
+    then hc_weigh: for a decode's few tokens, two launches where a matvec and hc_pre's one block a token were
+    slow. post and comb None: the head's mix. Twin: hyper.hc_mix (hyper.HyperStack.head's mix)."""
+    _check_streams(hc)
+    head = post is None
+    m = hc if head else (2 + hc) * hc
+    if not hc_mix_supported(fn, n=n, hc=hc, hidden=hidden) or fn.rows != m:
+        raise ValueError(f"hc_mix takes float32 mix weights [{m}, {hc * hidden}] and at most {HC_MIX_MAX_ROWS} "
+                         f"tokens; got {fn.type} [{fn.rows}, {fn.cols}] and {n}")
+    if n > work.rows:
+        raise ValueError(f"hc_mix's work holds {work.rows} tokens; {n} asked")
+    need(x, np.float32, n * hc * hidden, "x")
+    need(base, np.float32, m, "base")
+    need(y, np.float32, n * hidden, "y")
+    if post is not None and comb is not None:
+        need(post, np.float32, n * hc, "post")
+        need(comb, np.float32, n * hc * hc, "comb")
+    elif post is not None or comb is not None:
+        raise ValueError("post and comb go together (neither: the head's mix)")
+    blocks = -(-hidden // HCM_THREADS)
+    dev.kernel("hyper", "hc_mix_dots").launch(
+        (blocks, n), (HCM_THREADS,), x, fn.data, I64(fn.row_bytes // 4), scale, base, n, hc, hidden, F32(eps),
+        F32(hc_eps), iters, int(head), work.part, work.count, work.pre, post, comb, stream=stream)
+    dev.kernel("hyper", "hc_weigh").launch((-(-hidden // HC_THREADS), n), (HC_THREADS,), x, work.pre, n, hc, hidden,
+                                           y, stream=stream)
 
 
 def hc_merge(dev: Device, x: DeviceArray, y: DeviceArray, post: DeviceArray, comb: DeviceArray, *, n: int, hc: int,
@@ -78,13 +138,27 @@ ATTS_MAX_KEYS = KERNEL_CONSTANTS["ATTS_MAX_KEYS"]
 ATTS_MAX_D = KERNEL_CONSTANTS["ATTS_MAX_D"]
 
 
+ATTS_MAX_SPLITS = 8
+ATTS_SPLIT_KEYS = 64  # the fewest keys a split is given
+
+
+def attend_splits(dev: Device, n: int, heads: int, ldi: int) -> int:
+    """Over how many blocks attend_rows deals a (token, head)'s keys: enough for about two blocks an SM
+    where the step has few rows (a decode), at least ATTS_SPLIT_KEYS keys each."""
+    rows = n * heads
+    if rows >= 2 * dev.sm_count:
+        return 1
+    return max(1, min(ATTS_MAX_SPLITS, -(-2 * dev.sm_count // rows), ldi // ATTS_SPLIT_KEYS))
+
+
 def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray, cnt: DeviceArray,
                 sinks: DeviceArray, out: DeviceArray, *, n: int, heads: int, head_dim: int, ld: int, ldi: int,
-                stream=None) -> None:
+                splits: int | None = None, stream=None) -> None:
     """Attention of q [n, heads, head_dim] over each row's own key rows, keys [rows, ld] (float32 or
     float16; each row the key and the value), with a sink logit per head: row t's keys are the rows
-    idx[t, j] (int32 [n, ldi]; -1: none) for j < cnt[t]. out [n, heads, head_dim]. Twin: hyper.attend
-    (with keys[idx[t]] and allowed = idx[t] >= 0)."""
+    idx[t, j] (int32 [n, ldi]; -1: none) for j < cnt[t]. out [n, heads, head_dim]. splits: over how many
+    blocks each (row, head)'s keys are dealt (default attend_splits; more than one is merged by the last).
+    Twin: hyper.attend (with keys[idx[t]] and allowed = idx[t] >= 0)."""
     if not 0 < ldi <= ATTS_MAX_KEYS:
         raise ValueError(f"{ldi} keys a row: attend_rows takes 1 to {ATTS_MAX_KEYS}")
     if not 0 < head_dim <= ATTS_MAX_D:
@@ -94,9 +168,19 @@ def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray
     need(cnt, np.int32, n, "cnt")
     need(sinks, np.float32, heads, "sinks")
     need(out, np.float32, n * heads * head_dim, "out")
+    splits = attend_splits(dev, n, heads, ldi) if splits is None else splits
+    if not 1 <= splits <= ATTS_MAX_SPLITS:
+        raise ValueError(f"splits {splits}: attend_rows takes 1 to {ATTS_MAX_SPLITS}")
+    part = count = None
+    if splits > 1:
+        # sized for the most an automatic split needs (fewer than 2 * sm_count (row, head)s, so fewer than
+        # 4 * sm_count blocks), so they are allocated once, by the first (an eager step, before any capture)
+        blocks = max(4 * dev.sm_count, n * heads * splits)
+        part = dev.scratch("attend_rows_part", 4 * blocks * (ATTS_MAX_D + 2))
+        count = dev.scratch("attend_rows_count", 4 * max(2 * dev.sm_count, n * heads), zero=True)
     dev.kernel("hyper", f"attend_rows_{_key_kind(keys)}").launch(
-        (heads, n), (HC_THREADS,), q, keys, I64(ld), idx, ldi, cnt, sinks, n, heads, head_dim,
-        F32(1.0 / np.sqrt(head_dim)), out, stream=stream)
+        (heads, n, splits), (HC_THREADS,), q, keys, I64(ld), idx, ldi, cnt, sinks, n, heads, head_dim,
+        F32(1.0 / np.sqrt(head_dim)), out, splits, part, count, stream=stream)
 
 
 IDX_MAX_Q = KERNEL_CONSTANTS["IDX_MAX_Q"]

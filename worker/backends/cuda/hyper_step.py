@@ -1,7 +1,7 @@
 """One step of DeepSeek V4 (recipe.Stack.HYPER) on the GPU: the numpy twin's pass (backends/numpy/hyper.py,
 HyperStack.logits) through ember.kernels.ops, over the per-position pool the backend holds (hyper.py).
 
-Per layer: the hyper-connections' mix (a matmul, then hc_pre), the low-rank query and the one KV head's
+Per layer: the hyper-connections' mix (a matmul, then hc_pre; a decode's few rows: hc_mix), the low-rank query and the one KV head's
 row (RoPE on their last n_rot dimensions), the step's rows into the pool (store_rows: the key row, and by
 the layer's compress ratio the compressor's and the indexer's value and score rows); the compressed rows
 of the blocks the step closes made from the pool's (compress_rows, normed, RoPE at each row's first
@@ -100,6 +100,7 @@ class HyperStep:
         ffn_shared = self.w.layers[0].shared_gate.rows
         self.x, self.a, self.hn = e((R * hc * hid,)), e((R * hid,)), e((R * hid,))
         self.raw, self.post, self.comb = e((R * mix,)), e((R * hc,)), e((R * hc * hc,))
+        self.mix_work = ops.HcMixWork.make(self.dev, hc=hc, hidden=hid)
         self.qa, self.q, self.kvr = e((R * h.q_lora_rank,)), e((R * H * D,)), e((R * D,))
         self.att, self.grouped = e((R * H * D,)), e((R * H * D,))
         grouped = R * h.o_groups * h.o_lora_rank
@@ -314,11 +315,21 @@ class HyperStep:
 
     def _mix(self, mix, n: int) -> None:
         """A hyper-connection's input mix of the streams self.x: self.a the sublayer's input; self.post, self.comb."""
+        self._hc_mix(mix, self.x, n, self.post, self.comb)
+
+    def _hc_mix(self, mix, streams: DeviceArray, n: int, post: DeviceArray | None, comb: DeviceArray | None) -> None:
+        """self.a = streams [n, hc, hidden] mixed by (fn, scale, base); post and comb for hc_merge (None: a
+        head's mix). A decode's few rows in hc_mix's two launches; more, the mix logits' matmul, then hc_pre."""
         h, cfg = self.h, self.config
         fn, scale, base = mix
-        self.mm.linear(fn, self.x, self.raw, n, tc=False)  # see the module docstring
-        ops.hc_pre(self.dev, self.x, self.raw, scale, base, self.a, self.post, self.comb, n=n, hc=h.hc_mult,
-                   hidden=cfg.hidden, eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=self.stream)
+        hc, hid, eps, hc_eps, iters = h.hc_mult, cfg.hidden, cfg.norm_eps, h.hc_eps, h.hc_sinkhorn_iters
+        if ops.hc_mix_supported(fn, n=n, hc=hc, hidden=hid):
+            ops.hc_mix(self.dev, streams, fn, scale, base, self.a, post, comb, self.mix_work, n=n, hc=hc, hidden=hid,
+                       eps=eps, hc_eps=hc_eps, iters=iters, stream=self.stream)
+            return
+        self.mm.linear(fn, streams, self.raw, n, tc=False)  # see the module docstring
+        ops.hc_pre(self.dev, streams, self.raw, scale, base, self.a, post, comb, n=n, hc=hc, hidden=hid, eps=eps,
+                   hc_eps=hc_eps, iters=iters, stream=self.stream)
 
     def _rope_tail(self, x: DeviceArray, pos: DeviceArray, freqs: DeviceArray, *, n: int, heads: int, dim: int,
                    inverse: bool = False) -> None:
@@ -527,11 +538,8 @@ class HyperStep:
     def logits_of(self, streams: DeviceArray, n: int, mix, norm: DeviceArray, out: ops.QuantMatrix) -> None:
         """Logits [n, vocab] into self.logits from streams [n, hc, hidden]: mixed into one by a head's (fn,
         scale, base), normed, projected (the model's head, or the next-token layer's)."""
-        cfg, h, dev, st, mm = self.config, self.h, self.dev, self.stream, self.mm
-        fn, scale, base = mix
-        mm.linear(fn, streams, self.raw, n, tc=False)
-        ops.hc_pre(dev, streams, self.raw, scale, base, self.a, None, None, n=n, hc=h.hc_mult, hidden=cfg.hidden,
-                   eps=cfg.norm_eps, hc_eps=h.hc_eps, iters=h.hc_sinkhorn_iters, stream=st)
+        cfg, dev, st, mm = self.config, self.dev, self.stream, self.mm
+        self._hc_mix(mix, streams, n, None, None)
         ops.rms_norm(dev, self.a, norm, self.hn, eps=cfg.norm_eps, rows=n, cols=cfg.hidden, stream=st)
         mm.linear(out, self.hn, self.logits, n, tc=False)
 
