@@ -313,6 +313,35 @@ def test_moe_mlp_gpt_oss(dev, rng, up_type, n, half):
                                        gating="softmax-topk", norm_topk=False)
 
 
+@pytest.mark.parametrize("tname,cols", [(t, 4096) for t in TYPES] +
+                         [(t, 768) for t in TYPES if GGML_QUANT_SIZES[TYPES[t]][0] == 32])
+def test_grouped_matvec_at_batch_1_is_column_resident(dev, rng, tname, cols):
+    """One token's pairs through the grouped matvec (tiles of one pair): the low-bit types take qmoc_b1 (a
+    thread 32 columns of every row, x in registers), a partial block of rows (and at 768 columns, of a
+    warp's: 24 threads), with the experts' biases; x one row for every pair, or a row a pair."""
+    E, rows = 5, 40
+    raw = random_tensor(rng, TYPES[tname], E * rows, cols)
+    wf = quants.dequantize(raw, TYPES[tname], (E, rows, cols)).astype(np.float64)
+    bias = rng.normal(0, 0.1, (E, rows)).astype(np.float32)
+    w = ops.ExpertMatrices.upload(dev, [raw], TYPES[tname], E, [rows], cols, biases=[bias])
+    ids = np.array([3, 0, 4, 1], np.int32)  # one token's k = 4 choices
+    pairs = len(ids)
+    pos, order = dev.empty((pairs,), np.int32), dev.empty((pairs,), np.int32)
+    tiles = dev.empty((3 * ops.moe.max_tiles(pairs, E, 1),), np.int32)
+    nt = ops.moe_group(dev, dev.to_device(ids), pos, order, tiles, pairs=pairs, experts=E, tile=1)
+    experts = ids[order.to_host()]  # each grouped pair's expert
+    for per_pair in (False, True):
+        x = rng.normal(0, 1, (pairs if per_pair else 1, cols)).astype(np.float32)
+        d_x = dev.to_device(x)
+        assert ops.moe.qmoc_supported(w, d_x)
+        y = dev.empty((pairs, rows))
+        y.poison()
+        ops.moe_matvec(dev, w, tiles, nt, d_x, y, tile=1, x_per_pair=per_pair)
+        xs = x if per_pair else np.repeat(x, pairs, axis=0)
+        ref = np.einsum("pc,prc->pr", xs.astype(np.float64), wf[experts]) + bias[experts]
+        assert rel_err(y.to_host(), ref) < FP32_BAR, (tname, per_pair)
+
+
 @pytest.mark.parametrize("tname", list(TYPES))
 @pytest.mark.parametrize("tile,half", [(16, "bf16"), (64, "f16")])
 def test_qgemm_tiles_match_linear(dev, rng, tname, tile, half):

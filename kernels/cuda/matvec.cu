@@ -359,6 +359,142 @@ EMBER_DEV void qmoe(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, i
     }
 QMOE(1) QMOE(8)
 
+// The grouped matvec at batch 1, column-resident (qmoc_b1): for the low-bit experts, whose staged form
+// (qmoe_b1, a warp a row) re-read 32 bytes of x for every 8 weights and ran at about a quarter of the
+// memory's bandwidth. Here thread i of a block owns columns 32 i .. 32 i + 31 of every row (a group of
+// four units, in one block of the type) and holds that slice of x in registers; a block walks QMOC_RPB rows
+// of its tile's expert, each thread decoding its group of each row (Group32 below), and the rows' sums
+// meet across the block's warps in shared memory. Same tiles, x, y and bias as qmoe (one pair a tile).
+// QMOC_RPB (rows a block) and QMOC_MAX_WARPS (a block's warps at most, 1024 columns each) come from
+// kernels/constants.py
+
+// A thread's dot of its 32 weights (group g of the block at p) with x[32]; xs[k]: the sum of x[8k .. 8k + 7]
+// (the types with a minimum). The default decodes four units through QT<T>::unit; the users' DeepSeek V4
+// types read the group's bytes once (a unit's loads, repeated four times, were most of the time).
+template <int T>
+struct Group32 {
+    static EMBER_DEV float dot(const u8* p, int g, const float x[32], const float xs[4]) {
+        typedef QT<T> Q;
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float q[8], sc, o;
+            Q::template unit<false>(p, 4 * g + k, q, sc, o);
+            float d = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) d = fmaf(q[i], x[8 * k + i], d);
+            if (Q::HAS_MIN) acc += sc * d - o * xs[k];
+            else acc = fmaf(sc, d, acc);
+        }
+        return acc;
+    }
+};
+
+// IQ2_XXS: group g is bytes 2 + 8 g: four grid indices, then a word of four 7-bit sign indices and the
+// group's 4-bit scale (quant_lowbit.cuh's unit, its loads made once)
+template <>
+struct Group32<GT_IQ2_XXS> {
+    static EMBER_DEV float dot(const u8* p, int g, const float x[32], const float[4]) {
+        const u8* b = p + 2 + 8 * g;
+        const u32 idx = ld32a2(b), aux = ld32a2(b + 4);
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float q[8];
+            const u64 grid = ember_iq2xxs_grid((idx >> (8 * k)) & 0xFFu);
+            bytes_to_floats((u32)grid, (u32)(grid >> 32), 8388608.0f, q);
+            apply_signs(q, ksign((aux >> (7 * k)) & 127u));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = fmaf(q[i], x[8 * k + i], acc);
+        }
+        return h2f(ld16(p)) * (0.5f + (float)(aux >> 28)) * 0.25f * acc;
+    }
+};
+
+// Q2_K: group g = 4 h + j is bits 2 j of qs[32 h .. 32 h + 31] (offset 16), its two 16-element halves
+// scaled by scales[2 g], scales[2 g + 1] (a nibble each of scale and min) times d and dmin (offset 80)
+template <>
+struct Group32<GT_Q2_K> {
+    static EMBER_DEV float dot(const u8* p, int g, const float x[32], const float xs[4]) {
+        const int h = g >> 2, j = g & 3;
+        const u32* qs = reinterpret_cast<const u32*>(p + 16 + 32 * h);
+        u32 w[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = (qs[i] >> (2 * j)) & 0x03030303u;
+        const u32 sc = ld16(p + 2 * g), dd = *reinterpret_cast<const u32*>(p + 80);
+        const float d = h2f((u16)(dd & 0xFFFFu)), dmin = h2f((u16)(dd >> 16));
+        float acc = 0.0f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float q[8], e = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                bytes_to_floats(w[4 * half + 2 * k], w[4 * half + 2 * k + 1], 8388608.0f, q);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) e = fmaf(q[i], x[16 * half + 8 * k + i], e);
+            }
+            const u32 b = (sc >> (8 * half)) & 0xFFu;
+            acc += d * (float)(b & 0xFu) * e - dmin * (float)(b >> 4) * (xs[2 * half] + xs[2 * half + 1]);
+        }
+        return acc;
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
+    qmoc_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+            const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
+            const float* __restrict__ bias) {
+    typedef QT<QTYPE> Q;
+    if constexpr (Q::ELEMS % 32 != 0 || Q::IS_FLOAT) {  // a thread's 32 columns lie in one block
+        __trap();  // (ops.moe_matvec never launches it for these types)
+    } else {
+    __shared__ float red[QMOC_MAX_WARPS][QMOC_RPB];
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int c0 = 32 * threadIdx.x, row0 = blockIdx.x * QMOC_RPB;
+    const bool mine = c0 < cols;
+    const int blk = c0 / Q::ELEMS, g = (c0 % Q::ELEMS) / 32;
+    grid_dependency_sync();  // the tiles and x come from the kernels before
+    const int e = tile[0], r0 = tile[1], nb = tile[2];
+    if (nb == 0) return;  // the whole block
+    float xv[32], xs[4];
+    const float* xr = x + (i64)r0 * cols * x_per_pair + c0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        xs[k] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xs[k] += xv[8 * k + i];
+    }
+    const u8* base = W + e * expert_bytes + (i64)blk * Q::BYTES;
+    float acc[QMOC_RPB];
+#pragma unroll
+    for (int r = 0; r < QMOC_RPB; ++r) {
+        const int row = row0 + r;
+        acc[r] = mine && row < rows ? Group32<QTYPE>::dot(base + (i64)row * row_bytes, g, xv, xs) : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < QMOC_RPB; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) red[warp][r] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < QMOC_RPB) {
+        const int row = row0 + threadIdx.x;
+        if (row < rows) {
+            float v = 0.0f;
+            for (int w = 0; w < warps; ++w) v += red[w][threadIdx.x];
+            if (bias) v += bias[(i64)e * rows + row];
+            y[(i64)r0 * rows + row] = v;
+        }
+    }
+    }
+}
+
 // Batches of any size in one launch: blockIdx.y takes rows 8 y .. 8 y + 7 of x (16-byte rows)
 extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)
     qmvn_b8(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, const float* __restrict__ x, int n,

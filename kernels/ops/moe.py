@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..constants import KERNEL_CONSTANTS, QGEMM_TYPES
+from ..constants import KERNEL_CONSTANTS, LOW_BIT_TYPES, QGEMM_TYPES
 from ..cuda_runtime import F32, I64, Device, DeviceArray
 from .args import act_code, need
 from .matmul import HALF_KINDS
@@ -204,6 +204,12 @@ def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int,
         raise ValueError(f"tiles of 1 or {TILE_ROWS} rows")
     b = 1 if tile == 1 else 8
     m = w.m
+    if act is None and tile == 1 and qmoc_supported(w, x):
+        threads = 32 * -(-m.cols // (32 * 32))
+        dev.kernel(f"matvec_{m.type}", "qmoc_b1").launch(
+            (-(-w.rows // QMOC_RPB), n_tiles), (threads,), m.data, I64(m.row_bytes), I64(w.expert_bytes), w.rows,
+            m.cols, tiles, x, int(x_per_pair), y, w.bias, stream=stream)
+        return
     if act is None:
         dev.kernel(f"matvec_{m.type}", f"qmoe_b{b}").launch(
             (-(-w.rows // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
@@ -213,6 +219,17 @@ def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int,
     dev.kernel(f"matvec_{m.type}", f"qmoeg_b{b}").launch(
         (-(-(w.rows // 2) // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), m.data, I64(m.row_bytes),
         I64(w.expert_bytes), w.rows, m.cols, tiles, x, int(x_per_pair), y, code, w.bias, stream=stream)
+
+
+QMOC_RPB = KERNEL_CONSTANTS["QMOC_RPB"]
+QMOC_MAX_COLS = 32 * 32 * KERNEL_CONSTANTS["QMOC_MAX_WARPS"]  # a thread's 32 columns, a block's warps
+
+
+def qmoc_supported(w: ExpertMatrices, x: DeviceArray) -> bool:
+    """Whether the column-resident grouped matvec (matvec.cu qmoc_b1) takes these experts at batch 1: the
+    low-bit types, rows of whole 32-column groups up to QMOC_MAX_COLS, x's rows 16-byte aligned."""
+    return (w.m.type in LOW_BIT_TYPES and w.m.cols % 32 == 0 and w.m.cols <= QMOC_MAX_COLS
+            and x.ptr % 16 == 0)
 
 
 def qgemm_supported(w: ExpertMatrices) -> bool:
