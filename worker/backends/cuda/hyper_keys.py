@@ -200,17 +200,23 @@ def _pieces(table: np.ndarray, blocks: np.ndarray, ratio: int, block_size: int) 
 
 def _compressed(rows: list[ChunkRows], ratio: int, block_size: int, pad: tuple[int, int] | None) -> Compressed:
     """Every chunk's compressed rows of whole blocks of `ratio` positions, gathered from their pieces;
-    pad (rows, trash): as many rows, the rest read from the trash row."""
+    pad (rows, trash): as many rows, the rest read from the trash row. All chunks at once: a decode step at
+    depth names thousands of rows a sequence, and a loop over the sequences was most of its host time."""
     s = HyperStack.spread(ratio, block_size)
-    pieces, at, total = [np.zeros(0, np.int64)], [], 0
-    for ch in rows:
-        b = np.arange(ch.end // ratio, dtype=np.int64)
-        pieces.append(_pieces(ch.table, b, ratio, block_size))
-        at.append(total)
-        total += len(b)
-    if pad is not None:
-        pieces.append(np.full((pad[0] - total) * s, pad[1]))
-    return Compressed(np.concatenate(pieces).astype(np.int32), s, at)
+    counts = np.array([ch.end // ratio for ch in rows], np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(rows) else np.zeros(0, np.int64)
+    total = int(counts.sum())
+    size = total if pad is None else pad[0]
+    pieces = np.full((size, s), -1 if pad is None else pad[1], np.int32)
+    if total:
+        owner = np.repeat(np.arange(len(rows)), counts)
+        first = (np.arange(total) - np.repeat(starts, counts) + 1) * ratio - s  # each row's first piece's position
+        longest = max(len(ch.table) for ch in rows)
+        tables = np.zeros((len(rows), longest), np.int64)
+        for i, ch in enumerate(rows):
+            tables[i, : len(ch.table)] = ch.table
+        pieces[:total] = (tables[owner, first // block_size] * block_size + first % block_size)[:, None] + np.arange(s)
+    return Compressed(pieces.reshape(-1), s, [int(a) for a in starts])
 
 
 def _closing(chunks: list[SeqChunk], rows: list[ChunkRows], ratio: int, block_size: int,
