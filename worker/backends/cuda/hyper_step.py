@@ -1,17 +1,17 @@
 """One step of DeepSeek V4 (recipe.Stack.HYPER) on the GPU: the numpy twin's pass (backends/numpy/hyper.py,
 HyperStack.logits) through ember.kernels.ops, over the per-position pool the backend holds (hyper.py).
 
-Per layer: the hyper-connections' mix (a matmul, then hc_pre; a decode's few rows: hc_mix), the low-rank query and the one KV head's
-row (RoPE on their last n_rot dimensions), the step's rows into the pool (store_rows: the key row, and by
-the layer's compress ratio the compressor's and the indexer's value and score rows); the compressed rows
-of the blocks the step closes made from the pool's (compress_rows, normed, RoPE at each row's first
-position) and stored as pieces in the pool; then each chunk's attention over a scratch of key rows: its
-window's rows and the compressed rows it sees, gathered from the pool; in a CSA layer the lightning
-indexer's scores of its candidates and its top k appended to each query's list (hyper_keys.py plans the
-lists and the blocks on the host). The heads' output turns back, goes through the grouped
-low-rank projection and merges into the streams; then the MLP's mix, the shared expert and the routed
-ones (hash-routed by token id in the first layers), each a clamped SwiGLU. Every matmul is the matvec on
-the weights' own blocks (matmul.py, no tensor cores, float activations: closest to the twin).
+Per layer: the hyper-connections' mix (a matmul, then hc_pre; a decode's few rows: hc_mix), the low-rank
+query and the one KV head's row (RoPE on their last n_rot dimensions), the step's rows into the pool
+(store_rows: the key row, and by the layer's compress ratio the compressor's and the indexer's value and
+score rows); the compressed rows of the blocks the step closes made from the pool's (compress_rows, normed,
+RoPE at each row's first position) and stored as pieces in the pool; then each chunk's attention over a
+scratch of key rows: its window's rows and the compressed rows it sees, gathered from the pool; in a CSA
+layer the lightning indexer's scores of its candidates and its top k appended to each query's list
+(hyper_keys.py plans the lists and the blocks on the host). The heads' output turns back, goes through the
+grouped low-rank projection and merges into the streams; then the MLP's mix, the shared expert and the
+routed ones (hash-routed by token id in the first layers), each a clamped SwiGLU. Every matmul is the matvec
+on the weights' own blocks (matmul.py, no tensor cores, float activations: closest to the twin).
 """
 
 from __future__ import annotations
