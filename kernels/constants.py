@@ -139,8 +139,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "GEMM_TILE_K": 32,  # the K slice a pipeline stage holds; K must be a multiple of it
     "GEMM_THREADS": 256,  # 8 warps, 2 x 4, each 64 x 32 of the tile
     # common.cuh EMBER_TRACE (the profiling build): cuda_runtime's trace buffer
-    "TRACE_WORDS": 8192,  # words of the buffer: the count, then (start, release) pairs
-    "TRACE_MARKS": 8064,  # TRACE_MARK(k), k < 64, stores its clock at word TRACE_MARKS + k
+    "TRACE_WORDS": 32768,  # words of the buffer: the count, then (start, release) pairs
+    "TRACE_MARKS": 32704,  # TRACE_MARK(k), k < 64, stores its clock at word TRACE_MARKS + k
 }
 
 # The float constants a kernel shares with its twin, passed as -DNAME=VALUEf (reference.py reads them here)

@@ -77,7 +77,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int, prefill: 
     eager step of a `prefill`-token prompt instead (see module doc)."""
     import numpy as np
 
-    from ember.kernels.cuda_runtime import TRACE_MARKS, Device
+    from ember.kernels.cuda_runtime import Device
 
     from ..backends.base import SeqChunk
     from ..backends.cuda import open_backend
@@ -124,19 +124,7 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int, prefill: 
             graph.launch()
             backend.stream.synchronize()
     names, shapes = list(dev.launch_names), list(dev.launch_shapes)
-    stamps, marks = [], []
-    warm = 1 if prefill else 10
-    for r in range(replays + warm):
-        dev.trace.zero()
-        replay()
-        buf = dev.trace.to_host()
-        n = int(buf[0]) // 2
-        if n != len(names):
-            raise RuntimeError(f"{n} kernels stamped, {len(names)} launched")
-        if r >= warm:
-            stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
-            marks.append(buf[TRACE_MARKS:TRACE_MARKS + 64].astype(np.int64))
-    released = np.array(stamps)
+    released, clocks = _stamps(dev, replay, len(names), replays, warm=1 if prefill else 10)
     cost = np.diff(released, axis=1).mean(axis=0) / 1000.0  # kernel i: from its release to the next's
     by: dict[str, list[float]] = defaultdict(list)
     for name, c in zip(names, cost, strict=False):
@@ -144,7 +132,6 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int, prefill: 
     kernels: list[dict[str, Any]] = [{"kernel": k, "launches": len(v), "total_us": round(sum(v), 2),
                                       "mean_us": round(sum(v) / len(v), 2)} for k, v in by.items()]
     table = sorted(kernels, key=lambda d: -d["total_us"])
-    clocks = np.array(marks)
     phases = {}
     for name, (first, ends) in PHASES.items():
         got = [{"phase": p, "cycles": round(float((clocks[:, first + 1 + i] - clocks[:, first]).mean()))}
@@ -158,3 +145,26 @@ def trace_step(model_path: str, *, keys: int, rows: int, replays: int, prefill: 
             "by_kernel": table,
             "sequence": [{"kernel": n, "launch": sh, "us": round(float(c), 2)}
                          for n, sh, c in zip(names, shapes, cost, strict=False)]}
+
+
+def _stamps(dev, replay, launched: int, replays: int, *, warm: int):
+    """Replay the step warm + replays times; the timed replays' release stamps [replays, kernels] (ns) and
+    their TRACE_MARK clocks [replays, 64]."""
+    import numpy as np
+
+    from ember.kernels.cuda_runtime import TRACE_MARKS
+
+    stamps, marks = [], []
+    for r in range(replays + warm):
+        dev.trace.zero()
+        replay()
+        buf = dev.trace.to_host()
+        n = int(buf[0]) // 2
+        if n > (TRACE_MARKS - 2) // 2:
+            raise RuntimeError(f"{n} kernels launched: more than the trace buffer holds ({(TRACE_MARKS - 2) // 2})")
+        if n != launched:
+            raise RuntimeError(f"{n} kernels stamped, {launched} launched")
+        if r >= warm:
+            stamps.append(buf[1:1 + 2 * n].reshape(n, 2)[:, 1].astype(np.int64))
+            marks.append(buf[TRACE_MARKS:TRACE_MARKS + 64].astype(np.int64))
+    return np.array(stamps), np.array(marks)
