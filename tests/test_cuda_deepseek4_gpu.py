@@ -230,21 +230,24 @@ def test_a_dspark_drafter_writes_the_twins_rows_and_drafts_its_chain(dev, tmp_pa
     agree(logits[:same], want_logits[:same], mode)
 
 
-def test_bench_trace_times_the_deepseek4_decode_step(dev, tiny):
-    """`ember bench trace` on the DeepSeek V4 step (the kernels' profiling build, in a process of its own):
-    every kernel of its captured decode step stamped, attention over key lists and the experts among them,
-    and the kernels' costs add up to the step's span."""
+def _trace(model, *args: str) -> dict:
+    """`ember bench trace --json` on `model` in a process of its own (the kernels' profiling build)."""
     import json
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "EMBER_TRACE": "1"}
-    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "trace", "--model", str(tiny),
-                          "--keys", "40", "--replays", "5", "--json"], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "trace", "--model", str(model),
+                          *args, "--json"], capture_output=True, text=True, env={**os.environ, "EMBER_TRACE": "1"},
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_bench_trace_times_the_deepseek4_decode_step(dev, tiny):
+    """`ember bench trace` on the DeepSeek V4 step: every kernel of its captured decode step stamped, attention
+    over key lists and the experts among them, and the kernels' costs add up to the step's span."""
+    r = _trace(tiny, "--keys", "40", "--replays", "5")
     names = {k["kernel"] for k in r["by_kernel"]}
     assert r["kernels"] > 30 * 4  # the tiny file's four layers: some forty launches each
     assert any(n.startswith("attend_rows") for n in names) and "hc_mix_dots" in names  # a decode's mixes
@@ -255,17 +258,7 @@ def test_bench_trace_times_the_deepseek4_decode_step(dev, tiny):
 def test_bench_trace_times_a_deepseek4_prefill(dev, tiny):
     """`ember bench trace --prefill N`: the eager step of an N-token prompt, each kernel's launch shape named
     (the matvecs' rows and columns), its costs adding up to the span."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "EMBER_TRACE": "1"}
-    out = subprocess.run([sys.executable, "-m", "ember.daemon.cli_main", "bench", "trace", "--model", str(tiny),
-                          "--prefill", "96", "--replays", "3", "--json"], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout)
+    r = _trace(tiny, "--prefill", "96", "--replays", "3")
     assert r["prefill"] == 96 and r["kernels"] > 30 * 4
     assert sum(k["total_us"] for k in r["by_kernel"]) == pytest.approx(r["span_us"], rel=0.02)
     assert all(k["mean_us"] > 0 for k in r["by_kernel"])

@@ -29,16 +29,23 @@ def poisoned(dev, shape, dtype=np.float32):
     return a
 
 
-@pytest.mark.parametrize("n", [1, 7, 64])
-def test_hc_pre_and_merge_match_the_reference(dev, rng, n):
-    hidden = 512
-    h = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
+H = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
+
+
+def mix_case(rng, n: int, hidden: int):
+    """A hyper-connection's inputs: streams x [n, HC, hidden], its mix weights fn [(2 + HC) * HC, HC * hidden],
+    scale [3] and base."""
     m = (2 + HC) * HC
     x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
     fn = rng.normal(0, 0.02, (m, HC * hidden)).astype(np.float32)
-    scale = rng.uniform(0.5, 2, 3).astype(np.float32)
-    base = rng.normal(0, 1, m).astype(np.float32)
-    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, h, EPS)
+    return x, fn, rng.uniform(0.5, 2, 3).astype(np.float32), rng.normal(0, 1, m).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_hc_pre_and_merge_match_the_reference(dev, rng, n):
+    hidden = 512
+    x, fn, scale, base = mix_case(rng, n, hidden)
+    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, H, EPS)
 
     raw = x.reshape(n, -1) @ fn.T  # the matmul the forward pass runs before hc_pre (the norm is hc_pre's)
     d_x = dev.to_device(x)
@@ -77,16 +84,11 @@ def test_hc_mix_matches_the_reference(dev, rng, n, hidden):
     counts put back for the next launch)."""
     from ember.kernels.ops.quant_matrix import QuantMatrix
 
-    h = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
-    m = (2 + HC) * HC
-    x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
-    fn = rng.normal(0, 0.02, (m, HC * hidden)).astype(np.float32)
-    scale = rng.uniform(0.5, 2, 3).astype(np.float32)
-    base = rng.normal(0, 1, m).astype(np.float32)
-    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, h, EPS)
+    x, fn, scale, base = mix_case(rng, n, hidden)
+    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, H, EPS)
     d_x = dev.to_device(x)
     work = ops.HcMixWork.make(dev, hc=HC, hidden=hidden)
-    w = QuantMatrix.upload(dev, fn, "f32", m, HC * hidden)
+    w = QuantMatrix.upload(dev, fn, "f32", len(fn), HC * hidden)
     for _ in range(2):
         y, post, comb = poisoned(dev, (n, hidden)), poisoned(dev, (n, HC)), poisoned(dev, (n, HC, HC))
         ops.hc_mix(dev, d_x, w, dev.to_device(scale), dev.to_device(base), y, post, comb, work, n=n, hc=HC,

@@ -25,6 +25,19 @@ def _check_streams(hc: int) -> None:
         raise ValueError(f"{hc} residual streams: hyper.cu takes 1 to {HC_MAX}")
 
 
+def _check_mix(x: DeviceArray, base: DeviceArray, y: DeviceArray, post: DeviceArray | None,
+               comb: DeviceArray | None, *, n: int, hc: int, hidden: int, m: int) -> None:
+    """A mix's streams, bias and outputs (hc_pre's and hc_mix's): post and comb both, or neither (a head)."""
+    need(x, np.float32, n * hc * hidden, "x")
+    need(base, np.float32, m, "base")
+    need(y, np.float32, n * hidden, "y")
+    if post is not None and comb is not None:
+        need(post, np.float32, n * hc, "post")
+        need(comb, np.float32, n * hc * hc, "comb")
+    elif post is not None or comb is not None:
+        raise ValueError("post and comb go together (neither: the head's mix)")
+
+
 def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, base: DeviceArray, y: DeviceArray,
            post: DeviceArray | None, comb: DeviceArray | None, *, n: int, hc: int, hidden: int, eps: float,
            hc_eps: float, iters: int, ldr: int | None = None, stream=None) -> None:
@@ -37,15 +50,8 @@ def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, ba
     head = post is None
     m = hc if head else (2 + hc) * hc
     ldr = m if ldr is None else ldr
-    need(x, np.float32, n * hc * hidden, "x")
     need(raw, np.float32, (n - 1) * ldr + m, "raw")
-    need(base, np.float32, m, "base")
-    need(y, np.float32, n * hidden, "y")
-    if post is not None and comb is not None:
-        need(post, np.float32, n * hc, "post")
-        need(comb, np.float32, n * hc * hc, "comb")
-    elif post is not None or comb is not None:
-        raise ValueError("post and comb go together (neither: the head's mix)")
+    _check_mix(x, base, y, post, comb, n=n, hc=hc, hidden=hidden, m=m)
     dev.kernel("hyper", "hc_pre").launch((n,), (HC_THREADS,), x, raw, ldr, scale, base, n, hc, hidden, F32(eps),
                                          F32(hc_eps), iters, int(head), y, post, comb, stream=stream)
 
@@ -89,14 +95,7 @@ def hc_mix(dev: Device, x: DeviceArray, fn: QuantMatrix, scale: DeviceArray, bas
                          f"tokens; got {fn.type} [{fn.rows}, {fn.cols}] and {n}")
     if n > work.rows:
         raise ValueError(f"hc_mix's work holds {work.rows} tokens; {n} asked")
-    need(x, np.float32, n * hc * hidden, "x")
-    need(base, np.float32, m, "base")
-    need(y, np.float32, n * hidden, "y")
-    if post is not None and comb is not None:
-        need(post, np.float32, n * hc, "post")
-        need(comb, np.float32, n * hc * hc, "comb")
-    elif post is not None or comb is not None:
-        raise ValueError("post and comb go together (neither: the head's mix)")
+    _check_mix(x, base, y, post, comb, n=n, hc=hc, hidden=hidden, m=m)
     blocks = -(-hidden // HCM_THREADS)
     dev.kernel("hyper", "hc_mix_dots").launch(
         (blocks, n), (HCM_THREADS,), x, fn.data, I64(fn.row_bytes // 4), scale, base, n, hc, hidden, F32(eps),
