@@ -110,7 +110,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "HCM_THREADS": 128,  # threads of an hc_mix_dots block: a column of every stream each (32 blocks at 4096)
     "ATTS_MAX_KEYS": 4096,  # keys a query row of attend_rows at most (a window, 512 picked CSA rows or a 512k
     # context's HCA rows)
-    "ATTS_MAX_D": 512,  # a head's dimensions in attend_rows at most (a lane holds ATTS_MAX_D / 32; DeepSeek V4: 512)
+    "ATTS_MAX_D": 512,  # a head's dimensions in attend_rows at most (a multiple of 128: a lane holds
+    # ATTS_MAX_D / 32; DeepSeek V4: 512)
     "IDX_MAX_Q": 8192,  # floats of an indexer query (heads x dim; DeepSeek V4: 64 x 128) in shared memory
     "IDX_MAX_DIM": 128,  # an indexer head's dimensions at most (a lane holds IDX_MAX_DIM / 32)
     # moe.cu (routing around the grouped expert matvecs)

@@ -182,6 +182,13 @@ class EmuOps:
         _put(y, n, w.rows, None, out)
 
     @staticmethod
+    def matvec_groups(dev, w, x, y, *, groups, stream=None):
+        assert real_ops.matvec_groups_supported(w, groups)
+        rank = w.rows // groups
+        W = dense(w).reshape(groups, rank, w.cols)
+        _put(y, groups, rank, None, np.einsum("gc,grc->gr", _rows(x, groups, w.cols), W))
+
+    @staticmethod
     def linear_tc(dev, w, x, y, *, n, res=None, kind="f16", scratch="gemm", stream=None):
         assert kind == "f16"
         out = _half(_rows(x, n, w.cols)) @ _half(dense(w)).T

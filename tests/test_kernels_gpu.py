@@ -102,6 +102,25 @@ def test_matvec_matches_linear(dev, rng, tname, n):
             assert rel_err(ys.to_host(), ref) < FP32_BAR, (tname, c)
 
 
+@pytest.mark.parametrize("tname", ["f32", "q8_0", "q4_k", "q6_k"])
+def test_matvec_groups_is_each_groups_own_matvec(dev, rng, tname):
+    """DeepSeek V4's grouped output projection at batch 1: group g's row of x through its own rows of the
+    stacked W, in one launch; 100 rows a group, so a group's last block of warps is partly past its rows
+    (which must not write into the next group's)."""
+    groups, rank, cols = 8, 100, 2304
+    w, raw, wf = upload_matrix(dev, rng, tname, groups * rank, cols)
+    assert ops.matvec_groups_supported(w, groups)  # upload aligns rows to 16 bytes
+    x = rng.normal(0, 1, (groups, cols)).astype(np.float32)
+    ref = np.einsum("gc,grc->gr", x.astype(np.float64), wf.reshape(groups, rank, cols).astype(np.float64))
+    y = dev.empty((groups, rank))
+    for r in (1, 2, 4):
+        y.poison()
+        ops.matvec_groups(dev, w, dev.to_device(x), y, groups=groups, rows_per_warp=r)
+        assert rel_err(y.to_host(), ref) < FP32_BAR, (tname, r)
+    with pytest.raises(ValueError, match="whole groups"):
+        ops.matvec_groups(dev, w, dev.to_device(x), y, groups=7)
+
+
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
 @pytest.mark.parametrize("n,unroll,prefetch", [(1, 4, False), (1, 8, False), (2, 2, False), (2, 4, False),
                                                (1, 2, True), (1, 4, True), (2, 2, True)])

@@ -18,7 +18,7 @@
 //   mean_streams each token's streams averaged (a block drafter's features of the trunk)
 //   round_half   floats rounded to float16 and back, in place (a block drafter's key rows, as llama.cpp's
 //                drafter cache keeps them)
-#include "common.cuh"
+#include "attn_common.cuh"
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -296,97 +296,118 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 // Attention of query rows over chosen key rows, the single KV head being key and value at once, a learned
 // sink logit per head joining each softmax's denominator (hyper.attend). Query t's keys are the pool rows
 // idx[t * ldi + j] for j < cnt[t] (-1: none, skipped): its window's rows and the compressed rows it sees
-// (or the indexer picked), gathered by the caller. q [n, heads, d <= ATTS_MAX_D]; out likewise; keys
-// [rows, ld] of KT. A block a (token, head, split): a lane holds the query's columns lane, lane + 32, ...
-// in registers, so a warp scores a key with one independent load a column; the block's keys are dealt
-// out to its warps, ATTS_UNROLL at a time (their loads in flight together), their logits kept in shared
-// memory (at most ATTS_MAX_KEYS); then each warp sums its keys' rows weighted by their probabilities, and
-// the warps' sums add up in shared memory.
+// (or the indexer picked), gathered by the caller. q [n, heads, d <= ATTS_MAX_D, d % 4 == 0]; out
+// likewise; keys [rows, ld] of KT (ld % 4 == 0). A block a (token, head, split). A lane holds the
+// query's columns 4 * lane + 128 * k (k < ATTS_C4) in registers, so a warp reads a key row in ATTS_C4
+// 16-byte (f32) or 8-byte (f16) loads a lane; a warp takes ATTS_UNROLL keys at a time, every load of
+// them issued before the first is used, and keeps an online softmax (its max, its sum, the weighted sum
+// of its rows) over the keys it takes, so each key row is read once. The warps' states then merge in
+// shared memory. (One key's columns a lane at a stride of 32, with a break at d, made a warp's loads of a
+// key one after another: about 60 L2 latencies a block, 22 us a launch whatever its keys.)
 // A decode step has a block a head alone (64 blocks at batch 1), each walking all its keys: so there the
 // keys are split over `splits` blocks, each leaving its (max, sum, weighted rows) in `part`, and the last
 // of them to finish (a count a (token, head), which it puts back to 0) merges them with the sink, as a
 // flash-decoding pass does.
-#define ATTS_COLS (ATTS_MAX_D / 32)
+#define ATTS_C4 (ATTS_MAX_D / 128)
+static_assert(ATTS_MAX_D % 128 == 0, "a lane holds 4 columns in each 128");
 #define ATTS_UNROLL 4
+#define ATTS_WARPS (HC_THREADS / 32)
 template <typename KT>
 EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ keys, i64 ld,
                            const int* __restrict__ idx, int ldi, const int* __restrict__ cnt,
                            const float* __restrict__ sinks, int n, int heads, int d, float scale,
                            float* __restrict__ out, int splits, float* part_buf, u32* count) {
     grid_dependency_sync();
-    __shared__ float logit[ATTS_MAX_KEYS];
-    __shared__ float part[HC_THREADS / 32][ATTS_MAX_D];
-    __shared__ float scratch[33];
+    __shared__ float part[ATTS_WARPS][ATTS_MAX_D];
+    __shared__ float warp_mx[ATTS_WARPS], warp_l[ATTS_WARPS];
     __shared__ bool last;
     const int t = blockIdx.y, h = blockIdx.x, split = blockIdx.z;
     if (t >= n) return;
     const int all = min(cnt[t], ATTS_MAX_KEYS), per = (all + splits - 1) / splits;
     const int j_lo = min(all, split * per), m = min(all, j_lo + per) - j_lo;  // this block's keys
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
     const float* qt = q + ((i64)t * heads + h) * d;
     const int* it = idx + (i64)t * ldi + j_lo;
-    float qr[ATTS_COLS];
+    float qr[ATTS_C4][4], acc[ATTS_C4][4];
 #pragma unroll
-    for (int k = 0; k < ATTS_COLS; ++k) qr[k] = lane + 32 * k < d ? qt[lane + 32 * k] : 0.0f;
-    for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += warps * ATTS_UNROLL) {
-        int r[ATTS_UNROLL];
-        float s[ATTS_UNROLL];
+    for (int k = 0; k < ATTS_C4; ++k) {
+        const int c = 4 * lane + 128 * k;
+        if (c < d) load_vals<4>(qt + c, qr[k]);
 #pragma unroll
-        for (int u = 0; u < ATTS_UNROLL; ++u) r[u] = j0 + u < m ? it[j0 + u] : -1, s[u] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < ATTS_COLS; ++k) {
-            if (lane + 32 * k >= d) break;
-#pragma unroll
-            for (int u = 0; u < ATTS_UNROLL; ++u)
-                if (r[u] >= 0) s[u] = fmaf(qr[k], to_f32(keys[(i64)r[u] * ld + lane + 32 * k]), s[u]);
+        for (int e = 0; e < 4; ++e) {
+            if (c >= d) qr[k][e] = 0.0f;
+            acc[k][e] = 0.0f;
         }
+    }
+    float mx = NEG_INF, l = 0.0f;  // this warp's online softmax
+    for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += ATTS_WARPS * ATTS_UNROLL) {
+        int r[ATTS_UNROLL];
+        float v[ATTS_UNROLL][ATTS_C4][4];
+#pragma unroll
+        for (int u = 0; u < ATTS_UNROLL; ++u) r[u] = j0 + u < m ? it[j0 + u] : -1;
+#pragma unroll
+        for (int u = 0; u < ATTS_UNROLL; ++u)
+#pragma unroll
+            for (int k = 0; k < ATTS_C4; ++k) {
+                const int c = 4 * lane + 128 * k;
+                if (r[u] >= 0 && c < d) load_vals<4>(keys + (i64)r[u] * ld + c, v[u][k]);
+                else v[u][k][0] = v[u][k][1] = v[u][k][2] = v[u][k][3] = 0.0f;
+            }
+        float s[ATTS_UNROLL], top = mx;
 #pragma unroll
         for (int u = 0; u < ATTS_UNROLL; ++u) {
-            const float v = warp_sum(s[u]);
-            if (lane == 0 && j0 + u < m) logit[j0 + u] = r[u] >= 0 ? v * scale : NEG_INF;
-        }
-    }
-    __syncthreads();
-    float mx = splits == 1 ? sinks[h] : NEG_INF;  // split: the sink joins at the merge
-    for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmaxf(mx, logit[j]);
-    mx = block_max(mx, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < m; j += blockDim.x) {
-        const float p = logit[j] == NEG_INF ? 0.0f : expf(logit[j] - mx);
-        logit[j] = p;
-        sum += p;
-    }
-    sum = block_sum(sum, scratch);  // (its barriers order logit[])
-    float acc[ATTS_COLS];
+            float dot = 0.0f;
 #pragma unroll
-    for (int k = 0; k < ATTS_COLS; ++k) acc[k] = 0.0f;
-    for (int j0 = warp * ATTS_UNROLL; j0 < m; j0 += warps * ATTS_UNROLL) {
-        int r[ATTS_UNROLL];
-        float p[ATTS_UNROLL];
+            for (int k = 0; k < ATTS_C4; ++k)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dot = fmaf(qr[k][e], v[u][k][e], dot);
+            s[u] = r[u] >= 0 ? warp_sum(dot) * scale : NEG_INF;
+            top = fmaxf(top, s[u]);
+        }
+        if (top == NEG_INF) continue;  // no key here yet (the same on every lane)
+        const float keep = expf(mx - top);  // 0 while mx is -inf
+        l *= keep;
+#pragma unroll
+        for (int k = 0; k < ATTS_C4; ++k)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[k][e] *= keep;
 #pragma unroll
         for (int u = 0; u < ATTS_UNROLL; ++u) {
-            r[u] = j0 + u < m ? it[j0 + u] : -1;
-            p[u] = r[u] >= 0 ? logit[j0 + u] : 0.0f;
-        }
+            const float p = expf(s[u] - top);  // 0 for an empty slot
+            l += p;
 #pragma unroll
-        for (int k = 0; k < ATTS_COLS; ++k) {
-            if (lane + 32 * k >= d) break;
+            for (int k = 0; k < ATTS_C4; ++k)
 #pragma unroll
-            for (int u = 0; u < ATTS_UNROLL; ++u)
-                if (r[u] >= 0) acc[k] = fmaf(p[u], to_f32(keys[(i64)r[u] * ld + lane + 32 * k]), acc[k]);
+                for (int e = 0; e < 4; ++e) acc[k][e] = fmaf(p, v[u][k][e], acc[k][e]);
         }
+        mx = top;
     }
 #pragma unroll
-    for (int k = 0; k < ATTS_COLS; ++k)
-        if (lane + 32 * k < d) part[warp][lane + 32 * k] = acc[k];
+    for (int k = 0; k < ATTS_C4; ++k) {
+        const int c = 4 * lane + 128 * k;
+        if (c < d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[warp][c + e] = acc[k][e];
+    }
+    if (lane == 0) warp_mx[warp] = mx, warp_l[warp] = l;
     __syncthreads();
+    // the block's max (with the sink where there is no merge after), each warp's weight under it
+    float top = splits == 1 ? sinks[h] : NEG_INF, denom = 0.0f, wgt[ATTS_WARPS];
+#pragma unroll
+    for (int w = 0; w < ATTS_WARPS; ++w)
+        if (warp_l[w] > 0.0f) top = fmaxf(top, warp_mx[w]);
+#pragma unroll
+    for (int w = 0; w < ATTS_WARPS; ++w) {
+        wgt[w] = warp_l[w] > 0.0f ? expf(warp_mx[w] - top) : 0.0f;  // a warp of no keys: weight 0, never NaN
+        denom += warp_l[w] * wgt[w];
+    }
     float* ot = out + ((i64)t * heads + h) * d;
     if (splits == 1) {
-        const float inv = 1.0f / (sum + expf(sinks[h] - mx));
+        const float inv = 1.0f / (denom + expf(sinks[h] - top));
         for (int c = threadIdx.x; c < d; c += blockDim.x) {
             float total = 0.0f;
-            for (int w = 0; w < warps; ++w) total += part[w][c];
+#pragma unroll
+            for (int w = 0; w < ATTS_WARPS; ++w) total = fmaf(part[w][c], wgt[w], total);
             ot[c] = total * inv;
         }
         return;
@@ -395,10 +416,11 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     float* mine = part_buf + (((i64)t * heads + h) * splits + split) * (d + 2);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float total = 0.0f;
-        for (int w = 0; w < warps; ++w) total += part[w][c];
+#pragma unroll
+        for (int w = 0; w < ATTS_WARPS; ++w) total = fmaf(part[w][c], wgt[w], total);
         mine[2 + c] = total;
     }
-    if (threadIdx.x == 0) mine[0] = mx, mine[1] = sum;
+    if (threadIdx.x == 0) mine[0] = top, mine[1] = denom;
     __threadfence();
     __syncthreads();
     u32* counter = count + (i64)t * heads + h;
@@ -407,19 +429,19 @@ EMBER_DEV void attend_rows(const float* __restrict__ q, const KT* __restrict__ k
     if (!last) return;
     __threadfence();
     const float* shares = part_buf + ((i64)t * heads + h) * splits * (d + 2);
-    float top = sinks[h];
+    top = sinks[h];
     for (int s = 0; s < splits; ++s) top = fmaxf(top, __ldcg(shares + s * (d + 2)));
-    float denom = expf(sinks[h] - top);
+    denom = expf(sinks[h] - top);
     for (int s = 0; s < splits; ++s) {  // a split of no keys: sum 0, max -inf (weight 0, never NaN)
-        const float l = __ldcg(shares + s * (d + 2) + 1);
-        if (l > 0.0f) denom += l * expf(__ldcg(shares + s * (d + 2)) - top);
+        const float ls = __ldcg(shares + s * (d + 2) + 1);
+        if (ls > 0.0f) denom += ls * expf(__ldcg(shares + s * (d + 2)) - top);
     }
     const float inv = 1.0f / denom;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float total = 0.0f;
         for (int s = 0; s < splits; ++s) {
-            const float l = __ldcg(shares + s * (d + 2) + 1);
-            if (l > 0.0f) total += __ldcg(shares + s * (d + 2) + 2 + c) * expf(__ldcg(shares + s * (d + 2)) - top);
+            const float ls = __ldcg(shares + s * (d + 2) + 1);
+            if (ls > 0.0f) total += __ldcg(shares + s * (d + 2) + 2 + c) * expf(__ldcg(shares + s * (d + 2)) - top);
         }
         ot[c] = total * inv;
     }

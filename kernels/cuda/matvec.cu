@@ -290,6 +290,19 @@ QMV(4, 1, 16) QMV(4, 2, 16) QMV(4, 4, 16)
 QMV(8, 1, 16) QMV(8, 2, 16) QMV(8, 4, 16)
 QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
 
+// A grouped projection at batch 1 in one launch: group g = blockIdx.y multiplies its own x row by its
+// own rows of W (y[g] = x[g] W_g^T, W_g the g-th w_group bytes of W), as DeepSeek V4's output projection
+// takes each group of heads through its own matrix: one launch of G * rows rows, not G launches of a few
+// hundred blocks each, whose fixed cost was most of their time.
+#define QMV_GROUPS(R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                        \
+        qmv_b1_r##R##_v16_groups(const u8* __restrict__ W, i64 row_bytes, int rows, int cols, i64 w_group,  \
+                                 const float* __restrict__ x, i64 x_group, float* y, i64 y_group) {        \
+        const int g = blockIdx.y;                                                                          \
+        qmv<1, R, 16>(W + g * w_group, row_bytes, rows, cols, x + g * x_group, 1, nullptr, y + g * y_group);  \
+    }
+QMV_GROUPS(1) QMV_GROUPS(2) QMV_GROUPS(4)
+
 // R wide rows a block, their chunks shared by the block's warps (16-byte rows; chunks loaded SplitVec wide)
 #define QMVS(R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                      \

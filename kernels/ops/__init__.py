@@ -76,6 +76,8 @@ from .matvecs import (
     matvec,
     matvec_gated,
     matvec_gated_supported,
+    matvec_groups,
+    matvec_groups_supported,
     matvec_post_norm,
     matvec_q8,
     matvec_stream_q8_0,
@@ -164,7 +166,8 @@ __all__ = [
     "KQ8_ACTIVATIONS", "KQ8_DEFAULT", "KQ8_MAX_ROWS", "KQ8_TYPES", "KQ8_VARIANTS", "KV2_MAX_COLS", "KV2_PREFETCH",
     "KV2_TYPES",
     "MATVEC_WARPS", "SQ_MAX_ROW_BYTES", "SQ_ROWS", "SQ_WARPS", "XPRO_COLS",
-    "kq8_supported", "kv2_supported", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_post_norm",
+    "kq8_supported", "kv2_supported", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_groups",
+    "matvec_groups_supported", "matvec_post_norm",
     "matvec_q8", "matvec_stream_q8_0", "post_norm_supported", "repack_q6_k", "row_nbytes", "stream_q8_0_smem",
     "stream_q8_0_supported",
     # dequant

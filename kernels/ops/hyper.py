@@ -153,15 +153,19 @@ def attend_splits(dev: Device, n: int, heads: int, ldi: int) -> int:
 def attend_rows(dev: Device, q: DeviceArray, keys: DeviceArray, idx: DeviceArray, cnt: DeviceArray,
                 sinks: DeviceArray, out: DeviceArray, *, n: int, heads: int, head_dim: int, ld: int, ldi: int,
                 splits: int | None = None, stream=None) -> None:
-    """Attention of q [n, heads, head_dim] over each row's own key rows, keys [rows, ld] (float32 or
-    float16; each row the key and the value), with a sink logit per head: row t's keys are the rows
-    idx[t, j] (int32 [n, ldi]; -1: none) for j < cnt[t]. out [n, heads, head_dim]. splits: over how many
-    blocks each (row, head)'s keys are dealt (default attend_splits; more than one is merged by the last).
-    Twin: hyper.attend (with keys[idx[t]] and allowed = idx[t] >= 0)."""
+    """Attention of q [n, heads, head_dim] (head_dim a multiple of 4) over each row's own key rows, keys
+    [rows, ld] (float32 or float16, ld a multiple of 4; each row the key and the value), with a sink logit
+    per head: row t's keys are the rows idx[t, j] (int32 [n, ldi]; -1: none) for j < cnt[t].
+    out [n, heads, head_dim]. splits: over how many blocks each (row, head)'s keys are dealt (default
+    attend_splits; more than one is merged by the last). Twin: hyper.attend (with keys[idx[t]] and
+    allowed = idx[t] >= 0)."""
     if not 0 < ldi <= ATTS_MAX_KEYS:
         raise ValueError(f"{ldi} keys a row: attend_rows takes 1 to {ATTS_MAX_KEYS}")
-    if not 0 < head_dim <= ATTS_MAX_D:
-        raise ValueError(f"head_dim {head_dim}: attend_rows takes 1 to {ATTS_MAX_D}")
+    if not 0 < head_dim <= ATTS_MAX_D or head_dim % 4:
+        raise ValueError(f"head_dim {head_dim}: attend_rows takes a multiple of 4 up to {ATTS_MAX_D}")
+    if ld % 4 or keys.ptr % (4 * keys.dtype.itemsize) or q.ptr % 16:
+        raise ValueError("attend_rows reads 4 columns at a time: the key rows' stride must be a multiple of 4 "
+                         "and the keys and q aligned to 4 elements")
     need(q, np.float32, n * heads * head_dim, "q")
     need(idx, np.int32, n * ldi, "idx")
     need(cnt, np.int32, n, "cnt")

@@ -1,5 +1,5 @@
 """Launchers of the decode matvecs: matvec.cu (the staged matvec, every type: `matvec`, `matvec_gated`,
-`matvec_post_norm`), matvec_k.cu (K-quant rows held column-resident: `matvec`'s kv2 path and the int8
+`matvec_groups`, `matvec_post_norm`), matvec_k.cu (K-quant rows held column-resident: `matvec`'s kv2 path and the int8
 `matvec_q8`) and stream_q8_0.cu (`matvec_stream_q8_0`, with `RowArgmax`). Twins: reference.linear and
 reference.linear_q8 over quants.dequantize(W); the gated ones act(x W_gate^T) * (x W_up^T)."""
 
@@ -125,6 +125,31 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
         k.launch(grid, (MATVEC_WARPS * 32,), w.data, I64(rb), w.rows, w.cols,
                  ptr_at(x, b0 * w.cols * 4), nb,
                  ptr_at(res, b0 * w.rows * 4) if res is not None else None, ptr_at(y, b0 * w.rows * 4), stream=stream)
+
+
+def matvec_groups_supported(w: QuantMatrix, groups: int) -> bool:
+    """Whether matvec_groups takes W as `groups` stacked matrices: 16-byte aligned rows (the staged
+    matvec's 16-byte path), whole groups of rows, columns in fours (each group's x row 16-byte aligned)."""
+    return w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0 and w.rows % groups == 0 and w.cols % 4 == 0
+
+
+def matvec_groups(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, groups: int,
+                  rows_per_warp: int | None = None, stream=None) -> None:
+    """y[g] = x[g] @ W_g^T for each group g at batch 1, in one launch (matvec.cu qmv_b1_r*_v16_groups):
+    W [groups * rank, cols] is the groups' matrices stacked, W_g its g-th rank rows; x [groups, cols];
+    y [groups, rank]. Twin: reference.linear of each group's row by its rows."""
+    if not matvec_groups_supported(w, groups):
+        raise ValueError(f"matvec_groups takes {groups} whole groups of 16-byte aligned rows of columns in fours; "
+                         f"W is {w.rows} x {w.cols} {w.type}")
+    rank = w.rows // groups
+    need(x, np.float32, groups * w.cols, "x")
+    need(y, np.float32, groups * rank, "y")
+    r = rows_per_warp or _pick_rows_per_warp(dev, w.rows)
+    if r not in (1, 2, 4):
+        raise ValueError("rows_per_warp must be 1, 2 or 4")
+    dev.kernel(f"matvec_{w.type}", f"qmv_b1_r{r}_v16_groups").launch(
+        (-(-rank // (MATVEC_WARPS * r)), groups), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), rank, w.cols,
+        I64(rank * w.row_bytes), x, I64(w.cols), y, I64(rank), stream=stream)
 
 
 def matvec_gated(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, act: str,

@@ -376,10 +376,13 @@ class HyperStep:
         # each group of heads through its own matrix
         G, rank = h.o_groups, h.o_lora_rank
         gw = H * D // G
-        ops.swap_rows(dev, self.att, self.grouped, a=n, b=G, width=gw, stream=st)  # [G, n, gw]
-        for g, wg in enumerate(lw.o_a):
-            self._linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n)
-        ops.swap_rows(dev, self.oa, self.oa2, a=G, b=n, width=rank, stream=st)  # [n, G * rank]
+        if n == 1 and ops.matvec_groups_supported(lw.o_a_all, G):  # one token's heads are [G, gw] already
+            ops.matvec_groups(dev, lw.o_a_all, self.att, self.oa2, groups=G, stream=st)
+        else:
+            ops.swap_rows(dev, self.att, self.grouped, a=n, b=G, width=gw, stream=st)  # [G, n, gw]
+            for g, wg in enumerate(lw.o_a):
+                self._linear(wg, self.grouped.view(g * n * gw, n * gw), self.oa.view(g * n * rank, n * rank), n)
+            ops.swap_rows(dev, self.oa, self.oa2, a=G, b=n, width=rank, stream=st)  # [n, G * rank]
         self._linear(lw.o_b, self.oa2, self.y, n)
         ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=cfg.hidden, stream=st)
 

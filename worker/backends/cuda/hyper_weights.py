@@ -34,6 +34,7 @@ class HyperLayer:
     kv: ops.QuantMatrix
     kv_norm: DeviceArray
     o_a: list[ops.QuantMatrix]  # one [rank, heads * head_dim / groups] a group of heads
+    o_a_all: ops.QuantMatrix  # the same, stacked [groups * rank, heads * head_dim / groups] (o_a its views)
     o_b: ops.QuantMatrix
     experts: ops.MoeWeights  # its router too
     shared_gate: ops.QuantMatrix
@@ -98,13 +99,13 @@ class _Reader(_Uploader):
         data = self.host_vector(name) * np.float32(scale)
         return ops.QuantMatrix.upload(self.dev, data, GGMLQuantizationType.F32, rows, cols)
 
-    def groups(self, name: str, groups: int) -> list[ops.QuantMatrix]:
-        """A grouped projection [groups * rank, width] as one matrix a group (views of one upload)."""
+    def groups(self, name: str, groups: int) -> tuple[ops.QuantMatrix, list[ops.QuantMatrix]]:
+        """A grouped projection [groups * rank, width]: the whole, and one matrix a group (views of it)."""
         whole = self.matrix(name)
         rank = whole.rows // groups
         nbytes = rank * whole.row_bytes
-        return [ops.QuantMatrix(whole.data.view(g * nbytes, nbytes), whole.type, rank, whole.cols, stride=whole.stride)
-                for g in range(groups)]
+        return whole, [ops.QuantMatrix(whole.data.view(g * nbytes, nbytes), whole.type, rank, whole.cols,
+                                       stride=whole.stride) for g in range(groups)]
 
 
 def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
@@ -122,13 +123,14 @@ def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
                 rd.device_vector(name(f"{role}_base")))
 
     hashed = li < h.hash_layers
+    o_a_all, o_a = rd.groups(name("o_a"), h.o_groups)
     lw = HyperLayer(
         ratio=ratio, attn_mix=mix("attn_mix"), ffn_mix=mix("ffn_mix"),
         attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
         sinks=rd.device_vector(name("sinks")),
         q_a=rd.matrix(name("q_a")), q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
-        kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=rd.groups(name("o_a"), h.o_groups),
-        o_b=rd.matrix(name("o_b")),
+        kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=o_a,
+        o_a_all=o_a_all, o_b=rd.matrix(name("o_b")),
         experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
         shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
         shared_down=rd.matrix(name("shared_down")),
