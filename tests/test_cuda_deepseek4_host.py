@@ -174,6 +174,27 @@ def test_a_one_token_step_reads_the_token_row_itself(step, model):
     # gate|up read the token's row; down reads each pair's activations
     assert all("x_per_pair=False" in c for c in mv[0::2]) and not any("x_per_pair=False" in c for c in mv[1::2])
     assert all("n=1" in c for c in rec.calls if c.startswith("attend_rows("))
+    # the token's heads through their groups' matrices in one launch a layer, not one a group and two swaps
+    L = model.config.n_layers
+    assert count(rec.calls, "matvec_groups") == L and count(rec.calls, "swap_rows") == 0
+    assert all(f"groups={model.config.hyper.o_groups}" in c for c in rec.calls if c.startswith("matvec_groups("))
+
+
+def test_the_shared_experts_gate_and_up_are_one_matmul(step, model):
+    """Gate and up of the same type are stacked in one upload; the step makes both in one matmul and the
+    clamped SwiGLU reads its halves."""
+    f, rec = step
+    layers = f.w.layers
+    assert all(lw.shared_gate_up is not None for lw in layers)
+    lw = layers[0]
+    assert lw.shared_gate_up.rows == 2 * lw.shared_gate.rows  # type: ignore[union-attr]
+    assert lw.shared_up.data.ptr == lw.shared_gate.data.ptr + lw.shared_gate.rows * lw.shared_gate.row_bytes
+    f.run([SeqChunk(np.array([5], np.int32), 200, list(range(13)), "last")])
+    ffs = lw.shared_gate.rows
+    L = model.config.n_layers
+    assert count(rec.calls, "clamped_swiglu") == 2 * L  # the shared expert's, the routed experts'
+    shared = [c for c in rec.calls if c.startswith("clamped_swiglu(") and "n=1," in c]  # the routed: n=k pairs
+    assert len(shared) == L and all(f"ffn={ffs}," in c and f"ldg={2 * ffs}," in c for c in shared)
 
 
 # -- the whole step on the CPU: its launchers computed in numpy (tests/cuda_emulator.py) -------------------

@@ -41,9 +41,7 @@ class MtpWeights:
     head_out: ops.QuantMatrix
 
     def matrices(self) -> list[ops.QuantMatrix]:
-        lw = self.layer
-        return [self.eh_proj, lw.attn_mix[0], lw.ffn_mix[0], lw.q_a, lw.q_b, lw.kv, *lw.o_a, lw.o_b,
-                lw.experts.router, lw.shared_gate, lw.shared_up, lw.shared_down]
+        return [self.eh_proj, *self.layer.matmuls()]
 
 
 def upload_mtp_weights(dev: Device, trunk_file: GGUFFile, own_file: GGUFFile | None, config: ModelConfig,

@@ -109,6 +109,7 @@ class HyperStep:
         di, ih = h.indexer_dim, h.indexer_heads
         self.ikv, self.isc, self.iq, self.iw = e((R * 2 * di,)), e((R * 2 * di,)), e((R * ih * di,)), e((R * ih,))
         self.sg, self.su, self.ysh = e((R * ffn_shared,)), e((R * ffn_shared,)), e((R * hid,))
+        self.sgu = e((R * 2 * ffn_shared,))  # [gate | up] a row, where the layer stacks them
         self.moe = ops.MoeScratch.alloc(self.dev, R, self.w.layers[0].experts.experts, cfg.n_experts_used, hid, ffn,
                                         apart=True)
         self.logits = e((R * cfg.vocab_size,))
@@ -484,9 +485,14 @@ class HyperStep:
         self._mix(lw.ffn_mix, n)
         ops.rms_norm(dev, self.a, lw.ffn_norm, self.hn, eps=cfg.norm_eps, rows=n, cols=hid, stream=st)
         ffs = lw.shared_gate.rows
-        self._linear(lw.shared_gate, self.hn, self.sg, n)
-        self._linear(lw.shared_up, self.hn, self.su, n)
-        ops.clamped_swiglu(dev, self.sg, self.su, self.sg, n=n, ffn=ffs, limit=lw.clamp_shared, stream=st)
+        if lw.shared_gate_up is not None:  # [gate | up] in one matmul
+            self._linear(lw.shared_gate_up, self.hn, self.sgu, n)
+            ops.clamped_swiglu(dev, self.sgu, self.sgu.view(ffs, self.sgu.size - ffs), self.sg, n=n, ffn=ffs,
+                               limit=lw.clamp_shared, ldg=2 * ffs, ldu=2 * ffs, stream=st)
+        else:
+            self._linear(lw.shared_gate, self.hn, self.sg, n)
+            self._linear(lw.shared_up, self.hn, self.su, n)
+            ops.clamped_swiglu(dev, self.sg, self.su, self.sg, n=n, ffn=ffs, limit=lw.clamp_shared, stream=st)
         self._linear(lw.shared_down, self.sg, self.ysh, n)
 
         ex = lw.experts

@@ -40,6 +40,9 @@ class HyperLayer:
     shared_gate: ops.QuantMatrix
     shared_up: ops.QuantMatrix
     shared_down: ops.QuantMatrix
+    # the shared expert's gate and up stacked [gate; up] in one upload where they stack (shared_gate and
+    # shared_up then its views): one matmul makes both
+    shared_gate_up: ops.QuantMatrix | None
     clamp: float  # the routed experts' SwiGLU limit (0: none)
     clamp_shared: float
     select_bias: DeviceArray | None = None  # learned routing's selection bias (None: hash-routed)
@@ -50,6 +53,17 @@ class HyperLayer:
     indexer: tuple[ops.QuantMatrix, ops.QuantMatrix, DeviceArray, DeviceArray] | None = None
     indexer_q_b: ops.QuantMatrix | None = None
     indexer_proj: ops.QuantMatrix | None = None
+
+    def matmuls(self) -> list[ops.QuantMatrix]:
+        """The matrices the step multiplies by through its matmuls (their largest sizes the tensor cores'
+        scratch)."""
+        shared = [self.shared_gate_up] if self.shared_gate_up is not None else [self.shared_gate, self.shared_up]
+        out = [self.attn_mix[0], self.ffn_mix[0], self.q_a, self.q_b, self.kv, *self.o_a, self.o_b,
+               self.experts.router, *shared, self.shared_down]
+        out += [m for m in (self.indexer_q_b, self.indexer_proj) if m is not None]
+        for part in (self.compressor, self.indexer):
+            out += [part[0], part[1]] if part is not None else []
+        return out
 
 
 @dataclass
@@ -66,11 +80,7 @@ class HyperWeights:
     def matrices(self) -> list[ops.QuantMatrix]:
         out = [self.token_embd, self.output, self.output_mix[0]]
         for lw in self.layers:
-            out += [lw.attn_mix[0], lw.ffn_mix[0], lw.q_a, lw.q_b, lw.kv, *lw.o_a, lw.o_b, lw.experts.router,
-                    lw.shared_gate, lw.shared_up, lw.shared_down]
-            out += [m for m in (lw.indexer_q_b, lw.indexer_proj) if m is not None]
-            for part in (lw.compressor, lw.indexer):
-                out += [part[0], part[1]] if part is not None else []
+            out += lw.matmuls()
         return out
 
 
@@ -102,10 +112,27 @@ class _Reader(_Uploader):
     def groups(self, name: str, groups: int) -> tuple[ops.QuantMatrix, list[ops.QuantMatrix]]:
         """A grouped projection [groups * rank, width]: the whole, and one matrix a group (views of it)."""
         whole = self.matrix(name)
-        rank = whole.rows // groups
-        nbytes = rank * whole.row_bytes
-        return whole, [ops.QuantMatrix(whole.data.view(g * nbytes, nbytes), whole.type, rank, whole.cols,
-                                       stride=whole.stride) for g in range(groups)]
+        return whole, _split_rows(whole, [whole.rows // groups] * groups)
+
+    def gate_up(self, gate: str, up: str) -> tuple[ops.QuantMatrix | None, ops.QuantMatrix, ops.QuantMatrix]:
+        """A gate and an up matrix: stacked in one upload where they stack (the whole, then its two views),
+        else apart (None, gate, up)."""
+        if not self.stackable([gate, up]):
+            return None, self.matrix(gate), self.matrix(up)
+        whole = self.stacked([gate, up])
+        half = whole.rows // 2
+        g, u = _split_rows(whole, [half, half])
+        return whole, g, u
+
+
+def _split_rows(whole: ops.QuantMatrix, rows: list[int]) -> list[ops.QuantMatrix]:
+    """Consecutive blocks of whole's rows, each a matrix viewing its bytes."""
+    out, at = [], 0
+    for r in rows:
+        nbytes = r * whole.row_bytes
+        out.append(ops.QuantMatrix(whole.data.view(at, nbytes), whole.type, r, whole.cols, stride=whole.stride))
+        at += nbytes
+    return out
 
 
 def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
@@ -124,6 +151,7 @@ def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
 
     hashed = li < h.hash_layers
     o_a_all, o_a = rd.groups(name("o_a"), h.o_groups)
+    shared_gate_up, shared_gate, shared_up = rd.gate_up(name("shared_gate"), name("shared_up"))
     lw = HyperLayer(
         ratio=ratio, attn_mix=mix("attn_mix"), ffn_mix=mix("ffn_mix"),
         attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
@@ -132,8 +160,8 @@ def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
         kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=o_a,
         o_a_all=o_a_all, o_b=rd.matrix(name("o_b")),
         experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
-        shared_gate=rd.matrix(name("shared_gate")), shared_up=rd.matrix(name("shared_up")),
-        shared_down=rd.matrix(name("shared_down")),
+        shared_gate=shared_gate, shared_up=shared_up, shared_down=rd.matrix(name("shared_down")),
+        shared_gate_up=shared_gate_up,
         clamp=float(h.swiglu_clamp_exp[li]), clamp_shared=float(h.swiglu_clamp_shexp[li]),
         select_bias=None if hashed else rd.device_vector(name("router_select_bias")),
         token_experts=(rd.dev.to_device(np.ascontiguousarray(rd.g.raw(name("token_to_experts")).view("<i4")))
