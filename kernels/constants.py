@@ -79,6 +79,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "BLOCK_BYTES_MXFP4": 17,
     # matvec.cu (the staged matvec)
     "MATVEC_WARPS": 4,  # warps a block
+    "FAN_MAX": 6,  # matrices one fan-out matvec makes at once (matvec.cu qmv_b1_r*_v16_fan)
     "QMOC_RPB": 16,  # rows a block of the column-resident grouped matvec (matvec.cu qmoc_b1)
     "QMOC_MAX_WARPS": 8,  # its warps at most, 1024 columns each (a thread 32): rows of at most 8192 (wider: qmoe_b1)
     "XPRO_COLS": 1024,  # columns of x a qmvx / qmvgx block makes itself: 8 a thread

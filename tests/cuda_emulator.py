@@ -182,6 +182,13 @@ class EmuOps:
         _put(y, n, w.rows, None, out)
 
     @staticmethod
+    def matvec_fan(dev, w, x, outs, *, rows, stream=None):
+        assert real_ops.matvec_fan_supported(dev, w, rows)
+        out = _rows(x, 1, w.cols) @ dense(w).T
+        for y, lo, hi in zip(outs, np.cumsum([0, *rows[:-1]]), np.cumsum(rows), strict=True):
+            _put(y, 1, hi - lo, None, out[:, lo:hi])
+
+    @staticmethod
     def matvec_groups(dev, w, x, y, *, groups, stream=None):
         assert real_ops.matvec_groups_supported(w, groups)
         rank = w.rows // groups

@@ -176,6 +176,13 @@ def test_a_one_token_step_reads_the_token_row_itself(step, model):
     assert all("n=1" in c for c in rec.calls if c.startswith("attend_rows("))
     # the token's heads through their groups' matrices in one launch a layer, not one a group and two swaps
     L = model.config.n_layers
+    # what reads the attention's input (the key row, the query, the compressors' rows): one launch a layer
+    fans = [c for c in rec.calls if c.startswith("matvec_fan(")]
+    assert len(fans) == L
+    for li, c in enumerate(fans):
+        ratio = model.config.hyper.compress_ratios[li]
+        rows = c.split("rows=(")[1].split(")")[0].split(",")
+        assert len(rows) == 2 + 2 * bool(ratio) + 2 * (ratio == 4), c
     assert count(rec.calls, "matvec_groups") == L and count(rec.calls, "swap_rows") == 0
     assert all(f"groups={model.config.hyper.o_groups}" in c for c in rec.calls if c.startswith("matvec_groups("))
 

@@ -121,6 +121,28 @@ def test_matvec_groups_is_each_groups_own_matvec(dev, rng, tname):
         ops.matvec_groups(dev, w, dev.to_device(x), y, groups=7)
 
 
+@pytest.mark.parametrize("tname", ["f32", "q8_0", "q4_k"])
+def test_matvec_fan_writes_each_stacked_matrix_to_its_own_output(dev, rng, tname):
+    """Matrices of one input stacked in one upload, made at batch 1 in one launch, each into its own
+    array (DeepSeek V4's key row, query and compressor rows): sizes that allow 4, 2 and 1 rows a warp."""
+    cols = 2304
+    for rows in ([512, 1024, 256], [8, 24, 8, 40, 16, 8], [4, 12]):
+        w, raw, wf = upload_matrix(dev, rng, tname, sum(rows), cols)
+        assert ops.matvec_fan_supported(dev, w, rows)
+        x = rng.normal(0, 1, cols).astype(np.float32)
+        ref = wf.astype(np.float64) @ x.astype(np.float64)
+        outs = [dev.empty((r,)) for r in rows]
+        for y in outs:
+            y.poison()
+        ops.matvec_fan(dev, w, dev.to_device(x), outs, rows=rows)
+        lo = 0
+        for y, r in zip(outs, rows, strict=True):
+            assert rel_err(y.to_host(), ref[lo : lo + r]) < FP32_BAR, (tname, rows, r)
+            lo += r
+    assert not ops.matvec_fan_supported(dev, w, [6, 10])  # not a whole number of warps' rows each
+    assert not ops.matvec_fan_supported(dev, w, [4] * 7)  # more than FAN_MAX
+
+
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
 @pytest.mark.parametrize("n,unroll,prefetch", [(1, 4, False), (1, 8, False), (2, 2, False), (2, 4, False),
                                                (1, 2, True), (1, 4, True), (2, 2, True)])

@@ -303,6 +303,30 @@ QMV(1, 1, 2) QMV(2, 1, 2) QMV(4, 1, 2) QMV(8, 1, 2)
     }
 QMV_GROUPS(1) QMV_GROUPS(2) QMV_GROUPS(4)
 
+// Several matrices that read one x, stacked in W, at batch 1 in one launch, each into its own y: matrix s
+// is W's rows [e_{s-1}, e_s) (e_{-1} = 0; a matrix not given ends at rows) and goes to y_s. Each matrix's
+// rows are a multiple of a block's (MATVEC_WARPS * R), so a block's rows belong to one matrix, whose y it
+// writes at the matrix's own row numbers. (DeepSeek V4: the one KV head's row, the low-rank query, the
+// compressor's and the indexer's rows, all of the attention's input: six launches that mostly waited.)
+#define FAN_ARGS(s) float *y##s, int e##s
+#define QMV_FAN(R)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                         \
+        qmv_b1_r##R##_v16_fan(const u8* __restrict__ W, i64 row_bytes, int rows, int cols,                  \
+                              const float* __restrict__ x, FAN_ARGS(0), FAN_ARGS(1), FAN_ARGS(2),          \
+                              FAN_ARGS(3), FAN_ARGS(4), FAN_ARGS(5)) {                                     \
+        static_assert(FAN_MAX == 6, "the fan-out's arguments");                                             \
+        const int row0 = blockIdx.x * MATVEC_WARPS * R;                                                    \
+        float* y = y0;                                                                                     \
+        int start = 0, end = e0;                                                                           \
+        if (row0 >= e0) y = y1, start = e0, end = e1;                                                      \
+        if (row0 >= e1) y = y2, start = e1, end = e2;                                                      \
+        if (row0 >= e2) y = y3, start = e2, end = e3;                                                      \
+        if (row0 >= e3) y = y4, start = e3, end = e4;                                                      \
+        if (row0 >= e4) y = y5, start = e4, end = e5;                                                      \
+        qmv<1, R, 16>(W, row_bytes, min(end, rows), cols, x, 1, nullptr, y - start);                        \
+    }
+QMV_FAN(1) QMV_FAN(2) QMV_FAN(4)
+
 // R wide rows a block, their chunks shared by the block's warps (16-byte rows; chunks loaded SplitVec wide)
 #define QMVS(R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32)                                      \

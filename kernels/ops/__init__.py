@@ -56,6 +56,7 @@ from .hyper import (
 from .kv_copy import kv_gather, kv_scatter
 from .matmul import HALF_KINDS, gemm, gemm_splitk_bytes, gemm_splits, linear_tc, to_half
 from .matvecs import (
+    FAN_MAX,
     KQ8_ACTIVATIONS,
     KQ8_DEFAULT,
     KQ8_MAX_ROWS,
@@ -74,6 +75,8 @@ from .matvecs import (
     kq8_supported,
     kv2_supported,
     matvec,
+    matvec_fan,
+    matvec_fan_supported,
     matvec_gated,
     matvec_gated_supported,
     matvec_groups,
@@ -164,9 +167,10 @@ __all__ = [
     "DecodePrologue", "PostNorm", "QuantMatrix", "RowArgmax", "SampleParams",
     # matvec
     "KQ8_ACTIVATIONS", "KQ8_DEFAULT", "KQ8_MAX_ROWS", "KQ8_TYPES", "KQ8_VARIANTS", "KV2_MAX_COLS", "KV2_PREFETCH",
-    "KV2_TYPES",
+    "KV2_TYPES", "FAN_MAX",
     "MATVEC_WARPS", "SQ_MAX_ROW_BYTES", "SQ_ROWS", "SQ_WARPS", "XPRO_COLS",
-    "kq8_supported", "kv2_supported", "matvec", "matvec_gated", "matvec_gated_supported", "matvec_groups",
+    "kq8_supported", "kv2_supported", "matvec", "matvec_fan", "matvec_fan_supported", "matvec_gated",
+    "matvec_gated_supported", "matvec_groups",
     "matvec_groups_supported", "matvec_post_norm",
     "matvec_q8", "matvec_stream_q8_0", "post_norm_supported", "repack_q6_k", "row_nbytes", "stream_q8_0_smem",
     "stream_q8_0_supported",

@@ -1,7 +1,8 @@
 """Launchers of the decode matvecs: matvec.cu (the staged matvec, every type: `matvec`, `matvec_gated`,
-`matvec_groups`, `matvec_post_norm`), matvec_k.cu (K-quant rows held column-resident: `matvec`'s kv2 path and the int8
-`matvec_q8`) and stream_q8_0.cu (`matvec_stream_q8_0`, with `RowArgmax`). Twins: reference.linear and
-reference.linear_q8 over quants.dequantize(W); the gated ones act(x W_gate^T) * (x W_up^T)."""
+`matvec_groups`, `matvec_fan`, `matvec_post_norm`), matvec_k.cu (K-quant rows held column-resident:
+`matvec`'s kv2 path and the int8 `matvec_q8`) and stream_q8_0.cu (`matvec_stream_q8_0`, with `RowArgmax`).
+Twins: reference.linear and reference.linear_q8 over quants.dequantize(W); the gated ones
+act(x W_gate^T) * (x W_up^T)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,44 @@ def matvec_groups(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *
     dev.kernel(f"matvec_{w.type}", f"qmv_b1_r{r}_v16_groups").launch(
         (-(-rank // (MATVEC_WARPS * r)), groups), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), rank, w.cols,
         I64(rank * w.row_bytes), x, I64(w.cols), y, I64(rank), stream=stream)
+
+
+FAN_MAX = KERNEL_CONSTANTS["FAN_MAX"]
+
+
+def _fan_rows_per_warp(dev: Device, w: QuantMatrix, rows: list[int]) -> int | None:
+    """The rows a warp of matvec_fan, as the plain matvec picks them, fewer where a matrix's rows are not a
+    whole number of blocks; None where not even one a warp fits."""
+    best = _pick_rows_per_warp(dev, w.rows)
+    return next((r for r in (4, 2, 1) if r <= best and all(n % (MATVEC_WARPS * r) == 0 for n in rows)), None)
+
+
+def matvec_fan_supported(dev: Device, w: QuantMatrix, rows: list[int]) -> bool:
+    """Whether matvec_fan makes these stacked matrices: at most FAN_MAX of them, their rows W's, each a
+    multiple of MATVEC_WARPS; 16-byte aligned rows of columns in fours."""
+    return (0 < len(rows) <= FAN_MAX and sum(rows) == w.rows and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
+            and w.cols % 4 == 0 and _fan_rows_per_warp(dev, w, rows) is not None)
+
+
+def matvec_fan(dev: Device, w: QuantMatrix, x: DeviceArray, outs: list[DeviceArray], *, rows: list[int],
+               stream=None) -> None:
+    """outs[i] = x @ W_i^T for one row of x, W [sum(rows), cols] the matrices W_i (rows[i] rows each)
+    stacked, in one launch (matvec.cu qmv_b1_r*_v16_fan). Twin: reference.linear by each W_i."""
+    if len(outs) != len(rows) or not matvec_fan_supported(dev, w, rows):
+        raise ValueError(f"matvec_fan takes 1 to {FAN_MAX} stacked matrices of a multiple of {MATVEC_WARPS} rows "
+                         f"each, with an output each; got rows {rows} of W {w.rows} x {w.cols} {w.type} and "
+                         f"{len(outs)} outputs")
+    need(x, np.float32, w.cols, "x")
+    for y, n in zip(outs, rows, strict=True):
+        need(y, np.float32, n, "an output")
+    r = _fan_rows_per_warp(dev, w, rows)
+    assert r is not None
+    ends = list(np.cumsum(rows)) + [w.rows] * (FAN_MAX - len(rows))
+    ys = outs + [outs[-1]] * (FAN_MAX - len(outs))  # past the last matrix: never chosen
+    args = [a for y, e in zip(ys, ends, strict=True) for a in (y, int(e))]
+    dev.kernel(f"matvec_{w.type}", f"qmv_b1_r{r}_v16_fan").launch(
+        (-(-w.rows // (MATVEC_WARPS * r)),), (MATVEC_WARPS * 32,), w.data, I64(w.row_bytes), w.rows, w.cols, x,
+        *args, stream=stream)
 
 
 def matvec_gated(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: int, act: str,

@@ -345,22 +345,44 @@ class HyperStep:
         ops.store_rows(self.dev, src, slots, self.pool.view(col.start, self.pool.size - col.start), n=n, width=width,
                        lds=width, ldd=self.width, ape=ape, stream=self.stream)
 
-    def _key_row(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray) -> None:
+    def _key_row(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray, *, fan: bool = False) -> bool:
         """The attention's input (self.hn, from the streams' mix: self.post, self.comb) and the one KV head's
-        row of each position (self.kvr, normed, RoPE on its tail)."""
+        row of each position (self.kvr, normed, RoPE on its tail). fan: every projection of self.hn at once
+        where _fan_out can (then the query's and the compressors' rows are made too): whether it did."""
         cfg, dev, st, eps, D = self.config, self.dev, self.stream, self.config.norm_eps, self.config.head_dim
         self._mix(lw.attn_mix, n)
         ops.rms_norm(dev, self.a, lw.attn_norm, self.hn, eps=eps, rows=n, cols=cfg.hidden, stream=st)
-        self._linear(lw.kv, self.hn, self.kvr, n)
+        fanned = fan and self._fan_out(lw, n)
+        if not fanned:
+            self._linear(lw.kv, self.hn, self.kvr, n)
         ops.rms_norm(dev, self.kvr, lw.kv_norm, self.kvr, eps=eps, rows=n, cols=D, stream=st)
         self._rope_tail(self.kvr, pos, freqs, n=n, heads=1, dim=D)
+        return fanned
 
-    def _query(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray) -> None:
-        """The low-rank query from self.hn (its normed rank rows, self.qa, the indexer reads too), its heads
-        normed, RoPE on their tails: self.q."""
+    def _fan_out(self, lw: HyperLayer, n: int) -> bool:
+        """At batch 1, what reads self.hn in the attention (its key row, its low-rank query, its compressor's and
+        indexer's rows: self.kvr, self.qa, self.ckv, self.csc, self.ikv, self.isc) in one launch, where the layer
+        stacks them (HyperLayer.attn_in): whether it did."""
+        if n != 1 or lw.attn_in is None:
+            return False
+        mats, outs = [lw.kv, lw.q_a], [self.kvr, self.qa]
+        for part, made in ((lw.compressor, (self.ckv, self.csc)), (lw.indexer, (self.ikv, self.isc))):
+            if part is not None:
+                mats += part[:2]
+                outs += made
+        rows = [m.rows for m in mats]
+        if not ops.matvec_fan_supported(self.dev, lw.attn_in, rows):
+            return False
+        ops.matvec_fan(self.dev, lw.attn_in, self.hn, outs, rows=rows, stream=self.stream)
+        return True
+
+    def _query(self, lw: HyperLayer, n: int, pos: DeviceArray, freqs: DeviceArray, *, fanned: bool = False) -> None:
+        """The low-rank query from self.hn (its normed rank rows, self.qa, the indexer reads too; fanned: made by
+        _fan_out already), its heads normed, RoPE on their tails: self.q."""
         cfg, h, dev, st, eps = self.config, self.h, self.dev, self.stream, self.config.norm_eps
         H, D = cfg.n_heads, cfg.head_dim
-        self._linear(lw.q_a, self.hn, self.qa, n)
+        if not fanned:
+            self._linear(lw.q_a, self.hn, self.qa, n)
         ops.rms_norm(dev, self.qa, lw.q_a_norm, self.qa, eps=eps, rows=n, cols=h.q_lora_rank, stream=st)
         self._linear(lw.q_b, self.qa, self.q, n)
         ops.rms_norm(dev, self.q, self.w.ones, self.q, eps=eps, rows=n * H, cols=D, heads=H, stream=st)
@@ -392,21 +414,23 @@ class HyperStep:
         D, W = cfg.head_dim, self.width
         ratio, cols = lw.ratio, self.columns[li]
         freqs = self.w.rope_compressed if ratio else self.w.rope_window
-        self._key_row(lw, n, inp.pos, freqs)
-        self._query(lw, n, inp.pos, freqs)
+        fanned = self._key_row(lw, n, inp.pos, freqs, fan=True)
+        self._query(lw, n, inp.pos, freqs, fanned=fanned)
         # the key row, and the compressors' rows, into the pool
         self._store(self.kvr, cols["kv"], inp.slots, n)
         if lw.compressor is not None:
             ckv, cgate, ape, _ = lw.compressor
-            self._linear(ckv, self.hn, self.ckv, n)
+            if not fanned:
+                self._linear(ckv, self.hn, self.ckv, n)
+                self._linear(cgate, self.hn, self.csc, n)
             self._store(self.ckv, cols["c_kv"], inp.slots, n)
-            self._linear(cgate, self.hn, self.csc, n)
             self._store(self.csc, cols["c_score"], inp.slots, n, ape=(ape, inp.pos, ratio))
         if lw.indexer is not None:
             ikv, igate, iape, _ = lw.indexer
-            self._linear(ikv, self.hn, self.ikv, n)
+            if not fanned:
+                self._linear(ikv, self.hn, self.ikv, n)
+                self._linear(igate, self.hn, self.isc, n)
             self._store(self.ikv, cols["i_kv"], inp.slots, n)
-            self._linear(igate, self.hn, self.isc, n)
             self._store(self.isc, cols["i_score"], inp.slots, n, ape=(iape, inp.pos, ratio))
             assert lw.indexer_q_b is not None and lw.indexer_proj is not None
             self._linear(lw.indexer_q_b, self.qa, self.iq, n)

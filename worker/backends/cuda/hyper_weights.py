@@ -33,6 +33,10 @@ class HyperLayer:
     q_b: ops.QuantMatrix
     kv: ops.QuantMatrix
     kv_norm: DeviceArray
+    # what reads the attention's input (kv, q_a, and a compressed layer's compressor's and indexer's value and
+    # score matrices, in that order) stacked in one upload where they stack, those then its views: a batch-1
+    # step makes all their rows in one launch (ops.matvec_fan)
+    attn_in: ops.QuantMatrix | None
     o_a: list[ops.QuantMatrix]  # one [rank, heads * head_dim / groups] a group of heads
     o_a_all: ops.QuantMatrix  # the same, stacked [groups * rank, heads * head_dim / groups] (o_a its views)
     o_b: ops.QuantMatrix
@@ -114,15 +118,13 @@ class _Reader(_Uploader):
         whole = self.matrix(name)
         return whole, _split_rows(whole, [whole.rows // groups] * groups)
 
-    def gate_up(self, gate: str, up: str) -> tuple[ops.QuantMatrix | None, ops.QuantMatrix, ops.QuantMatrix]:
-        """A gate and an up matrix: stacked in one upload where they stack (the whole, then its two views),
-        else apart (None, gate, up)."""
-        if not self.stackable([gate, up]):
-            return None, self.matrix(gate), self.matrix(up)
-        whole = self.stacked([gate, up])
-        half = whole.rows // 2
-        g, u = _split_rows(whole, [half, half])
-        return whole, g, u
+    def fan(self, names: list[str]) -> tuple[ops.QuantMatrix | None, list[ops.QuantMatrix]]:
+        """Matrices that read one input: stacked in one upload where they stack (the whole, and each a view
+        of it), else apart (None, and each)."""
+        if not self.stackable(names):
+            return None, [self.matrix(n) for n in names]
+        whole = self.stacked(names)
+        return whole, _split_rows(whole, [int(self.info(n).shape[1]) for n in names])
 
 
 def _split_rows(whole: ops.QuantMatrix, rows: list[int]) -> list[ops.QuantMatrix]:
@@ -151,13 +153,19 @@ def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
 
     hashed = li < h.hash_layers
     o_a_all, o_a = rd.groups(name("o_a"), h.o_groups)
-    shared_gate_up, shared_gate, shared_up = rd.gate_up(name("shared_gate"), name("shared_up"))
+    shared_gate_up, (shared_gate, shared_up) = rd.fan([name("shared_gate"), name("shared_up")])
+    # what reads the attention's input, in HyperLayer.attn_in's order
+    indexed = ratio == 4 and name("indexer_q_b") in rd.g.tensors
+    readers = ["kv", "q_a"] + ["compressor_kv", "compressor_gate"] * bool(ratio)
+    readers += ["indexer_compressor_kv", "indexer_compressor_gate"] * indexed
+    attn_in, inputs = rd.fan([name(r) for r in readers])
+    m = dict(zip(readers, inputs, strict=True))
     lw = HyperLayer(
         ratio=ratio, attn_mix=mix("attn_mix"), ffn_mix=mix("ffn_mix"),
         attn_norm=rd.device_vector(name("attn_norm")), ffn_norm=rd.device_vector(name("ffn_norm")),
         sinks=rd.device_vector(name("sinks")),
-        q_a=rd.matrix(name("q_a")), q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
-        kv=rd.matrix(name("kv")), kv_norm=rd.device_vector(name("kv_norm")), o_a=o_a,
+        q_a=m["q_a"], q_a_norm=rd.device_vector(name("q_a_norm")), q_b=rd.matrix(name("q_b")),
+        kv=m["kv"], kv_norm=rd.device_vector(name("kv_norm")), attn_in=attn_in, o_a=o_a,
         o_a_all=o_a_all, o_b=rd.matrix(name("o_b")),
         experts=rd.experts({r: name(r) for r in ("router", "gate_exps", "up_exps", "down_exps")}),  # no biases
         shared_gate=shared_gate, shared_up=shared_up, shared_down=rd.matrix(name("shared_down")),
@@ -167,10 +175,10 @@ def _layer(rd: _Reader, config: ModelConfig, li: int, ratio: int) -> HyperLayer:
         token_experts=(rd.dev.to_device(np.ascontiguousarray(rd.g.raw(name("token_to_experts")).view("<i4")))
                        if hashed else None))
     if ratio:
-        lw.compressor = (rd.matrix(name("compressor_kv")), rd.matrix(name("compressor_gate")),
+        lw.compressor = (m["compressor_kv"], m["compressor_gate"],
                          rd.device_vector(name("compressor_ape")), rd.device_vector(name("compressor_norm")))
-    if ratio == 4 and name("indexer_q_b") in rd.g.tensors:
-        lw.indexer = (rd.matrix(name("indexer_compressor_kv")), rd.matrix(name("indexer_compressor_gate")),
+    if indexed:
+        lw.indexer = (m["indexer_compressor_kv"], m["indexer_compressor_gate"],
                       rd.device_vector(name("indexer_compressor_ape")),
                       rd.device_vector(name("indexer_compressor_norm")))
         lw.indexer_q_b = rd.matrix(name("indexer_q_b"))
