@@ -140,7 +140,8 @@ def test_matvec_fan_writes_each_stacked_matrix_to_its_own_output(dev, rng, tname
             assert rel_err(y.to_host(), ref[lo : lo + r]) < FP32_BAR, (tname, rows, r)
             lo += r
     assert not ops.matvec_fan_supported(dev, w, [6, 10])  # not a whole number of warps' rows each
-    assert not ops.matvec_fan_supported(dev, w, [4] * 7)  # more than FAN_MAX
+    w, _, _ = upload_matrix(dev, rng, tname, 4 * (ops.FAN_MAX + 1), cols)
+    assert not ops.matvec_fan_supported(dev, w, [4] * (ops.FAN_MAX + 1))  # more than one launch makes
 
 
 @pytest.mark.parametrize("tname", ["q4_k", "q5_k"])
