@@ -22,81 +22,49 @@
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Sinkhorn on an N x N matrix held in registers, c[s][d] (source s, destination d), the first hc rows
-// and columns used: columns, then rows and columns in turn (hyper.hc_mix), each divided by its sum + eps
-// through one reciprocal. Every lane of the calling warp computes the same matrix: no shared memory and
-// no barrier between the steps (on a lane a row or a column through shared memory, the iterations were
-// most of a decode step's mix).
-template <int N>
-EMBER_DEV void sinkhorn_regs(float (&c)[N][N], int hc, int iters, float hc_eps) {
-    for (int it = 0; it < max(iters, 1); ++it) {
-        if (it > 0) {
-#pragma unroll
-            for (int r = 0; r < N; ++r) {
-                float sum = 0.0f;
-#pragma unroll
-                for (int d = 0; d < N; ++d) sum += d < hc ? c[r][d] : 0.0f;
-                const float inv = 1.0f / (sum + hc_eps);
-#pragma unroll
-                for (int d = 0; d < N; ++d) c[r][d] *= inv;
-            }
-        }
-#pragma unroll
-        for (int d = 0; d < N; ++d) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int r = 0; r < N; ++r) sum += r < hc ? c[r][d] : 0.0f;
-            const float inv = 1.0f / (sum + hc_eps);
-#pragma unroll
-            for (int r = 0; r < N; ++r) c[r][d] *= inv;
-        }
-    }
-}
-
-// comb from the mix logits (softmax over each source's destinations, + eps, then Sinkhorn), by every lane
-// of one warp, lanes < hc * hc storing it
-template <int N>
-EMBER_DEV void hc_comb(const float* m, float inv, const float* __restrict__ scale, const float* __restrict__ base,
-                       int hc, float hc_eps, int iters, float* __restrict__ comb_t) {
-    float c[N][N];
-#pragma unroll
-    for (int r = 0; r < N; ++r) {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int d = 0; d < N; ++d) {
-            const int i = 2 * hc + r * hc + d;
-            c[r][d] = r < hc && d < hc ? m[i] * inv * scale[2] + base[i] : NEG_INF;
-            mx = fmaxf(mx, c[r][d]);
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int d = 0; d < N; ++d) sum += (c[r][d] = d < hc && r < hc ? expf(c[r][d] - mx) : 0.0f);
-#pragma unroll
-        for (int d = 0; d < N; ++d) c[r][d] = d < hc && r < hc ? c[r][d] / sum + hc_eps : 0.0f;
-    }
-    sinkhorn_regs<N>(c, hc, iters, hc_eps);
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < N; ++r)
-#pragma unroll
-        for (int d = 0; d < N; ++d)
-            if (lane == r * hc + d && r < hc && d < hc) comb_t[lane] = c[r][d];
-}
-
 // From a token's mix logits m (not yet normalised) and the streams' inverse RMS inv: pre_s (shared) the
 // streams' input weights; unless head, post and comb (row s: the source stream's weights to each
-// destination), made by the block's first warp (hc_comb). Every thread of the block calls it; pre_s is
-// ready after its first barrier.
+// destination), Sinkhorn-normalised by the block's first warp (a lane a row, then a lane a column, in the
+// shared cm): serial on one thread, the Sinkhorn's iterations were most of a decode step's hc_pre. Every
+// thread of the block calls it; pre_s is ready after its first barrier.
 EMBER_DEV void hc_coefficients(const float* m, float inv, const float* __restrict__ scale,
                                const float* __restrict__ base, int hc, float hc_eps, int iters, int head, int t,
-                               float* pre_s, float* __restrict__ post, float* __restrict__ comb) {
+                               float* pre_s, float* cm, float* __restrict__ post, float* __restrict__ comb) {
     const int tid = threadIdx.x;
     if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
     __syncthreads();
     if (head || tid >= 32) return;
     if (tid < hc) post[(i64)t * hc + tid] = 2.0f * sigmoidf_(m[hc + tid] * inv * scale[1] + base[hc + tid]);
-    if (hc == 4) hc_comb<4>(m, inv, scale, base, hc, hc_eps, iters, comb + (i64)t * hc * hc);
-    else hc_comb<HC_MAX>(m, inv, scale, base, hc, hc_eps, iters, comb + (i64)t * hc * hc);
+    if (tid < hc) {  // lane s: a softmax over source s's destinations, + eps
+        const int s = tid;
+        float mx = NEG_INF;
+        for (int d = 0; d < hc; ++d) {
+            const int i = 2 * hc + s * hc + d;
+            cm[s * hc + d] = m[i] * inv * scale[2] + base[i];
+            mx = fmaxf(mx, cm[s * hc + d]);
+        }
+        float sum = 0.0f;
+        for (int d = 0; d < hc; ++d) sum += (cm[s * hc + d] = expf(cm[s * hc + d] - mx));
+        for (int d = 0; d < hc; ++d) cm[s * hc + d] = cm[s * hc + d] / sum + hc_eps;
+    }
+    __syncwarp();
+    for (int it = 0; it < max(iters, 1); ++it) {  // Sinkhorn: columns, then rows and columns
+        if (it > 0) {
+            if (tid < hc) {  // lane s: row s
+                float sum = 0.0f;
+                for (int d = 0; d < hc; ++d) sum += cm[tid * hc + d];
+                for (int d = 0; d < hc; ++d) cm[tid * hc + d] /= sum + hc_eps;
+            }
+            __syncwarp();
+        }
+        if (tid < hc) {  // lane d: column d
+            float sum = 0.0f;
+            for (int s = 0; s < hc; ++s) sum += cm[s * hc + tid];
+            for (int s = 0; s < hc; ++s) cm[s * hc + tid] /= sum + hc_eps;
+        }
+        __syncwarp();
+    }
+    for (int i = tid; i < hc * hc; i += 32) comb[(i64)t * hc * hc + i] = cm[i];
 }
 
 // x [n, hc, hidden] (token stride hc * hidden); raw [n, ldr]: the streams times the mix matrix, not yet
@@ -110,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
     grid_dependency_sync();
     __shared__ float scratch[33];
     __shared__ float pre_s[HC_MAX];
+    __shared__ float cm[HC_MAX * HC_MAX];  // [source][destination]
     const int t = blockIdx.x, tid = threadIdx.x;
     if (t >= n) return;
     const int width = hc * hidden;
@@ -129,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
         for (int c = tid; c < width; c += blockDim.x) ss = fmaf(xt[c], xt[c], ss);
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + eps);
-    hc_coefficients(raw + (i64)t * ldr, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, post, comb);
+    hc_coefficients(raw + (i64)t * ldr, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xt);
         float4* y4 = reinterpret_cast<float4*>(y + (i64)t * hidden);
@@ -170,6 +139,7 @@ extern "C" __global__ void __launch_bounds__(HCM_THREADS)
     __shared__ float red[HCM_THREADS / 32][MIX_MAX];
     __shared__ float msum[MIX_MAX];
     __shared__ float pre_s[HC_MAX];
+    __shared__ float cm[HC_MAX * HC_MAX];
     __shared__ bool last;
     const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (t >= n) return;
@@ -213,15 +183,14 @@ extern "C" __global__ void __launch_bounds__(HCM_THREADS)
     if (!last) return;
     __threadfence();
     const float* all = part + (i64)t * blocks * (m + 1);
-    for (int r = tid; r <= m; r += HCM_THREADS) {  // eight loads in flight (one at a time: a latency a block)
+    for (int r = tid; r <= m; r += HCM_THREADS) {
         float v = 0.0f;
-#pragma unroll 8
         for (int b = 0; b < blocks; ++b) v += __ldcg(all + (i64)b * (m + 1) + r);
         msum[r] = v;
     }
     __syncthreads();
     const float inv = 1.0f / sqrtf(msum[m] / (float)(hc * hidden) + eps);
-    hc_coefficients(msum, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, post, comb);
+    hc_coefficients(msum, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
     if (tid < hc) pre[(i64)t * hc + tid] = pre_s[tid];
     if (tid == 0) count[t] = 0u;  // ready for the next launch (a graph's replay)
 }
