@@ -20,7 +20,7 @@ extern "C" __global__ void rope_f32(float* q, i64 ldq, int hq, float* k, i64 ldk
     rope_table(cs, sn, pos[t], inv_freq, half, mscale);
     __syncthreads();
     const int total = (hq + hk) * half;
-    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+    for (int idx = blockIdx.y * blockDim.x + threadIdx.x; idx < total; idx += gridDim.y * blockDim.x) {
         const int h = idx / half, i = idx % half;
         const float c = cs[i], s = inverse ? -sn[i] : sn[i];
         const int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;

@@ -89,9 +89,13 @@ def rope(dev: Device, q: DeviceArray, k: DeviceArray | None, pos: DeviceArray, i
     hk = hk if k is not None else 0
     if head_dim // 2 > ROPE_MAX_HALF:
         raise ValueError(f"head_dim above {2 * ROPE_MAX_HALF} is not supported by the rope kernel")
-    threads = min(256, max(32, -(-((hq + hk) * head_dim // 2) // 32) * 32))
+    pairs = (hq + hk) * (head_dim // 2)
+    threads = min(256, max(32, -(-pairs // 32) * 32))
+    # a token's pairs over several blocks where the tokens are few (a decode's 64 heads: one block walked
+    # its 2,048 pairs in 8 rounds, each waiting on its loads), each block making its own cos/sin table
+    chunks = max(1, min(-(-pairs // threads), 4 * dev.sm_count // max(n, 1)))
     dev.kernel("rope", "rope_f32").launch(
-        (n,), (threads,), q, I64(ldq), hq, k, I64(ldk), hk, pos, inv_freq, n, head_dim,
+        (n, chunks), (threads,), q, I64(ldq), hq, k, I64(ldk), hk, pos, inv_freq, n, head_dim,
         1 if neox else 0, F32(mscale), I64(hs), int(inverse), stream=stream
     )
 
