@@ -134,6 +134,14 @@ extern "C" __global__ void __launch_bounds__(HCM_THREADS)
                 const float* __restrict__ base, int n, int hc, int hidden, float eps, float hc_eps, int iters,
                 int head, float* part, u32* count, float* __restrict__ pre, float* __restrict__ post,
                 float* __restrict__ comb) {
+    {  // the mix weights depend on no earlier kernel: this block's columns of them into L2 while it finishes
+        const int c0 = blockIdx.x * HCM_THREADS, rows = head ? hc : (2 + hc) * hc;
+        const int bytes = 4 * min(HCM_THREADS, hidden - c0);
+        for (int i = threadIdx.x; blockIdx.y == 0 && i < rows * hc; i += blockDim.x) {
+            const float* p = fn + (i / hc) * ldf + (i64)(i % hc) * hidden + c0;
+            if ((reinterpret_cast<u64>(p) & 15) == 0 && bytes % 16 == 0) l2_prefetch(p, bytes);
+        }
+    }
     grid_dependency_sync();
     constexpr int MIX_MAX = (2 + HC_MAX) * HC_MAX + 1;
     __shared__ float red[HCM_THREADS / 32][MIX_MAX];
