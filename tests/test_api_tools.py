@@ -373,3 +373,38 @@ def test_structured_output_on_a_thinking_template_is_the_answer(think_openai):
     doc = _json.loads(msg.content)
     assert set(doc) == {"city", "days"} and 1 <= doc["days"] <= 9
     assert not getattr(msg, "reasoning_content", None)
+
+
+@pytest.fixture(scope="module")
+def qwen3_worker(tmp_path_factory, start_worker):
+    """A tiny Qwen 3: its template pre-closes the block when thinking is off, and "<think>" is one
+    ordinary (not special) token, as in the real vocabulary."""
+    from ember.worker.bench.synth import make_model
+
+    path = make_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf", ctx=1024)
+    w = start_worker("--max-seqs", "2", "--ctx", "1024", "--kv-mem", "64MiB", model=path)
+    yield w, path
+    w.stop(timeout=10)
+
+
+def test_think_text_inside_a_structured_answer_stays_text(qwen3_worker, openai_factory):
+    """A response format's string may hold "<think>". With thinking off (a budget of 0) the engine took that
+    token for a block opened past its budget and forced "</think>" into the document, which this schema's
+    maxLength refuses: the request failed mid-stream (an OpenCode session met it). The document has no block."""
+    from ember.worker.model.gguf_file import GGUFFile
+    from ember.worker.text.tokenizer import Tokenizer
+
+    worker, path = qwen3_worker
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    (think,) = tok.encode("<think>", add_special=False, parse_special=True)
+    assert not tok.is_special(think)
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}},
+              "required": ["answer"], "additionalProperties": False}
+    r = openai_factory(worker).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Answer."}], max_tokens=32, temperature=0,
+        reasoning_effort="none", logit_bias={str(think): 100},  # the model writes it wherever the grammar allows
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    msg = r.choices[0].message
+    doc = json.loads(msg.content)
+    assert doc["answer"].startswith("<think>") and "</think>" not in msg.content, msg.content
+    assert not getattr(msg, "reasoning_content", None) and r.choices[0].finish_reason == "stop"

@@ -128,10 +128,15 @@ def matvec(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, n: in
                  ptr_at(res, b0 * w.rows * 4) if res is not None else None, ptr_at(y, b0 * w.rows * 4), stream=stream)
 
 
+def _staged16(w: QuantMatrix) -> bool:
+    """W's rows take the staged matvec's 16-byte loads, and its columns come in fours (so each x row
+    a stacked kernel reads is 16-byte aligned too)."""
+    return w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0 and w.cols % 4 == 0
+
+
 def matvec_groups_supported(w: QuantMatrix, groups: int) -> bool:
-    """Whether matvec_groups takes W as `groups` stacked matrices: 16-byte aligned rows (the staged
-    matvec's 16-byte path), whole groups of rows, columns in fours (each group's x row 16-byte aligned)."""
-    return w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0 and w.rows % groups == 0 and w.cols % 4 == 0
+    """Whether matvec_groups takes W as `groups` stacked matrices: whole groups of 16-byte rows."""
+    return _staged16(w) and w.rows % groups == 0
 
 
 def matvec_groups(dev: Device, w: QuantMatrix, x: DeviceArray, y: DeviceArray, *, groups: int,
@@ -165,9 +170,9 @@ def _fan_rows_per_warp(dev: Device, w: QuantMatrix, rows: list[int]) -> int | No
 
 def matvec_fan_supported(dev: Device, w: QuantMatrix, rows: list[int]) -> bool:
     """Whether matvec_fan makes these stacked matrices: at most FAN_MAX of them, their rows W's, each a
-    multiple of MATVEC_WARPS; 16-byte aligned rows of columns in fours."""
-    return (0 < len(rows) <= FAN_MAX and sum(rows) == w.rows and w.row_bytes % 16 == 0 and w.data.ptr % 16 == 0
-            and w.cols % 4 == 0 and _fan_rows_per_warp(dev, w, rows) is not None)
+    multiple of MATVEC_WARPS; 16-byte rows."""
+    return (0 < len(rows) <= FAN_MAX and sum(rows) == w.rows and _staged16(w)
+            and _fan_rows_per_warp(dev, w, rows) is not None)
 
 
 def matvec_fan(dev: Device, w: QuantMatrix, x: DeviceArray, outs: list[DeviceArray], *, rows: list[int],

@@ -108,7 +108,10 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         prompt = prompt + ctx.tokenizer.encode(r.end + "\n\n", add_special=False, parse_special=True)
         inside, ask = False, ReasoningAsk(disabled=True)
     budget = None
-    if r is not None and ask.budget is not None:
+    # a response format's document has no reasoning block to bound: "<think>" written inside one of its
+    # strings is text (Qwen 3 spells it with one ordinary token), and forcing "</think>" after it would
+    # corrupt the document, or fail the request where the schema refuses the marker
+    if r is not None and ask.budget is not None and not structured:
         tok = ctx.tokenizer
         budget = ReasoningBudget(tok.encode(r.start, add_special=False, parse_special=True),
                                  tok.encode(r.end, add_special=False, parse_special=True),
@@ -119,8 +122,8 @@ async def prepare(ctx: Any, messages: list[dict], plan: ToolPlan, ask: Reasoning
         # spent); otherwise one may be opened only when thinking is not switched off
         opening = None if r is None else (True if inside else (None if ask.disabled else False))
         grammar = await asyncio.to_thread(tool_grammar, plan, formats, reasoning_open=opening)
-    output = OutputPlan(formats.tool if plan.active else None, r, inside, formats.marker_tokens,
-                        forced=grammar is not None, channels=formats.channels)
+    output = OutputPlan(formats.tool if plan.active else None, None if structured else r, inside,
+                        formats.marker_tokens, forced=grammar is not None, channels=formats.channels)
     return Prepared(prompt, grammar, budget, output, MessageSpans(starts, roles))
 
 
