@@ -115,3 +115,74 @@ def test_reader_error_names_file(tmp_path):
     with pytest.raises(ModelFileError, match="unsupported GGUF version 7") as e:
         GGUFFile(p)
     assert str(p) in str(e.value)
+
+
+# -- split models ------------------------------------------------------------------------------------------
+
+
+def _split(src: Path, out: Path, per_shard: int) -> list[Path]:
+    """src re-written as llama.cpp's gguf-split writes it (gguf-py's writer: NAME-0000k-of-0000N.gguf, the
+    metadata in the first shard, split.* keys in every one); the shards' paths in order."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents(), split_max_tensors=per_shard)
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            kind = f.types[0]
+            w.add_key_value(key, f.contents(), kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory) -> tuple[Path, list[Path]]:
+    from ember.worker.bench.synth import make_model
+
+    d = tmp_path_factory.mktemp("split")
+    whole = make_model("llama", "tiny", d / "whole.gguf")
+    (d / "shards").mkdir()
+    shards = _split(whole, d / "shards" / "tiny.gguf", per_shard=8)
+    assert [p.name for p in shards] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    return whole, shards
+
+
+def test_a_split_model_opens_from_its_first_shard(split_model):
+    whole, shards = split_model
+    g, w = GGUFFile(shards[0]), GGUFFile(whole)
+    assert {k: v for k, v in g.metadata.items() if not k.startswith("split.")}.keys() == w.metadata.keys()
+    assert g.tensors.keys() == w.tensors.keys() and {t.shard for t in g.tensors.values()} == {0, 1, 2}
+    assert all(np.array_equal(g.raw(n), w.raw(n)) for n in w.tensors)
+    assert read_config(g) == read_config(w) and g.size == sum(p.stat().st_size for p in shards)
+    assert g.fingerprint == GGUFFile(shards[0]).fingerprint != w.fingerprint
+    # and the model runs from it: greedy, the same text as from the whole file
+    runs = [subprocess.run([sys.executable, "-m", "ember.worker", "generate", "--model", str(p), "--max-tokens", "12",
+                            "hello"], capture_output=True, text=True, timeout=120) for p in (whole, shards[0])]
+    assert runs[0].returncode == runs[1].returncode == 0, runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
+
+
+@pytest.mark.parametrize("case", ["second", "missing", "renamed"])
+def test_a_split_model_opened_wrongly_is_one_clear_line(split_model, tmp_path, case):
+    _, shards = split_model
+    d = tmp_path / "shards"
+    d.mkdir()
+    for p in shards:
+        (d / p.name).symlink_to(p)
+    path, problem = d / shards[0].name, ""
+    if case == "second":
+        path = d / shards[1].name
+        problem = "is shard 2 of 3 of a split model: give its first shard, tiny-00001-of-00003"
+    elif case == "missing":
+        (d / shards[2].name).unlink()
+        problem = "shard 3 of 3 is missing: no tiny-00003-of-00003.gguf beside it"
+    else:
+        path = (d / shards[0].name).rename(d / "tiny.gguf")
+        problem = "is the first of 3 shards, but its name does not end in -00001-of-00003.gguf"
+    proc = _run_generate(path)
+    assert proc.returncode == 78 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and problem in lines[0], lines

@@ -4,14 +4,20 @@
 vocabulary; a worker that restarts after a crash cannot afford that. This reader parses the header
 with `struct` straight from an mmap, keeps tensor data as zero-copy views into the mapping, and turns
 every malformed input into one `ModelFileError` line that names the file and the problem.
+
+A model split into shards (llama.cpp's gguf-split, or a converter's --split-max-size: NAME-00001-of-0000N.gguf,
+the first holding the metadata, every shard its own tensors and split.* keys) opens from its first shard; the
+others are found beside it by that naming, as llama.cpp finds them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
 # GGUF metadata value types (gguf spec).
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY = range(10)
@@ -51,8 +59,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous (row) dimension
     ggml_type: GGMLQuantizationType
-    offset: int  # absolute offset of the data in the file
+    offset: int  # absolute offset of the data in its file
     nbytes: int
+    shard: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
     @property
     def n_elements(self) -> int:
@@ -139,34 +148,33 @@ class _Cursor:
         raise ModelFileError(self.path, f"corrupt metadata: unknown value type {vtype} in {what}")
 
 
-class GGUFFile:
-    """One GGUF file: metadata, tensor table and memory-mapped tensor data."""
+class _Mapped:
+    """One file, memory-mapped, its header parsed: metadata, and its tensor table (offsets in this file)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: Path):
+        self.path = path
         try:
             with open(self.path, "rb") as f:
                 self.size = os.fstat(f.fileno()).st_size
                 if self.size < 24:
                     raise ModelFileError(self.path, f"too small to be a GGUF file ({self.size} bytes)")
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             raise ModelFileError(self.path, "no such file") from None
         except IsADirectoryError:
             raise ModelFileError(self.path, "is a directory, not a GGUF file") from None
         except PermissionError:
             raise ModelFileError(self.path, "permission denied") from None
-        self._buf = memoryview(self._mmap)
+        self.buf = memoryview(self.mmap)
         self.metadata: dict[str, Any] = {}
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: list[TensorInfo] = []
         self._parse()
-        self._fingerprint: str | None = None
 
     def _parse(self) -> None:
         path = str(self.path)
-        if bytes(self._buf[:4]) != GGUF_MAGIC:
-            raise ModelFileError(path, f"not a GGUF file (magic {bytes(self._buf[:4])!r}, expected b'GGUF')")
-        cur = _Cursor(path, self._buf)
+        if bytes(self.buf[:4]) != GGUF_MAGIC:
+            raise ModelFileError(path, f"not a GGUF file (magic {bytes(self.buf[:4])!r}, expected b'GGUF')")
+        cur = _Cursor(path, self.buf)
         cur.pos = 4
         self.version = cur.u32("version")
         if self.version not in (2, 3):
@@ -210,7 +218,72 @@ class GGUFFile:
                 raise ModelFileError(
                     path, f"truncated: tensor {name} needs bytes up to {start + nbytes}, file has {self.size}"
                 )
-            self.tensors[name] = TensorInfo(name, shape, ggml_type, start, nbytes)
+            self.tensors.append(TensorInfo(name, shape, ggml_type, start, nbytes))
+
+    def digest(self, h: Any) -> None:
+        """Feed h this file's cheap identity: size, header bytes and 16 samples of tensor data (no full read)."""
+        h.update(self.size.to_bytes(8, "little"))
+        h.update(self.buf[: self.header_size])
+        span = max(self.size - self.data_offset, 1)
+        for i in range(16):
+            off = self.data_offset + span * i // 16
+            h.update(self.buf[off : off + 65536])
+
+    def close(self) -> None:
+        self.buf.release()
+        with contextlib.suppress(BufferError):  # numpy views still alive; the mapping goes with them
+            self.mmap.close()
+
+
+class GGUFFile:
+    """One GGUF model: metadata, tensor table and memory-mapped tensor data; from one file, or from the first
+    shard of a split model and the shards beside it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        first = _Mapped(self.path)
+        self._files = [first]
+        self.version, self.metadata = first.version, first.metadata
+        self.size, self.header_size, self.data_offset = first.size, first.header_size, first.data_offset
+        self.tensors: dict[str, TensorInfo] = {t.name: t for t in first.tensors}
+        try:
+            count = int(self.metadata.get(SPLIT_COUNT, 1) or 1)
+            if count > 1:
+                self._open_shards(count)
+        except BaseException:
+            self.close()
+            raise
+        self._fingerprint: str | None = None
+
+    def _open_shards(self, count: int) -> None:
+        """The shards after the first, found by llama.cpp's naming, their tensors added to the table."""
+        no = int(self.metadata.get(SPLIT_NO, 0))
+        named = SHARD_NAME.match(self.path.name)
+        if no != 0:
+            first = f"{named['prefix']}-00001-of-{count:05d}.gguf" if named else "the first"
+            raise ModelFileError(self.path, f"is shard {no + 1} of {count} of a split model: give its first shard, "
+                                            f"{first}")
+        if named is None or int(named["count"]) != count:
+            raise ModelFileError(self.path, f"is the first of {count} shards, but its name does not end in "
+                                            f"-00001-of-{count:05d}.gguf, so the others cannot be found")
+        for i in range(1, count):
+            path = self.path.with_name(f"{named['prefix']}-{i + 1:05d}-of-{count:05d}.gguf")
+            if not path.exists():
+                raise ModelFileError(self.path, f"shard {i + 1} of {count} is missing: no {path.name} beside it")
+            shard = _Mapped(path)
+            self._files.append(shard)
+            if int(shard.metadata.get(SPLIT_NO, -1)) != i or int(shard.metadata.get(SPLIT_COUNT, 0)) != count:
+                raise ModelFileError(path, f"is not shard {i + 1} of {count} of {self.path.name} (its split.no "
+                                           f"and split.count say otherwise)")
+            for t in shard.tensors:
+                if t.name in self.tensors:
+                    raise ModelFileError(path, f"tensor {t.name} is in two shards")
+                self.tensors[t.name] = dataclasses.replace(t, shard=i)
+        expected = self.metadata.get(SPLIT_TENSORS)
+        if expected is not None and int(expected) != len(self.tensors):
+            raise ModelFileError(self.path, f"the {count} shards hold {len(self.tensors)} tensors; the first says "
+                                            f"{int(expected)}")
+        self.size = sum(f.size for f in self._files)
 
     # -- access -------------------------------------------------------------------------------
 
@@ -228,23 +301,18 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a zero-copy uint8 view into the mapping."""
         info = self.tensors[name]
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return np.frombuffer(self._files[info.shard].mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     @property
     def fingerprint(self) -> str:
-        """Cheap identity: header bytes, file size and 16 samples of tensor data (no full read)."""
+        """Cheap identity: each file's size, header bytes and 16 samples of its tensor data (no full read)."""
         if self._fingerprint is None:
             h = hashlib.sha256()
-            h.update(self.size.to_bytes(8, "little"))
-            h.update(self._buf[: self.header_size])
-            span = max(self.size - self.data_offset, 1)
-            for i in range(16):
-                off = self.data_offset + span * i // 16
-                h.update(self._buf[off : off + 65536])
+            for f in self._files:
+                f.digest(h)
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
 
     def close(self) -> None:
-        self._buf.release()
-        with contextlib.suppress(BufferError):  # numpy views still alive; the mapping goes with them
-            self._mmap.close()
+        for f in self._files:
+            f.close()
