@@ -251,3 +251,39 @@ def chat_reuses_prefix_and_restarts_warm(start_worker, openai_factory, tiny, tmp
     warm = openai_factory(w2).chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
     assert warm.usage.prompt_tokens_details.cached_tokens >= 128
     assert warm.choices[0].message.content == first.choices[0].message.content
+
+
+def test_experts_left_quantized_give_the_same_logits(tiny, weights, tmp_path, monkeypatch):
+    """Where the float32 experts would not fit (the L8 file's 256 a layer: 200 GB), the reference keeps them in
+    their blocks and decodes each expert a step reads: the same values, so the same logits, bit for bit."""
+    from ember.worker.model.weights import QuantExperts
+
+    cfg, w = weights
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    g = GGUFFile(tiny)
+    lazy = load_weights(g, cfg, lazy_experts=True)
+    quant = {n: a for n, a in lazy.by_name.items() if isinstance(a, QuantExperts)}
+    assert quant and all(n.endswith("_exps.weight") for n in quant)
+    assert not any(isinstance(a, QuantExperts) for n, a in w.by_name.items())
+    for n, q in quant.items():
+        assert np.array_equal(q[len(q) - 1], w.by_name[n][len(q) - 1]) and q.shape == w.by_name[n].shape
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 700, 90)]
+    want = _logits(NumpyBackend(cfg, w, n_blocks=10, block_size=16), tokens, 37, list(range(10)))
+    got = _logits(NumpyBackend(cfg, lazy, n_blocks=10, block_size=16), tokens, 37, list(range(10)))
+    assert np.array_equal(got, want)
+
+
+def test_experts_stay_quantized_only_where_their_float32_copy_would_not_fit(tiny, weights, tmp_path, monkeypatch,
+                                                                             capsys):
+    from ember.worker.model import weights as weights_mod
+
+    cfg, _ = weights
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(weights_mod, "_room", lambda g, plan: "no room" if any(
+        n.endswith("_exps.weight") for f in plan for n in f.names) else None)
+    w = load_weights(GGUFFile(tiny), cfg)
+    assert any(isinstance(a, weights_mod.QuantExperts) for a in w.by_name.values())
+    assert "stay quantized" in capsys.readouterr().err
+    monkeypatch.setattr(weights_mod, "_room", lambda g, plan: "no room")  # not even without them: refused
+    with pytest.raises(ModelFileError, match="no room"):
+        load_weights(GGUFFile(tiny), cfg)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -84,15 +85,17 @@ def _expected_shape(g: GGUFFile, name: str) -> tuple[int, ...]:
 
 
 def load_weights(
-    g: GGUFFile, config: ModelConfig, *, progress: Callable[[int, int], None] | None = None
+    g: GGUFFile, config: ModelConfig, *, progress: Callable[[int, int], None] | None = None,
+    lazy_experts: bool | None = None,
 ) -> ModelWeights:
-    """Dequantize (first time) or memory-map (cached) every tensor the forward pass needs."""
+    """Dequantize (first time) or memory-map (cached) every tensor the forward pass needs. lazy_experts
+    (DeepSeek V4's stack): its experts as QuantExperts; None: where their float32 copy would not fit."""
     cache = model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}"
     for stale in cache.parent.glob("weights-f32-v*"):  # caches of older layouts are dead weight
         if stale != cache:
             shutil.rmtree(stale, ignore_errors=True)
     if config.hyper is not None:
-        return _load_by_name(g, cache, progress)
+        return _load_by_name(g, cache, progress, lazy_experts)
     names_of = config.family.tensors
     names = [names_of.token_embd, names_of.output_norm]
     if not config.tied_output:
@@ -125,9 +128,51 @@ def load_weights(
     )
 
 
-def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None] | None) -> ModelWeights:
-    """Every tensor of the file by name (a HYPER stack reads its own)."""
-    arrays = _arrays(g, list(g.tensors), cache, progress)
+class QuantExperts:
+    """A mixture's expert matrices [experts, rows, cols] left in their GGUF blocks, an expert dequantized
+    each time it is read (`experts[e]`): what the numpy reference reads where the float32 experts would fit
+    neither the cache's disk nor the free memory (DeepSeek V4: 256 experts a layer, 200 GB for 8 layers in
+    float32). A step then decodes the experts its tokens chose, so it is slower, not wrong: the values are
+    dequantize()'s of the same blocks."""
+
+    def __init__(self, g: GGUFFile, name: str):
+        info = g.tensors[name]
+        self.shape = _expected_shape(g, name)
+        self.ggml_type = info.ggml_type
+        self._raw = g.raw(name)
+        self._per = info.nbytes // self.shape[0]
+        self.nbytes = 4 * info.n_elements  # as float32, were it decoded whole
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        e = int(e)
+        if not 0 <= e < self.shape[0]:
+            raise IndexError(f"expert {e} of {self.shape[0]}")
+        return dequantize(self._raw[e * self._per : (e + 1) * self._per], self.ggml_type, self.shape[1:])
+
+
+def _is_experts(g: GGUFFile, name: str) -> bool:
+    info = g.tensors[name]
+    return name.endswith("_exps.weight") and len(info.shape) == 3 and info.ggml_type not in (
+        GGMLQuantizationType.F32, GGMLQuantizationType.I32)
+
+
+def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None] | None,
+                  lazy_experts: bool | None = None) -> ModelWeights:
+    """Every tensor of the file by name (a HYPER stack reads its own). lazy_experts: the experts as
+    QuantExperts (None: where the float32 weights would not fit, so the reference still runs)."""
+    names = list(g.tensors)
+    experts = {n for n in names if _is_experts(g, n)}
+    if lazy_experts is None:
+        lazy_experts = bool(experts) and _room(g, [_CacheFile(cache / f"{n}.npy", [n], n) for n in names]) is not None
+    lazy = experts if lazy_experts else set()
+    if lazy:
+        print(f"ember: the experts' float32 weights do not fit; {len(lazy)} expert tensors stay quantized and "
+              "each expert is dequantized when a step reads it (slower steps)", file=sys.stderr)
+    arrays: dict[str, Any] = _arrays(g, [n for n in names if n not in lazy], cache, progress)
+    arrays.update({n: QuantExperts(g, n) for n in lazy})
     embd = arrays["token_embd.weight"]
     return ModelWeights(token_embd=embd, output=arrays.get("output.weight", embd),
                         output_norm=arrays["output_norm.weight"], layers=[],
@@ -182,21 +227,30 @@ def _plan(g: GGUFFile, config: ModelConfig, names: list[str], cache: Path) -> li
     return plan
 
 
-def _check_room(g: GGUFFile, plan: list[_CacheFile]) -> None:
-    """A one-line ModelFileError before any work where the float32 weights fit neither the cache's disk
-    nor the free memory (a 30B model is 120 GB in float32): the load would otherwise fail half-way."""
+def _room(g: GGUFFile, plan: list[_CacheFile]) -> str | None:
+    """Why the float32 weights the plan still has to write fit neither the cache's disk nor the free memory
+    (None: they fit)."""
     need = sum(4 * g.tensors[n].n_elements for f in plan if not f.path.exists() for n in f.names)
     if need == 0:
-        return
+        return None
     probe = plan[0].path.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     disk = shutil.disk_usage(probe).free
     memory = psutil.virtual_memory().available
     if need > disk and need > memory:
-        raise ModelFileError(g.path, f"the numpy backend keeps float32 weights: {need / 1e9:.1f} GB, more than the "
-                                     f"{disk / 1e9:.1f} GB free in {probe} and the {memory / 1e9:.1f} GB of free "
-                                     "memory; use --backend cuda, or a smaller model")
+        return (f"the numpy backend keeps float32 weights: {need / 1e9:.1f} GB, more than the {disk / 1e9:.1f} GB "
+                f"free in {probe} and the {memory / 1e9:.1f} GB of free memory; use --backend cuda, or a smaller "
+                "model")
+    return None
+
+
+def _check_room(g: GGUFFile, plan: list[_CacheFile]) -> None:
+    """A one-line ModelFileError before any work where the float32 weights fit neither the cache's disk
+    nor the free memory (a 30B model is 120 GB in float32): the load would otherwise fail half-way."""
+    problem = _room(g, plan)
+    if problem is not None:
+        raise ModelFileError(g.path, problem)
 
 
 def _load(g: GGUFFile, names: list[str], path: Path) -> np.ndarray:
