@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ember.worker.model.config import read_config
-from ember.worker.model.gguf_file import GGUFFile, ModelFileError
+from ember.worker.model.gguf_file import GGUFFile, ModelFileError, model_stem
 
 
 def _run_generate(model: Path) -> subprocess.CompletedProcess:
@@ -165,7 +165,7 @@ def test_a_split_model_opens_from_its_first_shard(split_model):
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
 
 
-@pytest.mark.parametrize("case", ["second", "missing", "renamed"])
+@pytest.mark.parametrize("case", ["second", "missing", "renamed", "renamed-as-second"])
 def test_a_split_model_opened_wrongly_is_one_clear_line(split_model, tmp_path, case):
     _, shards = split_model
     d = tmp_path / "shards"
@@ -180,9 +180,29 @@ def test_a_split_model_opened_wrongly_is_one_clear_line(split_model, tmp_path, c
         (d / shards[2].name).unlink()
         problem = "shard 3 of 3 is missing: no tiny-00003-of-00003.gguf beside it"
     else:
-        path = (d / shards[0].name).rename(d / "tiny.gguf")
+        (d / shards[1].name).unlink()
+        path = (d / shards[0].name).rename(d / ("tiny.gguf" if case == "renamed" else shards[1].name))
         problem = "is the first of 3 shards, but its name does not end in -00001-of-00003.gguf"
     proc = _run_generate(path)
     assert proc.returncode == 78 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and problem in lines[0], lines
+
+
+def test_a_split_count_that_is_not_a_number_is_one_clear_line(tmp_path):
+    path = tmp_path / "odd-00001-of-00002.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("split.count", "two")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="corrupt metadata: split.count is 'two', not an integer") as e:
+        GGUFFile(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_split_model_is_named_without_its_shard_suffix():
+    assert model_stem(Path("/m/DeepSeek-V4-Flash-IQ2_XXS-00001-of-00003.gguf")) == "DeepSeek-V4-Flash-IQ2_XXS"
+    assert model_stem(Path("/m/gemma-3-270m.gguf")) == "gemma-3-270m"

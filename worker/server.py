@@ -96,6 +96,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
     from .backends.numpy.backend import NumpyBackend
     from .engine.limits import EngineLimits
     from .engine.loop import Engine
+    from .model.gguf_file import model_stem
     from .model.loader import open_model
     from .model.weights import load_weights
     from .runtime import DEFAULT_BLOCK_SIZE
@@ -213,7 +214,7 @@ def _load(cfg: worker_config.WorkerConfig, metrics, faults, on_poisoned) -> _Loa
         metrics.attach_store(store)
     engine = Engine(model, backend, limits, metrics=metrics, faults=faults, on_poisoned=on_poisoned, store=store,
                     drafter=drafter)
-    facts = dict(model=model.path.stem, fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
+    facts = dict(model=model_stem(model.path), fingerprint=model.fingerprint, backend=backend.name, ctx=ctx,
                  kv_tokens=kv_tokens, max_seqs=cfg.max_seqs, prefill_chunk=chunk, **memory,
                  kv_persistence=store.persistence.snapshot() if store is not None else None)
     return _Loaded(engine, model, store, facts, formats)
@@ -272,6 +273,7 @@ class _Serving:
         from .api.app import create_app
         from .api.limits import RequestLimits
         from .api.security import Guard
+        from .model.gguf_file import model_stem
 
         cfg = self.cfg
         guard = Guard(api_key=cfg.api_key or None, loopback_only=worker_config.is_loopback(cfg.host),
@@ -280,7 +282,7 @@ class _Serving:
             log("insecure_bind", level="warning", host=cfg.host, port=cfg.port,
                 message=f"serving {cfg.host}:{cfg.port} beyond loopback WITHOUT an API key: anyone who can reach "
                         "this port can use the model; set --api-key (see README: Security)")
-        app = create_app(None, None, api_key=cfg.api_key, model_name=model_path.stem, state=self.state,
+        app = create_app(None, None, api_key=cfg.api_key, model_name=model_stem(model_path), state=self.state,
                          limits=RequestLimits.from_config(cfg), guard=guard, log_prompts=cfg.log_prompts,
                          version=_version())
         slow = readguard.ReadLimits(cfg.read_header_seconds, cfg.read_body_seconds, cfg.read_body_min_rate,

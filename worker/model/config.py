@@ -27,7 +27,7 @@ from .arch.recipe import (
     SlidingWindow,
     Stack,
 )
-from .gguf_file import GGUFFile, ModelFileError
+from .gguf_file import GGUFFile, ModelFileError, model_stem
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
@@ -166,7 +166,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
     local_layers = _local_layers(g, family.keys, swa, n_layers) if swa and sliding else (False,) * n_layers
     return ModelConfig(
         arch=family.name,
-        name=str(g.get("general.name", g.path.stem)),
+        name=str(g.get("general.name", model_stem(g.path))),
         n_layers=n_layers,
         hidden=hidden,
         ffn=int(g.get(keys.feed_forward_length, 0) if recipe.moe else _req(g, keys.feed_forward_length)),

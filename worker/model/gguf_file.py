@@ -168,7 +168,11 @@ class _Mapped:
         self.buf = memoryview(self.mmap)
         self.metadata: dict[str, Any] = {}
         self.tensors: list[TensorInfo] = []
-        self._parse()
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
 
     def _parse(self) -> None:
         path = str(self.path)
@@ -235,6 +239,20 @@ class _Mapped:
             self.mmap.close()
 
 
+def _split_key(f: _Mapped, key: str, default: int) -> int:
+    """A split.* count or number from f's metadata: an integer, else one line naming the file."""
+    value = f.metadata.get(key, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ModelFileError(f.path, f"corrupt metadata: {key} is {value!r}, not an integer")
+    return int(value)
+
+
+def model_stem(path: Path) -> str:
+    """The model's name from its file: the file's stem, without a split model's -00001-of-0000N."""
+    named = SHARD_NAME.match(path.name)
+    return named["prefix"] if named else path.stem
+
+
 class GGUFFile:
     """One GGUF model: metadata, tensor table and memory-mapped tensor data; from one file, or from the first
     shard of a split model and the shards beside it."""
@@ -247,7 +265,7 @@ class GGUFFile:
         self.size, self.header_size, self.data_offset = first.size, first.header_size, first.data_offset
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in first.tensors}
         try:
-            count = int(self.metadata.get(SPLIT_COUNT, 1) or 1)
+            count = _split_key(first, SPLIT_COUNT, 1)
             if count > 1:
                 self._open_shards(count)
         except BaseException:
@@ -257,13 +275,13 @@ class GGUFFile:
 
     def _open_shards(self, count: int) -> None:
         """The shards after the first, found by llama.cpp's naming, their tensors added to the table."""
-        no = int(self.metadata.get(SPLIT_NO, 0))
+        no = _split_key(self._files[0], SPLIT_NO, 0)
         named = SHARD_NAME.match(self.path.name)
         if no != 0:
-            first = f"{named['prefix']}-00001-of-{count:05d}.gguf" if named else "the first"
-            raise ModelFileError(self.path, f"is shard {no + 1} of {count} of a split model: give its first shard, "
-                                            f"{first}")
-        if named is None or int(named["count"]) != count:
+            first = f", {named['prefix']}-00001-of-{count:05d}.gguf" if named else ""
+            raise ModelFileError(self.path, f"is shard {no + 1} of {count} of a split model: give its first "
+                                            f"shard{first}")
+        if named is None or int(named["no"]) != 1 or int(named["count"]) != count:
             raise ModelFileError(self.path, f"is the first of {count} shards, but its name does not end in "
                                             f"-00001-of-{count:05d}.gguf, so the others cannot be found")
         for i in range(1, count):
@@ -272,17 +290,17 @@ class GGUFFile:
                 raise ModelFileError(self.path, f"shard {i + 1} of {count} is missing: no {path.name} beside it")
             shard = _Mapped(path)
             self._files.append(shard)
-            if int(shard.metadata.get(SPLIT_NO, -1)) != i or int(shard.metadata.get(SPLIT_COUNT, 0)) != count:
+            if _split_key(shard, SPLIT_NO, -1) != i or _split_key(shard, SPLIT_COUNT, 0) != count:
                 raise ModelFileError(path, f"is not shard {i + 1} of {count} of {self.path.name} (its split.no "
                                            f"and split.count say otherwise)")
             for t in shard.tensors:
                 if t.name in self.tensors:
                     raise ModelFileError(path, f"tensor {t.name} is in two shards")
                 self.tensors[t.name] = dataclasses.replace(t, shard=i)
-        expected = self.metadata.get(SPLIT_TENSORS)
-        if expected is not None and int(expected) != len(self.tensors):
+        expected = _split_key(self._files[0], SPLIT_TENSORS, len(self.tensors))
+        if expected != len(self.tensors):
             raise ModelFileError(self.path, f"the {count} shards hold {len(self.tensors)} tensors; the first says "
-                                            f"{int(expected)}")
+                                            f"{expected}")
         self.size = sum(f.size for f in self._files)
 
     # -- access -------------------------------------------------------------------------------

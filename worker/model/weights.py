@@ -77,7 +77,7 @@ class ModelWeights:
     nbytes: int = field(default=0)
     # a HYPER stack (recipe.Stack): every tensor of the file by its name (layers stays empty); index
     # tables (I32) as int32, the rest float32
-    by_name: dict[str, np.ndarray] = field(default_factory=dict)
+    by_name: dict[str, Any] = field(default_factory=dict)  # arrays, and QuantExperts where experts stay quantized
 
 
 def _expected_shape(g: GGUFFile, name: str) -> tuple[int, ...]:
@@ -141,7 +141,7 @@ class QuantExperts:
         self.ggml_type = info.ggml_type
         self._raw = g.raw(name)
         self._per = info.nbytes // self.shape[0]
-        self.nbytes = 4 * info.n_elements  # as float32, were it decoded whole
+        self.nbytes = info.nbytes  # what it holds: the file's blocks (mapped, not copied)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -161,28 +161,35 @@ def _is_experts(g: GGUFFile, name: str) -> bool:
 
 def _load_by_name(g: GGUFFile, cache: Path, progress: Callable[[int, int], None] | None,
                   lazy_experts: bool | None = None) -> ModelWeights:
-    """Every tensor of the file by name (a HYPER stack reads its own). lazy_experts: the experts as
-    QuantExperts (None: where the float32 weights would not fit, so the reference still runs)."""
-    names = list(g.tensors)
-    experts = {n for n in names if _is_experts(g, n)}
-    if lazy_experts is None:
-        lazy_experts = bool(experts) and _room(g, [_CacheFile(cache / f"{n}.npy", [n], n) for n in names]) is not None
-    lazy = experts if lazy_experts else set()
-    if lazy:
-        print(f"ember: the experts' float32 weights do not fit; {len(lazy)} expert tensors stay quantized and "
-              "each expert is dequantized when a step reads it (slower steps)", file=sys.stderr)
-    arrays: dict[str, Any] = _arrays(g, [n for n in names if n not in lazy], cache, progress)
-    arrays.update({n: QuantExperts(g, n) for n in lazy})
+    """Every tensor of the file by name (a HYPER stack reads its own)."""
+    arrays = _by_name(g, list(g.tensors), cache, progress, lazy_experts)
     embd = arrays["token_embd.weight"]
     return ModelWeights(token_embd=embd, output=arrays.get("output.weight", embd),
                         output_norm=arrays["output_norm.weight"], layers=[],
                         nbytes=sum(a.nbytes for a in arrays.values()), by_name=arrays)
 
 
-def load_tensors(g: GGUFFile, names: list[str]) -> dict[str, np.ndarray]:
+def load_tensors(g: GGUFFile, names: list[str]) -> dict[str, Any]:
     """The tensors `names` of a file that is not a model of its own (a next-token layer's file,
     model/mtp_file.py), through the file's own cache as load_weights reads a model's."""
-    return _arrays(g, names, model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}", None)
+    return _by_name(g, names, model_cache_dir(g.fingerprint) / f"weights-f32-v{CACHE_VERSION}", None, None)
+
+
+def _by_name(g: GGUFFile, names: list[str], cache: Path, progress: Callable[[int, int], None] | None,
+             lazy_experts: bool | None) -> dict[str, Any]:
+    """Tensors by name, as _arrays reads them; lazy_experts: the experts among them as QuantExperts (None:
+    where their float32 copy would not fit, so the reference still runs)."""
+    experts = {n for n in names if _is_experts(g, n)}
+    if lazy_experts is None:
+        floats = [n for n in names if g.tensors[n].ggml_type != GGMLQuantizationType.I32]
+        lazy_experts = bool(experts) and _room(g, [_CacheFile(cache / f"{n}.npy", [n], n) for n in floats]) is not None
+    lazy = experts if lazy_experts else set()
+    if lazy:
+        print(f"ember: the experts' float32 weights do not fit; {len(lazy)} expert tensors stay quantized and "
+              "each expert is dequantized when a step reads it (slower steps)", file=sys.stderr)
+    arrays: dict[str, Any] = _arrays(g, [n for n in names if n not in lazy], cache, progress)
+    arrays.update({n: QuantExperts(g, n) for n in lazy})
+    return arrays
 
 
 def _arrays(g: GGUFFile, names: list[str], cache: Path,
