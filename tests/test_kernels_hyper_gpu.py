@@ -32,25 +32,29 @@ def poisoned(dev, shape, dtype=np.float32):
 H = SimpleNamespace(hc_mult=HC, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
 
 
-def mix_case(rng, n: int, hidden: int):
-    """A hyper-connection's inputs: streams x [n, HC, hidden], its mix weights fn [(2 + HC) * HC, HC * hidden],
+def mix_case(rng, n: int, hidden: int, hc: int = HC):
+    """A hyper-connection's inputs: streams x [n, hc, hidden], its mix weights fn [(2 + hc) * hc, hc * hidden],
     scale [3] and base."""
-    m = (2 + HC) * HC
-    x = rng.normal(0, 1, (n, HC, hidden)).astype(np.float32)
-    fn = rng.normal(0, 0.02, (m, HC * hidden)).astype(np.float32)
+    m = (2 + hc) * hc
+    x = rng.normal(0, 1, (n, hc, hidden)).astype(np.float32)
+    fn = rng.normal(0, 0.02, (m, hc * hidden)).astype(np.float32)
     return x, fn, rng.uniform(0.5, 2, 3).astype(np.float32), rng.normal(0, 1, m).astype(np.float32)
 
 
 @pytest.mark.parametrize("n", [1, 7, 64])
-def test_hc_pre_and_merge_match_the_reference(dev, rng, n):
+@pytest.mark.parametrize("hc", [4, 2, 3, 8])
+def test_hc_pre_and_merge_match_the_reference(dev, rng, n, hc):
+    """The many-token mix and merge; 4 and 2 streams take the comb a lane an element (shuffles), 3 and 8
+    a lane a row and a column through shared memory."""
     hidden = 512
-    x, fn, scale, base = mix_case(rng, n, hidden)
-    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, H, EPS)
+    x, fn, scale, base = mix_case(rng, n, hidden, hc)
+    h = SimpleNamespace(hc_mult=hc, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS)
+    want_y, want_post, want_comb = hyper.hc_mix(x, fn, scale, base, h, EPS)
 
     raw = x.reshape(n, -1) @ fn.T  # the matmul the forward pass runs before hc_pre (the norm is hc_pre's)
     d_x = dev.to_device(x)
-    y, post, comb = poisoned(dev, (n, hidden)), poisoned(dev, (n, HC)), poisoned(dev, (n, HC, HC))
-    ops.hc_pre(dev, d_x, dev.to_device(raw), dev.to_device(scale), dev.to_device(base), y, post, comb, n=n, hc=HC,
+    y, post, comb = poisoned(dev, (n, hidden)), poisoned(dev, (n, hc)), poisoned(dev, (n, hc, hc))
+    ops.hc_pre(dev, d_x, dev.to_device(raw), dev.to_device(scale), dev.to_device(base), y, post, comb, n=n, hc=hc,
                hidden=hidden, eps=EPS, hc_eps=HC_EPS, iters=ITERS)
     assert rel(y.to_host(), want_y) < 1e-5
     assert rel(post.to_host(), want_post) < 1e-5
@@ -58,7 +62,7 @@ def test_hc_pre_and_merge_match_the_reference(dev, rng, n):
     np.testing.assert_allclose(comb.to_host().sum(axis=1), 1.0, atol=1e-3)  # Sinkhorn: columns sum to one
 
     sub = rng.normal(0, 1, (n, hidden)).astype(np.float32)  # a sublayer's output
-    ops.hc_merge(dev, d_x, dev.to_device(sub), post, comb, n=n, hc=HC, hidden=hidden)
+    ops.hc_merge(dev, d_x, dev.to_device(sub), post, comb, n=n, hc=hc, hidden=hidden)
     assert rel(d_x.to_host(), hyper.hc_merge(sub, x, want_post, want_comb)) < 1e-5
 
 

@@ -22,19 +22,54 @@
 
 EMBER_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// comb from a token's mix logits m, by one warp, lane i < hc * hc holding element (source i / hc,
+// destination i % hc): a softmax over each source's destinations (+ eps), then the Sinkhorn's columns, then
+// rows and columns in turn (hyper.hc_mix), each sum a butterfly of shuffles across the lanes of its row
+// (lanes differing in their low bits) or its column (the high bits). hc a power of two, hc * hc <= 32.
+// (A lane a row, then a lane a column, through shared memory: each step waited on its loads, its division
+// and its stores one element after another, about 1,500 cycles a Sinkhorn round, 28,000 a decode mix.)
+EMBER_DEV void hc_comb_lanes(const float* m, float inv, float scale, const float* base, int hc, float hc_eps,
+                             int iters, float* __restrict__ comb_t) {
+    const int lane = threadIdx.x & 31, n2 = hc * hc;
+    const bool mine = lane < n2;  // the other lanes' rows and columns hold only other lanes past n2
+    const int i = 2 * hc + lane;
+    const float c0 = mine ? m[i] * inv * scale + base[i] : NEG_INF;
+    float mx = c0;
+    for (int o = 1; o < hc; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float e = mine ? expf(c0 - mx) : 0.0f;
+    float sum = e;
+    for (int o = 1; o < hc; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    float c = mine ? e / sum + hc_eps : 0.0f;
+    for (int it = 0; it < max(iters, 1); ++it) {
+        if (it > 0) {  // rows
+            float r = c;
+            for (int o = 1; o < hc; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            c = c / (r + hc_eps);
+        }
+        float col = c;
+        for (int o = hc; o < n2; o <<= 1) col += __shfl_xor_sync(0xffffffffu, col, o);
+        c = c / (col + hc_eps);
+    }
+    if (mine) comb_t[lane] = c;
+}
+
 // From a token's mix logits m (not yet normalised) and the streams' inverse RMS inv: pre_s (shared) the
 // streams' input weights; unless head, post and comb (row s: the source stream's weights to each
-// destination), Sinkhorn-normalised by the block's first warp (a lane a row, then a lane a column, in the
-// shared cm): serial on one thread, the Sinkhorn's iterations were most of a decode step's hc_pre. Every
-// thread of the block calls it; pre_s is ready after its first barrier.
-EMBER_DEV void hc_coefficients(const float* m, float inv, const float* __restrict__ scale,
-                               const float* __restrict__ base, int hc, float hc_eps, int iters, int head, int t,
-                               float* pre_s, float* cm, float* __restrict__ post, float* __restrict__ comb) {
+// destination), Sinkhorn-normalised by the block's first warp: hc_comb_lanes where hc allows, else a lane
+// a row, then a lane a column, in the shared cm. Every thread of the block calls it; pre_s is ready after
+// its first barrier.
+EMBER_DEV void hc_coefficients(const float* m, float inv, const float* scale, const float* base, int hc,
+                               float hc_eps, int iters, int head, int t, float* pre_s, float* cm,
+                               float* __restrict__ post, float* __restrict__ comb) {
     const int tid = threadIdx.x;
     if (tid < hc) pre_s[tid] = sigmoidf_(m[tid] * inv * scale[0] + base[tid]) + hc_eps;
     __syncthreads();
     if (head || tid >= 32) return;
     if (tid < hc) post[(i64)t * hc + tid] = 2.0f * sigmoidf_(m[hc + tid] * inv * scale[1] + base[hc + tid]);
+    if ((hc & (hc - 1)) == 0 && hc * hc <= 32) {
+        hc_comb_lanes(m, inv, scale[2], base, hc, hc_eps, iters, comb + (i64)t * hc * hc);
+        return;
+    }
     if (tid < hc) {  // lane s: a softmax over source s's destinations, + eps
         const int s = tid;
         float mx = NEG_INF;
@@ -134,24 +169,26 @@ extern "C" __global__ void __launch_bounds__(HCM_THREADS)
                 const float* __restrict__ base, int n, int hc, int hidden, float eps, float hc_eps, int iters,
                 int head, float* part, u32* count, float* __restrict__ pre, float* __restrict__ post,
                 float* __restrict__ comb) {
-    {  // the mix weights depend on no earlier kernel: this block's columns of them into L2 while it finishes
-        const int c0 = blockIdx.x * HCM_THREADS, rows = head ? hc : (2 + hc) * hc;
-        const int bytes = 4 * min(HCM_THREADS, hidden - c0);
-        for (int i = threadIdx.x; blockIdx.y == 0 && i < rows * hc; i += blockDim.x) {
-            const float* p = fn + (i / hc) * ldf + (i64)(i % hc) * hidden + c0;
-            if ((reinterpret_cast<u64>(p) & 15) == 0 && bytes % 16 == 0) l2_prefetch(p, bytes);
-        }
-    }
-    grid_dependency_sync();
     constexpr int MIX_MAX = (2 + HC_MAX) * HC_MAX + 1;
+    static_assert(MIX_MAX <= HCM_THREADS, "a thread a mix logit's base");
+    const int m = head ? hc : (2 + hc) * hc, tid = threadIdx.x;
+    // what depends on no earlier kernel, while it finishes: this block's columns of the mix weights into L2,
+    // and the biases and scales the last block reads (kept in registers, later in shared memory)
+    const int c0 = blockIdx.x * HCM_THREADS, bytes = 4 * min(HCM_THREADS, hidden - c0);
+    for (int i = tid; blockIdx.y == 0 && i < m * hc; i += blockDim.x) {
+        const float* p = fn + (i / hc) * ldf + (i64)(i % hc) * hidden + c0;
+        if ((reinterpret_cast<u64>(p) & 15) == 0 && bytes % 16 == 0) l2_prefetch(p, bytes);
+    }
+    const float my_base = tid < m ? base[tid] : 0.0f, my_scale = tid < (head ? 1 : 3) ? scale[tid] : 0.0f;
+    grid_dependency_sync();
     __shared__ float red[HCM_THREADS / 32][MIX_MAX];
-    __shared__ float msum[MIX_MAX];
+    __shared__ float msum[MIX_MAX], base_s[MIX_MAX], scale_s[3];
     __shared__ float pre_s[HC_MAX];
     __shared__ float cm[HC_MAX * HC_MAX];
     __shared__ bool last;
-    const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t = blockIdx.y, lane = tid & 31, warp = tid >> 5;
     if (t >= n) return;
-    const int m = head ? hc : (2 + hc) * hc, c = blockIdx.x * HCM_THREADS + tid, blocks = gridDim.x;
+    const int c = blockIdx.x * HCM_THREADS + tid, blocks = gridDim.x;
     const float* xt = x + (i64)t * hc * hidden;
     float xv[HC_MAX];
 #pragma unroll
@@ -191,14 +228,22 @@ extern "C" __global__ void __launch_bounds__(HCM_THREADS)
     if (!last) return;
     __threadfence();
     const float* all = part + (i64)t * blocks * (m + 1);
-    for (int r = tid; r <= m; r += HCM_THREADS) {
+    for (int r = tid; r <= m; r += HCM_THREADS) {  // in block order, 8 loads in flight at a time
         float v = 0.0f;
-        for (int b = 0; b < blocks; ++b) v += __ldcg(all + (i64)b * (m + 1) + r);
+        for (int b0 = 0; b0 < blocks; b0 += 8) {
+            float p[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) p[u] = b0 + u < blocks ? __ldcg(all + (i64)(b0 + u) * (m + 1) + r) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v += p[u];
+        }
         msum[r] = v;
     }
+    if (tid < m) base_s[tid] = my_base;
+    if (tid < 3) scale_s[tid] = my_scale;
     __syncthreads();
     const float inv = 1.0f / sqrtf(msum[m] / (float)(hc * hidden) + eps);
-    hc_coefficients(msum, inv, scale, base, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
+    hc_coefficients(msum, inv, scale_s, base_s, hc, hc_eps, iters, head, t, pre_s, cm, post, comb);
     if (tid < hc) pre[(i64)t * hc + tid] = pre_s[tid];
     if (tid == 0) count[t] = 0u;  // ready for the next launch (a graph's replay)
 }
