@@ -242,6 +242,11 @@ class EmuOps:
         _put(comb, n, hc * hc, None, c.reshape(n, -1))
 
     @staticmethod
+    def hc_logits(dev, x, fn, out, *, n, ldo=None, stream=None):
+        assert fn.type == "f32"
+        _put(out, n, fn.rows, ldo, _rows(x, n, fn.cols) @ dense(fn).T)
+
+    @staticmethod
     def hc_mix(dev, x, fn, scale, base, y, post, comb, work, *, n, hc, hidden, eps, hc_eps, iters, stream=None):
         assert real_ops.hc_mix_supported(fn, n=n, hc=hc, hidden=hidden) and n <= work.rows
         raw = dev.empty((n * fn.rows,))

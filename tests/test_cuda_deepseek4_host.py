@@ -114,11 +114,11 @@ def test_each_kind_of_layer_issues_its_kernels(step, model):
         assert sum("inverse=True" in c for c in ropes) == 1
         assert len(ropes) >= 3
         # a step of 41 rows multiplies on the tensor cores: the grouped low-rank output one matmul a group;
-        # the experts' gate|up and down through the expert tiles; the mixes stay on the matvec
+        # the experts' gate|up and down through the expert tiles; the mixes' logits in float32 (hc_logits)
         o_a = [c for c in log if c.startswith("linear_tc(") and f":{h.o_lora_rank}x" in c.split(",")[1]]
         assert len(o_a) == h.o_groups
         assert count(log, "moe_gemm") == 2 and count(log, "moe_matvec") == count(log, "moe_gather") == 0
-        assert count(log, "matvec") == 2 and count(log, "linear_tc") >= 7
+        assert count(log, "hc_logits") == 2 and count(log, "matvec") == 0 and count(log, "linear_tc") >= 7
     head = next(c for c in reversed(rec.calls) if c.startswith("hc_mix("))
     assert "None, None" in head and "n=2," in head  # the head's mix of the two rows asked: no post, no comb
 

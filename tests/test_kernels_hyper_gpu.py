@@ -66,6 +66,21 @@ def test_hc_pre_and_merge_match_the_reference(dev, rng, n, hc):
     assert rel(d_x.to_host(), hyper.hc_merge(sub, x, want_post, want_comb)) < 1e-5
 
 
+@pytest.mark.parametrize("n,m,K", [(41, 24, 16384), (2048, 24, 4096), (5, 4, 200), (17, 80, 1000)])
+def test_hc_logits_are_the_mix_matmul_in_float32(dev, rng, n, m, K):
+    """Many tokens' mix logits: a prefill chunk at DeepSeek V4's width, many tokens, the head's 4 rows over
+    columns that end mid-chunk, and 8 streams' 80 rows (three row blocks); out's rows wider than m."""
+    from ember.kernels.ops.quant_matrix import QuantMatrix
+
+    x = rng.normal(0, 1, (n, K)).astype(np.float32)
+    fn = rng.normal(0, 0.02, (m, K)).astype(np.float32)
+    out = poisoned(dev, (n, m + 3))
+    ops.hc_logits(dev, dev.to_device(x), QuantMatrix.upload(dev, fn, "f32", m, K), out, n=n, ldo=m + 3)
+    got = out.to_host()
+    assert rel(got[:, :m], x.astype(np.float64) @ fn.T.astype(np.float64)) < 1e-5
+    assert np.isnan(got[:, m:]).all()  # past each row's m: untouched (poisoned: NaN)
+
+
 def test_hc_pre_head_mix(dev, rng):
     """The output head's mix: pre alone, from hc logits (HyperStack.head)."""
     n, hidden = 5, 256

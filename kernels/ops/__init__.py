@@ -42,6 +42,7 @@ from .hyper import (
     attend_rows,
     clamped_swiglu,
     compress_rows,
+    hc_logits,
     hc_merge,
     hc_mix,
     hc_mix_supported,
@@ -178,7 +179,7 @@ __all__ = [
     "dequant_half", "dequant_rows", "embed",
     # hyper (DeepSeek V4)
     "ATTS_MAX_KEYS", "HC_MAX", "HC_MIX_MAX_ROWS", "HcMixWork", "attend_rows", "clamped_swiglu", "compress_rows",
-    "hc_merge", "hc_mix", "hc_mix_supported", "hc_pre", "indexer_scores",
+    "hc_logits", "hc_merge", "hc_mix", "hc_mix_supported", "hc_pre", "indexer_scores",
     "mean_streams", "round_half", "store_rows", "swap_rows", "top_k_rows",
     # norm, rope, act
     "NORM_MAX_COLS", "add", "add_bias", "gated_act", "gather_rows", "norm_shape", "rms_norm", "rms_norm_add",

@@ -56,6 +56,24 @@ def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, ba
                                          F32(hc_eps), iters, int(head), y, post, comb, stream=stream)
 
 
+HCL_TOKENS, HCL_ROWS = 16, 32  # hyper.cu hc_logits: tokens and rows a block
+
+
+def hc_logits(dev: Device, x: DeviceArray, fn: QuantMatrix, out: DeviceArray, *, n: int, ldo: int | None = None,
+              stream=None) -> None:
+    """Many tokens' mix logits for hc_pre: out [n, ldo] = x [n, fn.cols] @ fn.T, fn float32 [m, cols] (the
+    mix weights), in float32. Twin: x @ fn.T (hyper.hc_mix's product before its scalar norm)."""
+    if fn.type != "f32":
+        raise ValueError(f"hc_logits takes float32 mix weights, not {fn.type}")
+    m, K = fn.rows, fn.cols
+    ldo = m if ldo is None else ldo
+    need(x, np.float32, n * K, "x")
+    need(out, np.float32, (n - 1) * ldo + m if n else 0, "out")
+    if n:
+        dev.kernel("hyper", "hc_logits").launch((-(-n // HCL_TOKENS), -(-m // HCL_ROWS)), (HC_THREADS,), x, I64(K),
+                                                fn.data, I64(fn.row_bytes // 4), n, m, K, out, ldo, stream=stream)
+
+
 @dataclass
 class HcMixWork:
     """hc_mix's buffers for up to `rows` tokens: each block's sums, a count a token (zero between launches) and

@@ -10,8 +10,10 @@ scratch of key rows: its window's rows and the compressed rows it sees, gathered
 layer the lightning indexer's scores of its candidates and its top k appended to each query's list
 (hyper_keys.py plans the lists and the blocks on the host). The heads' output turns back, goes through the
 grouped low-rank projection and merges into the streams; then the MLP's mix, the shared expert and the
-routed ones (hash-routed by token id in the first layers), each a clamped SwiGLU. Every matmul is the matvec
-on the weights' own blocks (matmul.py, no tensor cores, float activations: closest to the twin).
+routed ones (hash-routed by token id in the first layers), each a clamped SwiGLU. The mixes' logits stay
+in float32, closest to the twin (hc_logits for many tokens, hc_mix's dots for a decode's few: a rounding in
+them moves a Sinkhorn's every weight); the other matmuls go through matmul.py (the weights' own blocks, the
+tensor cores from its TC_MIN_ROWS rows).
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ class HyperStep:
 
     def _hc_mix(self, mix, streams: DeviceArray, n: int, post: DeviceArray | None, comb: DeviceArray | None) -> None:
         """self.a = streams [n, hc, hidden] mixed by (fn, scale, base); post and comb for hc_merge (None: a
-        head's mix). A decode's few rows in hc_mix's two launches; more, the mix logits' matmul, then hc_pre."""
+        head's mix). A decode's few rows in hc_mix's two launches; more, the mix logits (hc_logits), then hc_pre."""
         h, cfg = self.h, self.config
         fn, scale, base = mix
         hc, hid, eps, hc_eps, iters = h.hc_mult, cfg.hidden, cfg.norm_eps, h.hc_eps, h.hc_sinkhorn_iters
@@ -328,7 +330,10 @@ class HyperStep:
             ops.hc_mix(self.dev, streams, fn, scale, base, self.a, post, comb, self.mix_work, n=n, hc=hc, hidden=hid,
                        eps=eps, hc_eps=hc_eps, iters=iters, stream=self.stream)
             return
-        self.mm.linear(fn, streams, self.raw, n, tc=False)  # see the module docstring
+        if fn.type == "f32":  # float32 throughout (the module docstring), many tokens a block
+            ops.hc_logits(self.dev, streams, fn, self.raw, n=n, stream=self.stream)
+        else:
+            self.mm.linear(fn, streams, self.raw, n, tc=False)
         ops.hc_pre(self.dev, streams, self.raw, scale, base, self.a, post, comb, n=n, hc=hc, hidden=hid, eps=eps,
                    hc_eps=hc_eps, iters=iters, stream=self.stream)
 
