@@ -108,6 +108,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # hyper.cu (DeepSeek V4's hyper-connections and compressed rows)
     "HC_MAX": 8,  # residual streams a hyper-connection at most (DeepSeek V4: 4)
     "HC_THREADS": 256,  # threads of an hc_pre block (a token) and of an hc_merge, compress_rows, attend_rows block
+    "HCL_TOKENS": 16,  # tokens an hc_logits block takes (a thread two of its rows of one token)
+    "HCL_ROWS": 32,  # mix-logit rows an hc_logits block takes (DeepSeek V4 has 24)
     "HCM_THREADS": 128,  # threads of an hc_mix_dots block: a column of every stream each (32 blocks at 4096)
     "ATTS_MAX_KEYS": 4096,  # keys a query row of attend_rows at most (a window, 512 picked CSA rows or a 512k
     # context's HCA rows)

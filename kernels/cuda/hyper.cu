@@ -163,8 +163,6 @@ extern "C" __global__ void __launch_bounds__(HC_THREADS)
 // loads in flight while this one's products are summed; a thread sums two rows of one token, over k in
 // order. (The staged matvec took 8 tokens a launch over 24 rows, 6 blocks: 226 us a launch, 256 launches a
 // 2,048-token mix, 85% of that prefill.)
-#define HCL_TOKENS 16
-#define HCL_ROWS 32
 #define HCL_K 128
 static_assert(HC_THREADS == HCL_TOKENS * HCL_ROWS / 2, "a thread two rows of one token");
 extern "C" __global__ void __launch_bounds__(HC_THREADS)

@@ -56,7 +56,7 @@ def hc_pre(dev: Device, x: DeviceArray, raw: DeviceArray, scale: DeviceArray, ba
                                          F32(hc_eps), iters, int(head), y, post, comb, stream=stream)
 
 
-HCL_TOKENS, HCL_ROWS = 16, 32  # hyper.cu hc_logits: tokens and rows a block
+HCL_TOKENS, HCL_ROWS = KERNEL_CONSTANTS["HCL_TOKENS"], KERNEL_CONSTANTS["HCL_ROWS"]
 
 
 def hc_logits(dev: Device, x: DeviceArray, fn: QuantMatrix, out: DeviceArray, *, n: int, ldo: int | None = None,
