@@ -203,6 +203,14 @@ class Device:
         out.upload(arr)
         return out
 
+    def pinned(self, nbytes: int) -> HostBuffer:
+        """Page-locked host memory of nbytes (what asynchronous copies to and from the device need)."""
+        return HostBuffer(nbytes)
+
+    def event(self) -> Event:
+        """A point in a stream's work the host can wait for."""
+        return Event()
+
     def scratch(self, key: str, nbytes: int, zero: bool = False) -> DeviceArray:
         """A reusable device buffer of at least nbytes (grown on demand), e.g. split-K partials; zero:
         zeroed when (re)allocated (for users that leave it zeroed, like the sampler's counters)."""

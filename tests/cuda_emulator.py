@@ -6,8 +6,11 @@ with its twin is the GPU tests' (tests/test_kernels_hyper_gpu.py, test_kernels_g
 
 A launch computes at once here, but on a GPU it is queued on the backend's non-blocking stream, and a copy
 to or from the host (to_host, upload) runs on the legacy stream, which does not wait for it: so a launch
-leaves its stream pending until EmuStream.synchronize(), and a host copy while it is pending fails, as it
-would read a result not yet there (or overwrite an input still to be read) on the device."""
+leaves its stream pending until EmuStream.synchronize() (or the synchronize() of an event recorded after
+it), and a host copy while it is pending fails, as it would read a result not yet there (or overwrite an
+input still to be read) on the device. The asynchronous copies (upload_from, download_into: pinned memory,
+ordered on the stream) run at once too, which is their place in the stream's order, since every launch
+before them has computed already."""
 
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ from ember.kernels import ops as real_ops
 from ember.kernels import quants, reference
 from ember.kernels.ops.quant_matrix import row_nbytes
 
-_PENDING = [0]  # launches queued since the stream's last synchronize (the module docstring)
+_QUEUED = [0]  # launches queued so far
+_DONE = [0]  # of which the host knows to be done (a synchronize of the stream, or of an event after them)
 
 
 def _host_copy(what: str) -> None:
-    if _PENDING[0]:
-        raise AssertionError(f"{what} while {_PENDING[0]} launches are queued: the stream is not synchronized "
-                             "(host copies run on the legacy stream, which does not wait for it)")
+    if _QUEUED[0] > _DONE[0]:
+        raise AssertionError(f"{what} while {_QUEUED[0] - _DONE[0]} launches are queued: the stream is not "
+                             "synchronized (host copies run on the legacy stream, which does not wait for it)")
 
 
 class EmuStream:
@@ -35,7 +39,30 @@ class EmuStream:
     handle = 0
 
     def synchronize(self) -> None:
-        _PENDING[0] = 0
+        _DONE[0] = _QUEUED[0]
+
+
+class EmuEvent:
+    """A point in the stream's work: synchronize() makes the launches before its record() done."""
+
+    at = 0
+
+    def record(self, stream=None) -> None:
+        self.at = _QUEUED[0]
+
+    def synchronize(self) -> None:
+        _DONE[0] = max(_DONE[0], self.at)
+
+
+class EmuHostBuffer:
+    """Pinned host memory: a uint8 array."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(int(nbytes), 8)
+        self.array = np.zeros(self.nbytes, np.uint8)
+
+    def free(self) -> None:
+        self.array = np.zeros(0, np.uint8)
 
 
 class EmuArray:
@@ -81,6 +108,14 @@ class EmuArray:
         _host_copy("a read on the host")
         return self.a.copy().reshape(self.shape)
 
+    def upload_from(self, host: EmuHostBuffer, nbytes: int, stream, host_offset: int = 0) -> None:
+        assert nbytes <= self.nbytes and host_offset + nbytes <= host.nbytes, "copy exceeds a buffer"
+        self.a.view(np.uint8)[:nbytes] = host.array[host_offset : host_offset + nbytes]
+
+    def download_into(self, host: EmuHostBuffer, nbytes: int, stream, host_offset: int = 0) -> None:
+        assert nbytes <= self.nbytes and host_offset + nbytes <= host.nbytes, "copy exceeds a buffer"
+        host.array[host_offset : host_offset + nbytes] = self.a.view(np.uint8)[:nbytes]
+
     def copy_from(self, src: EmuArray, nbytes: int, stream) -> None:
         n = nbytes // self.dtype.itemsize
         self.a[:n] = src.a[:n]
@@ -109,6 +144,15 @@ class EmuDevice:
 
     def scratch(self, key: str, nbytes: int) -> EmuArray:
         return self.empty((nbytes,), np.uint8)
+
+    def pinned(self, nbytes: int) -> EmuHostBuffer:
+        return EmuHostBuffer(nbytes)
+
+    def event(self) -> EmuEvent:
+        return EmuEvent()
+
+    def make_current(self) -> None:
+        pass
 
 
 class EmuGraph:
@@ -167,7 +211,7 @@ class EmuOps:
             return attr
 
         def launch(*args, **kwargs):  # queued on the stream, as on the device
-            _PENDING[0] += 1
+            _QUEUED[0] += 1
             return attr(*args, **kwargs)
 
         return launch
@@ -211,6 +255,10 @@ class EmuOps:
 
     @staticmethod
     def embed(dev, w, out, ids, *, n, scale=1.0, feed=None, norm=None, stream=None):
+        if feed is not None:  # the rows fed from the step before's draws take their token (stored, as the kernel)
+            drawn, source = feed
+            fed = source.a[:n] >= 0
+            ids.a[:n][fed] = drawn.a[source.a[:n][fed]]
         _put(out, n, w.cols, None, dense(w)[ids.a[:n]] * np.float32(scale))
 
     @staticmethod

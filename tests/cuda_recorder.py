@@ -61,6 +61,12 @@ class FakeArray:
     def copy_from(self, src, nbytes: int, stream) -> None:
         pass
 
+    def upload_from(self, host, nbytes: int, stream, host_offset: int = 0) -> None:
+        pass
+
+    def download_into(self, host, nbytes: int, stream, host_offset: int = 0) -> None:
+        pass
+
     def to_host(self) -> np.ndarray:
         return np.zeros(self.shape, self.dtype)
 
@@ -83,6 +89,16 @@ class FakeDevice:
     def scratch(self, key: str, nbytes: int) -> FakeArray:
         self.scratched[key] = max(nbytes, self.scratched.get(key, 0))
         return FakeArray(f"scratch_{key}", (nbytes,), np.uint8)
+
+    def pinned(self, nbytes: int):
+        return SimpleNamespace(nbytes=max(int(nbytes), 8), array=np.zeros(max(int(nbytes), 8), np.uint8),
+                               free=lambda: None)
+
+    def event(self):
+        return SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
+
+    def make_current(self) -> None:
+        pass
 
     def to_device(self, arr) -> FakeArray:
         arr = np.asarray(arr)

@@ -25,12 +25,9 @@ PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 700, 40)]  # past
 
 
 class EmuCudaDevice(EmuDevice):
-    """The emulated device as CudaHyperBackend opens it: a current context and room for anything."""
+    """The emulated device as CudaHyperBackend opens it: room for anything."""
 
     memory_cap: int | None = None
-
-    def make_current(self) -> None:
-        pass
 
     def memory_info(self) -> tuple[int, int]:
         return 64 << 30, 80 << 30
@@ -76,12 +73,15 @@ def test_greedy_tokens_are_the_twins_with_and_without_mtp_drafts(model, weights,
     same tokens."""
     want, _ = generate(model, NumpyBackend(model.config, weights, n_blocks=64, block_size=16), "off", PROMPT, 24)
     plain = cuda()
-    assert plain.samples_on_device and plain.kv_layout == "cuda-hyper-v2"
+    assert plain.samples_on_device and plain.runs_ahead and plain.kv_layout == "cuda-hyper-v2"
+    fed = _count_fed(plain)
     off, _ = generate(model, plain, "off", PROMPT, 24)
     assert off == want and len(off) == 24
     assert plain.graph_replays > 0  # the decode steps replayed their graph
+    assert fed[0] >= 10  # most of them launched before the host had read the token they decode
     drafting = cuda(mtp=True)
     assert drafting.kv_layout == "cuda-hyper-mtp-v2" and drafting.mtp is not None
+    assert not drafting.runs_ahead  # the drafter drafts from each step's token
     drafter = RecordingDrafter(MtpDrafter(drafting.mtp))
     on, metrics = generate(model, drafting, "mtp", PROMPT, 24, drafter)
     assert on == want
@@ -105,6 +105,18 @@ def test_greedy_tokens_are_the_twins_with_dspark_drafts(tmp_path, cuda):
     for tokens, draft in drafter.seen[:2] + drafter.seen[-2:]:
         twin = NumpyBackend(m.config, w, n_blocks=8, block_size=16, dspark=(f, fw))
         assert twin.dspark is not None and _twin_draft(twin, twin.dspark, tokens, len(draft)) == draft
+
+
+def _count_fed(backend) -> list[int]:
+    """A counter of the steps submitted with a token fed from the step before's draws (run-ahead)."""
+    fed, submit = [0], backend.submit
+
+    def counting(chunks, feed=None):
+        fed[0] += feed is not None and any(j is not None for j in feed)
+        return submit(chunks, feed)
+
+    backend.submit = counting
+    return fed
 
 
 def _twin_draft(twin: NumpyBackend, head, tokens: list[int], k: int) -> list[int]:

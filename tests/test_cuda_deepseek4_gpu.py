@@ -204,6 +204,41 @@ def test_a_chunk_that_asks_is_sampled_on_the_device(model, dev):
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_decode_run_ahead_draws_what_waiting_draws(model, dev, mode):
+    """Three sequences decoding greedily for 40 steps, past compress-block ends: each step launched before the
+    host reads the last one's tokens (fed on the device from its draws), in a fresh backend beside one that
+    waits for each token; the same tokens, and the steps replayed their graphs."""
+    from ember.worker.backends.base import DeviceSample
+
+    greedy = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
+    seqs = [(_tokens(n, 40 + n), list(range(8 * i, 8 * i + 8))) for i, n in enumerate((20, 45, 9))]
+    runs = []
+    for ahead in (False, True):
+        gpu = _cuda(model, dev, mode)
+        assert gpu.runs_ahead
+        last = [int(_prefill(gpu, t, 64, table)[-1].argmax()) for t, table in seqs]
+
+        def step(i, toks):
+            return [SeqChunk(np.array([t], np.int32), len(p) + i, table, "last", sample=greedy)
+                    for t, (p, table) in zip(toks, seqs, strict=True)]
+
+        out = [last]
+        if ahead:
+            pending = gpu.submit(step(0, last))
+            for i in range(1, 40):
+                nxt = gpu.submit(step(i, [0] * 3), feed=[0, 1, 2])
+                out.append([int(t) for t in pending.result()])
+                pending = nxt
+            out.append([int(t) for t in pending.result()])
+        else:
+            for i in range(40):
+                out.append([int(t) for t in gpu.forward(step(i, out[-1]))])
+        assert gpu.graph_replays >= 30
+        runs.append(out)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_a_dspark_drafter_writes_the_twins_rows_and_drafts_its_chain(dev, tmp_path, mode):
     """`--spec dspark:PATH` on the GPU (hyper_dspark.py), on the pair `ember bench make-model --dspark-out`
     writes: after a prefill of 100 positions and three decode steps (graphs), the drafter's key rows in the

@@ -326,6 +326,35 @@ def test_a_steps_inputs_go_up_in_one_copy_each_in_a_place_it_keeps(monkeypatch):
     assert len(copies) == 3
 
 
+def test_inputs_go_up_from_pinned_memory_on_the_stream_and_a_move_waits_first():
+    """With pinned memory to stage in (a step run ahead), the arena goes up in one asynchronous copy, no
+    synchronous one; the arena replaced by a larger one calls before_move first (the owner waits there for the
+    step still reading it), and only then."""
+    from cuda_emulator import EmuArray
+
+    from ember.worker.backends.cuda.buffers import GrowingBuffers
+
+    waits, staged = [], []
+    dev = EmuDevice()
+
+    def stage(nbytes):
+        staged.append(nbytes)
+        return dev.pinned(nbytes)
+
+    b = GrowingBuffers(dev, before_move=lambda: waits.append(b.moves))
+    sync = EmuArray.upload
+    EmuArray.upload = lambda self, arr: pytest.fail("a synchronous copy")
+    try:
+        d = b.upload({"tok": np.arange(5, dtype=np.int32), "w": np.ones(3, np.float32)}, stage, None)
+        assert np.array_equal(d["tok"].a, np.arange(5)) and d["w"].a.sum() == 3 and staged and not waits
+        b.upload({"tok": np.arange(7, dtype=np.int32)}, stage, None)  # fits its room: nothing moves
+        assert not waits and b.moves == 0
+        grown = b.upload({"tok": np.arange(5000, dtype=np.int32)}, stage, None)
+        assert waits and b.moves >= 1 and np.array_equal(grown["tok"].a, np.arange(5000))
+    finally:
+        EmuArray.upload = sync
+
+
 def test_graphs_share_their_buffers_and_one_that_grows_drops_them(model, monkeypatch, reference_backend):
     """The captured shapes share one set of buffers (the largest shape's room, not the sum). Shallow
     sequences decode at (4 rows, context 256): captured, replayed. A deep one joins: (4, 512) grows the
@@ -397,3 +426,56 @@ def test_chunks_that_ask_are_sampled_on_the_device(model, monkeypatch, reference
         assert got[1] == drawn
         np.testing.assert_allclose(got[2], want[2], rtol=1e-3, atol=1e-3)
         last, lengths = [int(got[0]), int(got[1]), int(want[2][-1].argmax())], [n + 1 for n in lengths]
+
+
+def test_a_step_run_ahead_decodes_the_draws_of_the_one_before(model, monkeypatch, reference_backend):
+    """Run-ahead: two sequences decode greedily, each step submitted with its tokens fed from the draws of the
+    step before, before the host has read them (the emulator fails any host copy while a step is queued, so a
+    replay that waited or copied synchronously would show). Every draw is the twin's argmax; the steps replay
+    their graph; a step whose one chunk asks its logits instead keeps its token and gets the twin's logits."""
+    from cuda_emulator import EmuOps
+
+    from ember.worker.backends.base import DeviceSample, SampledToken
+
+    emulated, ref = _step(model, monkeypatch, EmuOps(), EmuDevice(), 160, tensor_cores=False), reference_backend()
+    rng = np.random.default_rng(21)
+    seqs = [(30, list(range(0, 4))), (70, list(range(4, 10)))]
+    last, lengths = [], []
+    for n, table in seqs:
+        prompt = rng.integers(0, 700, n).astype(np.int32)
+        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
+        emulated.run([SeqChunk(prompt, 0, table, "last")])
+        last.append(int(want[-1].argmax()))
+        lengths.append(n)
+    greedy = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
+
+    def step(i, tokens, logits_of=None):
+        return [SeqChunk(np.array([t], np.int32), n + i, table, "last", sample=None if j == logits_of else greedy)
+                for j, (t, n, (_, table)) in enumerate(zip(tokens, lengths, seqs, strict=True))]
+
+    pending, drawn = emulated.submit(step(0, last)), []
+    for i in range(1, 6):
+        nxt = emulated.submit(step(i, [0, 0]), emulated.feed_sources(step(i, [0, 0]), [0, 1]))
+        drawn.append([int(t) for t in pending.result()])
+        pending = nxt
+    drawn.append([int(t) for t in pending.result()])
+    assert emulated.graph_replays >= 4
+    tokens = [last] + drawn
+    for i in range(6):  # the twin over the same tokens: each draw its argmax
+        want = ref.forward([SeqChunk(np.array([t], np.int32), n + i, table, "last")
+                            for t, n, (_, table) in zip(tokens[i], lengths, seqs, strict=True)])
+        assert [int(w[-1].argmax()) for w in want] == tokens[i + 1]
+    # a fed step whose second chunk asks its logits: the first is fed, the second keeps the host's token
+    first = emulated.submit(step(6, tokens[6]))
+    mixed = step(7, [0, 123], logits_of=1)
+    got = emulated.submit(mixed, emulated.feed_sources(mixed, [0, None])).result()
+    before = [int(t) for t in first.result()]
+    want = ref.forward([SeqChunk(np.array([t], np.int32), n + 6, table, "last")
+                        for t, n, (_, table) in zip(tokens[6], lengths, seqs, strict=True)])
+    assert before == [int(w[-1].argmax()) for w in want]
+    want = ref.forward([SeqChunk(np.array([t], np.int32), n + 7, table, "last")
+                        for t, n, (_, table) in zip([before[0], 123], lengths, seqs, strict=True)])
+    assert isinstance(got[0], SampledToken) and got[0] == int(want[0][-1].argmax())
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="drew no token"):
+        emulated.feed_sources(mixed, [None, 1])  # the last step drew none for its second chunk

@@ -10,9 +10,11 @@ layout). A compressed row is made once, by the step that computes its block's la
 
 A chunk that asks for a draw (`sample`) is sampled on the device from the step's logits; the others get
 their logits on the host. Decode steps replay as captured graphs of their padded shape, other steps run
-eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py). With `mtp`, the
-model's next-token layer writes its rows with every step and drafts between steps (hyper_mtp.py), and with
-`dspark` a DSpark block drafter (hyper_dspark.py). Not yet (docs/models.md): run-ahead, dropping the
+eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py). The engine runs
+ahead (submit): decode step n + 1 is launched, its tokens fed on the device from step n's draws, while the
+host reads step n's. With `mtp`, the model's next-token layer writes its rows with every step and drafts
+between steps (hyper_mtp.py), and with `dspark` a DSpark block drafter (hyper_dspark.py); a drafter drafts
+from the step's results, so with one the steps do not run ahead. Not yet (docs/models.md): dropping the
 per-position rows a sequence no longer reads (the window's keys and the compressors' rows of closed blocks).
 """
 
@@ -41,7 +43,8 @@ class CudaHyperBackend(Backend):
     name = "cuda"
     kv_layout = "cuda-hyper-v2"
     block_dtype = np.dtype(np.float32)
-    samples_on_device = True  # chunks with `sample` set come back as SampledToken (HyperStep._draw)
+    samples_on_device = True  # chunks with `sample` set come back as SampledToken (HyperStep.submit)
+    runs_ahead = True  # submit() returns before the step ends and can feed a step from the last one's draws
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
     f16_weights = int8_activations = False
     pdl = False  # the captured decode steps' kernels chained by PDL: the card's (set once the device is open)
@@ -91,6 +94,7 @@ class CudaHyperBackend(Backend):
             self.mtp = _Drafts(self, self.step.mtp) if self.step.mtp is not None else None
             self.dspark = _Drafts(self, self.step.dspark) if self.step.dspark is not None else None
             self.tensor_cores = self.step.tensor_cores
+            self.runs_ahead = self.mtp is None and self.dspark is None
             total = self.dev.memory_info()[1]
             self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
         except StickyCudaError as e:
@@ -129,8 +133,15 @@ class CudaHyperBackend(Backend):
 
     @poison_guard
     def forward(self, chunks: list[SeqChunk]) -> list:
+        return self.submit(chunks).result()
+
+    @poison_guard
+    def submit(self, chunks: list[SeqChunk], feed: list[int | None] | None = None):
+        """Launch one step and return at once (HyperStep.submit); feed[i] = j: chunk i's one token is the
+        draw of chunk j of the step submitted just before, taken on the device."""
         self.dev.make_current()
-        return self.step.run(chunks)
+        sources = self.step.feed_sources(chunks, feed) if feed is not None else None
+        return self.step.submit(chunks, sources)
 
     # -- KV blocks: block_size contiguous rows of the pool, the twin's block ------------------------
 

@@ -29,7 +29,7 @@ from ember.kernels.ops.matmul import GEMM_TILE_K
 from ember.kernels.ops.moe import QGEMM_MIN_ROWS, QGEMM_TILES, TILE_ROWS
 
 from ...model.config import ModelConfig
-from ..base import SampledToken, SeqChunk, kv_slots
+from ..base import SeqChunk, attempt, kv_slots
 from ..numpy.hyper import CSA, HyperStack
 from . import hyper_keys
 from .buffers import GrowingBuffers
@@ -37,6 +37,7 @@ from .hyper_dspark import DSparkLayer, DSparkWeights
 from .hyper_mtp import MtpLayer, MtpWeights
 from .hyper_weights import HyperLayer, HyperWeights
 from .matmul import Matmuls
+from .step import Landing, PendingStep
 
 # A decode step (one token a sequence) runs as a captured graph of its padded shape (hyper_keys.Pad): the
 # sequences to a power of two, the context to a power of two of at least GRAPH_MIN_CONTEXT, at most
@@ -67,6 +68,7 @@ class _Inputs:
     prev: DeviceArray | None = None
     firsts: tuple[DeviceArray, int] | None = None
     sample: DeviceArray | None = None  # the packed SampleParams of the rows drawn on the device
+    feed: DeviceArray | None = None  # int32 [n]: the row of the step before's draws that is a row's token, or -1
 
 
 class HyperStep:
@@ -118,11 +120,22 @@ class HyperStep:
         self.mm = Matmuls(self.dev, self.stream, cfg, self.w.output, int8_activations=False,
                           tensor_cores=self.tensor_cores,
                           half_kind=cfg.recipe.half_type, g=self.sg, u=self.su, gu=None)
-        self.bufs = self._eager_bufs = GrowingBuffers(self.dev)  # the buffers of the step being run
+        # a buffer replaced by a larger one is freed: first the step still in flight (run ahead) is let finish
+        self.bufs = self._eager_bufs = GrowingBuffers(self.dev, self.stream.synchronize)  # the step's being run
         # the captured shapes' buffers, one set for all (they replay one at a time, each uploading its inputs
         # first), so they take the largest shape's room, not the sum; a buffer that grows (a larger shape's
         # first step) drops every graph, each captured again when its shape next comes
-        self._graph_bufs = GrowingBuffers(self.dev)
+        self._graph_bufs = GrowingBuffers(self.dev, self.stream.synchronize)
+        # run-ahead (submit): a step's draws, where the next step's embedding reads its fed tokens; per slot
+        # (two steps in flight at most), the pinned memory its inputs go up from and its results come down to
+        self.drawn = e((R,), np.int32)
+        self._slot = 0
+        self._inflight: list[PendingStep | None] = [None, None]
+        self._last: PendingStep | None = None  # the step submitted last: the one a fed step reads the draws of
+        self._h_in: list[Any] = [None, None]
+        self._h_tokens = [self.dev.pinned(4 * R), self.dev.pinned(4 * R)]
+        self._h_logits: list[Any] = [None, None]
+        self._done = [self.dev.event(), self.dev.event()]
         self._graph_moves = 0  # _graph_bufs.moves when the graphs held were captured
         self._graphs: dict[tuple[int, int], Any] = {}  # cuda_runtime.Graph
         self._seen: set[tuple[int, int]] = set()
@@ -140,16 +153,33 @@ class HyperStep:
             self.dev.scratch("gemm_x", 2 * max(r * m.cols for m, r in tc))
 
     def run(self, chunks: list[SeqChunk]) -> list:
-        """Each chunk's logits as it asks for them (None for "none"), float32 on the host."""
+        """Each chunk's logits as it asks for them (None for "none"), float32 on the host, or its SampledToken."""
+        return self.submit(chunks).result()
+
+    def submit(self, chunks: list[SeqChunk], sources: np.ndarray | None = None) -> PendingStep:
+        """Launch one step and return at once; its result() waits for the device. sources: per row, the row of
+        the step before's draws (still on the device) that is its token, or -1 (run-ahead); a fed row's token
+        is ignored. A decode step whose graph is captured waits for nothing: its inputs go up from the slot's
+        pinned memory on the stream, behind the step before, and its results come down likewise. Any other
+        step first waits for the device. At most two steps are in flight: a slot's pinned memory is reused
+        once the step that had it (two submits ago) is collected."""
         cfg, h, st = self.config, self.h, self.stream
         n = sum(len(c.tokens) for c in chunks)
         if n > self.max_rows:
             raise ValueError(f"a step of {n} tokens exceeds this backend's {self.max_rows} rows")
         tokens = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
+        if sources is not None:
+            tokens[sources >= 0] = 0
         if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
             raise ValueError("token id out of range")
-        st.synchronize()  # the step before is done with every buffer this one fills
+        slot = self._slot
+        older = self._inflight[slot]
+        if older is not None:  # its pinned memory is this step's: wait for it (its error is its own)
+            attempt(older.result)
+            self._inflight[slot] = None
         pad = self._graph_shape(chunks)
+        if pad is None or (pad.rows, pad.context) not in self._graphs:
+            st.synchronize()  # run eagerly (or captured): it may grow buffers and copy synchronously
         keys = hyper_keys.plan(chunks, block_size=self.block_size, window=h.window,
                                ratios=set(h.compress_ratios), top_k=h.indexer_top_k, pad=pad)
         want, out_rows = _wanted(chunks, pad)
@@ -158,13 +188,16 @@ class HyperStep:
         sample = self._sample_params(chunks, want, asks, len(out_rows))
         if pad is None:
             self.bufs = self._eager_bufs
-            inp = self._inputs(chunks, tokens, keys, out_rows, sample)
+            inp = self._inputs(chunks, tokens, keys, out_rows, sample, sources, slot)
             self._forward(n, inp, keys)
         else:  # a decode step: its shape's graph, captured the second time the shape comes (the first warms up)
             shape = (pad.rows, pad.context)
             self.bufs = self._graph_bufs
+            fed = np.full(pad.rows, -1, np.int32)  # a captured step always feeds (-1: the host's token)
+            if sources is not None:
+                fed[:n] = sources
             inp = self._inputs(chunks, np.concatenate([tokens, np.zeros(pad.rows - n, np.int32)]), keys, out_rows,
-                               sample, padded=True)
+                               sample, fed, slot, padded=True)
             self._drop_stale_graphs()
             graph = self._graphs.get(shape)
             if graph is None and shape in self._seen:  # its sizes were had before: the capture allocates nothing
@@ -176,14 +209,62 @@ class HyperStep:
             else:
                 graph.launch()
                 self.graph_replays += 1
-        drawn = self._draw(want, asks, inp.sample, len(out_rows))
-        st.synchronize()
-        if all(i in drawn or not len(w) for i, w in enumerate(want)):  # no chunk takes logits
-            return [SampledToken(drawn[i]) if i in drawn else None for i in range(len(chunks))]
-        n_out = len(out_rows)
-        host = self.logits.view(0, max(n_out, 1) * cfg.vocab_size).to_host().reshape(-1, cfg.vocab_size)
-        return [SampledToken(drawn[i]) if i in drawn else host[w].copy() if len(w) else None
-                for i, w in enumerate(want)]
+        if inp.sample is not None:  # ops.sample: the host sampler's chain without penalties
+            ops.sample(self.dev, self.logits, inp.sample, self.drawn, rows=len(out_rows), vocab=cfg.vocab_size,
+                       stream=st)
+        rows = [(i, int(w[0]), len(w)) for i, w in enumerate(want) if len(w)]
+        pending = PendingStep(slot, chunks, rows, asks, len(out_rows))
+        self._copy_back(pending)
+        self._inflight[slot] = self._last = pending
+        self._slot ^= 1
+        return pending
+
+    def feed_sources(self, chunks: list[SeqChunk], feed: list[int | None]) -> np.ndarray:
+        """Per row, the row of the step submitted last's draws that is its token (feed[i] = j: chunk i's one
+        token is the draw of that step's chunk j), or -1."""
+        prev = self._last
+        if len(feed) != len(chunks):
+            raise ValueError("feed needs one entry per chunk")
+        sources = np.full(sum(len(c.tokens) for c in chunks), -1, np.int32)
+        at = 0
+        for c, j in zip(chunks, feed, strict=True):
+            if j is not None:
+                if prev is None or j not in prev.drawn_rows:
+                    raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
+                if len(c.tokens) != 1:
+                    raise ValueError("a fed chunk has exactly one token")
+                sources[at] = prev.drawn_rows[j]
+            at += len(c.tokens)
+        return sources
+
+    def _copy_back(self, p: PendingStep) -> None:
+        """Queue, on the stream behind the step, the copies of what the host wants into the slot's pinned
+        memory (the logits rows not drawn on the device, then the draws), and mark where they are done."""
+        st, V, slot = self.stream, self.config.vocab_size, p.slot
+        if p.host_rows:
+            total = sum(cnt for _, _, cnt in p.host_rows) * V * 4
+            buf = self._h_logits[slot]
+            if buf is None or buf.nbytes < total:
+                if buf is not None:
+                    buf.free()  # nothing copies into it still: the step that had this slot was collected
+                buf = self._h_logits[slot] = self.dev.pinned(max(total, 4 * V * 8))
+            at = 0
+            for _, r, cnt in p.host_rows:
+                self.logits.view(r * V, cnt * V).download_into(buf, cnt * V * 4, st, host_offset=at)
+                at += cnt * V * 4
+        if p.sampled:
+            self.drawn.view(0, p.n_out).download_into(self._h_tokens[slot], 4 * p.n_out, st)
+        self._done[slot].record(st)
+        p.landing = Landing(self.dev, self._done[slot], self._h_tokens[slot], self._h_logits[slot], V)
+
+    def _stage(self, slot: int, nbytes: int):
+        """The slot's pinned memory for a step's inputs, at least nbytes (its step before was collected)."""
+        buf = self._h_in[slot]
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            buf = self._h_in[slot] = self.dev.pinned(max(nbytes, 4096) * 2)
+        return buf
 
     def _sample_params(self, chunks: list[SeqChunk], want: list[np.ndarray], asks: list[int],
                        n_out: int) -> np.ndarray | None:
@@ -203,18 +284,6 @@ class HyperStep:
         ops.SampleParams.pack(packed, n_out, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                               step=step)
         return packed
-
-    def _draw(self, want: list[np.ndarray], asks: list[int], params: DeviceArray | None,
-              n_out: int) -> dict[int, int]:
-        """The tokens of the chunks that ask to be sampled (`sample`, with "last" logits), drawn on the device
-        from the step's logits (ops.sample: the host sampler's chain without penalties), by chunk."""
-        if params is None:
-            return {}
-        out = self.bufs.get("drawn", n_out, np.int32)
-        ops.sample(self.dev, self.logits, params, out, rows=n_out, vocab=self.config.vocab_size, stream=self.stream)
-        self.stream.synchronize()  # (to_host copies on the legacy stream, which does not wait for this one)
-        tokens = out.view(0, n_out).to_host()
-        return {i: int(tokens[int(want[i][0])]) for i in asks}
 
     def _graph_shape(self, chunks: list[SeqChunk]) -> hyper_keys.Pad | None:
         """The padded shape a decode step (one token a sequence, each asking its logits) is captured at:
@@ -249,7 +318,8 @@ class HyperStep:
         """The step's kernels, from the token ids to the logits of the rows inp.out_rows names."""
         cfg, h, dev, st = self.config, self.h, self.dev, self.stream
         # the embeddings, one copy a stream
-        ops.embed(dev, self.w.token_embd, self.a, inp.tok, n=n, stream=st)
+        ops.embed(dev, self.w.token_embd, self.a, inp.tok, n=n,
+                  feed=(self.drawn, inp.feed) if inp.feed is not None else None, stream=st)
         ops.gather_rows(dev, self.a, inp.rep, self.x, n=n * h.hc_mult, cols=cfg.hidden, stream=st)
         for li, lw in enumerate(self.w.layers):
             if self.dspark is not None:  # the streams entering the layer, where the drafter reads them
@@ -265,9 +335,11 @@ class HyperStep:
             self.mtp.write_rows(n, inp)
 
     def _inputs(self, chunks: list[SeqChunk], tokens: np.ndarray, keys: hyper_keys.StepKeys,
-                out_rows: np.ndarray, sample: np.ndarray | None, padded: bool = False) -> _Inputs:
-        """The step's host plan on the device, in one copy (padded rows: position 0, the trash block's row);
-        sample: the packed SampleParams of the rows drawn on the device, if any."""
+                out_rows: np.ndarray, sample: np.ndarray | None, feed: np.ndarray | None, slot: int,
+                padded: bool = False) -> _Inputs:
+        """The step's host plan on the device, in one copy from the slot's pinned memory, on the stream
+        (padded rows: position 0, the trash block's row); sample: the packed SampleParams of the rows drawn
+        on the device, if any; feed: the rows fed from the step before's draws (submit's sources)."""
         n, real = len(tokens), sum(len(c.tokens) for c in chunks)
         pos = np.zeros(n, np.int32)
         pos[:real] = np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks])
@@ -287,6 +359,8 @@ class HyperStep:
             host["out_rows"] = out_rows
         if sample is not None:
             host["sample"] = sample
+        if feed is not None:
+            host["feed"] = feed
         if self.mtp is not None:
             # the h before each row: the pool's at p - 1 (this step's own rows are stored before they are read);
             # a row at position 0 reads its own row, then takes zeros; a padded row reads the trash row
@@ -299,7 +373,7 @@ class HyperStep:
             if padded:  # a captured step's count is fixed: the rest zero the spare row past the step's
                 firsts = np.concatenate([firsts, np.full(n - len(firsts), n)])
             host["prev"], host["firsts"] = prev, firsts.astype(np.int32)
-        d = self.bufs.upload(host)
+        d = self.bufs.upload(host, lambda nbytes: self._stage(slot, nbytes), self.stream)
         cand = None
         if keys.crow is not None and keys.ccnt is not None:
             cand = (d["crow"], d["ccnt"], keys.crow.shape[1])
@@ -309,7 +383,7 @@ class HyperStep:
             lists={r: (d[f"idx{r}"], d[f"cnt{r}"], kl.idx.shape[1]) for r, kl in keys.lists.items()},
             cand=cand, comp={r: (d[f"pieces{r}"], c.rows) for r, c in keys.comp.items()},
             closing={r: (d[f"starts{r}"], d[f"cpos{r}"], d[f"closed{r}"], c.blocks) for r, c in keys.closing.items()},
-            out_rows=d.get("out_rows"), n_out=len(out_rows), sample=d.get("sample"),
+            out_rows=d.get("out_rows"), n_out=len(out_rows), sample=d.get("sample"), feed=d.get("feed"),
             prev=d.get("prev"), firsts=(d["firsts"], len(host["firsts"])) if "firsts" in d else None)
 
     def _linear(self, w: ops.QuantMatrix, x: DeviceArray, y: DeviceArray, n: int) -> None:
