@@ -21,8 +21,8 @@ from ember.kernels import ops as real_ops
 
 # launchers that decide (or size) without launching: the real ones run
 PASS_THROUGH = {"kq8_supported", "kv2_supported", "post_norm_supported", "matvec_gated_supported",
-                "stream_q8_0_supported", "sample_parts", "flash_tiles", "qgemm_supported", "hc_mix_supported",
-                "attend_splits", "matvec_groups_supported", "matvec_fan_supported"}
+                "stream_q8_0_supported", "sample_parts", "flash_tiles", "qgemm_supported", "qmoc_supported",
+                "hc_mix_supported", "attend_splits", "matvec_groups_supported", "matvec_fan_supported"}
 
 
 class FakeArray:

@@ -127,6 +127,49 @@ def test_batched_decode_over_scattered_blocks_agrees_with_numpy(model, dev, mode
     assert list(gpu.step._graphs) == [(2, 512)] and gpu.graph_replays == 10  # the 256 graph went as buffers grew
 
 
+@pytest.fixture(scope="module")
+def lowbit(dev, tmp_path_factory):
+    """The tiny file at 256 columns with the users' expert types (IQ2_XXS gate/up, Q2_K down)."""
+    import dataclasses
+
+    from ember.worker.bench.synth import write_model
+    from ember.worker.bench.synth_shapes import resolve_shape
+
+    spec = dataclasses.replace(resolve_shape("deepseek4", "tiny"), n_embd=256, n_ff_exp=256, mix="ds4-flash")
+    path = write_model(spec, tmp_path_factory.mktemp("ds4lb") / "lowbit.gguf", seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        g = GGUFFile(path)
+        cfg = read_config(g)
+        yield cfg, g, load_weights(g, cfg)
+
+
+@pytest.mark.parametrize("pair_rows", [32, 0])
+def test_a_few_tokens_low_bit_experts_agree_with_numpy(lowbit, dev, monkeypatch, pair_rows):
+    """IQ2_XXS/Q2_K experts: 20 sequences decode together (a pair a tile through the column-resident matvec
+    up to PAIR_TILE_MAX_ROWS tokens; with 0, the grouped matvec's tiles of 8 pairs), each step's logits the
+    twin's. (With the tensor cores on, this random file's near-tied routers flip on 16-bit rounding.)"""
+    from ember.worker.backends.cuda import hyper_step
+
+    monkeypatch.setattr(hyper_step, "PAIR_TILE_MAX_ROWS", pair_rows)
+    cfg, g, _ = lowbit
+    assert g.tensors["blk.0.ffn_gate_exps.weight"].ggml_type.name == "IQ2_XXS"
+    seqs = [(_tokens(8 + i, 60 + i), [2 * i, 2 * i + 1]) for i in range(20)]
+    ref, gpu = _numpy(lowbit), _cuda(lowbit, dev, "exact")
+    last = []
+    for tokens, table in seqs:
+        last.append(_prefill(ref, tokens, 64, table)[-1])
+        _prefill(gpu, tokens, 64, table)
+    lengths = [len(t) for t, _ in seqs]
+    for _ in range(3):
+        step = [SeqChunk(np.array([int(x.argmax())], np.int32), n, table, "last")
+                for x, n, (_, table) in zip(last, lengths, seqs, strict=True)]
+        want, got = ref.forward(step), gpu.forward(step)
+        for gg, w in zip(got, want, strict=True):
+            agree(gg, w, "exact")
+        last, lengths = [w[-1] for w in want], [n + 1 for n in lengths]
+
+
 def test_the_twins_blocks_restore_onto_the_gpu(model, dev):
     """The pool's layout is the twin's: numpy's first 16 blocks loaded into the GPU's pool, the rest of the
     prompt computed there, give the twin's logits; and the GPU's own blocks come back as it wrote them."""

@@ -108,6 +108,7 @@ from .moe import (
     moe_route,
     moe_route_group,
     qgemm_supported,
+    qmoc_supported,
 )
 from .norm import (
     NORM_MAX_COLS,
@@ -197,7 +198,7 @@ __all__ = [
     # mixture of experts
     "MOE_MAX_EXPERTS", "MOE_MAX_K", "QGEMM_MIN_ROWS", "ExpertMatrices", "MoeScratch", "MoeWeights",
     "matvec_rows", "moe_combine", "moe_gather", "moe_gemm", "moe_group", "moe_matvec", "moe_matvec_q8", "moe_mlp",
-    "moe_q8_supported", "moe_route", "moe_route_group", "qgemm_supported",
+    "moe_q8_supported", "moe_route", "moe_route_group", "qgemm_supported", "qmoc_supported",
     # kv copy, fault injection
     "fault_illegal_address", "kv_gather", "kv_scatter",
 ]

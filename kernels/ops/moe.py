@@ -117,10 +117,12 @@ class MoeScratch:
 
     @classmethod
     def alloc(cls, dev: Device, max_rows: int, experts: int, k: int, hidden: int, ffn: int,
-              apart: bool = False) -> MoeScratch:
+              apart: bool = False, pair_tile_rows: int = 1) -> MoeScratch:
+        """pair_tile_rows: steps of up to this many tokens may group their pairs in tiles of one pair."""
         e, pairs = dev.empty, max_rows * k
+        tiles = max(max_tiles(pairs, experts, TILE_ROWS), min(max_rows, pair_tile_rows) * k)
         s = cls(e((max_rows * experts,)), e((pairs,), np.int32), e((pairs,)), e((pairs,), np.int32),
-                e((pairs,), np.int32), e((3 * max_tiles(pairs, experts, TILE_ROWS),), np.int32),
+                e((pairs,), np.int32), e((3 * tiles,), np.int32),
                 e((pairs * hidden,)), e((pairs * ffn,)), e((pairs * 2 * ffn,)) if apart else None,
                 e((pairs * hidden,)), e((1,), np.uint32))
         s.done.zero()

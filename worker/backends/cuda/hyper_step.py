@@ -45,6 +45,12 @@ from .step import Landing, PendingStep
 # 0.5 KB a position at the real model's sizes, CSA's); past that, eagerly.
 GRAPH_MIN_CONTEXT = 256
 GRAPH_MAX_POSITIONS = 1 << 18
+# Up to this many tokens a step's low-bit experts (IQ2_XXS, Q2_K, ...) take a tile a pair through the
+# column-resident matvec (ops.moe_matvec: qmoc_b1), which decodes an expert's rows once for each of its
+# pairs, rather than tiles of 16 pairs on the tensor cores (qgemm_t16), which decode them once a tile: a
+# few tokens' pairs seldom share an expert (16 tokens' 96 pairs fall on about 81 of 256), and qgemm's
+# decode to 16 bits in shared memory took 64% of a 16-stream step on the L8 file (17.8 ms, H100).
+PAIR_TILE_MAX_ROWS = 32
 
 
 @dataclass
@@ -115,7 +121,7 @@ class HyperStep:
         self.sg, self.su, self.ysh = e((R * ffn_shared,)), e((R * ffn_shared,)), e((R * hid,))
         self.sgu = e((R * 2 * ffn_shared,))  # [gate | up] a row, where the layer stacks them
         self.moe = ops.MoeScratch.alloc(self.dev, R, self.w.layers[0].experts.experts, cfg.n_experts_used, hid, ffn,
-                                        apart=True)
+                                        apart=True, pair_tile_rows=PAIR_TILE_MAX_ROWS)
         self.logits = e((R * cfg.vocab_size,))
         self.mm = Matmuls(self.dev, self.stream, cfg, self.w.output, int8_activations=False,
                           tensor_cores=self.tensor_cores,
@@ -601,11 +607,13 @@ class HyperStep:
         ex = lw.experts
         E, ffn, pairs = ex.experts, ex.ffn, n * k
         ops.matvec_rows(dev, ex.router, self.hn, s.logits, n=n, stream=st)
-        tiles = self.expert_tiles and n >= QGEMM_MIN_ROWS
+        mats = [m for m in (ex.gate_up, ex.gate, ex.up, ex.down) if m is not None]
+        pair_tiles = n <= PAIR_TILE_MAX_ROWS and all(ops.qmoc_supported(m, s.xs) for m in mats)
+        tiles = self.expert_tiles and n >= QGEMM_MIN_ROWS and not pair_tiles
         if tiles:  # tiles of 64 pairs where experts average 32 or more (prefill), else of 16
             tile = QGEMM_TILES[1] if 2 * pairs >= QGEMM_TILES[1] * E else QGEMM_TILES[0]
-        else:  # the grouped matvec: tiles of one pair for one token, else of 8
-            tile = 1 if n == 1 else TILE_ROWS
+        else:  # the grouped matvec: tiles of one pair (one token, or a few tokens' low-bit experts), else of 8
+            tile = 1 if n == 1 or pair_tiles else TILE_ROWS
         hashed = (lw.token_experts, tok) if lw.token_experts is not None else None
         nt = ops.moe_route_group(dev, s.logits, s, n=n, experts=E, k=k, gating="sqrt-softplus",
                                  norm_topk=h.expert_weights_norm, tile=tile, bias=lw.select_bias,
