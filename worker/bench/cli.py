@@ -47,6 +47,7 @@ def add_bench_parser(sub) -> None:
     s.set_defaults(func=cmd_speed)
 
     from .agents import add_agents_parser
+    from .agree import add_agree_parser
     from .grammar import add_grammar_parser
     from .replay import add_replay_parser
     from .resume import add_resume_parser
@@ -65,6 +66,7 @@ def add_bench_parser(sub) -> None:
     add_soak_parser(bsub)
     add_spec_parser(bsub)
     add_agents_parser(bsub)
+    add_agree_parser(bsub)
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
