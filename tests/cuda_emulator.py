@@ -457,14 +457,15 @@ class EmuOps:
         _put(s.xs, n * k, hidden, None, _rows(x, n, hidden)[s.order.a[: n * k] // k])
 
     @staticmethod
-    def moe_matvec(dev, w, tiles, n_tiles, x, y, *, tile, act=None, x_per_pair=True, stream=None):
+    def moe_matvec(dev, w, tiles, n_tiles, x, y, *, tile, act=None, x_per_pair=True, int8=False, stream=None):
         assert act is None
         rows, cols = w.rows, w.m.cols
         whole = dense(w.m).reshape(w.experts, rows, cols)
         for e, r0, nb in tiles.a[: 3 * n_tiles].reshape(-1, 3):
             xs = _rows(x.view(r0 * cols if x_per_pair else 0, nb * cols), nb, cols) if x_per_pair else \
                 np.repeat(_rows(x, 1, cols), nb, axis=0)
-            _put(y.view(r0 * rows, nb * rows), nb, rows, None, xs @ whole[e].T)
+            out = reference.linear_q8(xs, whole[e]).astype(np.float32) if int8 else xs @ whole[e].T
+            _put(y.view(r0 * rows, nb * rows), nb, rows, None, out)
 
     @staticmethod
     def moe_gemm(dev, w, tiles, n_tiles, x, y, *, tile, half="f16", order=None, k=1, act=None, stream=None):

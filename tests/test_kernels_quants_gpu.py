@@ -376,3 +376,36 @@ def test_qgemm_tiles_match_linear(dev, rng, tname, tile, half):
     yg.poison()
     ops.moe_gemm(dev, w, tiles, nt, dev.to_device(x), yg, tile=tile, half=half, order=order, k=1, act="silu")
     assert rel_err(yg.to_host(), reference.silu(ref[:, :ffn]) * ref[:, ffn:]) < 1e-4, tname
+
+
+@pytest.mark.parametrize("tname", ["iq2_xxs", "q2_k"])
+def test_grouped_matvec_at_batch_1_in_int8(dev, rng, tname):
+    """qmoc8_b1: one token's pairs (tiles of one pair) with x quantized to int8 per 32 columns, the weights'
+    quants dp4a'd (IQ2_XXS signed by byte masks, Q2_K's minimums through x's quant sums): the twin's
+    linear_q8 per expert, to float32 rounding; x one row or a row a pair; the other types are refused."""
+    E, rows, cols = 5, 40, 4096
+    raw = random_tensor(rng, TYPES[tname], E * rows, cols)
+    wf = quants.dequantize(raw, TYPES[tname], (E, rows, cols)).astype(np.float64)
+    bias = rng.normal(0, 0.1, (E, rows)).astype(np.float32)
+    w = ops.ExpertMatrices.upload(dev, [raw], TYPES[tname], E, [rows], cols, biases=[bias])
+    ids = np.array([3, 0, 4, 1, 2, 3], np.int32)
+    pairs = len(ids)
+    pos, order = dev.empty((pairs,), np.int32), dev.empty((pairs,), np.int32)
+    tiles = dev.empty((3 * ops.moe.max_tiles(pairs, E, 1),), np.int32)
+    nt = ops.moe_group(dev, dev.to_device(ids), pos, order, tiles, pairs=pairs, experts=E, tile=1)
+    experts = ids[order.to_host()]
+    for per_pair in (False, True):
+        x = rng.normal(0, 1, (pairs if per_pair else 1, cols)).astype(np.float32)
+        d_x = dev.to_device(x)
+        y = dev.empty((pairs, rows))
+        y.poison()
+        ops.moe_matvec(dev, w, tiles, nt, d_x, y, tile=1, x_per_pair=per_pair, int8=True)
+        xs = x if per_pair else np.repeat(x, pairs, axis=0)
+        ref = np.stack([reference.linear_q8(xs[p : p + 1], wf[e])[0] for p, e in enumerate(experts)]) + bias[experts]
+        assert rel_err(y.to_host(), ref) < 1e-5, (tname, per_pair)
+        plain = np.einsum("pc,prc->pr", xs.astype(np.float64), wf[experts]) + bias[experts]
+        assert rel_err(y.to_host(), plain) < 2e-2  # int8 inputs: near the float32 product, not equal
+    other = ops.ExpertMatrices.upload(dev, [random_tensor(rng, TYPES["iq3_s"], E * rows, cols)], TYPES["iq3_s"], E,
+                                      [rows], cols)
+    with pytest.raises(ValueError, match="int8 grouped matvec"):
+        ops.moe_matvec(dev, other, tiles, nt, d_x, y, tile=1, int8=True)

@@ -477,6 +477,61 @@ struct Group32<GT_Q2_K> {
     }
 };
 
+// The int8 form (qmoc8_b1): a thread's 32 columns of x quantized to int8 once, as one block of
+// reference.quantize_q8 (d = max|x| / 127, q = roundf(x / d): kq8's and ggml's q8_1), then every row's 32
+// weights a dp4a per 4, the sum exact in integers. For the users' DeepSeek V4 expert types only: IQ2_XXS's
+// grid bytes (8, 25 or 43) signed by a byte mask of their sign bits, Q2_K's 2-bit quants as bytes with
+// its minimums through the sums of x's quants per 16. Twin: reference.linear_q8 over the expert.
+EMBER_DEV u32 sign_bytes4(u32 s) {  // bits 0-3 of s -> bytes 0-3 of 0xFF or 0 (the four bits spread 7 apart)
+    return ((s & 0xFu) * 0x00204081u & 0x01010101u) * 0xFFu;
+}
+
+template <int T>
+struct Group32Q8 {
+    static constexpr bool OK = false;
+    static EMBER_DEV float dot(const u8*, int, const int[8], float, const int[2]) { return 0.0f; }
+};
+
+template <>
+struct Group32Q8<GT_IQ2_XXS> {
+    static constexpr bool OK = true;
+    static EMBER_DEV float dot(const u8* p, int g, const int xq[8], float dx, const int[2]) {
+        const u8* b = p + 2 + 8 * g;
+        const u32 idx = ld32a2(b), aux = ld32a2(b + 4);
+        int acc = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u64 grid = ember_iq2xxs_grid((idx >> (8 * k)) & 0xFFu);
+            const u32 s = ksign((aux >> (7 * k)) & 127u);
+            const u32 m0 = sign_bytes4(s), m1 = sign_bytes4(s >> 4);
+            acc = __dp4a((int)__vsub4((u32)grid ^ m0, m0), xq[2 * k], acc);  // (g ^ m) - m: -g where m = 0xFF
+            acc = __dp4a((int)__vsub4((u32)(grid >> 32) ^ m1, m1), xq[2 * k + 1], acc);
+        }
+        return h2f(ld16(p)) * (0.5f + (float)(aux >> 28)) * 0.25f * dx * (float)acc;
+    }
+};
+
+template <>
+struct Group32Q8<GT_Q2_K> {
+    static constexpr bool OK = true;
+    static EMBER_DEV float dot(const u8* p, int g, const int xq[8], float dx, const int xs[2]) {
+        const int h = g >> 2, j = g & 3;
+        const u32* qs = reinterpret_cast<const u32*>(p + 16 + 32 * h);
+        const u32 sc = ld16(p + 2 * g), dd = *reinterpret_cast<const u32*>(p + 80);
+        const float d = h2f((u16)(dd & 0xFFFFu)), dmin = h2f((u16)(dd >> 16));
+        float acc = 0.0f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int e = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) e = __dp4a((int)((qs[4 * half + i] >> (2 * j)) & 0x03030303u), xq[4 * half + i], e);
+            const u32 b = (sc >> (8 * half)) & 0xFFu;
+            acc += d * (float)(b & 0xFu) * (float)e - dmin * (float)(b >> 4) * (float)xs[half];
+        }
+        return dx * acc;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
     qmoc_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
             const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
@@ -513,6 +568,66 @@ extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
     for (int r = 0; r < QMOC_RPB; ++r) {
         const int row = row0 + r;
         acc[r] = mine && row < rows ? Group32<QTYPE>::dot(base + (i64)row * row_bytes, g, xv, xs) : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < QMOC_RPB; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) red[warp][r] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < QMOC_RPB) {
+        const int row = row0 + threadIdx.x;
+        if (row < rows) {
+            float v = 0.0f;
+            for (int w = 0; w < warps; ++w) v += red[w][threadIdx.x];
+            if (bias) v += bias[(i64)e * rows + row];
+            y[(i64)r0 * rows + row] = v;
+        }
+    }
+    }
+}
+
+// qmoc_b1 with x quantized to int8 (Group32Q8 above): same grid, tiles, x, y and bias
+extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
+    qmoc8_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+             const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
+             const float* __restrict__ bias) {
+    typedef QT<QTYPE> Q;
+    if constexpr (!Group32Q8<QTYPE>::OK) {
+        __trap();  // (ops.moe_matvec launches it for IQ2_XXS and Q2_K only)
+    } else {
+    __shared__ float red[QMOC_MAX_WARPS][QMOC_RPB];
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int c0 = 32 * threadIdx.x, row0 = blockIdx.x * QMOC_RPB;
+    const bool mine = c0 < cols;
+    const int blk = c0 / Q::ELEMS, g = (c0 % Q::ELEMS) / 32;
+    grid_dependency_sync();  // the tiles and x come from the kernels before
+    const int e = tile[0], r0 = tile[1], nb = tile[2];
+    if (nb == 0) return;  // the whole block
+    float xv[32], amax = 0.0f;
+    const float* xr = x + (i64)r0 * cols * x_per_pair + c0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    const float dx = amax / 127.0f, id = dx > 0.0f ? 1.0f / dx : 0.0f;
+    int xq[8], xs[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int a0 = (int)roundf(xv[4 * k] * id), a1 = (int)roundf(xv[4 * k + 1] * id);
+        const int a2 = (int)roundf(xv[4 * k + 2] * id), a3 = (int)roundf(xv[4 * k + 3] * id);
+        xq[k] = (a0 & 0xff) | ((a1 & 0xff) << 8) | ((a2 & 0xff) << 16) | ((u32)a3 << 24);
+        xs[k >> 2] += (a0 + a1) + (a2 + a3);
+    }
+    const u8* base = W + e * expert_bytes + (i64)blk * Q::BYTES;
+    float acc[QMOC_RPB];
+#pragma unroll
+    for (int r = 0; r < QMOC_RPB; ++r) {
+        const int row = row0 + r;
+        acc[r] = mine && row < rows ? Group32Q8<QTYPE>::dot(base + (i64)row * row_bytes, g, xq, dx, xs) : 0.0f;
     }
 #pragma unroll
     for (int r = 0; r < QMOC_RPB; ++r) {

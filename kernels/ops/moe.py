@@ -197,18 +197,22 @@ def moe_route_group(dev: Device, logits: DeviceArray, s: MoeScratch, *, n: int, 
 
 
 def moe_matvec(dev: Device, w: ExpertMatrices, tiles: DeviceArray, n_tiles: int, x: DeviceArray, y: DeviceArray, *,
-               tile: int, act: str | None = None, x_per_pair: bool = True, stream=None) -> None:
+               tile: int, act: str | None = None, x_per_pair: bool = True, int8: bool = False, stream=None) -> None:
     """For every tile (expert e, first row r0, rows nb): y[r0 : r0 + nb] = x[r0 : r0 + nb] @ W_e^T (+ the
     expert's biases, w.bias), or with act, W_e = [gate; up] and y = act(x W_gate^T + b_gate) * (x W_up^T +
-    b_up); x_per_pair=False (tiles of one pair): every pair reads x's one row, a single token's. Twin:
-    reference.linear per expert (with its bias), reference.gated."""
+    b_up); x_per_pair=False (tiles of one pair): every pair reads x's one row, a single token's. int8 (tiles
+    of one pair, IQ2_XXS and Q2_K, no activation): x quantized to int8 per 32 columns (qmoc8_b1). Twin:
+    reference.linear per expert (with its bias), reference.gated; int8: reference.linear_q8."""
     if tile not in (1, TILE_ROWS):
         raise ValueError(f"tiles of 1 or {TILE_ROWS} rows")
     b = 1 if tile == 1 else 8
     m = w.m
+    if int8 and not (act is None and tile == 1 and qmoc8_supported(w, x)):
+        raise ValueError(f"the int8 grouped matvec takes tiles of one pair of {'/'.join(QMOC8_TYPES)} experts, "
+                         "without an activation")
     if act is None and tile == 1 and qmoc_supported(w, x):
         threads = 32 * -(-m.cols // (32 * 32))
-        dev.kernel(f"matvec_{m.type}", "qmoc_b1").launch(
+        dev.kernel(f"matvec_{m.type}", "qmoc8_b1" if int8 else "qmoc_b1").launch(
             (-(-w.rows // QMOC_RPB), n_tiles), (threads,), m.data, I64(m.row_bytes), I64(w.expert_bytes), w.rows,
             m.cols, tiles, x, int(x_per_pair), y, w.bias, stream=stream)
         return
@@ -232,6 +236,14 @@ def qmoc_supported(w: ExpertMatrices, x: DeviceArray) -> bool:
     low-bit types, rows of whole 32-column groups up to QMOC_MAX_COLS, x's rows 16-byte aligned."""
     return (w.m.type in LOW_BIT_TYPES and w.m.cols % 32 == 0 and w.m.cols <= QMOC_MAX_COLS
             and x.ptr % 16 == 0)
+
+
+QMOC8_TYPES = ("iq2_xxs", "q2_k")  # the users' DeepSeek V4 expert types: qmoc8_b1's int8 dot products
+
+
+def qmoc8_supported(w: ExpertMatrices, x: DeviceArray) -> bool:
+    """Whether qmoc8_b1 (qmoc_b1 with x quantized to int8) takes these experts."""
+    return w.m.type in QMOC8_TYPES and qmoc_supported(w, x)
 
 
 def qgemm_supported(w: ExpertMatrices) -> bool:

@@ -91,6 +91,8 @@ class HyperStep:
         self.dev, self.stream, self.config, self.h, self.w, self.pool = dev, stream, config, config.hyper, weights, pool
         self.n_blocks, self.block_size, self.max_rows = n_blocks, block_size, max_rows
         self.tensor_cores, self.graphs = tensor_cores, graphs
+        # the low-bit experts' matvec with x in int8 (qmoc8_b1; twin: reference.linear_q8): off until measured
+        self.int8_experts = False
         self.expert_tiles = tensor_cores and all(
             ops.qgemm_supported(e) for lw in weights.layers for e in (lw.experts.gate_up, lw.experts.gate,
                                                                       lw.experts.up, lw.experts.down) if e is not None)
@@ -638,13 +640,15 @@ class HyperStep:
                 ops.moe_gather(dev, self.hn, s, n=n, k=k, hidden=hid, stream=st)
             for w, out in parts:
                 assert w is not None
-                ops.moe_matvec(dev, w, s.tiles, nt, xs, out, tile=tile, x_per_pair=per_pair, stream=st)
+                int8 = self.int8_experts and tile == 1 and ops.moe.qmoc8_supported(w, xs)
+                ops.moe_matvec(dev, w, s.tiles, nt, xs, out, tile=tile, x_per_pair=per_pair, int8=int8, stream=st)
         g, u, ld = (gu, gu.view(ffn, gu.size - ffn), 2 * ffn) if stacked else (gu, parts[1][1], ffn)
         ops.clamped_swiglu(dev, g, u, s.hs, n=pairs, ffn=ffn, limit=lw.clamp, ldg=ld, ldu=ld, stream=st)
         if tiles:
             ops.moe_gemm(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, half=self.mm.half_kind, stream=st)
         else:
-            ops.moe_matvec(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, stream=st)
+            int8 = self.int8_experts and tile == 1 and ops.moe.qmoc8_supported(ex.down, s.hs)
+            ops.moe_matvec(dev, ex.down, s.tiles, nt, s.hs, s.ys, tile=tile, int8=int8, stream=st)
         # the experts' outputs weighed and summed onto the shared expert's
         ops.moe_combine(dev, s, self.y, n=n, k=k, hidden=hid, res=self.ysh, stream=st)
         ops.hc_merge(dev, self.x, self.y, self.post, self.comb, n=n, hc=h.hc_mult, hidden=hid, stream=st)
