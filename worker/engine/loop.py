@@ -542,6 +542,7 @@ class Engine:
         self.accepting = False
         log(Event.ENGINE_POISONED, level="error", code=e.code, name=e.name, message=e.message, step=self.step_count,
             running=[s.req.request_id for s in self.running])
+        self._publish()  # before any request hears of it: a client given the 503 then finds /health/live poisoned
         for s in self.queues.in_flight():
             self.queues.remove(s)
             s.kv.blocks = []  # the device memory is gone; nothing to release into
