@@ -242,10 +242,18 @@ class EmuOps:
     @staticmethod
     def linear_tc(dev, w, x, y, *, n, res=None, kind="f16", scratch="gemm", stream=None):
         assert kind == "f16"
-        out = _half(_rows(x, n, w.cols)) @ _half(dense(w)).T
+        # the matrix's kept 16-bit copy where it has one (QuantMatrix.keep_half), as the real launcher reads it
+        kept = w.half is not None and w.half_kind == kind
+        wh = w.half.a.view(np.float16).astype(np.float32).reshape(w.rows, w.cols) if kept else _half(dense(w))
+        out = _half(_rows(x, n, w.cols)) @ wh.T
         if res is not None:
             out = out + _rows(res, n, w.rows)
         _put(y, n, w.rows, None, out)
+
+    @staticmethod
+    def dequant_half(dev, w, out, *, kind="f16", stream=None):
+        assert kind == "f16" and out.dtype == np.uint16 and out.size == w.rows * w.cols
+        out.a[:] = dense(w).astype(np.float16).view(np.uint16).reshape(-1)
 
     @staticmethod
     def matvec_rows(dev, w, x, y, *, n, stream=None):

@@ -124,3 +124,45 @@ def _twin_draft(twin: NumpyBackend, head, tokens: list[int], k: int) -> list[int
     table = list(range(8))
     twin.forward([SeqChunk(np.asarray(tokens[:-1], np.int32), 0, table, "none")])
     return head.draft(table, tokens[-1], len(tokens) - 1, k)
+
+
+def test_the_dense_matrices_are_decoded_to_16_bits_once_and_the_steps_read_that_copy(model, monkeypatch, cuda):
+    """f16_weights: the matrices a step multiplies on the tensor cores (attention, compressors, indexer, shared
+    expert) are decoded to 16 bits when the backend opens, so prefill and batched decode skip that decode each
+    step (ops.linear_tc reads the kept copy); the routed experts, routers and mixes keep none. The copy is the
+    per-step decode's: a 40-token prefill and a decode give the same logits with it as without, and the step
+    reads it (a kept copy zeroed changes them). "auto" keeps it where memory.keep_half_copy says: never on
+    unified memory."""
+    from ember.kernels.ops import quant_matrix
+    from ember.worker.backends.cuda.hyper import CudaHyperBackend
+    from ember.worker.backends.cuda.hyper_step import tensor_core_matrices
+
+    emu = EmuOps()
+    monkeypatch.setattr(quant_matrix, "dequant_half", emu.dequant_half)
+
+    def make(f16: str, integrated: bool = False) -> CudaHyperBackend:
+        dev = EmuCudaDevice()
+        dev.caps.integrated = integrated
+        return CudaHyperBackend(model.config, model.gguf, n_blocks=64, block_size=16, device=dev, max_rows=64,
+                                max_seqs=2, tensor_cores=True, f16_weights=f16)
+
+    kept, off = make("on"), make("off")
+    assert kept.f16_weights and not off.f16_weights
+    mats = [m for m, _ in tensor_core_matrices(kept.w, None, None, hc=model.config.hyper.hc_mult)]
+    assert len(mats) >= 5 * model.config.n_layers
+    assert all(m.half is not None and m.half_kind == "f16" for m in mats)
+    assert kept.memory.half_copy == sum(2 * m.rows * m.cols for m in mats) and off.memory.half_copy == 0
+    others = [m for lw in kept.w.layers for m in (lw.attn_mix[0], lw.ffn_mix[0], lw.experts.router, lw.experts.down.m)]
+    assert all(m.half is None for m in others + [kept.w.output, kept.w.token_embd])
+    assert make("auto").f16_weights and not make("auto", integrated=True).f16_weights
+
+    def run(backend: CudaHyperBackend) -> list[np.ndarray]:
+        table = list(range(4))
+        (pre,) = backend.forward([SeqChunk(np.asarray(PROMPT, np.int32), 0, table, "all")])
+        (dec,) = backend.forward([SeqChunk(np.array([5], np.int32), len(PROMPT), table, "last")])
+        return [pre, dec]
+
+    for got, want in zip(run(kept), run(off), strict=True):
+        np.testing.assert_array_equal(got, want)
+    mats[1].half.zero()
+    assert not np.array_equal(run(kept)[0], run(off)[0])

@@ -45,12 +45,12 @@ def model(tiny, dev, tmp_path_factory):
 MODES = {"exact": 0.999, "fast": 0.99}  # the correlation each asks
 
 
-def _cuda(model, dev, mode: str = "exact"):
+def _cuda(model, dev, mode: str = "exact", f16_weights: str = "auto"):
     from ember.worker.backends.cuda.hyper import CudaHyperBackend
 
     cfg, g, _ = model
     return CudaHyperBackend(cfg, g, n_blocks=N_BLOCKS, block_size=BS, device=dev, max_rows=128,
-                            tensor_cores=mode == "fast")
+                            tensor_cores=mode == "fast", f16_weights=f16_weights)
 
 
 def _numpy(model):
@@ -97,6 +97,20 @@ def test_prefill_in_chunks_agrees_with_numpy(model, dev, mode):
     gpu = _cuda(model, dev, mode)
     assert gpu.tensor_cores == (mode == "fast")
     agree(_prefill(gpu, tokens, 64, table), want, mode)
+
+
+def test_the_kept_16_bit_weights_give_the_per_step_decodes_logits(model, dev):
+    """f16_weights on: the tensor-core matrices decoded once at start (QuantMatrix.keep_half) give a prefill in
+    chunks of 64 and a 20-row step the very logits of the per-step decode (the same dequant_half, once)."""
+    tokens, table = _tokens(300, 7), list(range(-(-300 // BS)))
+    kept, off = _cuda(model, dev, "fast", "on"), _cuda(model, dev, "fast", "off")
+    assert kept.f16_weights and not off.f16_weights and kept.memory.half_copy > 0
+    np.testing.assert_array_equal(_prefill(kept, tokens, 64, table), _prefill(off, tokens, 64, table))
+    rows = _tokens(20, 8)
+    step = [SeqChunk(np.array([t], np.int32), 300, table, "last") for t in rows[:1]]
+    step.append(SeqChunk(np.asarray(rows[1:], np.int32), 0, [30, 31], "all"))
+    for got, want in zip(kept.forward(step), off.forward(step), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)

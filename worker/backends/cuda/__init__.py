@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # what the HYPER step takes of CudaBackend's settings (the others tune paths it does not have yet)
 _HYPER_SETTINGS = ("n_blocks", "block_size", "device", "max_rows", "max_seqs", "gpu_mem", "tensor_cores",
-                   "graphs", "mtp", "mtp_gguf", "dspark")
+                   "graphs", "mtp", "mtp_gguf", "dspark", "f16_weights")
 
 
 def open_backend(config: ModelConfig, gguf_file: GGUFFile, **settings) -> CudaBackend | CudaHyperBackend:

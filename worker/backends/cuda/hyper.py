@@ -10,7 +10,8 @@ layout). A compressed row is made once, by the step that computes its block's la
 
 A chunk that asks for a draw (`sample`) is sampled on the device from the step's logits; the others get
 their logits on the host. Decode steps replay as captured graphs of their padded shape, other steps run
-eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py). The engine runs
+eagerly; steps of TC_MIN_ROWS rows or more multiply on the tensor cores (hyper_step.py), reading a 16-bit copy
+of those matrices decoded once at start where memory allows (f16_weights, as CudaBackend keeps one). The engine runs
 ahead (submit): decode step n + 1 is launched, its tokens fed on the device from step n's draws, while the
 host reads step n's. With `mtp`, the model's next-token layer writes its rows with every step and drafts
 between steps (hyper_mtp.py), and with `dspark` a DSpark block drafter (hyper_dspark.py); a drafter drafts
@@ -30,12 +31,12 @@ from ...model.dspark_file import DSparkFile
 from ...model.gguf_file import GGUFFile, ModelFileError
 from ..base import Backend, ContextPoisoned, HostBuffers, Landed, SeqChunk
 from ..numpy.hyper import HyperStack
-from .hyper_dspark import DSparkLayer, upload_dspark_weights
-from .hyper_mtp import MtpLayer, upload_mtp_weights
-from .hyper_step import HyperStep
+from .hyper_dspark import DSparkLayer, DSparkWeights, upload_dspark_weights
+from .hyper_mtp import MtpLayer, MtpWeights, upload_mtp_weights
+from .hyper_step import HyperStep, tensor_core_matrices
 from .hyper_weights import HyperWeights, upload_hyper_weights
 from .layers import check_fits
-from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes
+from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, keep_half_copy
 from .step import poison_guard
 
 
@@ -46,16 +47,18 @@ class CudaHyperBackend(Backend):
     samples_on_device = True  # chunks with `sample` set come back as SampledToken (HyperStep.submit)
     runs_ahead = True  # submit() returns before the step ends and can feed a step from the last one's draws
     # CudaBackend's paths this step does not have yet, as `ember bench speed` reports them
-    f16_weights = int8_activations = False
+    int8_activations = False
+    f16_weights = False  # the tensor-core matrices decoded to 16 bits once, at start (_keep_half_weights)
     pdl = False  # the captured decode steps' kernels chained by PDL: the card's (set once the device is open)
 
     def __init__(self, config: ModelConfig, gguf_file: GGUFFile, *, n_blocks: int | None, block_size: int = 16,
                  device: Device | None = None, max_rows: int = 512, max_seqs: int = 64, gpu_mem: int | None = None,
                  tensor_cores: bool = True, graphs: bool = True, mtp: bool = False, mtp_gguf: GGUFFile | None = None,
-                 dspark: DSparkFile | None = None):
+                 dspark: DSparkFile | None = None, f16_weights: str = "auto"):
         """mtp: the model's next-token layer drafts (`--spec mtp`; from mtp_gguf, its own file, where given):
         the pool keeps its rows too and self.mtp drafts (hyper_mtp.py). dspark: a DSpark block drafter's file
-        (`--spec dspark:PATH`): likewise its key rows, and self.dspark drafts (hyper_dspark.py)."""
+        (`--spec dspark:PATH`): likewise its key rows, and self.dspark drafts (hyper_dspark.py). f16_weights
+        (auto, on, off): keep the tensor-core matrices' 16-bit copy (_keep_half_weights)."""
         from ember.kernels.cuda_runtime import Stream
 
         assert config.hyper is not None
@@ -63,6 +66,8 @@ class CudaHyperBackend(Backend):
             raise ValueError("the model has no next-token (MTP) layer")
         if mtp and dspark is not None:
             raise ValueError("one drafter at a time: the next-token layer or a DSpark drafter")
+        if f16_weights not in ("auto", "on", "off"):
+            raise ValueError("f16_weights must be auto, on or off")
         self.config, self.gguf, self.h = config, gguf_file, config.hyper
         self.block_size = block_size
         self.max_rows = max(8, max_rows, max_seqs)
@@ -84,6 +89,8 @@ class CudaHyperBackend(Backend):
             mtp_w = upload_mtp_weights(self.dev, gguf_file, mtp_gguf, config, self.w) if mtp else None
             dspark_w = upload_dspark_weights(self.dev, dspark, self.w) if dspark is not None else None
             weights = free0 - self.dev.memory_info()[0]
+            half = self._keep_half_weights(f16_weights, tensor_cores, mtp_w, dspark_w, kv_sized=n_blocks is not None)
+            self.f16_weights = half > 0
             self.n_blocks = n_blocks if n_blocks is not None else self._auto_blocks()
             rows = (self.n_blocks + 1) * block_size  # one block past the pool, as the other backends keep
             self.pool = self.dev.empty((rows * self.width,))
@@ -96,7 +103,7 @@ class CudaHyperBackend(Backend):
             self.tensor_cores = self.step.tensor_cores
             self.runs_ahead = self.mtp is None and self.dspark is None
             total = self.dev.memory_info()[1]
-            self.memory = MemoryPicture(total, weights, 0, self.pool.nbytes, self.dev.caps.integrated, 0)
+            self.memory = MemoryPicture(total, weights, half, self.pool.nbytes, self.dev.caps.integrated, 0)
         except StickyCudaError as e:
             raise ContextPoisoned(e.code, e.name, e.message) from e
 
@@ -113,6 +120,25 @@ class CudaHyperBackend(Backend):
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
         return block_size * HyperStack.width(config, block_size, mtp, drafter_width) * 4
+
+    def _keep_half_weights(self, mode: str, tensor_cores: bool, mtp: MtpWeights | None, dspark: DSparkWeights | None,
+                           *, kv_sized: bool) -> int:
+        """Decode the tensor-core matrices (the dense projections: attention, compressors, indexer, shared
+        expert; never the routed experts, which take their own kernels) to 16 bits once, so that prefill and
+        batched decode skip a decode of each per step (ops.linear_tc); where memory.keep_half_copy says, as
+        CudaBackend decides it. The bytes kept (0: none)."""
+        if not tensor_cores:
+            return 0
+        mats = [m for m, _ in tensor_core_matrices(self.w, mtp, dspark, hc=self.h.hc_mult)]
+        need = sum(2 * m.rows * m.cols for m in mats)
+        free, total = self.dev.memory_info()
+        if not keep_half_copy(mode, need, free, total, integrated=self.dev.caps.integrated, kv_sized=kv_sized):
+            return 0
+        kind = self.config.recipe.half_type
+        for m in mats:
+            m.keep_half(self.dev, kind, stream=self.stream)
+        self.stream.synchronize()
+        return need
 
     def _auto_blocks(self) -> int:
         free, total = self.dev.memory_info()

@@ -149,16 +149,9 @@ class HyperStep:
         self._seen: set[tuple[int, int]] = set()
         self.graph_replays = 0
         if self.tensor_cores:  # the tensor-core matmuls' 16-bit scratch, at its largest, once: graphs use it
-            # what _linear may take (not the embeddings, not the head), and over how many rows at most
-            mtp = self._mtp_weights
-            rows = [(m, R) for m in self.w.matrices() if m is not self.w.output and m is not self.w.token_embd]
-            if mtp is not None:  # its input's projection runs over every stream's row
-                rows += [(m, R * hc if m is mtp.eh_proj else R) for m in mtp.matrices()]
-            if self._dspark_weights is not None:
-                rows += [(m, R) for m in self._dspark_weights.key_rows()]
-            tc = [(m, r) for m, r in rows if m.cols % GEMM_TILE_K == 0]
+            tc = tensor_core_matrices(self.w, self._mtp_weights, self._dspark_weights, hc=hc)
             self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m, _ in tc))
-            self.dev.scratch("gemm_x", 2 * max(r * m.cols for m, r in tc))
+            self.dev.scratch("gemm_x", 2 * max(per_row * R * m.cols for m, per_row in tc))
 
     def run(self, chunks: list[SeqChunk]) -> list:
         """Each chunk's logits as it asks for them (None for "none"), float32 on the host, or its SampledToken."""
@@ -669,6 +662,21 @@ class HyperStep:
         self._hc_mix(mix, streams, n, None, None)
         ops.rms_norm(dev, self.a, norm, self.hn, eps=cfg.norm_eps, rows=n, cols=cfg.hidden, stream=st)
         mm.linear(out, self.hn, self.logits, n, tc=False)
+
+
+def tensor_core_matrices(w: HyperWeights, mtp: MtpWeights | None, dspark: DSparkWeights | None, *,
+                         hc: int) -> list[tuple[ops.QuantMatrix, int]]:
+    """The matrices a step's _linear may multiply on the tensor cores (not the embeddings, not the heads, not
+    the mixes' logits, which take hc_logits or a matvec, nor the routers, which take matvec_rows), each with
+    how many of its input rows a step row makes (the next-token layer's input projection: every stream's)."""
+    mixes = {id(m) for lw in w.layers for m in (lw.attn_mix[0], lw.ffn_mix[0], lw.experts.router)}
+    rows = [(m, 1) for m in w.matrices() if m is not w.output and m is not w.token_embd and id(m) not in mixes]
+    if mtp is not None:
+        mixes |= {id(m) for m in (mtp.layer.attn_mix[0], mtp.layer.ffn_mix[0], mtp.layer.experts.router)}
+        rows += [(m, hc if m is mtp.eh_proj else 1) for m in mtp.matrices() if id(m) not in mixes]
+    if dspark is not None:
+        rows += [(m, 1) for m in dspark.key_rows()]
+    return [(m, r) for m, r in rows if m.cols % GEMM_TILE_K == 0]
 
 
 def _wanted(chunks: list[SeqChunk], pad: hyper_keys.Pad | None) -> tuple[list[np.ndarray], np.ndarray]:
