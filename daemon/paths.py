@@ -6,7 +6,7 @@
       logs/                   worker.log (+ .1 .. .N), supervisord.log, daemon.log
       crashes/<id>/           crash bundles (ember crashes list|show|export)
     /tmp/ember-<uid>-<hash>/  the sockets instead, when <state>/run/ is too long a path for one (checked:
-                              ours, 0700, not a symlink)
+                              ours, 0700, not a symlink; removed at the daemon's exit once empty)
 
 Directories are 0700 and files 0600: crash bundles and logs describe the user's sessions.
 """
@@ -173,6 +173,15 @@ class Layout:
         if path != self.run:
             secure_socket_dir(path)
         return self
+
+    def release_socket_dir(self) -> None:
+        """The short /tmp socket dir removed once nothing is left in it (the daemon's exit, after its
+        socket and supervisord's are gone), so that stopped daemons leave nothing in /tmp. Only an empty
+        directory goes (rmdir); a symlink or a dir still holding a socket (a supervisord left serving) stays."""
+        path = self.socket_dir_path()
+        if path != self.run:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
 
 
 def layout() -> Layout:

@@ -67,7 +67,8 @@ class DaemonShell:
 
     def close(self) -> None:
         """The signals back to their defaults, the control socket and the notifier closed, `daemon_exit`
-        logged, the log and the lock released. Safe after a failed open()."""
+        logged, the short /tmp socket dir removed if empty, the log and the lock released. Safe after a
+        failed open()."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         if self.control is not None:
@@ -78,6 +79,7 @@ class DaemonShell:
             self.log("daemon_exit", pid=os.getpid())
             self._log.close()
             self._log = None
-        if self._lock_fd is not None:
+        if self._lock_fd is not None:  # (a daemon refused for the lock leaves the running one's socket dir be)
+            self.lay.release_socket_dir()
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -239,6 +239,23 @@ def _agree(got: np.ndarray, want: np.ndarray, tensor_cores: bool) -> None:
             assert g.argmax() == w.argmax()
 
 
+def _prefill_both(ref, emulated, seqs: list[tuple[int, list[int]]], seed: int,
+                  tc: bool | None = None) -> tuple[list[int], list[int]]:
+    """Each (length, block table) of `seqs` prefilled with random tokens on the twin and on the emulated step
+    (their logits compared where tc is given); each sequence's next token (the twin's argmax) and length."""
+    rng = np.random.default_rng(seed)
+    last, lengths = [], []
+    for n, table in seqs:
+        prompt = rng.integers(0, 700, n).astype(np.int32)
+        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
+        (got,) = emulated.run([SeqChunk(prompt, 0, table, "last")])
+        if tc is not None:
+            _agree(got, want, tc)
+        last.append(int(want[-1].argmax()))
+        lengths.append(n)
+    return last, lengths
+
+
 def test_the_step_computes_the_twins_logits(emulated, reference_backend):
     """300 positions in chunks of 64 (the window, 75 CSA rows of which the indexer picks 8, two HCA rows),
     then two sequences decoding together over scattered blocks: the step's composition of its kernels gives
@@ -275,17 +292,9 @@ def test_decode_steps_replay_their_captured_graph(emulated, reference_backend):
     padded row reads and writes the trash block."""
     emulated, tc = emulated
     ref = reference_backend()
-    rng = np.random.default_rng(11)
     # the decodes close CSA blocks (at 23, 103, 127) and an HCA block (at 127) in replays
     seqs = [(20, list(range(0, 3))), (100, list(range(3, 10))), (125, list(range(20, 29)))]
-    last, lengths = [], []
-    for n, table in seqs:
-        prompt = rng.integers(0, 700, n).astype(np.int32)
-        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
-        (got,) = emulated.run([SeqChunk(prompt, 0, table, "last")])
-        _agree(got, want, tc)
-        last.append(int(want[-1].argmax()))
-        lengths.append(n)
+    last, lengths = _prefill_both(ref, emulated, seqs, 11, tc)
     for step in range(4):
         chunks = [SeqChunk(np.array([t], np.int32), n, table, "last")
                   for t, n, (_, table) in zip(last, lengths, seqs, strict=True)]
@@ -404,15 +413,8 @@ def test_chunks_that_ask_are_sampled_on_the_device(model, monkeypatch, reference
     from ember.worker.backends.base import DeviceSample, SampledToken
 
     emulated, ref = _step(model, monkeypatch, EmuOps(), EmuDevice(), 160, tensor_cores=False), reference_backend()
-    rng = np.random.default_rng(5)
     seqs = [(20, list(range(0, 3))), (50, list(range(3, 8))), (90, list(range(8, 15)))]
-    last, lengths = [], []
-    for n, table in seqs:
-        prompt = rng.integers(0, 700, n).astype(np.int32)
-        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
-        emulated.run([SeqChunk(prompt, 0, table, "last")])
-        last.append(int(want[-1].argmax()))
-        lengths.append(n)
+    last, lengths = _prefill_both(ref, emulated, seqs, 5)
     for i in range(3):
         asks = [DeviceSample(0.0, 0, 1.0, 0.0, 0, i), DeviceSample(0.8, 40, 1.0, 0.0, 1234, i), None]
         chunks = [SeqChunk(np.array([t], np.int32), n, table, "last", sample=a)
@@ -438,20 +440,16 @@ def test_a_step_run_ahead_decodes_the_draws_of_the_one_before(model, monkeypatch
     from ember.worker.backends.base import DeviceSample, SampledToken
 
     emulated, ref = _step(model, monkeypatch, EmuOps(), EmuDevice(), 160, tensor_cores=False), reference_backend()
-    rng = np.random.default_rng(21)
     seqs = [(30, list(range(0, 4))), (70, list(range(4, 10)))]
-    last, lengths = [], []
-    for n, table in seqs:
-        prompt = rng.integers(0, 700, n).astype(np.int32)
-        (want,) = ref.forward([SeqChunk(prompt, 0, table, "last")])
-        emulated.run([SeqChunk(prompt, 0, table, "last")])
-        last.append(int(want[-1].argmax()))
-        lengths.append(n)
+    last, lengths = _prefill_both(ref, emulated, seqs, 21)
     greedy = DeviceSample(0.0, 0, 1.0, 0.0, 0, 0)
 
     def step(i, tokens, logits_of=None):
         return [SeqChunk(np.array([t], np.int32), n + i, table, "last", sample=None if j == logits_of else greedy)
                 for j, (t, n, (_, table)) in enumerate(zip(tokens, lengths, seqs, strict=True))]
+
+    def twin(i, tokens):  # the twin's logits of step i over these tokens
+        return ref.forward([SeqChunk(c.tokens, c.start, c.block_table, "last") for c in step(i, tokens)])
 
     pending, drawn = emulated.submit(step(0, last)), []
     for i in range(1, 6):
@@ -462,19 +460,14 @@ def test_a_step_run_ahead_decodes_the_draws_of_the_one_before(model, monkeypatch
     assert emulated.graph_replays >= 4
     tokens = [last] + drawn
     for i in range(6):  # the twin over the same tokens: each draw its argmax
-        want = ref.forward([SeqChunk(np.array([t], np.int32), n + i, table, "last")
-                            for t, n, (_, table) in zip(tokens[i], lengths, seqs, strict=True)])
-        assert [int(w[-1].argmax()) for w in want] == tokens[i + 1]
+        assert [int(w[-1].argmax()) for w in twin(i, tokens[i])] == tokens[i + 1]
     # a fed step whose second chunk asks its logits: the first is fed, the second keeps the host's token
     first = emulated.submit(step(6, tokens[6]))
     mixed = step(7, [0, 123], logits_of=1)
     got = emulated.submit(mixed, emulated.feed_sources(mixed, [0, None])).result()
     before = [int(t) for t in first.result()]
-    want = ref.forward([SeqChunk(np.array([t], np.int32), n + 6, table, "last")
-                        for t, n, (_, table) in zip(tokens[6], lengths, seqs, strict=True)])
-    assert before == [int(w[-1].argmax()) for w in want]
-    want = ref.forward([SeqChunk(np.array([t], np.int32), n + 7, table, "last")
-                        for t, n, (_, table) in zip([before[0], 123], lengths, seqs, strict=True)])
+    assert before == [int(w[-1].argmax()) for w in twin(6, tokens[6])]
+    want = twin(7, [before[0], 123])
     assert isinstance(got[0], SampledToken) and got[0] == int(want[0][-1].argmax())
     np.testing.assert_allclose(got[1], want[1], rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="drew no token"):

@@ -417,3 +417,24 @@ def test_a_zombie_worker_is_restarted_at_once(ember: Ember):
     m = e.bundle(path)["meta"]
     assert m["class"] == "hang" and m["detection"]["source"] == "process"
     assert m["detection"]["process_status"] == "zombie" and "zombie" in m["detection"]["reason"]
+
+
+def test_a_stopped_daemon_leaves_nothing_in_tmp(tmp_path):
+    """A state dir too long a path for a unix socket puts the sockets in /tmp/ember-<uid>-<hash>/; `ember stop`
+    (daemon, supervisord and worker gone) removes that dir too, so stopped daemons leave nothing in /tmp."""
+    from ember.daemon.paths import Layout
+
+    e = Ember(tmp_path / ("d" * 90))
+    e.tmp.mkdir()
+    lay = Layout(e.state)
+    sock_dir = lay.socket_dir_path()
+    assert sock_dir != lay.run and not sock_dir.exists()
+    try:
+        e.configure(command=e.standin())
+        assert e.start().returncode == 0
+        e.wait_ready()
+        assert (sock_dir / "daemon.sock").exists() and (sock_dir / "supervisord.sock").exists()
+    finally:
+        left = e.stop_and_check()
+    assert not left, f"processes left behind after ember stop: {left}"
+    assert not sock_dir.exists(), sorted(p.name for p in sock_dir.iterdir())

@@ -532,14 +532,61 @@ struct Group32Q8<GT_Q2_K> {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
-    qmoc_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
-            const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
-            const float* __restrict__ bias) {
+// A thread's 32 columns of x as the dot products take them: float, with the sums of each 8 (Group32), or
+// quantized to int8 as one block of reference.quantize_q8 with the sums of each 16 quants (Group32Q8)
+template <int T>
+struct XFloat32 {
+    static constexpr bool OK = QT<T>::ELEMS % 32 == 0 && !QT<T>::IS_FLOAT;  // a thread's 32 columns in one block
+    float xv[32], xs[4];
+    EMBER_DEV void load(const float* xr, bool mine) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            xs[k] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xs[k] += xv[8 * k + i];
+        }
+    }
+    EMBER_DEV float dot(const u8* p, int g) const { return Group32<T>::dot(p, g, xv, xs); }
+};
+
+template <int T>
+struct XInt8 {
+    static constexpr bool OK = Group32Q8<T>::OK;
+    int xq[8], xs[2];
+    float dx;
+    EMBER_DEV void load(const float* xr, bool mine) {
+        float xv[32], amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+        dx = amax / 127.0f;
+        const float id = dx > 0.0f ? 1.0f / dx : 0.0f;
+        xs[0] = xs[1] = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int a0 = (int)roundf(xv[4 * k] * id), a1 = (int)roundf(xv[4 * k + 1] * id);
+            const int a2 = (int)roundf(xv[4 * k + 2] * id), a3 = (int)roundf(xv[4 * k + 3] * id);
+            xq[k] = (a0 & 0xff) | ((a1 & 0xff) << 8) | ((a2 & 0xff) << 16) | ((u32)a3 << 24);
+            xs[k >> 2] += (a0 + a1) + (a2 + a3);
+        }
+    }
+    EMBER_DEV float dot(const u8* p, int g) const { return Group32Q8<T>::dot(p, g, xq, dx, xs); }
+};
+
+// The column-resident body of both (the comment above qmoc_b1's Group32): X holds a thread's slice of x
+template <class X>
+EMBER_DEV void qmoc(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+                    const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
+                    const float* __restrict__ bias) {
     typedef QT<QTYPE> Q;
-    if constexpr (Q::ELEMS % 32 != 0 || Q::IS_FLOAT) {  // a thread's 32 columns lie in one block
-        __trap();  // (ops.moe_matvec never launches it for these types)
-    } else {
     __shared__ float red[QMOC_MAX_WARPS][QMOC_RPB];
     const int* tile = tiles + 3 * blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -549,25 +596,14 @@ extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
     grid_dependency_sync();  // the tiles and x come from the kernels before
     const int e = tile[0], r0 = tile[1], nb = tile[2];
     if (nb == 0) return;  // the whole block
-    float xv[32], xs[4];
-    const float* xr = x + (i64)r0 * cols * x_per_pair + c0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        xs[k] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k] += xv[8 * k + i];
-    }
+    X xr;
+    xr.load(x + (i64)r0 * cols * x_per_pair + c0, mine);
     const u8* base = W + e * expert_bytes + (i64)blk * Q::BYTES;
     float acc[QMOC_RPB];
 #pragma unroll
     for (int r = 0; r < QMOC_RPB; ++r) {
         const int row = row0 + r;
-        acc[r] = mine && row < rows ? Group32<QTYPE>::dot(base + (i64)row * row_bytes, g, xv, xs) : 0.0f;
+        acc[r] = mine && row < rows ? xr.dot(base + (i64)row * row_bytes, g) : 0.0f;
     }
 #pragma unroll
     for (int r = 0; r < QMOC_RPB; ++r) {
@@ -584,6 +620,16 @@ extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
             y[(i64)r0 * rows + row] = v;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
+    qmoc_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
+            const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
+            const float* __restrict__ bias) {
+    if constexpr (!XFloat32<QTYPE>::OK) {
+        __trap();  // (ops.moe_matvec never launches it for these types)
+    } else {
+        qmoc<XFloat32<QTYPE>>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, bias);
     }
 }
 
@@ -592,58 +638,10 @@ extern "C" __global__ void __launch_bounds__(QMOC_MAX_WARPS * 32)
     qmoc8_b1(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
              const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
              const float* __restrict__ bias) {
-    typedef QT<QTYPE> Q;
-    if constexpr (!Group32Q8<QTYPE>::OK) {
+    if constexpr (!XInt8<QTYPE>::OK) {
         __trap();  // (ops.moe_matvec launches it for IQ2_XXS and Q2_K only)
     } else {
-    __shared__ float red[QMOC_MAX_WARPS][QMOC_RPB];
-    const int* tile = tiles + 3 * blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int c0 = 32 * threadIdx.x, row0 = blockIdx.x * QMOC_RPB;
-    const bool mine = c0 < cols;
-    const int blk = c0 / Q::ELEMS, g = (c0 % Q::ELEMS) / 32;
-    grid_dependency_sync();  // the tiles and x come from the kernels before
-    const int e = tile[0], r0 = tile[1], nb = tile[2];
-    if (nb == 0) return;  // the whole block
-    float xv[32], amax = 0.0f;
-    const float* xr = x + (i64)r0 * cols * x_per_pair + c0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const float4 v = mine ? __ldg(reinterpret_cast<const float4*>(xr) + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        xv[4 * k] = v.x, xv[4 * k + 1] = v.y, xv[4 * k + 2] = v.z, xv[4 * k + 3] = v.w;
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
-    const float dx = amax / 127.0f, id = dx > 0.0f ? 1.0f / dx : 0.0f;
-    int xq[8], xs[2] = {0, 0};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int a0 = (int)roundf(xv[4 * k] * id), a1 = (int)roundf(xv[4 * k + 1] * id);
-        const int a2 = (int)roundf(xv[4 * k + 2] * id), a3 = (int)roundf(xv[4 * k + 3] * id);
-        xq[k] = (a0 & 0xff) | ((a1 & 0xff) << 8) | ((a2 & 0xff) << 16) | ((u32)a3 << 24);
-        xs[k >> 2] += (a0 + a1) + (a2 + a3);
-    }
-    const u8* base = W + e * expert_bytes + (i64)blk * Q::BYTES;
-    float acc[QMOC_RPB];
-#pragma unroll
-    for (int r = 0; r < QMOC_RPB; ++r) {
-        const int row = row0 + r;
-        acc[r] = mine && row < rows ? Group32Q8<QTYPE>::dot(base + (i64)row * row_bytes, g, xq, dx, xs) : 0.0f;
-    }
-#pragma unroll
-    for (int r = 0; r < QMOC_RPB; ++r) {
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) red[warp][r] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < QMOC_RPB) {
-        const int row = row0 + threadIdx.x;
-        if (row < rows) {
-            float v = 0.0f;
-            for (int w = 0; w < warps; ++w) v += red[w][threadIdx.x];
-            if (bias) v += bias[(i64)e * rows + row];
-            y[(i64)r0 * rows + row] = v;
-        }
-    }
+        qmoc<XInt8<QTYPE>>(W, row_bytes, expert_bytes, rows, cols, tiles, x, x_per_pair, y, bias);
     }
 }
 

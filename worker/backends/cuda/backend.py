@@ -46,7 +46,7 @@ from .kv_blocks import CudaKVBlocks
 from .layers import check_fits, check_runs, upload_weights
 from .matmul import TC_MIN_ROWS, Matmuls
 from .memory import MIN_KV_TOKENS, MemoryPicture, auto_kv_bytes, check_unified_budget, keep_half_copy
-from .step import Landing, PendingStep, StepInputs, StepLayout, host_view, poison_guard
+from .step import Landing, PendingStep, StepInputs, StepLayout, feed_sources, host_view, poison_guard
 
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_GROUPS = (1, 2, 4, 8)
@@ -273,7 +273,7 @@ class CudaBackend(CudaKVBlocks, Backend):
         n = sum(len(c.tokens) for c in chunks)
         if n > self.max_rows or len(chunks) > self.max_rows:
             raise ValueError(f"a step of {n} tokens exceeds this backend's {self.max_rows} rows")
-        sources = self._feed_sources(chunks, feed) if feed is not None else None
+        sources = feed_sources(chunks, feed, self._last) if feed is not None else None
         decode = all(len(c.tokens) == 1 and c.logits == "last" for c in chunks)
         graphed = decode and len(chunks) <= min(self.max_seqs, GRAPH_BATCHES[-1])
         graph_rows = _bucket(len(chunks), GRAPH_BATCHES) if graphed else 0
@@ -388,23 +388,6 @@ class CudaBackend(CudaKVBlocks, Backend):
             n_out = rows
         self._pack_sampling(hb, chunks, want, n_out)
         return want, sampled, n_out
-
-    def _feed_sources(self, chunks, feed) -> np.ndarray:
-        """Per row, the row of the previous step's draws (Activations.tokens_out) that is its token, or -1."""
-        prev = self._last
-        if len(feed) != len(chunks):
-            raise ValueError("feed needs one entry per chunk")
-        sources = np.full(sum(len(c.tokens) for c in chunks), -1, np.int32)
-        at = 0
-        for c, j in zip(chunks, feed, strict=True):
-            if j is not None:
-                if prev is None or j not in prev.drawn_rows:
-                    raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
-                if len(c.tokens) != 1:
-                    raise ValueError("a fed chunk has exactly one token")
-                sources[at] = prev.drawn_rows[j]
-            at += len(c.tokens)
-        return sources
 
     def _pack_sampling(self, hb, chunks, want, n_out) -> None:
         """SampleParams for the logits rows, in out_rows order (rows not drawn: greedy, ignored)."""

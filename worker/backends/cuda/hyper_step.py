@@ -37,7 +37,7 @@ from .hyper_dspark import DSparkLayer, DSparkWeights
 from .hyper_mtp import MtpLayer, MtpWeights
 from .hyper_weights import HyperLayer, HyperWeights
 from .matmul import Matmuls
-from .step import Landing, PendingStep
+from .step import Landing, PendingStep, feed_sources
 
 # A decode step (one token a sequence) runs as a captured graph of its padded shape (hyper_keys.Pad): the
 # sequences to a power of two, the context to a power of two of at least GRAPH_MIN_CONTEXT, at most
@@ -221,22 +221,8 @@ class HyperStep:
         return pending
 
     def feed_sources(self, chunks: list[SeqChunk], feed: list[int | None]) -> np.ndarray:
-        """Per row, the row of the step submitted last's draws that is its token (feed[i] = j: chunk i's one
-        token is the draw of that step's chunk j), or -1."""
-        prev = self._last
-        if len(feed) != len(chunks):
-            raise ValueError("feed needs one entry per chunk")
-        sources = np.full(sum(len(c.tokens) for c in chunks), -1, np.int32)
-        at = 0
-        for c, j in zip(chunks, feed, strict=True):
-            if j is not None:
-                if prev is None or j not in prev.drawn_rows:
-                    raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
-                if len(c.tokens) != 1:
-                    raise ValueError("a fed chunk has exactly one token")
-                sources[at] = prev.drawn_rows[j]
-            at += len(c.tokens)
-        return sources
+        """Per row, the row of the step submitted last's draws that is its token, or -1 (step.feed_sources)."""
+        return feed_sources(chunks, feed, self._last)
 
     def _copy_back(self, p: PendingStep) -> None:
         """Queue, on the stream behind the step, the copies of what the host wants into the slot's pinned

@@ -174,6 +174,24 @@ class PostNorms:
         return [self.h] * len(mats)
 
 
+def feed_sources(chunks, feed: list[int | None], last: PendingStep | None) -> np.ndarray:
+    """Per row of a step, the row of the draws of `last` (the step submitted just before) that is its token, or
+    -1: feed[i] = j says chunk i's one token is the draw of that step's chunk j (run-ahead)."""
+    if len(feed) != len(chunks):
+        raise ValueError("feed needs one entry per chunk")
+    sources = np.full(sum(len(c.tokens) for c in chunks), -1, np.int32)
+    at = 0
+    for c, j in zip(chunks, feed, strict=True):
+        if j is not None:
+            if last is None or j not in last.drawn_rows:
+                raise ValueError(f"feed {j}: the previous step drew no token for that chunk")
+            if len(c.tokens) != 1:
+                raise ValueError("a fed chunk has exactly one token")
+            sources[at] = last.drawn_rows[j]
+        at += len(c.tokens)
+    return sources
+
+
 def row_starts(want) -> list[int]:
     starts, at = [], 0
     for _, _, cnt in want:
