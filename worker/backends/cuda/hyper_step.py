@@ -656,6 +656,7 @@ def tensor_core_matrices(w: HyperWeights, mtp: MtpWeights | None, dspark: DSpark
     the mixes' logits, which take hc_logits or a matvec, nor the routers, which take matvec_rows), each with
     how many of its input rows a step row makes (the next-token layer's input projection: every stream's)."""
     mixes = {id(m) for lw in w.layers for m in (lw.attn_mix[0], lw.ffn_mix[0], lw.experts.router)}
+    mixes.add(id(w.output_mix[0]))
     rows = [(m, 1) for m in w.matrices() if m is not w.output and m is not w.token_embd and id(m) not in mixes]
     if mtp is not None:
         mixes |= {id(m) for m in (mtp.layer.attn_mix[0], mtp.layer.ffn_mix[0], mtp.layer.experts.router)}
