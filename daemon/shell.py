@@ -49,6 +49,7 @@ class DaemonShell:
             self._lock_fd = lock_exclusive(self.lay.lock_file)
         except LockHeld as e:
             raise DaemonError(f"another ember daemon is running in this state directory (pid {e.holder})") from None
+        self.lay.ensure()  # again, ours now: a daemon exiting as this one started may have removed its socket dir
         self._log = JsonLog(self.lay.daemon_log, stderr=self.mode != "background")
         self.log("daemon_start", pid=os.getpid(), version=ember_version(), mode=self.mode,
                  state_dir=str(self.lay.state), **facts)

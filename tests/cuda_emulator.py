@@ -131,6 +131,7 @@ class EmuDevice:
     def __init__(self):
         self.caps = SimpleNamespace(pdl=False, clusters=False, smem_optin=227 << 10, integrated=False)
         self.sm_count = 132
+        self.scratched: dict[str, int] = {}
 
     def empty(self, shape, dtype=np.float32) -> EmuArray:
         n = int(np.prod(shape))
@@ -143,6 +144,7 @@ class EmuDevice:
         return EmuArray(arr.reshape(-1).copy(), 0, arr.shape)
 
     def scratch(self, key: str, nbytes: int) -> EmuArray:
+        self.scratched[key] = max(nbytes, self.scratched.get(key, 0))  # the largest each was asked for
         return self.empty((nbytes,), np.uint8)
 
     def pinned(self, nbytes: int) -> EmuHostBuffer:

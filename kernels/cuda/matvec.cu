@@ -536,6 +536,7 @@ struct Group32Q8<GT_Q2_K> {
 // quantized to int8 as one block of reference.quantize_q8 with the sums of each 16 quants (Group32Q8)
 template <int T>
 struct XFloat32 {
+    typedef QT<T> Q;
     static constexpr bool OK = QT<T>::ELEMS % 32 == 0 && !QT<T>::IS_FLOAT;  // a thread's 32 columns in one block
     float xv[32], xs[4];
     EMBER_DEV void load(const float* xr, bool mine) {
@@ -556,6 +557,7 @@ struct XFloat32 {
 
 template <int T>
 struct XInt8 {
+    typedef QT<T> Q;
     static constexpr bool OK = Group32Q8<T>::OK;
     int xq[8], xs[2];
     float dx;
@@ -586,7 +588,7 @@ template <class X>
 EMBER_DEV void qmoc(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, int rows, int cols,
                     const int* __restrict__ tiles, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
                     const float* __restrict__ bias) {
-    typedef QT<QTYPE> Q;
+    typedef typename X::Q Q;
     __shared__ float red[QMOC_MAX_WARPS][QMOC_RPB];
     const int* tile = tiles + 3 * blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -596,14 +598,14 @@ EMBER_DEV void qmoc(const u8* __restrict__ W, i64 row_bytes, i64 expert_bytes, i
     grid_dependency_sync();  // the tiles and x come from the kernels before
     const int e = tile[0], r0 = tile[1], nb = tile[2];
     if (nb == 0) return;  // the whole block
-    X xr;
-    xr.load(x + (i64)r0 * cols * x_per_pair + c0, mine);
+    X xin;
+    xin.load(x + (i64)r0 * cols * x_per_pair + c0, mine);
     const u8* base = W + e * expert_bytes + (i64)blk * Q::BYTES;
     float acc[QMOC_RPB];
 #pragma unroll
     for (int r = 0; r < QMOC_RPB; ++r) {
         const int row = row0 + r;
-        acc[r] = mine && row < rows ? xr.dot(base + (i64)row * row_bytes, g) : 0.0f;
+        acc[r] = mine && row < rows ? xin.dot(base + (i64)row * row_bytes, g) : 0.0f;
     }
 #pragma unroll
     for (int r = 0; r < QMOC_RPB; ++r) {

@@ -89,12 +89,12 @@ class CudaHyperBackend(Backend):
             mtp_w = upload_mtp_weights(self.dev, gguf_file, mtp_gguf, config, self.w) if mtp else None
             dspark_w = upload_dspark_weights(self.dev, dspark, self.w) if dspark is not None else None
             weights = free0 - self.dev.memory_info()[0]
+            if n_blocks is not None:  # a pool of the size asked for first; else it takes what is left, last
+                self._alloc_pool(n_blocks)
             half = self._keep_half_weights(f16_weights, tensor_cores, mtp_w, dspark_w, kv_sized=n_blocks is not None)
             self.f16_weights = half > 0
-            self.n_blocks = n_blocks if n_blocks is not None else self._auto_blocks()
-            rows = (self.n_blocks + 1) * block_size  # one block past the pool, as the other backends keep
-            self.pool = self.dev.empty((rows * self.width,))
-            self.pool.zero()
+            if n_blocks is None:
+                self._alloc_pool(self._auto_blocks())
             self.step = HyperStep(self.dev, self.stream, config, self.w, self.pool, n_blocks=self.n_blocks,
                                   block_size=block_size, max_rows=self.max_rows, tensor_cores=tensor_cores,
                                   graphs=graphs, mtp=mtp_w, dspark=dspark_w)
@@ -120,6 +120,12 @@ class CudaHyperBackend(Backend):
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, mtp: bool = False, drafter_width: int = 0) -> int:
         return block_size * HyperStack.width(config, block_size, mtp, drafter_width) * 4
+
+    def _alloc_pool(self, n_blocks: int) -> None:
+        self.n_blocks = n_blocks
+        rows = (n_blocks + 1) * self.block_size  # one block past the pool, as the other backends keep
+        self.pool = self.dev.empty((rows * self.width,))
+        self.pool.zero()
 
     def _keep_half_weights(self, mode: str, tensor_cores: bool, mtp: MtpWeights | None, dspark: DSparkWeights | None,
                            *, kv_sized: bool) -> int:

@@ -150,7 +150,9 @@ class HyperStep:
         self.graph_replays = 0
         if self.tensor_cores:  # the tensor-core matmuls' 16-bit scratch, at its largest, once: graphs use it
             tc = tensor_core_matrices(self.w, self._mtp_weights, self._dspark_weights, hc=hc)
-            self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m, _ in tc))
+            decoded = [m for m, _ in tc if m.half is None]  # (a kept 16-bit copy needs no decode: f16_weights)
+            if decoded:
+                self.dev.scratch("gemm_w", 2 * max(m.rows * m.cols for m in decoded))
             self.dev.scratch("gemm_x", 2 * max(per_row * R * m.cols for m, per_row in tc))
 
     def run(self, chunks: list[SeqChunk]) -> list:
@@ -652,15 +654,16 @@ class HyperStep:
 
 def tensor_core_matrices(w: HyperWeights, mtp: MtpWeights | None, dspark: DSparkWeights | None, *,
                          hc: int) -> list[tuple[ops.QuantMatrix, int]]:
-    """The matrices a step's _linear may multiply on the tensor cores (not the embeddings, not the heads, not
-    the mixes' logits, which take hc_logits or a matvec, nor the routers, which take matvec_rows), each with
-    how many of its input rows a step row makes (the next-token layer's input projection: every stream's)."""
-    mixes = {id(m) for lw in w.layers for m in (lw.attn_mix[0], lw.ffn_mix[0], lw.experts.router)}
-    mixes.add(id(w.output_mix[0]))
-    rows = [(m, 1) for m in w.matrices() if m is not w.output and m is not w.token_embd and id(m) not in mixes]
+    """The matrices a step's _linear may multiply on the tensor cores, each with how many of its input rows a
+    step row makes (the next-token layer's input projection: every stream's). Not the embeddings, the heads or
+    the mixes' logits (hc_mix, hc_logits, or a matvec with tc=False); not the routers, which reach _linear at
+    one row only (more take matvec_rows); of the next-token layer, only what its rows are written with at
+    every step (write_rows: the input projection and the key row), for its drafts run a row at a time."""
+    never = {id(m) for lw in w.layers for m in (lw.attn_mix[0], lw.ffn_mix[0], lw.experts.router)}
+    never.add(id(w.output_mix[0]))
+    rows = [(m, 1) for m in w.matrices() if m is not w.output and m is not w.token_embd and id(m) not in never]
     if mtp is not None:
-        mixes |= {id(m) for m in (mtp.layer.attn_mix[0], mtp.layer.ffn_mix[0], mtp.layer.experts.router)}
-        rows += [(m, hc if m is mtp.eh_proj else 1) for m in mtp.matrices() if id(m) not in mixes]
+        rows += [(mtp.eh_proj, hc), (mtp.layer.kv, 1)]
     if dspark is not None:
         rows += [(m, 1) for m in dspark.key_rows()]
     return [(m, r) for m, r in rows if m.cols % GEMM_TILE_K == 0]

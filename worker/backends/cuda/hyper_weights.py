@@ -59,8 +59,8 @@ class HyperLayer:
     indexer_proj: ops.QuantMatrix | None = None
 
     def matmuls(self) -> list[ops.QuantMatrix]:
-        """The matrices the step multiplies by through its matmuls (their largest sizes the tensor cores'
-        scratch)."""
+        """The matrices the step multiplies by through its matmuls (hyper_step.tensor_core_matrices picks
+        those that may take the tensor cores)."""
         shared = [self.shared_gate_up] if self.shared_gate_up is not None else [self.shared_gate, self.shared_up]
         out = [self.attn_mix[0], self.ffn_mix[0], self.q_a, self.q_b, self.kv, *self.o_a, self.o_b,
                self.experts.router, *shared, self.shared_down]

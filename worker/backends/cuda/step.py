@@ -18,7 +18,7 @@ from ember.kernels import ops
 from ember.kernels.cuda_runtime import DeviceArray
 from ember.kernels.errors import StickyCudaError
 
-from ..base import ContextPoisoned, SampledToken, present
+from ..base import ContextPoisoned, SampledToken, SeqChunk, present
 
 if TYPE_CHECKING:
     from ember.kernels.cuda_runtime import Device, Event, HostBuffer
@@ -174,7 +174,7 @@ class PostNorms:
         return [self.h] * len(mats)
 
 
-def feed_sources(chunks, feed: list[int | None], last: PendingStep | None) -> np.ndarray:
+def feed_sources(chunks: list[SeqChunk], feed: list[int | None], last: PendingStep | None) -> np.ndarray:
     """Per row of a step, the row of the draws of `last` (the step submitted just before) that is its token, or
     -1: feed[i] = j says chunk i's one token is the draw of that step's chunk j (run-ahead)."""
     if len(feed) != len(chunks):
